@@ -1,0 +1,94 @@
+"""Engine configuration: one frozen dataclass.
+
+CLI flags and ``LLM(**kwargs)`` map onto these fields by name; an unknown name is an
+error. Fields that depend on the model (``max_model_len``) or on the device
+(``dtype``, ``max_num_batched_tokens``) are resolved by :meth:`EngineConfig.resolve`
+once the model's config is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DEVICES = ("auto", "cpu", "cuda")
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # Model
+    model: str | None = None
+    """Local HF folder, hub id, or None for the embedded default model."""
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    """auto = checkpoint dtype on CUDA, float32 on the CPU."""
+    max_model_len: int | None = None
+    seed: int = 0
+    # KV cache
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float | None = None
+    """Explicit KV cache size. Default on the CPU: 1 GiB; on CUDA: profiled."""
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    # Scheduler
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    # Execution
+    device: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    # Derived, filled by resolve()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: Any, limit: str) -> ValueError:
+            return ValueError(f"{name}={value!r} is invalid: {limit}")
+
+        if self.dtype not in _DTYPES:
+            raise bad("dtype", self.dtype, f"must be one of {_DTYPES}")
+        if self.device not in _DEVICES:
+            raise bad("device", self.device, f"must be one of {_DEVICES}")
+        if self.attention_backend not in _BACKENDS:
+            raise bad("attention_backend", self.attention_backend, f"must be one of {_BACKENDS}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise bad("block_size", self.block_size, "must be one of 8, 16, 32, 64, 128")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise bad("kv_cache_memory_gb", self.kv_cache_memory_gb, "must be > 0")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise bad("num_gpu_blocks_override", self.num_gpu_blocks_override, "must be >= 1")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", self.max_num_seqs, "must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise bad("max_model_len", self.max_model_len, "must be >= 1")
+        if self.tensor_parallel_size != 1:
+            raise bad("tensor_parallel_size", self.tensor_parallel_size, "only 1 is supported")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments; an unknown name is a TypeError naming it."""
+        known = {f.name for f in fields(cls) if f.name != "extra"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s): {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def field_names() -> list[str]:
+        return [f.name for f in fields(EngineConfig) if f.name != "extra"]

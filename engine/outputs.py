@@ -1,0 +1,74 @@
+"""Values that cross the engine boundary: per-request results and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One candidate token with its log-probability (rank 1 = most likely)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    decoded: str | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The sampled token's logprob and the top candidates at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[Logprob]
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    """"stop", "length", "abort" or None while running."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the output, None for EOS/length."""
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list | None = field(default=None)

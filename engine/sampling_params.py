@@ -1,0 +1,134 @@
+"""Sampling parameters, validated on construction.
+
+Every error names the parameter, the value and the allowed range, so the server can
+turn it into a 400 that names ``param``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParamError(ValueError):
+    """A bad sampling parameter; ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _err(param: str, value: Any, limit: str) -> SamplingParamError:
+    return SamplingParamError(param, f"{param}={value!r} is invalid: {limit}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1 disables top-k."""
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    """None = up to the end of the context."""
+    min_tokens: int = 0
+    logprobs: int | None = None
+    """Number of top logprobs per sampled token (0 = only the sampled one)."""
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Filled by the engine, not the user.
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1 or self.n > 128:
+            raise _err("n", self.n, "must be an integer in [1, 128]")
+        if not is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise _err("temperature", self.temperature, "must be in [0, 100]")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise _err("top_p", self.top_p, "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise _err("top_k", self.top_k, "must be -1, 0 (disabled) or a positive integer")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise _err("min_p", self.min_p, "must be in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            raise _err("seed", self.seed, "must be an integer")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2.0 <= v <= 2.0:
+                raise _err(name, v, "must be in [-2, 2]")
+        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise _err("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _err("logit_bias", self.logit_bias, "must map token ids to biases")
+            clean: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except (TypeError, ValueError):
+                    raise _err("logit_bias", k, "keys must be token ids") from None
+                if not is_num(v) or not -100.0 <= v <= 100.0:
+                    raise _err("logit_bias", v, "biases must be in [-100, 100]")
+                clean[tid] = float(v)
+            self.logit_bias = clean
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise _err("stop", s, "stop strings must be non-empty strings")
+        if len(self.stop) > 16:
+            raise _err("stop", len(self.stop), "at most 16 stop strings")
+        for t in self.stop_token_ids:
+            if not is_int(t) or t < 0:
+                raise _err("stop_token_ids", t, "must be non-negative integers")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _err("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _err("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _err("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise _err(name, v, f"must be an integer in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        values.update(changes)
+        eos = values.pop("_eos_token_ids")
+        sp = SamplingParams(**values)
+        sp._eos_token_ids = eos
+        return sp

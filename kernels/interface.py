@@ -1,0 +1,75 @@
+"""The seam between the model and the attention kernels.
+
+KV cache layout (one tensor per layer and per K/V)::
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+A *slot* is ``block_id * block_size + offset``; ``slot_mapping[t] == -1`` marks a
+padding token whose K/V is not written.
+
+A step is one flat, unpadded batch of ``T`` tokens from ``B`` requests. The model
+runner orders requests so that the ``num_decodes`` requests with exactly one query
+token (decodes) come first, followed by the prefill chunks. Request ``i`` owns query
+tokens ``query_start_loc[i]:query_start_loc[i+1]``; those are the *last*
+``q_len`` positions of its context of ``seq_lens[i]`` tokens (earlier tokens are read
+from the cache through ``block_tables[i]``), and attention is causal.
+
+Backends are chosen in :mod:`kernels.registry`; this module imports torch only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step attention inputs, built once per step by the model runner."""
+
+    slot_mapping: torch.Tensor
+    """[T] int64, -1 = do not write."""
+    query_start_loc: torch.Tensor
+    """[B + 1] int32, cumulative query lengths."""
+    seq_lens: torch.Tensor
+    """[B] int32, context length per request including this step's tokens."""
+    block_tables: torch.Tensor
+    """[B, max_blocks_per_seq] int32, padded with 0."""
+    num_decodes: int
+    """The first ``num_decodes`` requests have exactly one query token."""
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    prepared: Any = None
+    """Backend-owned per-step state made by ``AttentionBackend.prepare`` (masks, gather
+    indices); shared by every layer of the step."""
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Once per step, before the layers run: set ``meta.prepared``."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend.
+
+        query [T, Hq, D], key/value [T, Hkv, D]; returns [T, Hq, D].
+        """
+        ...
