@@ -1,0 +1,55 @@
+"""Choosing an attention backend by name and device.
+
+The Triton backend is imported lazily, only when chosen, so the CPU path never
+imports triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.interface import AttentionBackend
+
+ENV_VAR = "PAGEDSERVE_ATTENTION_BACKEND"
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def get_attention_backend(
+    name: str = "auto", device: str | torch.device = "cpu"
+) -> AttentionBackend:
+    """Return the attention backend ``name`` for ``device``.
+
+    ``"auto"`` (overridable with ``PAGEDSERVE_ATTENTION_BACKEND``) picks Triton on
+    CUDA and torch elsewhere. Triton on a non-CUDA device needs ``TRITON_INTERPRET=1``
+    (the interpreter: exact but slow, for tests).
+    """
+    if name == "auto":
+        name = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
+    device_type = torch.device(device).type
+    if name == "auto":
+        name = "triton" if device_type == "cuda" else "torch"
+    if name == "torch":
+        from kernels.torch_backend import TorchBackend
+
+        return TorchBackend()
+    if device_type != "cuda" and not _triton_interpreted():
+        raise RuntimeError(
+            f"the triton attention backend needs a CUDA device (got {device_type!r}); "
+            "set TRITON_INTERPRET=1 before importing triton to run it interpreted on CPU"
+        )
+    try:
+        from kernels.triton_backend import TritonBackend
+    except ImportError as exc:
+        raise RuntimeError(
+            "the triton attention backend needs the 'triton' package "
+            "(pip install pagedserve[triton])"
+        ) from exc
+    return TritonBackend()

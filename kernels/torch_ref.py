@@ -1,0 +1,114 @@
+"""Batched torch reference for paged KV writes and paged attention.
+
+These functions are the test oracle for every backend and are readable rather than
+fast: they gather each request's context into a padded tensor and attend in
+float32, returning the input dtype. Cache layout and slot conventions are those of
+:mod:`kernels.interface`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.paged_index import context_slots, flat_to_padded_index, padded_query_rows
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into their slots; slot -1 is skipped."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid].to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid].to(v_cache.dtype))
+
+
+def _attend_fp32(
+    query: torch.Tensor,
+    slots: torch.Tensor,
+    allowed: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of padded queries ``[B, Q, Hq, D]`` over gathered slots ``[B, L]``.
+
+    ``allowed`` is ``[B, Q, L]`` (True = attend). Returns ``[B, Q, Hq, D]`` float32.
+    """
+    b, q_len, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].float()
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].float()
+    q = query.float().view(b, q_len, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bqhgd,blhd->bhgql", q, k) * scale
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgql,blhd->bqhgd", probs, v)
+    return out.reshape(b, q_len, num_heads, head_dim)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per request attending to its whole context.
+
+    query ``[B, Hq, D]``, block_tables ``[B, M]`` int32, seq_lens ``[B]`` int32;
+    returns ``[B, Hq, D]`` in the query dtype.
+    """
+    b = query.shape[0]
+    if b == 0:
+        return torch.empty_like(query)
+    max_len = int(seq_lens.max())
+    slots = context_slots(block_tables, seq_lens, max_len, k_cache.shape[1])
+    pos = torch.arange(max_len, device=query.device)
+    allowed = pos[None, None, :] < seq_lens.to(query.device).long()[:, None, None]
+    out = _attend_fp32(query[:, None], slots, allowed, k_cache, v_cache, scale)
+    return out[:, 0].to(query.dtype)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of varlen query chunks over their paged contexts.
+
+    Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``, the last
+    positions of its ``seq_lens[i]``-token context (already written to the cache).
+    query ``[T, Hq, D]``; returns ``[T, Hq, D]``; rows outside every chunk are zero.
+    """
+    out = torch.zeros_like(query)
+    b = seq_lens.numel()
+    if b == 0:
+        return out
+    first, last = int(query_start_loc[0]), int(query_start_loc[-1])
+    num_tokens = last - first
+    if num_tokens == 0:
+        return out
+    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    max_len = int(seq_lens.max())
+    token_index, position, _ = padded_query_rows(
+        query_start_loc, seq_lens, max_q_len, query.shape[0]
+    )
+    slots = context_slots(block_tables, seq_lens, max_len, k_cache.shape[1])
+    pos = torch.arange(max_len, device=query.device)
+    allowed = pos[None, None, :] <= position[:, :, None]
+    padded = _attend_fp32(query[token_index], slots, allowed, k_cache, v_cache, scale)
+    back = flat_to_padded_index(query_start_loc, max_q_len, num_tokens)
+    out[first:last] = padded.reshape(-1, *query.shape[1:])[back].to(query.dtype)
+    return out
