@@ -1,0 +1,11 @@
+"""Paging core: KV cache blocks, per-request block tables and the prefix cache.
+
+Pure Python (no torch, no numpy) so the scheduler and its tests run anywhere.
+"""
+
+from blockmgr.hashing import BlockHash, hash_block_tokens
+from blockmgr.manager import KVCacheManager
+from blockmgr.protocol import KVRequest
+from blockmgr.stats import KVCacheStats
+
+__all__ = ["BlockHash", "KVCacheManager", "KVCacheStats", "KVRequest", "hash_block_tokens"]

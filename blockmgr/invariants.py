@@ -1,0 +1,97 @@
+"""Consistency checks of a KVCacheManager (O(total blocks); for tests and debugging).
+
+Checked:
+
+1. free + used == total, and the free queue's links are sound;
+2. a block is in the free queue iff its ref count is 0 (never free and referenced);
+3. each ref count equals the number of live block tables holding the block, and no table
+   holds a block twice;
+4. the cache map and the per-block keys mirror each other; every cached block's stored
+   (parent key, tokens, extra keys) hash to its key, with exactly ``block_size`` tokens;
+5. each table's hashed blocks, if cached, are cached under the table's own chain keys, and
+   a table has exactly ``ceil(num_tokens / block_size)`` blocks;
+6. the slot counters equal their sums over live requests; nothing is cached with caching off.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from blockmgr.hashing import hash_block_tokens
+
+if TYPE_CHECKING:
+    from blockmgr.manager import KVCacheManager
+
+
+def check_manager(mgr: KVCacheManager) -> None:
+    """Raise AssertionError with a message naming the first broken invariant."""
+    pool = mgr.pool
+    n = mgr.num_blocks
+    bs = mgr.block_size
+    ref_counts = pool.ref_counts
+    assert len(ref_counts) == n, f"ref_counts has {len(ref_counts)} entries for {n} blocks"
+
+    # 1, 2: free queue vs ref counts.
+    free = pool.free_queue.check()
+    free_set = set(free)
+    assert len(free_set) == len(free), "free list holds a block twice"
+    num_used = sum(1 for rc in ref_counts if rc > 0)
+    assert len(free) + num_used == n, (
+        f"free ({len(free)}) + used ({num_used}) != total ({n})")
+    for b, rc in enumerate(ref_counts):
+        assert rc >= 0, f"block {b} has negative ref count {rc}"
+        assert (rc == 0) == (b in free_set), (
+            f"block {b}: ref count {rc} but {'in' if b in free_set else 'not in'} the free list")
+
+    # 3: ref counts vs tables.
+    holders: Counter[int] = Counter()
+    for rid, state in mgr.requests.items():
+        blocks = state.block_ids
+        assert len(set(blocks)) == len(blocks), f"request {rid}: a block appears twice in {blocks}"
+        holders.update(blocks)
+    for b, rc in enumerate(ref_counts):
+        assert rc == holders[b], f"block {b}: ref count {rc} but held by {holders[b]} tables"
+
+    # 4: cache map vs per-block keys and contents.
+    num_keyed = 0
+    for b in range(n):
+        key = pool.block_hash[b]
+        meta = pool.block_meta[b]
+        if key is None:
+            assert meta is None, f"block {b} has cache metadata but no key"
+            continue
+        num_keyed += 1
+        assert pool.cached.get(key) == b, f"block {b} has a key that maps to {pool.cached.get(key)}"
+        assert meta is not None, f"cached block {b} has no metadata"
+        parent, tokens, extras = meta
+        assert len(tokens) == bs, f"cached block {b} holds {len(tokens)} tokens, not {bs}"
+        assert hash_block_tokens(parent, tokens, extras) == key, (
+            f"cached block {b}: key does not match its parent, tokens and extra keys")
+    assert num_keyed == len(pool.cached), (
+        f"{len(pool.cached)} cache entries but {num_keyed} blocks with a key")
+    for key, b in pool.cached.items():
+        assert pool.block_hash[b] == key, f"cache entry for block {b} does not match its key"
+    if not mgr.enable_prefix_caching:
+        assert not pool.cached, "blocks are cached with prefix caching off"
+
+    # 5, 6: per-request tables and slot counters.
+    allocated = filled = 0
+    for rid, state in mgr.requests.items():
+        blocks = state.block_ids
+        h = state.num_hashed_blocks
+        assert h <= len(blocks) and h <= len(state.block_hashes), (
+            f"request {rid}: {h} hashed blocks, {len(blocks)} blocks, "
+            f"{len(state.block_hashes)} keys")
+        for i in range(h):
+            key = pool.block_hash[blocks[i]]
+            assert key is None or key == state.block_hashes[i], (
+                f"request {rid}: block {blocks[i]} at position {i} is cached under another chain")
+        assert len(blocks) == -(-state.num_tokens // bs), (
+            f"request {rid}: {len(blocks)} blocks for {state.num_tokens} tokens")
+        allocated += len(blocks) * bs
+        filled += state.num_tokens
+    assert allocated == mgr.num_slots_allocated, (
+        f"num_slots_allocated={mgr.num_slots_allocated}, tables hold {allocated}")
+    assert filled == mgr.num_slots_filled, (
+        f"num_slots_filled={mgr.num_slots_filled}, tables ask for {filled}")
