@@ -1,0 +1,208 @@
+"""Batched token sampling: one row of the step's logits per request that samples this step.
+
+Pipeline per row: logit_bias -> min_tokens masking -> repetition penalty ->
+presence/frequency penalties (``engine.penalties``) -> temperature; greedy rows take the
+argmax of the processed logits, sampled rows apply top_k, top_p, min_p and then sample.
+
+Randomness: a seeded row draws only from its own generator, always a ``[vocab_size]``
+exponential tensor, so its tokens do not depend on the rest of the batch. Unseeded rows
+share one batched draw from torch's global generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import penalties
+from engine.outputs import Logprob, TokenLogprobs
+from engine.sampling_params import SamplingParamError, SamplingParams
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """The sampling state of one request for one step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens generated so far, before this step."""
+    generator: torch.Generator | None
+    """Per-request generator seeded from ``params.seed``; None uses the global generator."""
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    """Per row: raw-distribution logprobs when ``params.logprobs`` is set, else None."""
+
+
+def make_generator(
+    params: SamplingParams, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """A generator seeded from ``params.seed``, or None when the request has no seed."""
+    if params.seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(params.seed)
+    return g
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Reject logit_bias keys and stop_token_ids outside ``[0, vocab_size)`` (at admission)."""
+    for tid in params.logit_bias or {}:
+        if not 0 <= tid < vocab_size:
+            raise SamplingParamError(
+                "logit_bias", f"logit_bias token id {tid} is outside [0, {vocab_size})"
+            )
+    for tid in params.stop_token_ids or ():
+        if not 0 <= tid < vocab_size:
+            raise SamplingParamError(
+                "stop_token_ids", f"stop_token_ids entry {tid} is outside [0, {vocab_size})"
+            )
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Greedy rows take the argmax; ``top_k=1`` is greedy by definition."""
+    return params.temperature < _GREEDY_EPS or params.top_k == 1
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with nothing that changes the logits and no logprobs: argmax of raw logits."""
+    p = row.params
+    return (
+        is_greedy(p)
+        and p.logprobs is None
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and len(row.output_token_ids) >= p.min_tokens
+    )
+
+
+class Sampler:
+    """Turns a step's logits into one token (and optional logprobs) per row."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """``logits`` is [len(rows), V] with V >= vocab_size (padded columns are ignored)."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+        vocab = min(self.vocab_size, logits.shape[1])
+        raw = logits[:, :vocab]
+        tokens = raw.argmax(dim=-1)
+        special = [i for i, r in enumerate(rows) if not _is_plain_greedy(r)]
+        if not special:
+            return SamplerOutput(tokens.tolist(), [None] * len(rows))
+
+        dev = logits.device
+        sel = torch.tensor(special, device=dev)
+        sub_rows = [rows[i] for i in special]
+        x = raw.index_select(0, sel).float()  # a copy: safe to modify in place
+        penalties.apply_all(x, sub_rows)
+        tokens[sel] = _pick(x, sub_rows)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, _logprobs(raw, rows, token_list))
+
+
+def _pick(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Tokens for processed logits ``x`` (modified in place)."""
+    out = x.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
+    if not sampled:
+        return out
+    dev = x.device
+    idx = torch.tensor(sampled, device=dev)
+    s_rows = [rows[i] for i in sampled]
+    temps = torch.tensor([r.params.temperature for r in s_rows], dtype=x.dtype, device=dev)
+    xs = x.index_select(0, idx) / temps.unsqueeze(1)
+    _top_k(xs, [r.params.top_k for r in s_rows])
+    _top_p(xs, [r.params.top_p for r in s_rows])
+    _min_p(xs, [r.params.min_p for r in s_rows])
+    probs = torch.softmax(xs, dim=-1)
+    out[idx] = _race(probs, [r.generator for r in s_rows])
+    return out
+
+
+def _top_k(x: torch.Tensor, ks: list[int]) -> None:
+    """Keep the k largest logits per row (ties at the k-th value are kept); 0 = off."""
+    vocab = x.shape[1]
+    if not any(0 < k < vocab for k in ks):
+        return
+    k_eff = [k if 0 < k < vocab else vocab for k in ks]
+    kmax = max(k_eff)
+    top = x.topk(kmax, dim=-1).values
+    pos = torch.tensor([k - 1 for k in k_eff], device=x.device).unsqueeze(1)
+    thresh = top.gather(1, pos)
+    x.masked_fill_(x < thresh, float("-inf"))
+
+
+def _top_p(x: torch.Tensor, ps: list[float]) -> None:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
+    if all(p >= 1.0 for p in ps):
+        return
+    p = torch.tensor(ps, dtype=x.dtype, device=x.device).unsqueeze(1)
+    probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True)
+    before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    drop_sorted = before >= p
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    x.masked_fill_(drop, float("-inf"))
+
+
+def _min_p(x: torch.Tensor, ps: list[float]) -> None:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    if not any(ps):
+        return
+    m = torch.tensor(ps, dtype=x.dtype, device=x.device).unsqueeze(1)
+    probs = torch.softmax(x, dim=-1)
+    thresh = probs.max(dim=-1, keepdim=True).values * m
+    x.masked_fill_(probs < thresh, float("-inf"))
+
+
+def _race(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
+    """Sample one token per row: argmax(probs / q) with q ~ Exp(1) is a draw from probs."""
+    n, vocab = probs.shape
+    q = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(gens) if g is None]
+    if len(unseeded) == n:
+        q.exponential_()
+    else:
+        if unseeded:
+            idx = torch.tensor(unseeded, device=probs.device)
+            q[idx] = torch.empty(len(unseeded), vocab, device=probs.device).exponential_()
+        for i, g in enumerate(gens):
+            if g is not None:
+                q[i] = torch.empty(vocab, device=g.device).exponential_(generator=g).to(q.device)
+    return (probs / q).argmax(dim=-1)
+
+
+def _logprobs(
+    raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int]
+) -> list[TokenLogprobs | None]:
+    """Logprobs of the raw model distribution (before bias, penalties and temperature)."""
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not want:
+        return out
+    dev = raw.device
+    idx = torch.tensor(want, device=dev)
+    lp = torch.log_softmax(raw.index_select(0, idx).float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in want], device=dev).unsqueeze(1))
+    kmax = max(rows[i].params.logprobs or 0 for i in want)
+    chosen_l = chosen.squeeze(1).tolist()
+    if kmax:
+        top = lp.topk(kmax, dim=-1)
+        top_v, top_i = top.values.tolist(), top.indices.tolist()
+    for j, i in enumerate(want):
+        k = rows[i].params.logprobs or 0
+        cands = [Logprob(top_i[j][r], top_v[j][r], r + 1) for r in range(k)] if k else []
+        out[i] = TokenLogprobs(tokens[i], chosen_l[j], cands)
+    return out
