@@ -1,0 +1,137 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("engine")
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An engine driven in the caller's thread.
+
+    Every keyword maps onto a field of :class:`engine.config.EngineConfig`; an unknown
+    keyword is a ``TypeError``.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt in one continuous batch; outputs are in input order.
+
+        A prompt is a string or ``{"prompt_token_ids": [...]}`` (optionally with
+        ``"prompt"`` and ``"cache_salt"``).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        tok = self.engine.tokenizer
+        requests = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if isinstance(p, str):
+                ids, text, salt = tok.encode(p), p, cache_salt
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                ids, text = list(p["prompt_token_ids"]), p.get("prompt")
+                salt = p.get("cache_salt", cache_salt)
+            else:
+                raise TypeError(
+                    f"prompts[{i}] must be a string or a dict with 'prompt_token_ids', "
+                    f"got {type(p).__name__}")
+            requests.append((ids, text, sp, salt))
+        return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation and generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts: list[PromptType] = []
+        for conv in convs:
+            text = tok.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template)
+            ids = tok.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _params_list(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(
+                f"sampling_params has {len(sp)} entries but there are {n} prompts")
+        return sp
+
+    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        eng = self.engine
+        ids = []
+        for ids_, text, sp, salt in requests:  # validate all before queuing any
+            eng.check_length(len(ids_), sp, "prompt")
+        for ids_, text, sp, salt in requests:
+            ids.append(eng.add_request(None, ids_, sp, prompt=text, cache_salt=salt).request_id)
+        results: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        t0 = time.perf_counter()
+        num_in = num_out = 0
+        try:
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        num_in += len(out.prompt_token_ids)
+                        num_out += sum(len(o.token_ids) for o in out.outputs)
+                        if bar is not None:
+                            dt = max(time.perf_counter() - t0, 1e-9)
+                            bar.set_postfix_str(
+                                f"input {num_in / dt:.1f} tok/s, output {num_out / dt:.1f} tok/s")
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:  # nothing is lost silently: abort what is left
+                if rid not in results:
+                    eng.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

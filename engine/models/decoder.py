@@ -1,0 +1,258 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+
+The forward pass takes one packed, unpadded token tensor for the whole step (prefill
+chunks and decode tokens of many requests together) and computes logits only for the
+positions that sample. Q/K/V and gate/up projections are fused into one matmul each.
+Numerics follow HF transformers (RMSNorm in float32, rotate-half RoPE with the same
+frequency tables) so that greedy outputs match it token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.interface import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, cfg) -> DecoderSpec:
+        arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
+        model_type = getattr(cfg, "model_type", "llama")
+        num_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        is_qwen2 = model_type == "qwen2" or arch.startswith("Qwen2")
+        is_qwen3 = model_type == "qwen3" or arch.startswith("Qwen3")
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
+                and model_type == "mistral":
+            raise ValueError(
+                f"model_type={model_type!r} with sliding_window={cfg.sliding_window} is not supported"
+            )
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=is_qwen3,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    var = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(var + eps)).to(dtype)
+
+
+def rope_tables(cfg, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_len, head_dim] in float32, computed as HF transformers does."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(cfg, "rope_parameters", None) or {}
+    scaling = getattr(cfg, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") \
+        or "default"
+    if rope_type == "default":
+        base = params.get("rope_theta") or getattr(cfg, "rope_theta", 10000.0)
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        attn_scale = 1.0
+    elif rope_type in ("linear", "llama3", "yarn", "longrope"):
+        inv_freq, attn_scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    else:
+        raise ValueError(f"rope_type={rope_type!r} is not supported")
+    pos = torch.arange(max_len, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * attn_scale, emb.sin() * attn_scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, 1, D] in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        s = spec
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.q_size = s.num_heads * s.head_dim
+        self.kv_size = s.num_kv_heads * s.head_dim
+        self.eps = s.rms_norm_eps
+        self.scale = s.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
+        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.input_layernorm = nn.Parameter(torch.ones(s.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(s.hidden_size))
+        self.q_norm = nn.Parameter(torch.ones(s.head_dim)) if s.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(s.head_dim)) if s.qk_norm else None
+        self.intermediate_size = s.intermediate_size
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        x = rms_norm(hidden, self.input_layernorm, self.eps)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        o = attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+        hidden = hidden + self.o_proj(o.reshape(t, self.q_size))
+        x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return hidden + self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, spec: DecoderSpec, hf_config, max_model_len: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
+            spec.hidden_size, spec.vocab_size, bias=False)
+        cos, sin = rope_tables(hf_config, spec.head_dim, max_model_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        hidden = self.embed_tokens(input_ids)
+        dtype = hidden.dtype
+        cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
+        sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, k_cache, v_cache, meta, attn)
+        return rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    # -- weights ------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF checkpoint tensors, fusing q/k/v and gate/up as they arrive."""
+        spec = self.spec
+        qkv_off = {"q_proj": 0, "k_proj": spec.num_heads * spec.head_dim,
+                   "v_proj": (spec.num_heads + spec.num_kv_heads) * spec.head_dim}
+        gu_off = {"gate_proj": 0, "up_proj": spec.intermediate_size}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if "rotary_emb" in name:
+                continue
+            with torch.no_grad():
+                if name == "lm_head.weight":
+                    if self.lm_head is None:
+                        continue
+                    self.lm_head.weight.copy_(tensor)
+                elif name in ("embed_tokens.weight", "norm.weight"):
+                    target = self.embed_tokens.weight if name.startswith("embed") else self.norm
+                    target.copy_(tensor)
+                else:
+                    self._load_layer_tensor(name, tensor, qkv_off, gu_off)
+            loaded.add(name)
+        required = {"embed_tokens.weight", "norm.weight"}
+        if self.lm_head is not None:
+            required.add("lm_head.weight")
+        for i in range(spec.num_layers):
+            pre = f"layers.{i}."
+            required.update(pre + n for n in ("input_layernorm.weight",
+                                              "post_attention_layernorm.weight"))
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                required.add(f"{pre}self_attn.{p}.weight")
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                required.add(f"{pre}mlp.{p}.weight")
+                if spec.mlp_bias:
+                    required.add(f"{pre}mlp.{p}.bias")
+            if spec.qkv_bias:
+                required.update(f"{pre}self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj"))
+            if spec.o_bias:
+                required.add(f"{pre}self_attn.o_proj.bias")
+            if spec.qk_norm:
+                required.update(f"{pre}self_attn.{p}.weight" for p in ("q_norm", "k_norm"))
+        missing = sorted(required - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
+    def _load_layer_tensor(self, name: str, tensor: torch.Tensor, qkv_off, gu_off) -> None:
+        parts = name.split(".")
+        if parts[0] != "layers":
+            raise ValueError(f"unexpected checkpoint tensor {name!r}")
+        layer = self.layers[int(parts[1])]
+        leaf = ".".join(parts[2:])
+        proj = parts[-2]
+        kind = parts[-1]  # weight | bias
+        if proj in qkv_off:
+            target = getattr(layer.qkv_proj, kind)
+            target[qkv_off[proj]: qkv_off[proj] + tensor.shape[0]].copy_(tensor)
+        elif proj in gu_off:
+            target = getattr(layer.gate_up_proj, kind)
+            target[gu_off[proj]: gu_off[proj] + tensor.shape[0]].copy_(tensor)
+        elif proj == "o_proj":
+            getattr(layer.o_proj, kind).copy_(tensor)
+        elif proj == "down_proj":
+            getattr(layer.down_proj, kind).copy_(tensor)
+        elif leaf in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            getattr(layer, leaf.split(".")[0]).copy_(tensor)
+        elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            getattr(layer, proj).copy_(tensor)
+        else:
+            raise ValueError(f"unexpected checkpoint tensor {name!r}")

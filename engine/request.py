@@ -1,0 +1,115 @@
+"""Request state inside the engine.
+
+One ``Request`` is one sequence being generated. A user request with ``n > 1`` becomes
+``n`` sibling ``Request``s that share a ``group`` (and, through the prefix cache or
+``KVCacheManager.fork``, the physical blocks of their prompt).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import RequestMetrics, TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """What the ``n`` siblings of one user request share."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    members: list[Request] = field(default_factory=list)
+    user_data: Any = None
+
+    @property
+    def finished(self) -> bool:
+        return all(m.status.finished for m in self.members)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    group: RequestGroup
+    index: int
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    max_tokens: int
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache at first admission (-1 = not yet)."""
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[TokenLogprobs] | None = None
+    generator: Any = None
+    detok: Any = None
+    stop_checker: Any = None
+    output_text: str = ""
+    metrics: RequestMetrics | None = None
+    num_preemptions: int = 0
+    admit_seq: int = 0
+    """Monotonic admission counter: the most recently admitted running request is preempted first."""
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

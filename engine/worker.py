@@ -1,0 +1,150 @@
+"""The worker: model, tokenizer, KV cache memory and the model runner on one device."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from blockmgr import KVCacheManager
+from engine.config import EngineConfig
+from engine.loader import iter_weights, load_config, load_tokenizer, resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.models import build_model
+from engine.scheduler import SchedulerOutput
+from kernels.registry import get_attention_backend
+
+logger = logging.getLogger("engine")
+
+DEFAULT_CPU_KV_GB = 1.0
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt)
+    return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.model_path = resolve_model_path(config.model, config.revision)
+        self.model_name = config.model or self.model_path.name
+        self.hf_config = load_config(self.model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        hf_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if config.max_model_len is not None and config.max_model_len > hf_max:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} is larger than the model's "
+                f"max_position_embeddings={hf_max}")
+        self.max_model_len = config.max_model_len or hf_max
+        if config.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = config.max_num_batched_tokens
+        elif config.enable_chunked_prefill:
+            self.max_num_batched_tokens = 2048
+        else:
+            self.max_num_batched_tokens = max(self.max_model_len, 2048)
+
+        torch.manual_seed(config.seed)
+        with torch.device("meta"):
+            model = build_model(self.hf_config, self.max_model_len)
+        model = model.to_empty(device=self.device)
+        # Buffers (RoPE tables) are not in the checkpoint: rebuild them on the device.
+        self._init_buffers(model)
+        model.load_weights(iter_weights(self.model_path))
+        self.model = model.to(self.dtype).eval()
+        self.spec = model.spec
+        self.vocab_size = self.spec.vocab_size
+        self.eos_token_ids = self._eos_ids()
+
+        self.attn = get_attention_backend(config.attention_backend, self.device)
+        num_blocks = self._num_blocks()
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size,
+                                         config.enable_prefix_caching)
+        shape = (self.spec.num_layers, 2, num_blocks, config.block_size,
+                 self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        self.runner = ModelRunner(self.model, self.attn, kv_caches, config.block_size,
+                                  self.device, self.vocab_size)
+        capacity = num_blocks * config.block_size
+        logger.info(
+            "model %s (%s, %s) on %s loaded in %.1fs; attention backend: %s",
+            self.model_name, self.hf_config.architectures[0] if getattr(
+                self.hf_config, "architectures", None) else "?",
+            str(self.dtype).removeprefix("torch."), self.device, time.perf_counter() - t0,
+            self.attn.name)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d token slots (%.2f GiB); max concurrency "
+            "at max_model_len=%d: %.2fx; prefix caching %s",
+            num_blocks, config.block_size, capacity,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+            self.max_model_len, capacity / self.max_model_len,
+            "on" if config.enable_prefix_caching else "off")
+
+    def _init_buffers(self, model) -> None:
+        from engine.models.decoder import rope_tables
+
+        cos, sin = rope_tables(self.hf_config, model.spec.head_dim, self.max_model_len)
+        model.rope_cos = cos.to(self.device)
+        model.rope_sin = sin.to(self.device)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        gen_path = self.model_path / "generation_config.json"
+        if gen_path.exists():
+            import json
+
+            eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(x) for x in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    def block_bytes(self) -> int:
+        s = self.spec
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return s.num_layers * 2 * self.config.block_size * s.num_kv_heads * s.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        if cfg.kv_cache_memory_gb is not None:
+            budget = cfg.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            from engine.gpu_memory import profile_kv_budget
+
+            budget = profile_kv_budget(self)
+        else:
+            budget = DEFAULT_CPU_KV_GB * 2**30
+        num_blocks = int(budget // self.block_bytes())
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**30:.3f} GiB) holds no block of "
+                f"{self.block_bytes()} bytes; raise kv_cache_memory_gb or gpu_memory_utilization")
+        return num_blocks
+
+    def execute(self, sched: SchedulerOutput):
+        return self.runner.execute(sched, self.kv_manager)

@@ -1,0 +1,83 @@
+"""Shared fixtures: the embedded default model and tiny random-weight models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The converted default model (converted once into the user cache)."""
+    from engine.loader import convert_default_model
+
+    return convert_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path):
+    from engine.loader import load_tokenizer
+
+    return load_tokenizer(default_model_path)
+
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0) -> Path:
+    """A tiny random-weight model (float32) with the default model's tokenizer."""
+    import torch
+    import transformers
+
+    common = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        pad_token_id=2,
+    )
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            **common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                       "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 256})
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, rope_theta=10000.0)
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32, rope_theta=10000.0)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32)
+    with torch.no_grad():  # larger weights make the logits peaked, so greedy has no near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.15)
+            else:  # norms and biases: not all ones / zeros, so their loading is tested
+                p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(out)
+    from engine.loader import load_tokenizer
+
+    load_tokenizer(tokenizer_src).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, default_model_path):
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = make_tiny_model(
+                arch, tmp_path_factory.mktemp(f"tiny-{arch}"), default_model_path)
+        return cache[arch]
+
+    return get
