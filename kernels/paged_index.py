@@ -23,7 +23,7 @@ def context_slots(
     block_idx = torch.div(pos, block_size, rounding_mode="floor")
     block_idx = block_idx.clamp_(max=max(block_tables.shape[1] - 1, 0))
     tables = block_tables.long()
-    slots = tables[:, block_idx] * block_size + (pos % block_size)
+    slots = tables.index_select(1, block_idx) * block_size + (pos % block_size)
     first = tables[:, :1] * block_size
     inside = pos[None, :] < seq_lens.to(device=device, dtype=torch.long)[:, None]
     return torch.where(inside, slots, first)
@@ -69,4 +69,4 @@ def flat_to_padded_index(
         torch.arange(q_lens.numel(), device=device), q_lens, output_size=num_tokens
     )
     t = torch.arange(num_tokens, device=device) + query_start_loc[0].long()
-    return req * max_q_len + (t - starts[req])
+    return req * max_q_len + (t - starts.index_select(0, req))

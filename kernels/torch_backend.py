@@ -79,7 +79,7 @@ class _Prepared:
     num_tokens: int
     write_slots: torch.Tensor
     write_tokens: torch.Tensor | None
-    """Rows of key/value to write, or None when every token is written."""
+    """Rows of key/value to write (slot != -1), or None when every token is written."""
     decode: _DecodeGroup | None
     prefill: _PrefillGroup | None
 
@@ -104,7 +104,7 @@ class TorchBackend:
             write_slots, write_tokens = slot_mapping, None
         else:
             write_tokens = keep.nonzero().squeeze(1)
-            write_slots = slot_mapping[write_tokens]
+            write_slots = slot_mapping.index_select(0, write_tokens)
 
         decode = None
         if nd > 0:
@@ -149,14 +149,19 @@ class TorchBackend:
         total, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        # Rows of the flattened cache are whole slots: 2-D index ops copy them as one run.
+        k_flat = k_cache.view(-1, num_kv_heads * head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads * head_dim)
+        key = key.reshape(-1, num_kv_heads * head_dim)
+        value = value.reshape(-1, num_kv_heads * head_dim)
         if st.write_tokens is None:
             k_flat.index_copy_(0, st.write_slots, key.to(k_flat.dtype))
             v_flat.index_copy_(0, st.write_slots, value.to(v_flat.dtype))
         else:
-            k_flat.index_copy_(0, st.write_slots, key[st.write_tokens].to(k_flat.dtype))
-            v_flat.index_copy_(0, st.write_slots, value[st.write_tokens].to(v_flat.dtype))
+            k_new = key.index_select(0, st.write_tokens).to(k_flat.dtype)
+            v_new = value.index_select(0, st.write_tokens).to(v_flat.dtype)
+            k_flat.index_copy_(0, st.write_slots, k_new)
+            v_flat.index_copy_(0, st.write_slots, v_new)
 
         if total > st.num_tokens:
             out = query.new_zeros(total, num_heads, head_dim)

@@ -1,0 +1,199 @@
+"""Triton kernels and TritonBackend against the torch reference.
+
+Without CUDA the kernels run in the Triton interpreter (exact but slow).
+``TRITON_INTERPRET`` is read when a function is decorated with ``@triton.jit``, which
+for triton's own ``tl`` helpers happens when triton is imported: so it is set here
+before triton is imported, and if something imported triton earlier in this pytest
+process, this module instead re-runs itself in a subprocess. The grid keeps head
+counts small and only a few long contexts, so the module stays within a few minutes
+on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_INTERPRET_SET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+# triton already imported in compiled mode: its tl helpers cannot be interpreted.
+RUN_IN_SUBPROCESS = DEVICE == "cpu" and "triton" in sys.modules and not _INTERPRET_SET
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from kernels import get_attention_backend, torch_ref  # noqa: E402
+from kernels.testing import PagedStep, make_step  # noqa: E402
+from kernels.triton_decode import _decode_kernel  # noqa: E402
+from kernels.triton_decode import paged_decode_attention as triton_decode  # noqa: E402
+from kernels.triton_prefill import paged_prefill_attention as triton_prefill  # noqa: E402
+from kernels.triton_write_kv import write_kv as triton_write_kv  # noqa: E402
+
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    # probabilities are rounded to the input dtype before the P @ V product
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+HEADS = [(2, 2), (6, 2), (8, 1)]  # Hq/Hkv = 1, 3, 8
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _step(seq_lens, q_lens, heads, head_dim, block_size, dtype, **kw) -> PagedStep:
+    return make_step(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_dim=head_dim, block_size=block_size, dtype=dtype, device=DEVICE,
+                     **kw)  # fmt: skip
+
+
+def _written(step: PagedStep) -> PagedStep:
+    m = step.meta
+    torch_ref.write_kv(step.key, step.value, step.k_cache, step.v_cache, m.slot_mapping)
+    return step
+
+
+@pytest.fixture(autouse=True)
+def _in_this_process(request: pytest.FixtureRequest) -> None:
+    in_subprocess_runner = request.node.name == "test_in_subprocess"
+    if RUN_IN_SUBPROCESS != in_subprocess_runner:
+        pytest.skip("runs in a fresh process" if RUN_IN_SUBPROCESS else "not needed")
+
+
+def test_in_subprocess() -> None:
+    """Run this module where triton is first imported with the interpreter on."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+
+
+def test_interpreter_is_active() -> None:
+    if DEVICE == "cpu":
+        assert type(_decode_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv(block_size, dtype) -> None:
+    step = _step([3, 40, 17], [1, 25, 17], (6, 3), 64, block_size, dtype, num_pad_tokens=3)
+    k_ref, v_ref = step.k_cache.clone(), step.v_cache.clone()
+    m = step.meta
+    torch_ref.write_kv(step.key, step.value, k_ref, v_ref, m.slot_mapping)
+    triton_write_kv(step.key, step.value, step.k_cache, step.v_cache, m.slot_mapping)
+    torch.testing.assert_close(step.k_cache, k_ref, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(step.v_cache, v_ref, atol=0, rtol=0, equal_nan=True)
+
+
+# Contexts from 1 token to a few blocks, incl. non-multiples of the block size.
+DECODE_LENS = [1, 15, 16, 17, 33, 95]
+
+
+def _check_decode(step: PagedStep, partition_size, dtype) -> None:
+    m = step.meta
+    args = (step.query, step.k_cache, step.v_cache, m.block_tables, m.seq_lens, step.scale)
+    expected = torch_ref.paged_decode_attention(*args)
+    out = triton_decode(*args, partition_size=partition_size)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_fp32(head_dim, heads, block_size) -> None:
+    step = _written(_step(DECODE_LENS, [1] * 6, heads, head_dim, block_size, torch.float32))
+    _check_decode(step, None, torch.float32)  # single pass
+    _check_decode(step, 32, torch.float32)  # split-KV, up to 3 partitions + reduce
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS)
+def test_decode_half(heads, dtype) -> None:
+    step = _written(_step(DECODE_LENS, [1] * 6, heads, 128, 16, dtype))
+    _check_decode(step, None, dtype)
+    _check_decode(step, 64, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_long_context_auto_split(dtype) -> None:
+    """Long contexts take the automatic split-KV path (partitions of 512 tokens)."""
+    step = _written(_step([700, 1100, 40], [1, 1, 1], (3, 1), 64, 32, dtype))
+    _check_decode(step, -1, dtype)
+
+
+# (seq_len, q_len): first chunks, later chunks, single-token chunks.
+PREFILL_CASE = ([17, 100, 64, 37, 20], [17, 40, 64, 5, 1])
+
+
+def _check_prefill(step: PagedStep, dtype) -> None:
+    m = step.meta
+    args = (step.query, step.k_cache, step.v_cache, m.block_tables, m.query_start_loc,
+            m.seq_lens, step.scale)  # fmt: skip
+    expected = torch_ref.paged_prefill_attention(*args)
+    out = triton_prefill(*args)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_fp32(head_dim, heads, block_size) -> None:
+    seq_lens, q_lens = PREFILL_CASE
+    step = _step(seq_lens[::-1], q_lens[::-1], heads, head_dim, block_size, torch.float32,
+                 num_pad_tokens=2)  # fmt: skip
+    _check_prefill(_written(step), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS)
+def test_prefill_half(heads, dtype) -> None:
+    seq_lens, q_lens = PREFILL_CASE
+    step = _step(seq_lens[::-1], q_lens[::-1], heads, 128, 32, dtype, num_pad_tokens=2)
+    _check_prefill(_written(step), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_long_context(dtype) -> None:
+    """A late chunk of a long context and a long first chunk, non-power-of-two heads."""
+    step = _step([300, 130], [60, 130], (9, 3), 64, 16, dtype)
+    _check_prefill(_written(step), dtype)
+
+
+MIXED = [
+    ([1, 17, 33, 5], [1, 1, 1, 1]),
+    ([40, 9], [40, 3]),
+    ([7, 100, 16, 64, 37, 130], [1, 1, 1, 64, 20, 50]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", MIXED)
+def test_triton_backend_matches_reference(case, dtype) -> None:
+    seq_lens, q_lens = case
+    step = _step(seq_lens, q_lens, (6, 2), 64, 16, dtype, num_pad_tokens=3)
+    ref_k, ref_v = step.k_cache.clone(), step.v_cache.clone()
+    m, nd = step.meta, step.meta.num_decodes
+    torch_ref.write_kv(step.key, step.value, ref_k, ref_v, m.slot_mapping)
+    expected = torch.zeros_like(step.query)
+    if nd:
+        expected[:nd] = torch_ref.paged_decode_attention(
+            step.query[:nd], ref_k, ref_v, m.block_tables[:nd], m.seq_lens[:nd], step.scale
+        )
+    if m.num_reqs > nd:
+        pre = torch_ref.paged_prefill_attention(
+            step.query, ref_k, ref_v, m.block_tables[nd:], m.query_start_loc[nd:],
+            m.seq_lens[nd:], step.scale,
+        )  # fmt: skip
+        expected[m.query_start_loc_cpu[nd] :] = pre[m.query_start_loc_cpu[nd] :]
+
+    backend = get_attention_backend("triton", DEVICE)
+    assert backend.name == "triton"
+    backend.prepare(m, step.block_size)
+    out = backend.forward(step.query, step.key, step.value, step.k_cache, step.v_cache, m,
+                          step.scale)  # fmt: skip
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    torch.testing.assert_close(step.k_cache, ref_k, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(step.v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
