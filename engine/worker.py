@@ -65,12 +65,12 @@ class Worker:
 
         torch.manual_seed(config.seed)
         with torch.device("meta"):
-            model = build_model(self.hf_config, self.max_model_len)
+            model = build_model(self.hf_config)
         model = model.to_empty(device=self.device)
-        # Buffers (RoPE tables) are not in the checkpoint: rebuild them on the device.
-        self._init_buffers(model)
         model.load_weights(iter_weights(self.model_path))
-        self.model = model.to(self.dtype).eval()
+        model = model.to(self.dtype).eval()
+        model.set_rope(self.hf_config, self.max_model_len)  # float32 tables, not in the checkpoint
+        self.model = model
         self.spec = model.spec
         self.vocab_size = self.spec.vocab_size
         self.eos_token_ids = self._eos_ids()
@@ -99,13 +99,6 @@ class Worker:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
             self.max_model_len, capacity / self.max_model_len,
             "on" if config.enable_prefix_caching else "off")
-
-    def _init_buffers(self, model) -> None:
-        from engine.models.decoder import rope_tables
-
-        cos, sin = rope_tables(self.hf_config, model.spec.head_dim, self.max_model_len)
-        model.rope_cos = cos.to(self.device)
-        model.rope_sin = sin.to(self.device)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()

@@ -88,6 +88,7 @@ def test_tiny_models_match_hf(arch, tiny_model_factory, default_tokenizer):
     path = tiny_model_factory(arch)
     words = "the quick brown fox jumps over the lazy dog and keeps running far away".split()
     prompts = [default_tokenizer.encode(" ".join(words[: 3 + 5 * i]) * (1 + i)) for i in range(6)]
+    prompts = [p if len(p) % 16 else p[:-1] for p in prompts]
     assert all(len(p) % 16 for p in prompts), [len(p) for p in prompts]
     ref = hf_greedy(path, prompts, 32)
     for kwargs in ({"max_num_batched_tokens": 16}, {"max_num_seqs": 16},

@@ -12,13 +12,13 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
-def build_model(hf_config, max_model_len: int) -> DecoderForCausalLM:
+def build_model(hf_config) -> DecoderForCausalLM:
     archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(
             f"architectures={archs} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return DecoderForCausalLM(DecoderSpec.from_hf(hf_config), hf_config, max_model_len)
+    return DecoderForCausalLM(DecoderSpec.from_hf(hf_config))
 
 
 __all__ = ["DecoderForCausalLM", "DecoderSpec", "SUPPORTED_ARCHITECTURES", "build_model"]

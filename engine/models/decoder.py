@@ -152,7 +152,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, spec: DecoderSpec, hf_config, max_model_len: int) -> None:
+    def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
@@ -160,9 +160,14 @@ class DecoderForCausalLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
             spec.hidden_size, spec.vocab_size, bias=False)
-        cos, sin = rope_tables(hf_config, spec.head_dim, max_model_len)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # RoPE tables [max_model_len, head_dim] in float32, set by ``set_rope``.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def set_rope(self, hf_config, max_model_len: int) -> None:
+        cos, sin = rope_tables(hf_config, self.spec.head_dim, max_model_len)
+        device = self.embed_tokens.weight.device
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def forward(
         self,
