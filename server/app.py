@@ -1,0 +1,84 @@
+"""The aiohttp application: routes, API-key check, JSON errors for every failure."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from server import info
+from server.chat import chat_completions
+from server.completions import completions
+from server.errors import APIError
+from server.state import STATE_KEY, ServerState
+
+logger = logging.getLogger("server")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+MAX_BODY_BYTES = 32 * 2**20
+OPEN_PATHS = frozenset({"/health"})
+"""Routes that need no API key."""
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn every failure into ``{"error": {...}}`` with HTTP status == code."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return APIError(e.status, e.reason or str(e)).response()
+    except ConnectionResetError:
+        raise
+    except Exception:
+        logger.exception("internal error handling %s %s", request.method, request.path)
+        return APIError(500, "internal server error").response()
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With an API key configured, every route but ``/health`` needs ``Bearer KEY``."""
+    key = request.app[STATE_KEY].options.api_key
+    if key and request.path not in OPEN_PATHS:
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)")
+    return await handler(request)
+
+
+@web.middleware
+async def inflight_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count generation requests, so a graceful shutdown can wait for them."""
+    if request.path not in GENERATION_PATHS:
+        return await handler(request)
+    state = request.app[STATE_KEY]
+    state.enter()
+    try:
+        return await handler(request)
+    finally:
+        state.leave()
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware, inflight_middleware],
+        client_max_size=MAX_BODY_BYTES)
+    app[STATE_KEY] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", info.models)
+    app.router.add_get("/health", info.health)
+    app.router.add_get("/metrics", info.metrics)
+    app.router.add_get("/version", info.version)
+    app.router.add_post("/tokenize", info.tokenize)
+    app.router.add_post("/detokenize", info.detokenize)
+    return app

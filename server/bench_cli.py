@@ -1,0 +1,43 @@
+"""``pagedserve bench BENCHMARK``: the benchmarks as subcommands.
+
+Each benchmark is a module exposing ``add_arguments(parser)`` and ``main(args)``;
+adding one is one line in :data:`BENCHMARKS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+
+BENCHMARKS: list[tuple[str, str, str]] = [
+    ("throughput", "loadtest.throughput",
+     "offline throughput on a random workload, matrix-product floor, --compare-hf"),
+    ("prefix", "loadtest.prefix_bench",
+     "prefix caching on/off on a shared-prefix and a zero-reuse workload"),
+]
+"""(name, module, help) of every benchmark, in ``--help`` order."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``bench`` and one sub-subcommand per benchmark."""
+    p = subparsers.add_parser("bench", help="run a benchmark",
+                              description="Benchmarks of the engine.")
+    p.add_argument("--log-level", default="warning",
+                   choices=["debug", "info", "warning", "error", "critical"])
+    sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module_name, help_text in BENCHMARKS:
+        module = importlib.import_module(module_name)
+        sp = sub.add_parser(name, help=help_text, description=(module.__doc__ or "").strip(),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sp)
+        sp.set_defaults(_bench_main=module.main)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark; the process exit status."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
+    args._bench_main(args)
+    return 0

@@ -1,0 +1,124 @@
+"""One HTTP request's engine requests (one per prompt), iterated as they progress."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.async_engine import EngineDeadError, StepItem
+from engine.llm_engine import PromptTooLongError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParamError, SamplingParams
+from server.errors import APIError, bad_request, internal, unavailable
+from server.state import ServerState
+
+
+class ServerShutdown(Exception):
+    """The server is stopping and aborted the request."""
+
+
+@dataclass(slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None
+
+
+def random_id() -> str:
+    return uuid.uuid4().hex
+
+
+def to_api_error(exc: BaseException, param: str) -> APIError:
+    """The client-facing error for an exception delivered by the engine."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ServerShutdown):
+        return unavailable("the server is shutting down; the request was aborted")
+    if isinstance(exc, EngineDeadError):
+        return internal(str(exc))
+    if isinstance(exc, (PromptTooLongError, SamplingParamError)):
+        return bad_request(str(exc), exc.param)
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc), param)
+    return internal(f"internal error: {exc!r}")
+
+
+class Generation:
+    """Posts one engine request per prompt and yields ``(prompt_index, delta output)``.
+
+    Always :meth:`close` it (``async with``): unfinished requests are aborted, so a
+    client that goes away frees its KV blocks at once.
+    """
+
+    def __init__(self, state: ServerState, prompts: list[Prompt], params: SamplingParams,
+                 param_name: str, arrival_time: float) -> None:
+        self.state = state
+        self.param_name = param_name
+        self.queue: asyncio.Queue = asyncio.Queue()
+        base = random_id()
+        self.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
+        self._index = {rid: i for i, rid in enumerate(self.request_ids)}
+        self._unfinished: set[str] = set()
+        self._last_step: dict[str, float] = {}
+        engine = state.engine
+        try:
+            for rid, p in zip(self.request_ids, prompts, strict=True):
+                engine.add_request(rid, p.token_ids, params, self.queue, prompt=p.text,
+                                   arrival_time=arrival_time, param_name=param_name)
+                self._unfinished.add(rid)
+        except BaseException as exc:
+            self.close()
+            raise to_api_error(exc, param_name) from None
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Abort whatever has not finished."""
+        for rid in self._unfinished:
+            self.state.engine.abort(rid)
+        self._unfinished.clear()
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        metrics = self.state.metrics
+        while self._unfinished:
+            item = await self.queue.get()
+            if not isinstance(item, StepItem):
+                self.close()
+                raise to_api_error(item, self.param_name)
+            out = item.output
+            rid = out.request_id
+            if rid not in self._unfinished:
+                continue
+            if any(o.token_ids for o in out.outputs):
+                last = self._last_step.get(rid)
+                if last is None:
+                    metrics.observe_first_token(out.metrics)
+                else:
+                    metrics.observe_itl(item.step_time - last)
+                self._last_step[rid] = item.step_time
+            if out.finished:
+                self._unfinished.discard(rid)
+                metrics.observe_finished(out.metrics)
+            yield self._index[rid], out
+
+
+def raise_if_failed(finish_reason: str | None) -> None:
+    """A choice that ended in ``error`` (model step failed) or ``abort`` is an API error."""
+    if finish_reason == "error":
+        raise internal("the model step failed while generating this request")
+    if finish_reason == "abort":
+        raise unavailable("the request was aborted by the server")
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

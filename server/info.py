@@ -1,0 +1,65 @@
+"""Small endpoints: models, health, metrics, version, tokenize, detokenize."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from engine import __version__
+from server.errors import bad_request
+from server.metrics import CONTENT_TYPE
+from server.prompts import chat_prompt
+from server.protocol import DetokenizeRequest, TokenizeRequest, decode_body
+from server.sse import json_response, read_json
+from server.state import STATE_KEY
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    return json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
+         "root": state.llm.worker.model_name, "max_model_len": state.max_model_len}
+        for name in state.model_names]})
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 with an empty body while the engine thread is alive; 503 otherwise."""
+    state = request.app[STATE_KEY]
+    return web.Response(status=200 if state.engine.is_alive else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": __version__})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """``{prompt}`` or ``{messages}`` -> ``{count, max_model_len, tokens}``."""
+    state = request.app[STATE_KEY]
+    req = decode_body(await read_json(request), TokenizeRequest)
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if req.messages is not None:
+        ids = (await chat_prompt(state, req.messages,
+                                 req.add_generation_prompt is not False)).token_ids
+    else:
+        text = req.prompt
+        ids = await state.run_tokenizer(
+            len(text), state.tokenizer.encode, text,
+            add_special_tokens=req.add_special_tokens is not False)
+    return json_response({"count": len(ids), "max_model_len": state.max_model_len,
+                          "tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """``{tokens}`` -> ``{prompt}``."""
+    state = request.app[STATE_KEY]
+    req = decode_body(await read_json(request), DetokenizeRequest)
+    state.check_model(req.model)
+    state.check_token_ids(req.tokens, "tokens")
+    text = await state.run_tokenizer(len(req.tokens) * 4, state.tokenizer.decode, req.tokens)
+    return json_response({"prompt": text})

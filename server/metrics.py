@@ -1,0 +1,107 @@
+"""Prometheus metrics, named ``pagedserve:*`` after vLLM's ``vllm:*`` names.
+
+Engine counters and gauges are read from the engine thread's latest
+:class:`~engine.async_engine.EngineSnapshot` at scrape time (a custom collector);
+per-request latencies are histograms observed on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.async_engine import EngineSnapshot
+from engine.outputs import RequestMetrics
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.model_name = model_name
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        lbl = ["model_name"]
+        m = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"pagedserve:{name}", doc, labels=lbl)
+            g.add_metric(m, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"pagedserve:{name}", doc, labels=lbl)
+            c.add_metric(m, value)
+            return c
+
+        yield gauge("num_requests_running", "Sequences being generated.", s.num_running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+                    s.kv_usage)
+        yield counter("prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        yield counter("num_preemptions", "Preemptions (recomputation).", s.num_preemptions)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      s.prefix_cache_hits)
+        done = CounterMetricFamily("pagedserve:request_success",
+                                   "Finished sequences by finish reason.",
+                                   labels=["model_name", "finished_reason"])
+        for reason in sorted(set(FINISH_REASONS) | set(s.finished_by_reason)):
+            done.add_metric([self.model_name, reason], s.finished_by_reason.get(reason, 0))
+        yield done
+
+
+class ServerMetrics:
+    """The server's own registry (never the global one)."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(model_name, snapshot))
+        lbl = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pagedserve:{name}", doc, labelnames=lbl, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between generated tokens.",
+                        _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                        _LATENCY_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds",
+                               "Time from arrival to first scheduling.", _LATENCY_BUCKETS)
+
+    def observe_first_token(self, m: RequestMetrics | None) -> None:
+        """Record the time to first token of a request that just produced it."""
+        if m is not None and m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+
+    def observe_finished(self, m: RequestMetrics | None) -> None:
+        """Record the queue time and end-to-end latency of a finished request."""
+        if m is None:
+            return
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,95 @@
+"""Request structs -> ``SamplingParams``; fields the server cannot honour are 400s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sampling_params import SamplingParamError, SamplingParams
+from server.errors import bad_request
+from server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def _common(req: _Sampling) -> dict[str, Any]:
+    """Sampling keyword arguments shared by chat and completions (None = default)."""
+    kw: dict[str, Any] = {
+        "n": req.n,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": req.seed,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "logit_bias": req.logit_bias,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "ignore_eos": req.ignore_eos,
+        "min_tokens": req.min_tokens,
+        "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+    }
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    return kw
+
+
+def _build(kw: dict[str, Any], rename: dict[str, str]) -> SamplingParams:
+    try:
+        return SamplingParams(
+            **{k: v for k, v in kw.items() if v is not None or k == "max_tokens"})
+    except SamplingParamError as e:
+        raise bad_request(str(e), rename.get(e.param, e.param)) from None
+
+
+def _unsupported(value: Any, allowed: tuple, param: str, what: str) -> None:
+    if value is not None and value not in allowed:
+        raise bad_request(f"{param} is not supported by this server: {what}", param)
+
+
+def chat_params(req: ChatCompletionRequest) -> tuple[SamplingParams, str]:
+    """Sampling parameters of a chat request and the name of its token-limit field.
+
+    ``max_tokens`` of the result is None when the request sets no limit.
+    """
+    if req.tools:
+        raise bad_request("tools are not supported by this server (no tool calling)", "tools")
+    _unsupported(req.tool_choice, ("none",), "tool_choice", "only 'none' is accepted")
+    if req.functions:
+        raise bad_request("functions are not supported by this server", "functions")
+    _unsupported(req.function_call, ("none",), "function_call", "only 'none' is accepted")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(
+            f"response_format type {req.response_format.type!r} is not supported; "
+            "only 'text' is", "response_format")
+    if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    kw = _common(req)
+    limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    kw["max_tokens"] = limit
+    rename = {"max_tokens": limit_name, "logprobs": "top_logprobs"}
+    if req.logprobs:
+        kw["logprobs"] = req.top_logprobs or 0
+    return _build(kw, rename), limit_name
+
+
+def completion_params(req: CompletionRequest) -> SamplingParams:
+    """Sampling parameters of a completions request (``max_tokens`` defaults to 16)."""
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server (no fill-in-the-middle)",
+                          "suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise bad_request("best_of different from n is not supported", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs needs prompt logprobs, which this server does not compute",
+            "echo")
+    kw = _common(req)
+    kw["max_tokens"] = (req.max_tokens if req.max_tokens is not None
+                        else COMPLETION_DEFAULT_MAX_TOKENS)
+    kw["logprobs"] = req.logprobs
+    return _build(kw, {})

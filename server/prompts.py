@@ -1,0 +1,109 @@
+"""Prompts: chat messages through the chat template, completion prompts normalised."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.errors import bad_request
+from server.generation import Prompt
+from server.protocol import ChatMessage
+from server.state import ServerState
+
+ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool",
+         "developer": "system"}
+MAX_PROMPTS = 256
+
+
+def messages_to_dicts(messages: list[ChatMessage] | None) -> list[dict[str, Any]]:
+    """Validate roles and content parts; return template-ready ``{"role","content"}`` dicts."""
+    if not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        role = ROLES.get(m.role)
+        if role is None:
+            raise bad_request(
+                f"messages[{i}].role {m.role!r} is not supported; use one of "
+                f"{', '.join(ROLES)}", "messages")
+        content = m.content
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages[{i}].content[{j}] has type {part.type!r}; only text parts "
+                        "({\"type\": \"text\", \"text\": ...}) are supported", "messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        d: dict[str, Any] = {"role": role, "content": content}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def _render_chat(state: ServerState, conv: list[dict[str, Any]],
+                 add_generation_prompt: bool) -> Prompt:
+    tok = state.tokenizer
+    try:
+        text = tok.apply_chat_template(conv, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # template errors (e.g. role order) are the client's to fix
+        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+    return Prompt(tok.encode(text, add_special_tokens=False), text)
+
+
+async def chat_prompt(state: ServerState, messages: list[ChatMessage] | None,
+                      add_generation_prompt: bool = True) -> Prompt:
+    """The templated and tokenized conversation."""
+    conv = messages_to_dicts(messages)
+    size = sum(len(m["content"]) for m in conv)
+    return await state.run_tokenizer(size, _render_chat, state, conv, add_generation_prompt)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def split_prompts(prompt: str | list[Any] | None) -> list[str | list[int]]:
+    """``str | list[str] | list[int] | list[list[int]]`` -> one entry per prompt."""
+    if prompt is None:
+        raise bad_request("prompt is required", "prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        items: list[str | list[int]] = list(prompt)
+    elif all(_is_int(t) for t in prompt):
+        items = [list(prompt)]
+    elif all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+        items = [list(p) for p in prompt]
+    else:
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "lists of token ids", "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+    return items
+
+
+def _encode_all(state: ServerState, items: list[str | list[int]]) -> list[Prompt]:
+    tok = state.tokenizer
+    out = []
+    for p in items:
+        if isinstance(p, str):
+            out.append(Prompt(tok.encode(p), p))
+        else:
+            state.check_token_ids(p, "prompt")
+            out.append(Prompt(p, None))
+    return out
+
+
+async def completion_prompts(state: ServerState, prompt: str | list[Any] | None) -> list[Prompt]:
+    """Tokenized completion prompts (token-id prompts are range-checked)."""
+    items = split_prompts(prompt)
+    size = sum(len(p) for p in items)
+    return await state.run_tokenizer(size, _encode_all, state, items)

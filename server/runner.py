@@ -1,0 +1,87 @@
+"""Run the server: uvloop, the engine thread, the listening socket, graceful shutdown.
+
+On SIGTERM or SIGINT the server stops accepting connections, answers new requests on
+open connections with 503, lets running requests finish for up to
+``shutdown_timeout`` seconds, aborts the rest (streams get an error event and
+``[DONE]``), and returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from server.app import build_app
+from server.generation import ServerShutdown
+from server.state import ServeOptions, ServerState
+
+logger = logging.getLogger("server")
+
+ABORT_GRACE_S = 2.0
+"""After aborting at shutdown, how long handlers get to send their error events."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; port 0 picks a free port."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, type_, proto, _, addr = info[0]
+    sock = socket.socket(family, type_, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def serve(config: EngineConfig, options: ServeOptions) -> int:
+    """Load the model, serve until a signal, shut down gracefully; the exit status."""
+    loop = asyncio.get_running_loop()
+    llm = await loop.run_in_executor(None, LLMEngine, config)
+    engine = AsyncEngine(llm)
+    engine.start(loop)
+    state = ServerState(engine, options)
+    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=ABORT_GRACE_S)
+    await runner.setup()
+    sock = bind_socket(options.host, options.port)
+    site = web.SockSite(runner, sock)
+    await site.start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info("pagedserve ready on %s (model %s)", url_of(sock), ", ".join(state.model_names))
+    await stop.wait()
+    await _shutdown(state, runner, site)
+    return 0
+
+
+async def _shutdown(state: ServerState, runner: web.AppRunner, site: web.BaseSite) -> None:
+    timeout = state.options.shutdown_timeout
+    logger.info("shutting down: %d request(s) in flight, waiting up to %.0fs",
+                state.inflight, timeout)
+    state.shutting_down = True
+    await site.stop()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(state.idle.wait(), timeout)
+    if state.inflight:
+        logger.warning("aborting %d request(s) still running", state.inflight)
+        state.engine.fail_all(ServerShutdown("the server is shutting down"))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(state.idle.wait(), ABORT_GRACE_S)
+    await runner.cleanup()
+    await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
+    state.close()
+    logger.info("shutdown complete")
