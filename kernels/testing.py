@@ -98,3 +98,15 @@ def make_step(
         query.to(device), key.to(device), value.to(device),
         k_cache.to(device), v_cache.to(device), meta, block_size, head_dim**-0.5,
     )  # fmt: skip
+
+
+def fused_qkv_views(step: PagedStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query/key/value as strided views of one fused QKV projection output."""
+    t, hq, d = step.query.shape
+    hkv = step.key.shape[1]
+    qkv = torch.cat([step.query.reshape(t, -1), step.key.reshape(t, -1),
+                     step.value.reshape(t, -1)], dim=1)  # fmt: skip
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    return q, k, v

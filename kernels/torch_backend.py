@@ -89,6 +89,28 @@ class TorchBackend:
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self._workspace: torch.Tensor | None = None
+
+    def _gather_kv(
+        self, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather rows ``slots`` of both flat caches into a reused workspace.
+
+        Reusing one buffer across groups, layers and steps avoids allocating (and
+        page-faulting) tens of MB per layer; the gathered K/V are consumed by SDPA
+        before the next gather.
+        """
+        n, width = slots.numel(), k_flat.shape[1]
+        ws = self._workspace
+        if ws is None or ws.numel() < 2 * n * width or ws.dtype != k_flat.dtype \
+                or ws.device != k_flat.device:  # fmt: skip
+            ws = torch.empty(2 * n * width, dtype=k_flat.dtype, device=k_flat.device)
+            self._workspace = ws
+        k = torch.index_select(k_flat, 0, slots, out=ws[: n * width].view(n, width))
+        v = torch.index_select(v_flat, 0, slots, out=ws[n * width : 2 * n * width].view(n, width))
+        return k, v
+
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Build gather indices and masks for this step into ``meta.prepared``."""
         device = meta.block_tables.device
@@ -163,16 +185,19 @@ class TorchBackend:
             k_flat.index_copy_(0, st.write_slots, k_new)
             v_flat.index_copy_(0, st.write_slots, v_new)
 
+        dec, pre = st.decode, st.prefill
         if total > st.num_tokens:
             out = query.new_zeros(total, num_heads, head_dim)
+        elif pre is None and dec is not None:
+            out = None  # decode-only step: return the SDPA output itself
         else:
             out = query.new_empty(total, num_heads, head_dim)
 
-        dec = st.decode
         if dec is not None:
             n, length = dec.num_reqs, dec.max_len
-            k = k_flat.index_select(0, dec.slots).view(n, length, num_kv_heads, head_dim)
-            v = v_flat.index_select(0, dec.slots).view(n, length, num_kv_heads, head_dim)
+            k, v = self._gather_kv(k_flat, v_flat, dec.slots)
+            k = k.view(n, length, num_kv_heads, head_dim)
+            v = v.view(n, length, num_kv_heads, head_dim)
             q = query[:n].view(n, num_kv_heads, group, head_dim)
             o = F.scaled_dot_product_attention(
                 q,
@@ -181,13 +206,15 @@ class TorchBackend:
                 attn_mask=dec.mask(query.dtype),
                 scale=scale,
             )
+            if out is None:
+                return o.reshape(n, num_heads, head_dim)
             out[:n] = o.reshape(n, num_heads, head_dim)
 
-        pre = st.prefill
         if pre is not None:
             p, ql, length = pre.num_reqs, pre.max_q_len, pre.max_len
-            k = k_flat.index_select(0, pre.slots).view(p, length, num_kv_heads, head_dim)
-            v = v_flat.index_select(0, pre.slots).view(p, length, num_kv_heads, head_dim)
+            k, v = self._gather_kv(k_flat, v_flat, pre.slots)
+            k = k.view(p, length, num_kv_heads, head_dim)
+            v = v.view(p, length, num_kv_heads, head_dim)
             q = query.index_select(0, pre.token_index).view(p, ql, num_heads, head_dim)
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -195,4 +222,5 @@ class TorchBackend:
             )  # fmt: skip
             o = o.transpose(1, 2).reshape(p * ql, num_heads, head_dim)
             out[pre.token_start : pre.token_end] = o.index_select(0, pre.back)
+        assert out is not None
         return out

@@ -16,7 +16,7 @@ from kernels import (
     paged_prefill_attention,
     write_kv,
 )
-from kernels.testing import PagedStep, make_step
+from kernels.testing import PagedStep, fused_qkv_views, make_step
 from kernels.torch_backend import TorchBackend
 
 TOL = {
@@ -226,3 +226,15 @@ def test_cpu_path_does_not_import_triton() -> None:
     )
     env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_ATTENTION_BACKEND"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_torch_backend_strided_inputs() -> None:
+    step = make_step([9, 60, 33], [1, 60, 7], num_heads=6, num_kv_heads=2, head_dim=32,
+                     block_size=16, num_pad_tokens=1)  # fmt: skip
+    expected = reference_step(clone_step(step))
+    q, k, v = fused_qkv_views(step)
+    assert not q.is_contiguous()
+    backend = TorchBackend()
+    backend.prepare(step.meta, 16)
+    out = backend.forward(q, k, v, step.k_cache, step.v_cache, step.meta, step.scale)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

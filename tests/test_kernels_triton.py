@@ -28,7 +28,7 @@ if DEVICE == "cpu":
 pytest.importorskip("triton")
 
 from kernels import get_attention_backend, torch_ref  # noqa: E402
-from kernels.testing import PagedStep, make_step  # noqa: E402
+from kernels.testing import PagedStep, fused_qkv_views, make_step  # noqa: E402
 from kernels.triton_decode import _decode_kernel  # noqa: E402
 from kernels.triton_decode import paged_decode_attention as triton_decode  # noqa: E402
 from kernels.triton_prefill import paged_prefill_attention as triton_prefill  # noqa: E402
@@ -169,9 +169,13 @@ MIXED = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", MIXED)
-def test_triton_backend_matches_reference(case, dtype) -> None:
+@pytest.mark.parametrize(
+    "case, dtype, strided",
+    [(MIXED[0], torch.float32, False), (MIXED[1], torch.float16, False),
+     (MIXED[2], torch.float32, False), (MIXED[2], torch.float16, True)],
+)  # fmt: skip
+def test_triton_backend_matches_reference(case, dtype, strided) -> None:
+    """Mixed steps; ``strided``: query/key/value are views of a fused QKV output."""
     seq_lens, q_lens = case
     step = _step(seq_lens, q_lens, (6, 2), 64, 16, dtype, num_pad_tokens=3)
     ref_k, ref_v = step.k_cache.clone(), step.v_cache.clone()
@@ -189,11 +193,11 @@ def test_triton_backend_matches_reference(case, dtype) -> None:
         )  # fmt: skip
         expected[m.query_start_loc_cpu[nd] :] = pre[m.query_start_loc_cpu[nd] :]
 
+    q, k, v = fused_qkv_views(step) if strided else (step.query, step.key, step.value)
     backend = get_attention_backend("triton", DEVICE)
     assert backend.name == "triton"
     backend.prepare(m, step.block_size)
-    out = backend.forward(step.query, step.key, step.value, step.k_cache, step.v_cache, m,
-                          step.scale)  # fmt: skip
+    out = backend.forward(q, k, v, step.k_cache, step.v_cache, m, step.scale)
     torch.testing.assert_close(out, expected, **TOL[dtype])
     torch.testing.assert_close(step.k_cache, ref_k, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(step.v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
