@@ -1,0 +1,312 @@
+"""Shared pieces of the offline benchmarks: engine flags, the environment header, and an
+engine run driven step by step so that KV cache statistics are sampled after each step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from loadtest.workloads import Workload, allowed_token_ids
+
+logger = logging.getLogger("loadtest")
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+# -- flags -------------------------------------------------------------------------------
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Model and engine flags shared by the offline benchmarks."""
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="local HF folder or hub id (default: the embedded default model)")
+    g.add_argument("--dtype", default="float32", choices=DTYPES)
+    g.add_argument("--seed", type=int, default=0, help="workload and engine seed")
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per engine step (default: the engine's)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV cache size (default: the engine's, 1 GiB on the CPU)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
+                   action="store_false", default=True)
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
+
+
+def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    """``LLM(**kwargs)`` from the shared flags."""
+    kw: dict[str, Any] = {
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
+        "attention_backend": args.attention_backend,
+        "device": args.device,
+        "enable_prefix_caching": getattr(args, "enable_prefix_caching", True),
+    }
+    kw.update(overrides)
+    return kw
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    import torch
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+
+
+# -- environment -------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _pagedserve_version() -> str:
+    """The installed distribution's version, else the source tree's, with its git commit."""
+    import subprocess
+    from pathlib import Path
+
+    from engine import __version__ as version
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{version} (git {commit})" if commit else version
+
+
+def environment_info() -> dict[str, Any]:
+    """Hardware, thread settings and library versions."""
+    import torch
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 0
+    info: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cpu_cores": cores,
+        "torch_threads": torch.get_num_threads(),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg")
+        else None,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "pagedserve": _pagedserve_version(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def command_line() -> str:
+    """The command as typed, re-quoted."""
+    argv = list(sys.argv)
+    if argv:
+        exe = os.path.basename(argv[0])
+        if exe.endswith(".py") and os.path.basename(os.path.dirname(argv[0])) == "loadtest":
+            argv[:1] = ["python", "-m", f"loadtest.{exe[:-3]}"]
+        elif exe.endswith(".py"):
+            argv[:1] = ["python", os.path.relpath(argv[0])]
+        else:
+            argv[0] = exe
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def print_header(title: str, env: dict[str, Any], extra: dict[str, Any]) -> None:
+    print(f"== {title} ==")
+    print(f"command:   {command_line()}")
+    print(f"hardware:  {env['cpu']}, {env['cpu_cores']} cores, torch threads "
+          f"{env['torch_threads']}, load average {env['load_average']}, "
+          f"OMP_WAIT_POLICY={env['omp_wait_policy']}"
+          + (f", GPU {env['gpu']}" if "gpu" in env else ""))
+    print(f"versions:  python {env['python']}, torch {env['torch']}, transformers "
+          f"{env['transformers']}, pagedserve {env['pagedserve']}")
+    for k, v in extra.items():
+        print(f"{k + ':':<10} {v}")
+
+
+# -- the engine run ----------------------------------------------------------------------
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step: tokens computed, rows sampled, decodes, and its wall time."""
+
+    num_tokens: int
+    num_sampled: int
+    num_decodes: int
+    seconds: float
+
+
+@dataclass
+class EngineRun:
+    """What one workload run on the engine measured."""
+
+    elapsed_s: float
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    """Tokens actually generated (summed over the finished outputs)."""
+    num_cached_tokens: int
+    """Prompt tokens served from the prefix cache (``RequestOutput.num_cached_tokens``)."""
+    num_computed_tokens: int
+    """Tokens the model ran on, over all steps (prefill + decode, recomputation included)."""
+    num_steps: int
+    num_preemptions: int
+    peak_kv_waste: float
+    mean_kv_waste: float
+    peak_blocks_used: int
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    stats_overhead_s: float
+    steps: list[StepRecord] = field(default_factory=list, repr=False)
+    output_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def num_prefill_computed(self) -> int:
+        return self.num_prompt_tokens - self.num_cached_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k not in ("steps", "output_token_ids")}
+        d["num_prefill_computed"] = self.num_prefill_computed
+        d["prefix_cache_hit_rate"] = self.hit_rate
+        d["requests_per_s"] = self.num_requests / self.elapsed_s
+        d["output_tokens_per_s"] = self.num_output_tokens / self.elapsed_s
+        d["total_tokens_per_s"] = (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s
+        return d
+
+
+def vocab_token_ids(llm) -> list[int]:
+    """Non-special token ids of the engine's model vocabulary."""
+    tok = llm.get_tokenizer()
+    return allowed_token_ids(llm.engine.vocab_size, tok.all_special_ids)
+
+
+def run_engine(llm, workload: Workload, sample_stats: bool = True) -> EngineRun:
+    """Run ``workload`` on ``llm.engine`` to completion, one ``step()`` at a time.
+
+    Greedy sampling with ``ignore_eos``: each request generates exactly its
+    ``output_len`` tokens. After every step the KV cache statistics are sampled; the
+    time spent sampling them is measured and left out of ``elapsed_s``.
+    """
+    from engine.sampling_params import SamplingParams
+
+    eng = llm.engine
+    kv = eng.kv
+    sched = eng.scheduler
+    base = kv.stats()
+    base_preempt = sched.num_preemptions
+    scheduled: list[tuple[int, int, int]] = []
+    orig_schedule = sched.schedule
+
+    def recording_schedule():
+        out = orig_schedule()
+        # Before the step runs: a row samples when its chunk reaches the end of its tokens.
+        sampled = sum(1 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens)
+        decodes = sum(1 for _, n in out.scheduled if n == 1)
+        scheduled.append((out.num_batched_tokens, sampled, decodes))
+        return out
+
+    sched.schedule = recording_schedule
+    steps: list[StepRecord] = []
+    peak_waste = 0.0
+    waste_sum = 0.0
+    peak_blocks = 0
+    stats_time = 0.0
+    results = {}
+    try:
+        t0 = time.perf_counter()
+        ids = []
+        for r in workload.requests:
+            sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
+            ids.append(eng.add_request(None, r.prompt_token_ids, sp).request_id)
+        while eng.has_unfinished_requests():
+            ts = time.perf_counter()
+            outs = eng.step()
+            te = time.perf_counter()
+            for out in outs:
+                if out.finished:
+                    results[out.request_id] = out
+            if scheduled:
+                n, s, d = scheduled.pop()
+                scheduled.clear()
+                steps.append(StepRecord(n, s, d, te - ts))
+            if sample_stats:
+                st = kv.stats()
+                peak_waste = max(peak_waste, st.waste)
+                waste_sum += st.waste
+                peak_blocks = max(peak_blocks, st.num_used_blocks)
+                stats_time += time.perf_counter() - te
+        elapsed = time.perf_counter() - t0 - stats_time
+    finally:
+        del sched.schedule  # back to the class method
+    end = kv.stats()
+    outs = [results[rid] for rid in ids]
+    out_ids = [list(o.outputs[0].token_ids) for o in outs]
+    return EngineRun(
+        elapsed_s=elapsed,
+        num_requests=len(outs),
+        num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
+        num_output_tokens=sum(len(t) for t in out_ids),
+        num_cached_tokens=sum(o.num_cached_tokens for o in outs),
+        num_computed_tokens=sum(s.num_tokens for s in steps),
+        num_steps=len(steps),
+        num_preemptions=sched.num_preemptions - base_preempt,
+        peak_kv_waste=peak_waste,
+        mean_kv_waste=waste_sum / len(steps) if steps else 0.0,
+        peak_blocks_used=peak_blocks,
+        num_blocks=kv.num_blocks,
+        prefix_cache_queries=end.prefix_cache_queries - base.prefix_cache_queries,
+        prefix_cache_hits=end.prefix_cache_hits - base.prefix_cache_hits,
+        stats_overhead_s=stats_time,
+        steps=steps,
+        output_token_ids=out_ids,
+    )
+
+
+def warm_up(llm, token_ids: list[int], seed: int) -> None:
+    """A short run so that one-time kernel and allocator setup stays out of the timing."""
+    from loadtest.workloads import random_workload
+
+    run_engine(llm, random_workload(token_ids, 4, (48, 96), (4, 8), seed + 7919),
+               sample_stats=False)
+    llm.reset_prefix_cache()
+

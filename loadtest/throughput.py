@@ -1,0 +1,378 @@
+"""Offline throughput benchmark: ``pagedserve bench throughput``.
+
+Runs a seeded random workload through the engine, one ``LLMEngine.step()`` at a time,
+and reports requests/s, generated tokens/s, peak KV cache waste and blocks, and the
+workload's matrix-product floor: the time the model's linear layers alone take at the
+token counts of the steps the engine ran. ``--compare-hf`` runs the same requests with
+HF transformers (static batching and its own continuous batching) in the same process.
+
+Also runnable as ``python -m loadtest.throughput``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from loadtest.bench_common import (
+    EngineRun,
+    StepRecord,
+    add_engine_args,
+    apply_threads,
+    command_line,
+    engine_kwargs,
+    environment_info,
+    print_header,
+    run_engine,
+    vocab_token_ids,
+    warm_up,
+)
+from loadtest.workloads import Workload, random_workload
+
+logger = logging.getLogger("loadtest")
+
+
+# -- flags ---------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``bench throughput``."""
+    w = parser.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=64)
+    w.add_argument("--input-len-min", type=int, default=32)
+    w.add_argument("--input-len-max", type=int, default=256)
+    w.add_argument("--output-len-min", type=int, default=64)
+    w.add_argument("--output-len-max", type=int, default=128)
+    add_engine_args(parser)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True)
+    r = parser.add_argument_group("run")
+    r.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="a short untimed run before each timed one")
+    r.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the matrix-product floor of the workload")
+    r.add_argument("--compare-hf", action="store_true",
+                   help="also run HF transformers (static and continuous batching)")
+    r.add_argument("--hf-batch-size", type=int, default=None,
+                   help="HF static batch size (default: every request in one batch)")
+    r.add_argument("--hf-static", action=argparse.BooleanOptionalAction, default=True)
+    r.add_argument("--hf-continuous", action=argparse.BooleanOptionalAction, default=True)
+    r.add_argument("--save-result", metavar="FILE.json", default=None)
+
+
+# -- the matrix-product floor --------------------------------------------------------------
+def _grid(values: Sequence[int]) -> list[int]:
+    """Token counts at which to time: every distinct value when few, else a geometric grid
+    (ratio ~sqrt 2 up to 256, 2 above) spanning them."""
+    distinct = sorted(set(values))
+    if len(distinct) <= 12:
+        return distinct
+    lo, hi = distinct[0], distinct[-1]
+    pts = {lo, hi}
+    x = 1.0
+    while x < hi:
+        if x > lo:
+            pts.add(int(round(x)))
+        x *= math.sqrt(2) if x < 256 else 2.0
+    return sorted(pts)
+
+
+def _interp(x: float, xs: list[int], ys: list[float]) -> float:
+    """Piecewise-linear interpolation, linear extrapolation through the origin past the end."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1] * x / xs[-1]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
+
+
+def _best_time(fn: Callable[[], None], warm: Callable[[], None], budget_s: float = 0.25,
+               max_reps: int = 5) -> float:
+    """Minimum wall time of ``fn`` over a few repetitions after one ``warm`` call."""
+    warm()
+    best = math.inf
+    spent = 0.0
+    for _ in range(max_reps):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best = min(best, dt)
+        spent += dt
+        if spent >= budget_s:
+            break
+    return best
+
+
+def linear_floor(model, steps: Sequence[StepRecord]) -> dict[str, Any]:
+    """Time of the model's linear layers alone at the token counts of ``steps``.
+
+    For each step with T tokens and S sampled rows: every layer's fused qkv, o, gate_up
+    and down projections at T rows, and the lm_head at S rows, with the model's own
+    weights (``F.linear``). Timed on a grid of T and S and interpolated per step.
+    """
+    import torch
+
+    with torch.inference_mode():
+        return _linear_floor(model, steps)
+
+
+def _linear_floor(model, steps: Sequence[StepRecord]) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    spec = model.spec
+    layers = list(model.layers)
+    dtype = layers[0].qkv_proj.weight.dtype
+    device = layers[0].qkv_proj.weight.device
+    head_w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    q_size = spec.num_heads * spec.head_dim
+
+    def stack(t: int, num_layers: int | None = None) -> Callable[[], None]:
+        x = torch.randn(t, spec.hidden_size, dtype=dtype, device=device)
+        xo = torch.randn(t, q_size, dtype=dtype, device=device)
+        xd = torch.randn(t, spec.intermediate_size, dtype=dtype, device=device)
+
+        def run() -> None:
+            for layer in layers[:num_layers]:
+                F.linear(x, layer.qkv_proj.weight, layer.qkv_proj.bias)
+                F.linear(xo, layer.o_proj.weight, layer.o_proj.bias)
+                F.linear(x, layer.gate_up_proj.weight, layer.gate_up_proj.bias)
+                F.linear(xd, layer.down_proj.weight, layer.down_proj.bias)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        return run
+
+    def head(s: int) -> Callable[[], None]:
+        h = torch.randn(s, spec.hidden_size, dtype=dtype, device=device)
+
+        def run() -> None:
+            F.linear(h, head_w)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        return run
+
+    t0 = time.perf_counter()
+    ts = [s.num_tokens for s in steps if s.num_tokens > 0]
+    ss = [s.num_sampled for s in steps if s.num_sampled > 0]
+    grid_t = _grid(ts)
+    grid_s = _grid(ss)
+    layer_times = [_best_time(stack(t), stack(t, None if t <= 256 else 1)) for t in grid_t]
+    head_times = [_best_time(head(s), head(s)) for s in grid_s]
+    layers_s = sum(_interp(t, grid_t, layer_times) for t in ts) if ts else 0.0
+    head_s = sum(_interp(s, grid_s, head_times) for s in ss) if ss else 0.0
+    return {
+        "floor_s": layers_s + head_s,
+        "layers_s": layers_s,
+        "lm_head_s": head_s,
+        "grid_tokens": grid_t,
+        "grid_layer_times_s": layer_times,
+        "grid_sampled": grid_s,
+        "grid_lm_head_times_s": head_times,
+        "timing_cost_s": time.perf_counter() - t0,
+        "_interp": (grid_t, layer_times, grid_s, head_times),
+    }
+
+
+def step_breakdown(steps: Sequence[StepRecord], floor: dict[str, Any] | None) -> dict[str, Any]:
+    """Time of pure-decode steps vs steps with prefill, each against its floor."""
+    dec = [s for s in steps if s.num_tokens > 0 and s.num_decodes == s.num_tokens]
+    pre = [s for s in steps if s.num_tokens > 0 and s.num_decodes != s.num_tokens]
+    out: dict[str, Any] = {
+        "decode_steps": len(dec),
+        "decode_time_s": sum(s.seconds for s in dec),
+        "prefill_steps": len(pre),
+        "prefill_time_s": sum(s.seconds for s in pre),
+    }
+    if dec:
+        full = max(s.num_tokens for s in dec)
+        at_full = [s.seconds for s in dec if s.num_tokens == full]
+        out["decode_batch_max"] = full
+        out["decode_step_median_s_at_max"] = statistics.median(at_full)
+    if floor is not None:
+        gt, lt, gs, hs = floor["_interp"]
+
+        def f(group: list[StepRecord]) -> float:
+            return sum(_interp(s.num_tokens, gt, lt)
+                       + (_interp(s.num_sampled, gs, hs) if s.num_sampled else 0.0)
+                       for s in group)
+        out["decode_floor_s"] = f(dec)
+        out["prefill_floor_s"] = f(pre)
+        if dec:
+            out["decode_step_floor_s_at_max"] = (
+                _interp(full, gt, lt) + _interp(full, gs, hs))
+    return out
+
+
+# -- the run -------------------------------------------------------------------------------
+def _workload(args: argparse.Namespace, token_ids: list[int]) -> Workload:
+    return random_workload(
+        token_ids, args.num_requests, (args.input_len_min, args.input_len_max),
+        (args.output_len_min, args.output_len_max), args.seed)
+
+
+def _fmt_rate(d: dict[str, Any]) -> str:
+    return (f"{d['elapsed_s']:8.2f} s  {d['requests_per_s']:7.2f} req/s  "
+            f"{d['output_tokens_per_s']:8.1f} out tok/s  {d['total_tokens_per_s']:8.1f} tok/s")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark, print its report, and return it (also saved with --save-result)."""
+    from engine.llm import LLM
+
+    apply_threads(args)
+    env = environment_info()
+    t_load = time.perf_counter()
+    llm = LLM(model=args.model, **engine_kwargs(args))
+    load_s = time.perf_counter() - t_load
+    worker = llm.engine.worker
+    dtype = str(worker.dtype).removeprefix("torch.")
+    token_ids = vocab_token_ids(llm)
+    workload = _workload(args, token_ids)
+    print_header("pagedserve bench throughput", env, {
+        "model": f"{worker.model_name} ({worker.model_path})",
+        "dtype": dtype,
+        "seed": args.seed,
+        "engine": (f"max_num_seqs={llm.config.max_num_seqs} max_num_batched_tokens="
+                   f"{llm.engine.scheduler.max_num_batched_tokens} block_size="
+                   f"{llm.config.block_size} kv_blocks={llm.engine.kv.num_blocks} "
+                   f"prefix_caching={'on' if llm.config.enable_prefix_caching else 'off'} "
+                   f"attention={worker.attn.name}"),
+        "workload": (f"{workload.num_requests} requests, input {args.input_len_min}-"
+                     f"{args.input_len_max}, output {args.output_len_min}-"
+                     f"{args.output_len_max} (ignore_eos, greedy): "
+                     f"{workload.num_prompt_tokens} prompt + {workload.num_output_tokens} "
+                     "output tokens"),
+    })
+    if args.warmup:
+        warm_up(llm, token_ids, args.seed)
+    run = run_engine(llm, workload)
+    if run.num_output_tokens != workload.num_output_tokens:
+        logger.warning("generated %d tokens but the workload requested %d",
+                       run.num_output_tokens, workload.num_output_tokens)
+    floor = linear_floor(worker.model, run.steps) if args.floor else None
+    ps = run.summary()
+    ps["load_s"] = load_s
+    breakdown = step_breakdown(run.steps, floor)
+    if floor is not None:
+        ps["floor"] = {k: v for k, v in floor.items() if not k.startswith("_")}
+        ps["efficiency"] = floor["floor_s"] / run.elapsed_s
+    ps["step_breakdown"] = breakdown
+    kv_size_gb = (llm.engine.kv.num_blocks * worker.block_bytes()) / 2**30
+    max_tokens = llm.engine.scheduler.max_num_batched_tokens
+    model_path = worker.model_path
+    pagedserve_ids = run.output_token_ids
+    del llm, worker
+    gc.collect()
+
+    _print_engine(run, ps, floor, breakdown)
+    report: dict[str, Any] = {
+        "benchmark": "throughput",
+        "command": command_line(),
+        "environment": env,
+        "model": str(model_path),
+        "dtype": dtype,
+        "seed": args.seed,
+        "workload": workload.summary(),
+        "pagedserve": ps,
+    }
+    if args.compare_hf:
+        report.update(_compare_hf(args, workload, model_path, dtype, kv_size_gb, max_tokens,
+                                  ps, pagedserve_ids))
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"saved {args.save_result}")
+    return report
+
+
+def _print_engine(run: EngineRun, ps: dict[str, Any], floor: dict[str, Any] | None,
+                  bd: dict[str, Any]) -> None:
+    print("-- pagedserve --")
+    print(f"pagedserve     {_fmt_rate(ps)}")
+    print(f"generated:     {run.num_output_tokens} output tokens, {run.num_prompt_tokens} "
+          f"prompt tokens, {run.num_requests} requests, {run.num_steps} steps, "
+          f"{run.num_preemptions} preemptions")
+    print(f"KV cache:      peak waste {100 * run.peak_kv_waste:.2f}% (mean "
+          f"{100 * run.mean_kv_waste:.2f}%), peak blocks used {run.peak_blocks_used}/"
+          f"{run.num_blocks}, prefix hit rate {100 * run.hit_rate:.1f}%")
+    print(f"steps:         {bd['decode_steps']} decode-only steps {bd['decode_time_s']:.2f} s, "
+          f"{bd['prefill_steps']} steps with prefill {bd['prefill_time_s']:.2f} s")
+    if floor is not None:
+        print(f"matmul floor:  {floor['floor_s']:.2f} s (layers {floor['layers_s']:.2f} s + "
+              f"lm_head {floor['lm_head_s']:.2f} s); efficiency floor/elapsed = "
+              f"{ps['efficiency']:.3f}")
+        print(f"               decode steps: floor {bd['decode_floor_s']:.2f} s of "
+              f"{bd['decode_time_s']:.2f} s; steps with prefill: floor "
+              f"{bd['prefill_floor_s']:.2f} s of {bd['prefill_time_s']:.2f} s")
+        if "decode_step_floor_s_at_max" in bd:
+            print(f"               decode step at batch {bd['decode_batch_max']}: median "
+                  f"{1e3 * bd['decode_step_median_s_at_max']:.1f} ms vs floor "
+                  f"{1e3 * bd['decode_step_floor_s_at_max']:.1f} ms")
+
+
+def _compare_hf(args, workload: Workload, model_path, dtype: str, kv_gb: float,
+                max_tokens: int, ps: dict[str, Any], ps_ids: list[list[int]]) -> dict[str, Any]:
+    from loadtest import hf_baseline as hf
+
+    model = hf.load_hf_model(model_path, dtype)
+    out: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    agreement: dict[str, Any] = {}
+    print("-- HF transformers, same workload --")
+    if args.hf_static:
+        bs = args.hf_batch_size or workload.num_requests
+        if args.warmup:
+            hf.warm_up_static(model, workload)
+        st = hf.run_static(model, workload, bs)
+        out["hf_static"] = st.summary()
+        ratios["output_tok_s_vs_hf_static"] = ps["output_tokens_per_s"] / \
+            out["hf_static"]["output_tokens_per_s"]
+        agreement["hf_static"] = hf.greedy_agreement(ps_ids, st.output_token_ids)
+        print(f"hf static      {_fmt_rate(out['hf_static'])}  (batch {bs}, left padding, "
+              f"{st.num_generated_tokens} tokens generated for {st.num_output_tokens} useful)")
+    if args.hf_continuous:
+        cb = hf.run_continuous(model, workload, kv_gb, max_tokens, args.max_num_seqs)
+        out["hf_continuous"] = cb.summary()
+        ratios["output_tok_s_vs_hf_continuous"] = ps["output_tokens_per_s"] / \
+            out["hf_continuous"]["output_tokens_per_s"]
+        agreement["hf_continuous"] = hf.greedy_agreement(ps_ids, cb.output_token_ids)
+        print(f"hf continuous  {_fmt_rate(out['hf_continuous'])}  "
+              f"(generate_batch manager, attn {cb.settings['attn_implementation']}, "
+              f"max_batch_tokens {max_tokens})")
+    del model
+    gc.collect()
+    for k, v in ratios.items():
+        print(f"ratio {k.replace('_', ' ')}: {v:.2f}x")
+    for k, v in agreement.items():
+        print(f"greedy agreement with {k}: {100 * v['identical']:.0f}% identical outputs, "
+              f"{100 * v['common_prefix']:.1f}% mean common prefix")
+    out["ratios"] = ratios
+    out["greedy_agreement"] = agreement
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest.throughput",
+                                description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return p
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    main(build_parser().parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,134 @@
+"""The offline benchmarks: workloads, the throughput and prefix benches, the CLI hook."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from loadtest import prefix_bench, throughput
+from loadtest.bench_common import StepRecord
+from loadtest.workloads import (
+    allowed_token_ids,
+    fixed_workload,
+    random_workload,
+    shared_prefix_workload,
+)
+
+ENGINE = ["--kv-cache-memory-gb", "0.02", "--max-model-len", "512"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+def test_workloads_are_seeded_and_in_range():
+    ids = allowed_token_ids(100, [0, 1, 2])
+    assert 0 not in ids and 1 not in ids and 2 not in ids and len(ids) == 97
+    a = random_workload(ids, 20, (5, 9), (2, 4), seed=3)
+    assert a == random_workload(ids, 20, (5, 9), (2, 4), seed=3)
+    assert a != random_workload(ids, 20, (5, 9), (2, 4), seed=4)
+    for r in a.requests:
+        assert 5 <= len(r.prompt_token_ids) <= 9 and 2 <= r.output_len <= 4
+        assert set(r.prompt_token_ids) <= set(ids)
+    s = shared_prefix_workload(ids, 4, prefix_len=10, question_len=3, output_len=2)
+    assert len({tuple(r.prompt_token_ids[:10]) for r in s.requests}) == 1
+    assert len({tuple(r.prompt_token_ids[10:]) for r in s.requests}) == 4
+    z = fixed_workload(ids, 3, input_len=7, output_len=2)
+    assert [len(r.prompt_token_ids) for r in z.requests] == [7, 7, 7]
+    assert z.summary()["num_output_tokens"] == 6
+    with pytest.raises(ValueError):
+        random_workload(ids, 1, (5, 4), (1, 1))
+
+
+def test_floor_grid_and_interpolation():
+    assert throughput._grid([3, 1, 3, 2]) == [1, 2, 3]
+    g = throughput._grid(list(range(1, 2001)))
+    assert g[0] == 1 and g[-1] == 2000 and len(g) < 30 and g == sorted(set(g))
+    assert throughput._interp(15, [10, 20], [1.0, 3.0]) == pytest.approx(2.0)
+    assert throughput._interp(40, [10, 20], [1.0, 3.0]) == pytest.approx(6.0)
+    steps = [StepRecord(4, 2, 2, 0.1), StepRecord(4, 4, 4, 0.1), StepRecord(9, 1, 0, 0.3)]
+    bd = throughput.step_breakdown(steps, None)
+    assert bd["decode_steps"] == 1 and bd["prefill_steps"] == 2
+    assert bd["decode_batch_max"] == 4
+
+
+def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "t.json"
+    throughput.cli([
+        "--model", tiny_llama, "--num-requests", "2", "--input-len-min", "8",
+        "--input-len-max", "20", "--output-len-min", "3", "--output-len-max", "6",
+        "--compare-hf", *ENGINE, "--save-result", str(out)])
+    text = capsys.readouterr().out
+    for field in ("command:", "hardware:", "versions:", "torch threads", "dtype:", "seed:",
+                  "out tok/s", "req/s", "peak waste", "peak blocks used", "matmul floor",
+                  "efficiency", "hf static", "hf continuous", "vs hf static",
+                  "vs hf continuous"):
+        assert field in text, field
+    rep = json.loads(out.read_text())
+    want = rep["workload"]["num_output_tokens"]
+    ps = rep["pagedserve"]
+    assert ps["num_output_tokens"] == want
+    assert ps["num_requests"] == 2 and ps["num_prompt_tokens"] == rep["workload"][
+        "num_prompt_tokens"]
+    for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s",
+                "peak_kv_waste", "peak_blocks_used", "efficiency"):
+        assert ps[key] >= 0, key
+    assert ps["output_tokens_per_s"] == pytest.approx(want / ps["elapsed_s"])
+    assert 0 < ps["floor"]["floor_s"]
+    assert 0.0 <= ps["peak_kv_waste"] < 1.0 and ps["peak_blocks_used"] >= 2
+    assert rep["hf_static"]["num_output_tokens"] == want
+    assert rep["hf_static"]["num_generated_tokens"] >= want
+    assert rep["hf_continuous"]["num_output_tokens"] == want
+    assert rep["hf_continuous"]["num_generated_tokens"] == want
+    assert set(rep["ratios"]) == {"output_tok_s_vs_hf_static", "output_tok_s_vs_hf_continuous"}
+    for name in ("hf_static", "hf_continuous"):  # same greedy tokens as HF
+        assert rep["greedy_agreement"][name]["identical"] == 1.0
+    env = rep["environment"]
+    for key in ("cpu", "cpu_cores", "torch_threads", "torch", "transformers", "pagedserve"):
+        assert key in env
+
+
+def test_prefix_bench(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    prefix_bench.cli([
+        "--model", tiny_llama, "--num-requests", "4", "--prefix-len", "48",
+        "--question-len", "8", "--output-len", "3", "--zero-reuse-input-len", "24",
+        "--zero-reuse-output-len", "3", "--repeats", "1", "--profile-hashing", *ENGINE,
+        "--save-result", str(out)])
+    text = capsys.readouterr().out
+    for field in ("shared prefix", "zero reuse", "prefill tokens off/on", "time off/on",
+                  "zero-reuse cost of caching on", "hit rate", "peak blocks", "cProfile"):
+        assert field in text, field
+    rep = json.loads(out.read_text())
+    sp = rep["shared_prefix"]
+    on, off = sp["on"], sp["off"]
+    assert on["num_prompt_tokens"] == off["num_prompt_tokens"] == 4 * 56
+    assert off["num_prefill_computed"] == off["num_prompt_tokens"]
+    # 3 full blocks of 16 of the prefix are computed once, then served from the cache.
+    assert on["num_cached_tokens"] == 3 * 48 and on["num_prefill_computed"] == 4 * 56 - 3 * 48
+    assert on["prefix_cache_hit_rate"] > 0 and off["prefix_cache_hit_rate"] == 0
+    assert on["peak_blocks_used"] < off["peak_blocks_used"]
+    assert on["num_output_tokens"] == off["num_output_tokens"] == 12
+    zr = rep["zero_reuse"]
+    assert len(zr["runs"]) == 1 and len(zr["cost_per_pair"]) == 1
+    run = zr["runs"][0]["on"]
+    assert run["num_prefill_computed"] == run["num_prompt_tokens"] == 4 * 24
+    assert rep["hashing_profile"]["functions"]
+
+
+def test_bench_cli_registers_benchmarks():
+    from server import bench_cli
+
+    parser = argparse.ArgumentParser(prog="pagedserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench_cli.add_parser(sub)
+    args = parser.parse_args(["bench", "throughput", "--num-requests", "3", "--dtype",
+                              "bfloat16", "--no-enable-prefix-caching", "--compare-hf"])
+    assert args._bench_main is throughput.main
+    assert (args.num_requests, args.dtype, args.enable_prefix_caching, args.compare_hf) == (
+        3, "bfloat16", False, True)
+    args = parser.parse_args(["bench", "prefix", "--repeats", "2"])
+    assert args._bench_main is prefix_bench.main and args.repeats == 2
