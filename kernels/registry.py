@@ -46,10 +46,18 @@ def get_attention_backend(
             "set TRITON_INTERPRET=1 before importing triton to run it interpreted on CPU"
         )
     try:
+        import triton.language as tl
+
         from kernels.triton_backend import TritonBackend
     except ImportError as exc:
         raise RuntimeError(
             "the triton attention backend needs the 'triton' package "
             "(pip install pagedserve[triton])"
         ) from exc
+    # triton's own tl helpers are decorated when triton is imported: all or nothing.
+    if device_type != "cuda" and type(tl.zeros).__name__ != "InterpretedFunction":
+        raise RuntimeError(
+            "the triton kernels were compiled for a GPU: TRITON_INTERPRET=1 must be set "
+            "before triton and kernels.triton_* are first imported"
+        )
     return TritonBackend()

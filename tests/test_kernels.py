@@ -238,3 +238,20 @@ def test_torch_backend_strided_inputs() -> None:
     backend.prepare(step.meta, 16)
     out = backend.forward(q, k, v, step.k_cache, step.v_cache, step.meta, step.scale)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_registry_rejects_triton_imported_before_interpret_flag() -> None:
+    pytest.importorskip("triton")
+    code = (
+        "import os, triton\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from kernels import get_attention_backend\n"
+        "try:\n"
+        "    get_attention_backend('triton', 'cpu')\n"
+        "except RuntimeError as exc:\n"
+        "    assert 'TRITON_INTERPRET' in str(exc)\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
