@@ -24,6 +24,8 @@ from server.generation import ServerShutdown
 from server.state import ServeOptions, ServerState
 
 logger = logging.getLogger("server")
+ready_logger = logging.getLogger("server.ready")
+ready_logger.setLevel(logging.INFO)  # the ready line is logged whatever --log-level says
 
 ABORT_GRACE_S = 2.0
 """After aborting at shutdown, how long handlers get to send their error events."""
@@ -62,7 +64,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    logger.info("pagedserve ready on %s (model %s)", url_of(sock), ", ".join(state.model_names))
+    ready_logger.info("pagedserve ready on %s (model %s)", url_of(sock), ", ".join(state.model_names))
     await stop.wait()
     await _shutdown(state, runner, site)
     return 0

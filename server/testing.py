@@ -1,0 +1,117 @@
+"""Start a real ``pagedserve serve`` in a subprocess and wait for its ready line.
+
+Used by the server tests and handy for benchmarks::
+
+    with ServerProcess(["--max-num-batched-tokens", "256"]) as srv:
+        print(srv.url)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+logger = logging.getLogger("server.testing")
+
+READY = re.compile(r"pagedserve ready on (http://\S+)")
+
+
+class ServerProcess:
+    """A server subprocess on a free port (``--port 0``); output is collected in :attr:`lines`."""
+
+    def __init__(self, args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 ready_timeout: float = 300.0) -> None:
+        self.args = list(args)
+        self.env = {**os.environ, **(env or {})}
+        self.ready_timeout = ready_timeout
+        self.lines: list[str] = []
+        self.url = ""
+        self.proc: subprocess.Popen | None = None
+        self._ready = threading.Event()
+
+    def start(self) -> ServerProcess:
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0", *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=self.env)
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + self.ready_timeout
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("the server did not become ready:\n" + self.output)
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = READY.search(line)
+            if m and not self._ready.is_set():
+                self.url = m.group(1)
+                self._ready.set()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL if needed; the exit status."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.wait(5)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """Split an SSE body into event payloads, checking the exact ``data: ...\\n\\n`` framing."""
+    if not raw.endswith(b"\n\n"):
+        raise AssertionError(f"the stream does not end with a blank line: {raw[-40:]!r}")
+    events = raw[:-2].split(b"\n\n")
+    for ev in events:
+        if not ev.startswith(b"data: ") or b"\n" in ev:
+            raise AssertionError(f"malformed SSE event: {ev[:80]!r}")
+    return [ev[len(b"data: "):] for ev in events]
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in a Prometheus text exposition (None if absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None

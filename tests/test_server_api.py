@@ -1,0 +1,250 @@
+"""The real server (subprocess, default model) through the official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+import requests
+
+from server.testing import ServerProcess, sse_events
+
+SERVER_ARGS = ["--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25",
+               "--max-model-len", "2048", "--dtype", "float32", "--log-level", "warning"]
+CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path):
+    with ServerProcess(SERVER_ARGS) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def aclient_factory(server):
+    return lambda: openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
+                                      max_retries=0)
+
+
+def chat_prompt_len(tok, messages) -> int:
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+def test_chat_stream_equals_whole(client, default_tokenizer):
+    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
+                                           max_tokens=16, temperature=0)
+    choice = whole.choices[0]
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert whole.usage.prompt_tokens == chat_prompt_len(default_tokenizer, CHAT)
+    assert whole.usage.completion_tokens == 16
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 16
+    assert whole.usage.prompt_tokens_details.cached_tokens >= 0
+    stream = client.chat.completions.create(messages=CHAT, model="SmolLM2-135M-Instruct",
+                                            max_tokens=16, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content == ""
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+
+
+def test_completion_stream_equals_whole(client, default_tokenizer):
+    whole = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                      max_tokens=12, temperature=0)
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
+    assert whole.usage.prompt_tokens == len(default_tokenizer.encode(PROMPT))
+    assert whole.usage.completion_tokens == 12
+    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                       max_tokens=12, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+
+
+def test_completion_default_max_tokens_and_prompt_lists(client):
+    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=[PROMPT, "Hi"],
+                                    temperature=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens <= 32
+    assert all(c.finish_reason in ("length", "stop") for c in out.choices)
+    ids = requests.post(client.base_url.join("/tokenize").__str__(),
+                        json={"prompt": PROMPT}).json()["tokens"]
+    by_ids = client.completions.create(model="SmolLM2-135M-Instruct", prompt=[ids, ids[:3]],
+                                       max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in by_ids.choices] == [0, 1, 2, 3]
+    assert by_ids.usage.prompt_tokens == len(ids) + 3
+
+
+def test_stop_string_never_leaks(client):
+    free = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                     max_tokens=24, temperature=0).choices[0].text
+    words = free.split()
+    stop = next(w for w in words[2:] if len(w) >= 3)
+    expected = free[:free.index(stop)]
+    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                    max_tokens=24, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == expected
+    streamed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                         max_tokens=24, temperature=0, stop=stop, stream=True)
+    text = "".join(c.choices[0].text for c in streamed)
+    assert text == expected and stop not in text
+
+
+def test_n2_stream_carries_indexes(client):
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
+                                            max_tokens=8, temperature=0.8, seed=7, n=2,
+                                            stream=True)
+    firsts: dict[int, object] = {}
+    finishes: dict[int, int] = {0: 0, 1: 0}
+    for chunk in stream:
+        (choice,) = chunk.choices
+        firsts.setdefault(choice.index, choice.delta)
+        if choice.finish_reason is not None:
+            finishes[choice.index] += 1
+    assert set(firsts) == {0, 1}
+    assert all(d.role == "assistant" and d.content == "" for d in firsts.values())
+    assert finishes == {0: 1, 1: 1}
+
+
+def test_same_seed_same_text(client):
+    kw = dict(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=12, temperature=1.0,
+              seed=1234)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    assert a == b
+
+
+def test_chat_logprobs_shape(client):
+    out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
+                                         max_tokens=5, temperature=0, logprobs=True,
+                                         top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 5
+    for item in content:
+        assert isinstance(item.token, str) and item.logprob <= 0
+        assert bytes(item.bytes).decode("utf-8", "replace") == item.token
+        assert len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[-1].logprob
+    assert content[0].token == content[0].top_logprobs[0].token  # greedy picks the top one
+
+
+def test_completion_logprobs_shape(client):
+    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                    max_tokens=5, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert len(lp.text_offset) == 5 and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+    streamed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                         max_tokens=5, temperature=0, logprobs=2, stream=True)
+    offsets = [o for c in streamed if c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
+def test_echo(client):
+    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                    max_tokens=3, temperature=0, echo=True)
+    assert out.choices[0].text.startswith(PROMPT)
+
+
+def test_usage_chunk_when_asked(client):
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
+                                            max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+async def _raw_stream(url: str, body: dict) -> tuple[aiohttp.ClientResponse, bytes]:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        return r, await r.read()
+
+
+def test_sse_framing_raw_bytes(server):
+    body = {"messages": CHAT, "max_tokens": 6, "temperature": 0, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    resp, raw = asyncio.run(_raw_stream(server.url + "/v1/chat/completions", body))
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(raw)
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    finish = [c["choices"][0]["index"] for c in chunks
+              if c["choices"] and c["choices"][0]["finish_reason"] is not None]
+    assert sorted(finish) == [0, 1]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert all("index" in ch for c in chunks for ch in c["choices"])
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def test_async_client_concurrent_streams(aclient_factory):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", max_tokens=8, temperature=0, stream=True,
+            messages=[{"role": "user", "content": f"Count to {i + 3}."}])
+        text, reason = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def main() -> list[tuple[str, str | None]]:
+        client = aclient_factory()
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(4)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert all(text and reason in ("length", "stop") for text, reason in results)
+
+
+def test_models_version_tokenize_health(server, client, default_tokenizer):
+    models = client.models.list()
+    (m,) = models.data
+    assert m.id == "SmolLM2-135M-Instruct" and m.object == "model"
+    assert m.model_extra["max_model_len"] == 2048
+    assert requests.get(server.url + "/version").json()["version"]
+    r = requests.get(server.url + "/health")
+    assert r.status_code == 200 and r.content == b""
+    tok = requests.post(server.url + "/tokenize", json={"messages": CHAT}).json()
+    assert tok["count"] == len(tok["tokens"]) == chat_prompt_len(default_tokenizer, CHAT)
+    assert tok["max_model_len"] == 2048
+    ids = requests.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    back = requests.post(server.url + "/detokenize", json={"tokens": ids}).json()
+    assert back["prompt"] == PROMPT
+
+
+def test_metrics_exposition(server, client):
+    client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=3,
+                              temperature=0)
+    text = requests.get(server.url + "/metrics").text
+    for name in ("pagedserve:num_requests_running", "pagedserve:num_requests_waiting",
+                 "pagedserve:kv_cache_usage_perc", "pagedserve:prompt_tokens_total",
+                 "pagedserve:generation_tokens_total", "pagedserve:num_preemptions_total",
+                 "pagedserve:prefix_cache_queries_total", "pagedserve:prefix_cache_hits_total",
+                 'pagedserve:request_success_total{finished_reason="length"',
+                 "pagedserve:time_to_first_token_seconds_bucket",
+                 "pagedserve:inter_token_latency_seconds_bucket",
+                 "pagedserve:e2e_request_latency_seconds_bucket",
+                 "pagedserve:request_queue_time_seconds_bucket"):
+        assert name in text, name
