@@ -31,6 +31,10 @@ logger = logging.getLogger("engine.async")
 _IDLE_WAIT_S = 1.0
 """How long the idle engine thread sleeps between heartbeats when nothing wakes it."""
 
+STALL_TIMEOUT_S = 120.0
+"""An engine thread that has not finished a step (or an idle heartbeat) for this long is
+reported unhealthy: a step that hangs turns ``/health`` to 503."""
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can make progress."""
@@ -94,6 +98,7 @@ class AsyncEngine:
         self.on_snapshot: Callable[[EngineSnapshot], None] | None = None
         """Called on the loop with each new snapshot (metrics hook)."""
         self.last_progress = time.monotonic()
+        self.stall_timeout = STALL_TIMEOUT_S
 
     # -- lifecycle (any thread) ---------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -114,6 +119,11 @@ class AsyncEngine:
         """True while the engine thread runs and has not failed."""
         return (self._dead is None and self._thread is not None
                 and self._thread.is_alive())
+
+    @property
+    def is_healthy(self) -> bool:
+        """Alive and progressing: the last step or idle heartbeat is recent."""
+        return self.is_alive and time.monotonic() - self.last_progress < self.stall_timeout
 
     @property
     def error(self) -> BaseException | None:

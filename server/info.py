@@ -22,9 +22,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 with an empty body while the engine thread is alive; 503 otherwise."""
+    """200 with an empty body while the engine thread is alive and progressing; else 503."""
     state = request.app[STATE_KEY]
-    return web.Response(status=200 if state.engine.is_alive else 503)
+    return web.Response(status=200 if state.engine.is_healthy else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -65,6 +65,10 @@ def chat_params(req: ChatCompletionRequest) -> tuple[SamplingParams, str]:
         raise bad_request(
             f"response_format type {req.response_format.type!r} is not supported; "
             "only 'text' is", "response_format")
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        raise bad_request("only the 'text' modality is supported", "modalities")
+    if req.audio is not None:
+        raise bad_request("audio output is not supported", "audio")
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     kw = _common(req)

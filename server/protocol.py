@@ -80,6 +80,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
     add_generation_prompt: bool | None = None
 
 

@@ -17,9 +17,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 logger = logging.getLogger("server.testing")
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"pagedserve ready on (http://\S+)")
 
 
@@ -39,7 +41,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=self.env)
+                                     text=True, env=self.env, cwd=REPO_ROOT)
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + self.ready_timeout
         while not self._ready.wait(0.1):

@@ -103,6 +103,21 @@ def test_stop_string_never_leaks(client):
     assert text == expected and stop not in text
 
 
+def test_include_stop_str_and_logit_bias(client, default_tokenizer):
+    free = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                     max_tokens=24, temperature=0).choices[0].text
+    stop = next(w for w in free.split()[2:] if len(w) >= 3)
+    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                    max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body={"include_stop_str_in_output": True})
+    assert out.choices[0].text == free[:free.index(stop) + len(stop)]
+    (tid,) = default_tokenizer.encode(" banana", add_special_tokens=False)[:1]
+    biased = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                       max_tokens=3, temperature=0, logprobs=0,
+                                       logit_bias={str(tid): 100})
+    assert biased.choices[0].logprobs.tokens == [default_tokenizer.decode([tid])] * 3
+
+
 def test_n2_stream_carries_indexes(client):
     stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
                                             max_tokens=8, temperature=0.8, seed=7, n=2,

@@ -65,6 +65,7 @@ CASES = {
     "tool_choice": (CHAT, chat(tool_choice="auto"), 400, "tool_choice"),
     "response_format": (CHAT, chat(response_format={"type": "json_object"}), 400,
                         "response_format"),
+    "modalities_audio": (CHAT, chat(modalities=["text", "audio"]), 400, "modalities"),
     "stream_options_without_stream": (CHAT, chat(stream_options={"include_usage": True}),
                                       400, "stream_options"),
     "completion_suffix": (COMP, comp(suffix="end"), 400, "suffix"),

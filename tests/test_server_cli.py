@@ -1,0 +1,59 @@
+"""The ``pagedserve`` command line: subcommands, and every EngineConfig field as a flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from server import cli
+from server.engine_args import config_from_args
+
+
+def _parse(*argv: str):
+    return cli.build_parser().parse_args(["serve", *argv])
+
+
+def test_every_engine_field_is_a_documented_flag(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for name in EngineConfig.field_names():
+        assert "--" + name.replace("_", "-") in text, name
+    for flag in ("--host", "--port", "--served-model-name", "--api-key",
+                 "--max-waiting-requests", "--shutdown-timeout", "--log-level",
+                 "--no-enable-prefix-caching", "--enforce-eager"):
+        assert flag in text, flag
+
+
+def test_defaults_equal_the_dataclass():
+    assert config_from_args(_parse()) == EngineConfig()
+
+
+def test_flags_map_to_fields_with_types():
+    args = _parse("--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25",
+                  "--no-enable-prefix-caching", "--enforce-eager", "--dtype", "float32",
+                  "--max-model-len", "none", "--model", "some/model")
+    cfg = config_from_args(args)
+    assert cfg.max_num_batched_tokens == 256 and cfg.kv_cache_memory_gb == 0.25
+    assert cfg.enable_prefix_caching is False and cfg.enforce_eager is True
+    assert cfg.dtype == "float32" and cfg.max_model_len is None and cfg.model == "some/model"
+
+
+def test_bad_values_are_rejected():
+    with pytest.raises(SystemExit):
+        _parse("--max-num-seqs", "many")
+    with pytest.raises(ValueError):
+        config_from_args(_parse("--dtype", "int3"))
+
+
+def test_serve_options():
+    args = _parse("my-model", "--port", "0", "--served-model-name", "a", "b",
+                  "--max-waiting-requests", "4", "--shutdown-timeout", "2.5")
+    assert args.model_tag == "my-model" and args.port == 0
+    assert args.served_model_name == ["a", "b"] and args.max_waiting_requests == 4
+    assert args.shutdown_timeout == 2.5
+
+
+def test_subcommand_hook():
+    assert ("serve", "server.serve_cli") in cli.SUBCOMMANDS
+    assert _parse()._run.__module__ == "server.serve_cli"
