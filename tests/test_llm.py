@@ -1,0 +1,137 @@
+"""The offline API as a user sees it: sampling, n, stops, errors, dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.llm_engine import PromptTooLongError
+from engine.sampling_params import SamplingParamError
+
+PROMPTS = [
+    "The three most important inventions of the twentieth century are",
+    "Here is a short poem about the sea:",
+    "def quicksort(arr):",
+    "My favourite recipe for a rainy day is",
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(kv_cache_memory_gb=0.25, max_num_batched_tokens=64)
+
+
+def texts(outs):
+    return [o.outputs[0].text for o in outs]
+
+
+def test_outputs_in_input_order_with_metadata(llm):
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    assert [o.prompt for o in outs] == PROMPTS
+    for o, p in zip(outs, PROMPTS):
+        assert o.finished and o.prompt_token_ids == tok.encode(p)
+        c = o.outputs[0]
+        assert c.index == 0 and c.finish_reason in ("stop", "length")
+        assert len(c.token_ids) <= 8
+        assert o.metrics.first_token_time >= o.metrics.arrival_time
+    assert llm.engine.kv.stats().num_used_blocks == 0
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=1234)
+    alone = llm.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=12, seed=7 + i) for i in range(3)]
+    mixed = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]],
+                         [others[0], sp, others[1], others[2]], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+    again = llm.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == alone
+    other_seed = llm.generate(PROMPTS[1], sp.clone(seed=99), use_tqdm=False)
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_top_k_one_equals_greedy(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    topk1 = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=12),
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in topk1]
+
+
+def test_stop_strings_never_appear(llm):
+    base = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    for o in base:
+        text = o.outputs[0].text
+        if len(text) < 6:
+            continue
+        stop = text[3:6]  # appears in the greedy text: must end the output right before it
+        out = llm.generate(o.prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+                           use_tqdm=False)[0].outputs[0]
+        assert stop not in out.text
+        assert out.text == text[: text.find(stop)]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        kept = llm.generate(o.prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                                     include_stop_str_in_output=True),
+                            use_tqdm=False)[0].outputs[0]
+        assert kept.text == text[: text.find(stop) + len(stop)]
+
+
+def test_n_gives_n_outputs(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=3),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert llm.engine.kv.stats().num_used_blocks == 0
+
+
+def test_n_without_prefix_caching_forks_prompt_blocks():
+    llm = LLM(kv_cache_memory_gb=0.25, enable_prefix_caching=False)
+    prompt = " ".join(["word"] * 60)
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=0, max_tokens=6), use_tqdm=False)
+    one = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert all(c.token_ids == one[0].outputs[0].token_ids for c in out[0].outputs)
+    assert llm.engine.kv.stats().num_used_blocks == 0
+
+
+def test_logprobs(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for tid, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tid and len(lp.top) == 3
+        assert lp.top[0].rank == 1 and lp.top[0].token_id == tid  # greedy = rank 1
+        assert lp.logprob <= 0
+    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+
+
+def test_chat_template(llm):
+    out = llm.chat([{"role": "user", "content": "Say hi."}],
+                   SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    assert tok.decode(out.prompt_token_ids).endswith("<|im_start|>assistant\n")
+
+
+def test_bad_inputs_name_the_parameter(llm):
+    with pytest.raises(TypeError, match="unknown engine argument.*not_a_flag"):
+        LLM(not_a_flag=1)
+    with pytest.raises(SamplingParamError, match="temperature") as e:
+        SamplingParams(temperature=-1)
+    assert e.value.param == "temperature"
+    with pytest.raises(SamplingParamError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(SamplingParamError, match="logprobs"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(PromptTooLongError, match="maximum context length is 8192"):
+        llm.generate("hi", SamplingParams(max_tokens=9000), use_tqdm=False)
+    with pytest.raises(PromptTooLongError, match="out of range"):
+        llm.generate({"prompt_token_ids": [1, 10**9]}, SamplingParams(), use_tqdm=False)
+    # A rejected batch queues nothing.
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bfloat16_on_cpu():
+    llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.1)
+    assert llm.engine.worker.kv_cache.dtype == torch.bfloat16
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 1 and out[0].outputs[0].text
