@@ -1,0 +1,757 @@
+"""Online serving benchmark: stream requests at a running OpenAI-compatible server.
+
+An asyncio client (aiohttp) sends ``--num-prompts`` streaming requests
+(``stream_options.include_usage``) to ``/v1/completions`` or ``/v1/chat/completions``,
+shaped by a Poisson request rate (``--request-rate``, gamma-distributed gaps with
+``--burstiness``; ``inf`` sends everything at once) and/or ``--max-concurrency``. Every
+SSE stream is validated as it arrives: exact ``data: ...`` framing, exactly one finish
+chunk per choice, ``[DONE]`` last, the usage chunk present; a violation fails the request
+unless ``--no-strict-streams``.
+
+Reported: successful/failed requests, stream violations, duration, request throughput,
+output and total token throughput (tokens from the server's ``usage``), and the mean,
+median and p99 of TTFT (time to the first chunk with content), TPOT
+((latency - TTFT) / (output tokens - 1)), ITL (gaps between content chunks) and
+end-to-end latency. ``--check-metrics`` puts the server's own TTFT/E2E/ITL histogram
+means for the same run next to the client's; ``--sweep 1,8,32`` repeats the run over
+concurrencies and plots throughput and p99 latencies (PNG).
+
+Example::
+
+    pagedserve serve --port 8000 &
+    pagedserve bench serve --port 8000 --dataset random --random-input-len 128 \\
+        --random-output-len 64 --num-prompts 64 --max-concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtest.datasets import DATASETS, SampleRequest
+
+logger = logging.getLogger("loadtest.serve_bench")
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+SERVER_HISTOGRAMS = {
+    "ttft": "pagedserve:time_to_first_token_seconds",
+    "e2e": "pagedserve:e2e_request_latency_seconds",
+    "itl": "pagedserve:inter_token_latency_seconds",
+}
+"""Server-side histograms compared with the client's numbers by ``--check-metrics``."""
+
+
+# -- stream validation -------------------------------------------------------------------
+class StreamChecker:
+    """Incremental parser and validator of one OpenAI SSE response body.
+
+    Feed it the body as it arrives (:meth:`feed`, any split of the bytes), then call
+    :meth:`close`. It records the arrival time of every chunk that carries content,
+    the generated text, the ``usage`` object, an in-stream ``error`` and every
+    violation of the streaming contract:
+
+    - an event that is not exactly ``data: <payload>`` followed by a blank line;
+    - a payload that is not JSON (other than ``[DONE]``);
+    - anything after ``data: [DONE]``, or a stream that ends without it;
+    - a choice with zero or several chunks carrying a ``finish_reason``, or content after
+      its finish chunk;
+    - no ``usage`` when it was requested, or a usage-only chunk before a finish chunk.
+    """
+
+    def __init__(self, expected_choices: int = 1, expect_usage: bool = True) -> None:
+        self.expected_choices = expected_choices
+        self.expect_usage = expect_usage
+        self.buffer = b""
+        self.num_events = 0
+        self.done = False
+        self.closed = False
+        self.content_times: list[float] = []
+        self.text_parts: list[str] = []
+        self.finish_counts: dict[int, int] = {}
+        self.finish_reasons: dict[int, str] = {}
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.violations: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """The concatenated content of every choice, in arrival order."""
+        return "".join(self.text_parts)
+
+    def _violation(self, msg: str) -> None:
+        if msg not in self.violations:
+            self.violations.append(msg)
+
+    def feed(self, data: bytes, now: float | None = None) -> None:
+        """Parse the complete events in ``data`` (plus what was buffered before)."""
+        now = time.perf_counter() if now is None else now
+        self.buffer += data
+        while True:
+            end = self.buffer.find(b"\n\n")
+            if end < 0:
+                return
+            event, self.buffer = self.buffer[:end], self.buffer[end + 2:]
+            self._event(event, now)
+
+    def _event(self, event: bytes, now: float) -> None:
+        self.num_events += 1
+        if event.startswith(b":"):  # an SSE comment (keep-alive)
+            return
+        if not event.startswith(b"data: ") or b"\n" in event:
+            self._violation(f"malformed SSE event: {event[:80]!r}")
+            return
+        payload = event[len(b"data: "):]
+        if self.done:
+            self._violation("event after [DONE]")
+            return
+        if payload.strip() == b"[DONE]":
+            self.done = True
+            return
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            self._violation(f"payload is not JSON: {payload[:80]!r}")
+            return
+        if not isinstance(chunk, dict):
+            self._violation(f"payload is not a JSON object: {payload[:80]!r}")
+            return
+        if chunk.get("error") is not None:
+            err = chunk["error"]
+            self.error = str(err.get("message", err) if isinstance(err, dict) else err)
+            return
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            self._violation("chunk without a 'choices' list")
+            return
+        if chunk.get("usage") is not None:
+            if self.usage is not None:
+                self._violation("more than one chunk carries usage")
+            self.usage = chunk["usage"]
+            if not choices and len(self.finish_counts) < self.expected_choices:
+                self._violation("usage chunk before the finish chunks")
+        has_content = False
+        for choice in choices:
+            idx = int(choice.get("index", 0))
+            delta = choice.get("delta")
+            content = (delta.get("content") if isinstance(delta, dict)
+                       else choice.get("text"))
+            if content:
+                if self.finish_counts.get(idx):
+                    self._violation(f"choice {idx} has content after its finish chunk")
+                self.text_parts.append(content)
+                has_content = True
+            if choice.get("finish_reason") is not None:
+                self.finish_counts[idx] = self.finish_counts.get(idx, 0) + 1
+                self.finish_reasons[idx] = choice["finish_reason"]
+        if has_content:
+            self.content_times.append(now)
+
+    def close(self) -> list[str]:
+        """Finish checking at the end of the body; the violations found."""
+        if self.closed:
+            return self.violations
+        self.closed = True
+        if self.buffer.strip():
+            self._violation(f"body ends inside an event: {self.buffer[:80]!r}")
+        if self.error is not None:
+            return self.violations
+        if not self.done:
+            self._violation("stream ended without data: [DONE]")
+        for idx in range(self.expected_choices):
+            n = self.finish_counts.get(idx, 0)
+            if n != 1:
+                self._violation(f"choice {idx} has {n} finish chunks (expected exactly 1)")
+        extra = sorted(set(self.finish_counts) - set(range(self.expected_choices)))
+        if extra:
+            self._violation(f"finish chunks for unexpected choice indices {extra}")
+        if self.expect_usage and self.usage is None:
+            self._violation("no usage although stream_options.include_usage was set")
+        return self.violations
+
+
+# -- one request -------------------------------------------------------------------------
+@dataclass(slots=True)
+class RequestResult:
+    """What the client measured for one request (times in seconds)."""
+
+    success: bool = False
+    error: str = ""
+    status: int = 0
+    start: float = 0.0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    usage_reported: bool = False
+    violations: list[str] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """(latency - TTFT) / (output tokens - 1); None for a one-token output."""
+        if self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def build_payload(sample: SampleRequest, endpoint: str, model: str, *, temperature: float = 0.0,
+                  ignore_eos: bool = True, extra_body: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """The JSON body of a streaming request for ``sample``."""
+    body: dict[str, Any] = {"model": model, "max_tokens": sample.expected_output_len,
+                            "temperature": temperature, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if endpoint.endswith("/chat/completions"):
+        if not sample.messages:
+            raise ValueError("the chat endpoint needs messages (load the dataset with a "
+                             "tokenizer)")
+        body["messages"] = sample.messages
+    else:
+        body["prompt"] = sample.prompt
+    if ignore_eos:
+        body["ignore_eos"] = True
+    body.update(extra_body or {})
+    return body
+
+
+async def send_request(session: Any, url: str, payload: dict[str, Any], *,
+                       prompt_len: int = 0, strict: bool = True,
+                       count_tokens: Any | None = None,
+                       headers: dict[str, str] | None = None) -> RequestResult:
+    """POST one streaming request and validate its stream; never raises.
+
+    ``count_tokens(text) -> int`` counts output tokens when the server reports no usage
+    (otherwise the number of content chunks is used). With ``strict`` a stream violation
+    fails the request.
+    """
+    import aiohttp
+
+    res = RequestResult(prompt_tokens=prompt_len)
+    checker = StreamChecker(expected_choices=int(payload.get("n", 1)),
+                            expect_usage=bool((payload.get("stream_options") or {})
+                                              .get("include_usage")))
+    res.start = start = time.perf_counter()
+    try:
+        async with session.post(url, json=payload, headers=headers) as resp:
+            res.status = resp.status
+            if resp.status != 200:
+                body = (await resp.text())[:300]
+                res.error = f"HTTP {resp.status}: {body}"
+                res.latency = time.perf_counter() - start
+                return res
+            async for data in resp.content.iter_any():
+                checker.feed(data, time.perf_counter())
+        res.latency = time.perf_counter() - start
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        res.latency = time.perf_counter() - start
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.violations = checker.close()
+    res.text = checker.text
+    times = checker.content_times
+    if times:
+        res.ttft = times[0] - start
+        res.itl = [b - a for a, b in zip(times, times[1:], strict=False)]
+    usage = checker.usage or {}
+    if usage.get("completion_tokens") is not None:
+        res.usage_reported = True
+        res.output_tokens = int(usage["completion_tokens"])
+        res.prompt_tokens = int(usage.get("prompt_tokens") or prompt_len)
+    elif count_tokens is not None:
+        res.output_tokens = count_tokens(res.text)
+    else:
+        res.output_tokens = len(times)
+    if checker.error is not None:
+        res.error = f"error event: {checker.error}"
+    elif not times:
+        res.error = "no chunk carried content"
+    elif strict and res.violations:
+        res.error = "stream violation: " + "; ".join(res.violations)
+    else:
+        res.success = True
+    return res
+
+
+# -- a whole run -------------------------------------------------------------------------
+def arrival_gaps(n: int, request_rate: float, burstiness: float = 1.0,
+                 seed: int = 0) -> list[float]:
+    """Seconds to wait before each of ``n`` requests.
+
+    Gamma-distributed with shape ``burstiness`` and mean ``1 / request_rate`` (shape 1 is
+    a Poisson process; smaller is burstier); all zeros for an infinite rate.
+    """
+    if request_rate <= 0:
+        raise ValueError(f"request rate {request_rate} must be > 0")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness {burstiness} must be > 0")
+    if math.isinf(request_rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    theta = 1.0 / (request_rate * burstiness)
+    return [rng.gammavariate(burstiness, theta) for _ in range(n)]
+
+
+def _stats(values: Sequence[float], scale: float = 1000.0) -> dict[str, float]:
+    """mean/median/p99 (and std) of ``values`` times ``scale`` (ms by default)."""
+    import numpy as np
+
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0, "std": 0.0}
+    a = np.asarray(values, dtype=np.float64) * scale
+    return {"mean": float(a.mean()), "median": float(np.median(a)),
+            "p99": float(np.percentile(a, 99)), "std": float(a.std())}
+
+
+def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, Any]:
+    """The benchmark report of a run (latencies in milliseconds)."""
+    ok = [r for r in results if r.success]
+    failed = [r for r in results if not r.success]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    errors: dict[str, int] = {}
+    for r in failed:
+        key = r.error.split(":", 1)[0] if r.error.startswith("HTTP") else r.error[:120]
+        errors[key] = errors.get(key, 0) + 1
+    duration = max(duration, 1e-9)
+    return {
+        "successful_requests": len(ok),
+        "failed_requests": len(failed),
+        "stream_violations": sum(1 for r in results if r.violations),
+        "errors": errors,
+        "usage_reported": all(r.usage_reported for r in ok) if ok else False,
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats([t for r in ok if (t := r.tpot) is not None]),
+        "itl_ms": _stats([g for r in ok for g in r.itl]),
+        "e2el_ms": _stats([r.latency for r in ok]),
+    }
+
+
+async def run_benchmark(
+    base_url: str,
+    samples: Sequence[SampleRequest],
+    *,
+    endpoint: str = "/v1/completions",
+    model: str | None = None,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+    extra_body: dict[str, Any] | None = None,
+    strict: bool = True,
+    count_tokens: Any | None = None,
+    api_key: str | None = None,
+    timeout: float = 6 * 3600,
+    check_metrics: bool = False,
+    num_warmups: int = 0,
+    show_progress: bool = False,
+) -> dict[str, Any]:
+    """Run the benchmark against ``base_url``; the report of :func:`summarize` plus the run's
+    parameters, the per-request results (``"requests"``) and, with ``check_metrics``, the
+    server-side comparison (``"server_metrics"``).
+    """
+    import aiohttp
+
+    base_url = base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(connector=conn, timeout=client_timeout,
+                                     headers=headers) as session:
+        if model is None:
+            model = await fetch_model_name(session, base_url)
+        url = base_url + endpoint
+
+        async def one(sample: SampleRequest) -> RequestResult:
+            payload = build_payload(sample, endpoint, model, temperature=temperature,
+                                    ignore_eos=ignore_eos, extra_body=extra_body)
+            return await send_request(session, url, payload, prompt_len=sample.prompt_len,
+                                      strict=strict, count_tokens=count_tokens)
+
+        for sample in list(samples)[:num_warmups]:
+            await one(sample)
+        before = await fetch_metrics(session, base_url) if check_metrics else None
+
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        gaps = arrival_gaps(len(samples), request_rate, burstiness, seed)
+        done_count = 0
+
+        async def limited(sample: SampleRequest) -> RequestResult:
+            nonlocal done_count
+            if sem is None:
+                r = await one(sample)
+            else:
+                async with sem:
+                    r = await one(sample)
+            done_count += 1
+            if show_progress and (done_count % max(1, len(samples) // 10) == 0
+                                  or done_count == len(samples)):
+                print(f"  {done_count}/{len(samples)} done", file=sys.stderr, flush=True)
+            return r
+
+        tasks = []
+        t0 = time.perf_counter()
+        for sample, gap in zip(samples, gaps, strict=True):
+            if gap > 0:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(sample)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+
+        report = summarize(results, duration)
+        report.update({
+            "base_url": base_url, "endpoint": endpoint, "model": model,
+            "num_prompts": len(samples),
+            "request_rate": "inf" if math.isinf(request_rate) else request_rate,
+            "burstiness": burstiness, "max_concurrency": max_concurrency,
+            "strict_streams": strict,
+        })
+        if check_metrics:
+            after = await fetch_metrics(session, base_url)
+            report["server_metrics"] = compare_server_metrics(before or "", after, report)
+    report["requests"] = [asdict(r) | {"tpot": r.tpot} for r in results]
+    return report
+
+
+async def fetch_model_name(session: Any, base_url: str) -> str:
+    """The first model id of ``GET /v1/models``."""
+    async with session.get(base_url + "/v1/models") as resp:
+        resp.raise_for_status()
+        data = await resp.json()
+    return data["data"][0]["id"]
+
+
+async def fetch_metrics(session: Any, base_url: str) -> str:
+    """The Prometheus text of ``GET /metrics``."""
+    async with session.get(base_url + "/metrics") as resp:
+        resp.raise_for_status()
+        return await resp.text()
+
+
+# -- server metrics ----------------------------------------------------------------------
+def metric_total(text: str, name: str) -> float | None:
+    """The sum over label sets of sample ``name`` in a Prometheus text (None if absent)."""
+    total: float | None = None
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        rest = line[len(name):]
+        if rest[:1] not in ("{", " "):
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        total = value if total is None else total + value
+    return total
+
+
+def histogram_mean(before: str, after: str, name: str) -> tuple[float | None, int]:
+    """Mean (seconds) and count of histogram ``name`` observed between two scrapes."""
+    s1, c1 = metric_total(after, name + "_sum"), metric_total(after, name + "_count")
+    if s1 is None or c1 is None:
+        return None, 0
+    s0 = metric_total(before, name + "_sum") or 0.0
+    c0 = metric_total(before, name + "_count") or 0.0
+    n = int(round(c1 - c0))
+    return ((s1 - s0) / n if n > 0 else None), n
+
+
+def compare_server_metrics(before: str, after: str, report: dict[str, Any]) -> dict[str, Any]:
+    """Server histogram means over the run next to the client's means (ms)."""
+    client = {"ttft": report["ttft_ms"]["mean"], "e2e": report["e2el_ms"]["mean"],
+              "itl": report["itl_ms"]["mean"]}
+    out: dict[str, Any] = {}
+    for key, name in SERVER_HISTOGRAMS.items():
+        mean, n = histogram_mean(before, after, name)
+        out[key] = {"server_mean_ms": None if mean is None else mean * 1000.0,
+                    "server_count": n, "client_mean_ms": client[key]}
+    return out
+
+
+def server_idle_problems(metrics_text: str) -> list[str]:
+    """Why the server is not idle with an empty KV cache (empty list: it is).
+
+    Checks ``pagedserve:kv_cache_usage_perc`` == 0 and no running or waiting request.
+    """
+    problems = []
+    for name in ("pagedserve:kv_cache_usage_perc", "pagedserve:num_requests_running",
+                 "pagedserve:num_requests_waiting"):
+        v = metric_total(metrics_text, name)
+        if v is None:
+            problems.append(f"{name} is missing")
+        elif v != 0:
+            problems.append(f"{name} = {v:g} (expected 0)")
+    return problems
+
+
+def run_problems(report: dict[str, Any]) -> list[str]:
+    """Why a run is not clean: failed requests, stream violations (empty list: clean)."""
+    problems = []
+    if report["failed_requests"]:
+        problems.append(f"{report['failed_requests']} failed requests: "
+                        f"{json.dumps(report.get('errors', {}))}")
+    if report["stream_violations"]:
+        problems.append(f"{report['stream_violations']} requests with stream violations")
+    if report["successful_requests"] != report.get("num_prompts", report["successful_requests"]):
+        problems.append(f"{report['successful_requests']} successful of "
+                        f"{report['num_prompts']} requests")
+    return problems
+
+
+async def wait_server_idle(base_url: str, timeout: float = 10.0) -> list[str]:
+    """Poll ``/metrics`` until :func:`server_idle_problems` is empty or ``timeout`` passes;
+    the last problems found."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            problems = server_idle_problems(await fetch_metrics(session, base_url.rstrip("/")))
+            if not problems or time.monotonic() > deadline:
+                return problems
+            await asyncio.sleep(0.2)
+
+
+# -- report ------------------------------------------------------------------------------
+def format_report(r: dict[str, Any]) -> str:
+    """The human-readable report of one run."""
+    w = 48
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w + 14, c="=")]
+
+    def row(label: str, value: Any) -> None:
+        lines.append(f"{label:<{w}}{value:>14}")
+
+    row("Successful requests:", r["successful_requests"])
+    row("Failed requests:", r["failed_requests"])
+    row("Requests with stream violations:", r["stream_violations"])
+    row("Maximum request concurrency:", r.get("max_concurrency") or "-")
+    row("Request rate (req/s):", r.get("request_rate", "inf"))
+    row("Benchmark duration (s):", f"{r['duration_s']:.2f}")
+    row("Total input tokens:", r["total_input_tokens"])
+    row("Total generated tokens:", r["total_output_tokens"])
+    row("Request throughput (req/s):", f"{r['request_throughput']:.2f}")
+    row("Output token throughput (tok/s):", f"{r['output_throughput']:.2f}")
+    row("Total token throughput (tok/s):", f"{r['total_token_throughput']:.2f}")
+    for key, title in (("ttft_ms", "Time to First Token"),
+                       ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+                       ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
+        lines.append("{s:{c}^{n}}".format(s=f" {title} ", n=w + 14, c="-"))
+        name = key.split("_")[0].upper()
+        for stat in ("mean", "median", "p99"):
+            row(f"{stat.capitalize()} {name} (ms):", f"{r[key][stat]:.2f}")
+    if r.get("errors"):
+        lines.append("errors: " + json.dumps(r["errors"]))
+    if "server_metrics" in r:
+        lines.append("{s:{c}^{n}}".format(s=" Server /metrics vs client (mean, ms) ",
+                                          n=w + 14, c="-"))
+        for key, m in r["server_metrics"].items():
+            sm = m["server_mean_ms"]
+            lines.append(f"{key.upper():<6} server {sm if sm is None else f'{sm:10.2f}'}"
+                         f" (n={m['server_count']})   client {m['client_mean_ms']:10.2f}")
+    lines.append("=" * (w + 14))
+    return "\n".join(lines)
+
+
+def plot_sweep(reports: Sequence[dict[str, Any]], path: Path, title: str = "") -> None:
+    """PNG of output throughput and p99 TTFT/E2E latency against max concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conc = [r["max_concurrency"] for r in reports]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax1.plot(conc, [r["output_throughput"] for r in reports], "o-")
+    ax1.set_xlabel("max concurrency")
+    ax1.set_ylabel("output throughput (tok/s)")
+    ax1.set_xscale("log", base=2)
+    ax1.grid(True, alpha=0.3)
+    ax2.plot(conc, [r["ttft_ms"]["p99"] for r in reports], "o-", label="p99 TTFT")
+    ax2.plot(conc, [r["e2el_ms"]["p99"] for r in reports], "s-", label="p99 E2E latency")
+    ax2.set_xlabel("max concurrency")
+    ax2.set_ylabel("latency (ms)")
+    ax2.set_xscale("log", base=2)
+    ax2.grid(True, alpha=0.3)
+    ax2.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- command line ------------------------------------------------------------------------
+def _rate(text: str) -> float:
+    v = float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0 (or inf)")
+    return v
+
+
+def _concurrencies(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                         "integers") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: concurrencies must be >= 1")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``pagedserve bench serve``."""
+    s = p.add_argument_group("server")
+    s.add_argument("--base-url", default=None,
+                   help="server URL, e.g. http://127.0.0.1:8000 (overrides --host/--port)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    s.add_argument("--model", default=None,
+                   help="'model' of the requests (default: the first of GET /v1/models)")
+    s.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder or hub id for building prompts (default: the "
+                        "embedded default model's)")
+    s.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset", default="random", choices=DATASETS)
+    d.add_argument("--num-prompts", type=int, default=100)
+    d.add_argument("--random-input-len", type=int, default=128)
+    d.add_argument("--random-output-len", type=int, default=64)
+    d.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (default: %(default)s)")
+    d.add_argument("--random-prefix-len", type=int, default=0,
+                   help="tokens of a random prefix shared by every prompt")
+    d.add_argument("--prompt-as-text", action="store_true",
+                   help="send random prompts to /v1/completions as decoded text instead of "
+                        "token ids (for servers that take only strings)")
+    d.add_argument("--conversation-output-len", type=int, default=None,
+                   help="output length of every conversation request (default: the "
+                        "reference reply's length)")
+    d.add_argument("--seed", type=int, default=0)
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=_rate, default=math.inf,
+                      help="requests per second, Poisson arrivals; inf sends all at once "
+                           "(default: %(default)s)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the arrival gaps; 1 = Poisson (default: %(default)s)")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="most requests in flight at once (default: unbounded)")
+    load.add_argument("--sweep", type=_concurrencies, default=None, metavar="C1,C2,...",
+                      help="repeat the run at each max concurrency and plot the results")
+    load.add_argument("--plot", default=None, metavar="FILE.png",
+                      help="sweep plot (default: next to --save-result, else "
+                           "results/serve_sweep.png)")
+    load.add_argument("--num-warmups", type=int, default=0,
+                      help="requests sent one by one before the measured run")
+    r = p.add_argument_group("requests")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="send ignore_eos so every output has its requested length")
+    r.add_argument("--extra-body", default=None, metavar="JSON",
+                   help="JSON object merged into every request body")
+    r.add_argument("--strict-streams", action=argparse.BooleanOptionalAction, default=True,
+                   help="count a request with a stream violation as failed")
+    r.add_argument("--timeout", type=float, default=6 * 3600.0, help="per-request timeout (s)")
+    o = p.add_argument_group("output")
+    o.add_argument("--check-metrics", action="store_true",
+                   help="compare the server's /metrics latency histograms with the client's")
+    o.add_argument("--save-result", default=None, metavar="FILE.json",
+                   help="write the report(s) as JSON")
+    o.add_argument("--save-detailed", action="store_true",
+                   help="include every request's measurements in --save-result")
+    o.add_argument("--fail-on-error", action="store_true",
+                   help="exit with status 1 if any request failed")
+
+
+def build_samples(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
+    """The request set named by the dataset flags."""
+    from loadtest.datasets import conversation_dataset, random_dataset, vocabulary_ids
+
+    if args.dataset == "random":
+        return random_dataset(vocabulary_ids(tokenizer), args.num_prompts,
+                              args.random_input_len, args.random_output_len,
+                              args.random_range_ratio, args.random_prefix_len, args.seed,
+                              tokenizer=tokenizer, as_text=args.prompt_as_text)
+    return conversation_dataset(tokenizer, args.num_prompts, args.seed,
+                                output_len=args.conversation_output_len)
+
+
+def load_bench_tokenizer(name: str | None) -> Any:
+    """The tokenizer of ``name`` (a folder or hub id), or of the embedded default model."""
+    from engine.loader import load_tokenizer, resolve_model_path
+
+    return load_tokenizer(resolve_model_path(name))
+
+
+def main(args: argparse.Namespace) -> dict[str, Any] | list[dict[str, Any]]:
+    """Run ``pagedserve bench serve``; the report (a list of reports for a sweep)."""
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    extra = json.loads(args.extra_body) if args.extra_body else None
+    if extra is not None and not isinstance(extra, dict):
+        raise SystemExit("error: --extra-body must be a JSON object")
+    tokenizer = load_bench_tokenizer(args.tokenizer)
+    samples = build_samples(args, tokenizer)
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    concurrencies: list[int | None] = list(args.sweep) if args.sweep else [args.max_concurrency]
+    reports = []
+    for conc in concurrencies:
+        print(f"bench serve: {len(samples)} {args.dataset} prompts -> {base_url}{args.endpoint}"
+              f", max concurrency {conc or 'unbounded'}, rate {args.request_rate}",
+              file=sys.stderr, flush=True)
+        report = asyncio.run(run_benchmark(
+            base_url, samples, endpoint=args.endpoint, model=args.model,
+            request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=conc,
+            seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos,
+            extra_body=extra, strict=args.strict_streams, count_tokens=count_tokens,
+            api_key=args.api_key, timeout=args.timeout, check_metrics=args.check_metrics,
+            num_warmups=args.num_warmups, show_progress=True))
+        report["dataset"] = args.dataset
+        if args.dataset == "random":
+            report["random"] = {"input_len": args.random_input_len,
+                                "output_len": args.random_output_len,
+                                "range_ratio": args.random_range_ratio,
+                                "prefix_len": args.random_prefix_len}
+        print(format_report(report), flush=True)
+        if not args.save_detailed:
+            report.pop("requests", None)
+        reports.append(report)
+    if args.sweep:
+        plot = Path(args.plot) if args.plot else (
+            Path(args.save_result).with_suffix(".png") if args.save_result
+            else Path("results/serve_sweep.png"))
+        plot_sweep(reports, plot, title=f"{reports[0]['model']} {args.endpoint} "
+                                        f"({args.dataset}, {len(samples)} prompts)")
+        print(f"plot: {plot}")
+    result: dict[str, Any] | list[dict[str, Any]] = reports if args.sweep else reports[0]
+    if args.save_result:
+        path = Path(args.save_result)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"saved: {path}")
+    if args.fail_on_error and any(r["failed_requests"] for r in reports):
+        raise SystemExit(1)
+    return result
