@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
 from kernels.interface import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import DecodeGraphRunner
 
 logger = logging.getLogger("engine.model_runner")
 
@@ -43,6 +47,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(vocab_size)
+        self.decode_graphs: DecodeGraphRunner | None = None
+        """Set on CUDA (``engine.cuda_graphs``): runs decode-only steps as CUDA graphs."""
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
         # Decodes (one query token) first, then prefill chunks: the kernels' contract.
@@ -104,8 +110,11 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step. Returns the requests that sample and what they sampled."""
         step = self.prepare(sched, kv)
-        self.attn.prepare(step.meta, self.block_size)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.attn)
+        hidden = None if self.decode_graphs is None else self.decode_graphs.run(step)
+        if hidden is None:
+            self.attn.prepare(step.meta, self.block_size)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
+                                self.attn)
         if not step.sampling_reqs:
             return [], None
         logits = self.model.compute_logits(hidden[step.logits_indices])

@@ -85,6 +85,10 @@ class Worker:
         kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.runner = ModelRunner(self.model, self.attn, kv_caches, config.block_size,
                                   self.device, self.vocab_size)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from engine.cuda_graphs import capture_decode_graphs
+
+            self.runner.decode_graphs = capture_decode_graphs(self)
         capacity = num_blocks * config.block_size
         logger.info(
             "model %s (%s, %s) on %s loaded in %.1fs; attention backend: %s",

@@ -1,0 +1,137 @@
+"""The whole engine on the Triton attention backend gives the torch backend's greedy tokens.
+
+A tiny random model, prompts of non-block-multiple lengths and a small token budget, so
+that prefill chunks, mixed steps and decodes all run through the Triton kernels. The
+decode-only steps run a second time through the padded decode runner of
+:mod:`engine.cuda_graphs` (split-KV launches sized for ``max_model_len``, padded rows).
+
+Without CUDA the kernels run in the Triton interpreter, which must be switched on
+before triton is first imported: the Triton engine runs in a subprocess (this file run
+as a script, ``TRITON_INTERPRET=1``) and prints its tokens. With CUDA everything runs in
+this process, compiled, with the decode steps as captured CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+NEW_TOKENS = 8
+BATCHED_TOKENS = 16
+PROMPT_LENS = (21, 38)
+KV_GB = 0.25
+
+
+def write_tiny_model(out: Path, vocab_size: int = 49152, seed: int = 0) -> Path:
+    """A tiny random Llama (float32; 2 layers, hidden 64, GQA 4/2) with a synthetic
+    word-level tokenizer, so that it needs no downloaded files."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        pad_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():  # large weights: peaked logits, no greedy near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.15)
+            else:
+                p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(out)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="</s>")  # fmt: skip
+    fast.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny-llama-synthetic")))
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def engine_kwargs(backend: str, device: str, **extra) -> dict:
+    return dict(attention_backend=backend, device=device, dtype="float32",
+                max_num_batched_tokens=BATCHED_TOKENS, enable_prefix_caching=False,
+                kv_cache_memory_gb=KV_GB, max_num_seqs=4, **extra)  # fmt: skip
+
+
+def generate(llm) -> list[list[int]]:
+    from engine import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def triton_tokens_interpreted(model: str) -> dict[str, list[list[int]]]:
+    """Run in the subprocess: the Triton engine on the CPU, then again with its decode
+    steps on the padded decode runner (eager, as a graph would run them)."""
+    from engine import LLM
+    from engine.cuda_graphs import DecodeGraphRunner, capture_sizes
+
+    llm = LLM(model=model, **engine_kwargs("triton", "cpu"))
+    w = llm.engine.worker
+    assert w.attn.name == "triton"
+    eager = generate(llm)
+    runner = DecodeGraphRunner(w.model, w.attn, w.runner.kv_caches, w.config.block_size,
+                               w.max_model_len, capture_sizes(w.config.max_num_seqs),
+                               w.device, use_graphs=False)  # fmt: skip
+    w.runner.decode_graphs = runner
+    padded = generate(llm)
+    assert runner.num_replays >= NEW_TOKENS - 1, runner.num_replays
+    return {"eager": eager, "padded": padded}
+
+
+def test_triton_engine_matches_torch_backend(tiny_llama) -> None:
+    from engine import LLM
+
+    path = tiny_llama
+    device = "cuda" if CUDA else "cpu"
+    ref = generate(LLM(model=path, **engine_kwargs("torch", device)))
+    assert all(len(t) == NEW_TOKENS for t in ref)
+    if CUDA:
+        graphs = LLM(model=path, **engine_kwargs("triton", "cuda"))
+        runner = graphs.engine.worker.runner.decode_graphs
+        assert runner is not None and runner.use_graphs
+        got = {"graphs": generate(graphs)}
+        assert runner.num_replays >= NEW_TOKENS - 1
+        del graphs, runner
+        got["eager"] = generate(LLM(model=path, **engine_kwargs("triton", "cuda",
+                                                                enforce_eager=True)))  # fmt: skip
+    else:
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        root = Path(__file__).resolve().parent.parent
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        proc = subprocess.run([sys.executable, __file__, path], env=env, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, tokens in got.items():
+        assert tokens == ref, f"triton ({name}) {tokens} != torch {ref}"
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    print(json.dumps(triton_tokens_interpreted(sys.argv[1])))
