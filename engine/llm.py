@@ -52,7 +52,7 @@ class LLM:
         params = self._params_list(sampling_params, len(prompts))
         tok = self.engine.tokenizer
         requests = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=False)):
             if isinstance(p, str):
                 ids, text, salt = tok.encode(p), p, cache_salt
             elif isinstance(p, dict) and "prompt_token_ids" in p:
@@ -100,10 +100,15 @@ class LLM:
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         eng = self.engine
         ids = []
-        for ids_, text, sp, salt in requests:  # validate all before queuing any
+        for ids_, _text, sp, _salt in requests:  # validate all before queuing any
             eng.check_length(len(ids_), sp, "prompt")
-        for ids_, text, sp, salt in requests:
-            ids.append(eng.add_request(None, ids_, sp, prompt=text, cache_salt=salt).request_id)
+        try:
+            for ids_, text, sp, salt in requests:
+                ids.append(eng.add_request(None, ids_, sp, prompt=text, cache_salt=salt).request_id)
+        except BaseException:  # a rejected prompt rejects the whole batch: queue nothing
+            for rid in ids:
+                eng.abort_request(rid)
+            raise
         results: dict[str, RequestOutput] = {}
         bar = _progress(len(ids)) if use_tqdm else None
         t0 = time.perf_counter()

@@ -17,11 +17,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.stop import StopChecker
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestGroup, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.stop import StopChecker
 from engine.worker import Worker
 
 logger = logging.getLogger("engine")

@@ -51,7 +51,7 @@ def main() -> None:
     else:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], sampling_params)
 
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=False):
         out = output.outputs[0]
         print(f"Prompt: {prompt}\nGenerated: {out.text}\n"
               f"[{len(output.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated, "

@@ -30,7 +30,7 @@ def test_outputs_in_input_order_with_metadata(llm):
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     tok = llm.get_tokenizer()
     assert [o.prompt for o in outs] == PROMPTS
-    for o, p in zip(outs, PROMPTS):
+    for o, p in zip(outs, PROMPTS, strict=False):
         assert o.finished and o.prompt_token_ids == tok.encode(p)
         c = o.outputs[0]
         assert c.index == 0 and c.finish_reason in ("stop", "length")
@@ -98,7 +98,7 @@ def test_logprobs(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, logprobs=3),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == 5
-    for tid, lp in zip(out.token_ids, out.logprobs):
+    for tid, lp in zip(out.token_ids, out.logprobs, strict=False):
         assert lp.token_id == tid and len(lp.top) == 3
         assert lp.top[0].rank == 1 and lp.top[0].token_id == tid  # greedy = rank 1
         assert lp.logprob <= 0

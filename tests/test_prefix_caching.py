@@ -44,7 +44,7 @@ def test_outputs_identical_off_cold_warm(prompts):
     assert _tokens(warm) == off
     # Warm: every prompt is served from the cache up to its last full block, but the
     # last prompt token is always computed.
-    for p, o in zip(prompts, warm):
+    for p, o in zip(prompts, warm, strict=False):
         assert o.num_cached_tokens == (len(p) - 1) // 16 * 16
     stats = llm.engine.kv.stats()
     assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries >= stats.prefix_cache_hits

@@ -182,7 +182,7 @@ class DecoderForCausalLM(nn.Module):
         dtype = hidden.dtype
         cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=False):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, meta, attn)
         return rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
 
