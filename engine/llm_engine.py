@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestGroup, RequestStatus
+from engine.sampler import check_token_ids
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stop import StopChecker
@@ -129,11 +130,7 @@ class LLMEngine:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise PromptTooLongError(
                     f"prompt token id {t!r} is out of range [0, {self.vocab_size})", param_name)
-        for t in list(params.stop_token_ids) + list(params.logit_bias or {}):
-            if not 0 <= t < self.vocab_size:
-                raise PromptTooLongError(
-                    f"token id {t} is out of range [0, {self.vocab_size})",
-                    "stop_token_ids" if t in params.stop_token_ids else "logit_bias")
+        check_token_ids(params, self.vocab_size)
         max_tokens = self.check_length(len(prompt_token_ids), params, param_name)
         params._eos_token_ids = self.eos_token_ids
         now = arrival_time if arrival_time is not None else time.monotonic()

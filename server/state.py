@@ -14,7 +14,8 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import PromptTooLongError
-from engine.sampling_params import SamplingParams
+from engine.sampler import check_token_ids
+from engine.sampling_params import SamplingParamError, SamplingParams
 from server.errors import bad_request, not_found, overloaded, unavailable
 from server.metrics import ServerMetrics
 
@@ -107,8 +108,10 @@ class ServerState:
                 raise bad_request(f"token id {t} is out of range [0, {vocab})", param)
 
     def check_sampling_token_ids(self, params: SamplingParams) -> None:
-        self.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
-        self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
+        try:
+            check_token_ids(params, self.vocab_size)
+        except SamplingParamError as e:
+            raise bad_request(str(e), e.param) from None
 
     # -- tokenizer ------------------------------------------------------------------------
     async def run_tokenizer(self, size: int, fn: Callable[..., T], *args: Any,
