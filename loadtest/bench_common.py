@@ -186,8 +186,11 @@ class EngineRun:
     num_steps: int
     num_preemptions: int
     peak_kv_waste: float
+    """The largest waste over all steps (early steps, with short sequences, dominate)."""
     mean_kv_waste: float
     peak_blocks_used: int
+    kv_waste_at_peak_usage: float
+    """Waste at the step with the most blocks in use: what memory pressure sees."""
     num_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
@@ -250,6 +253,7 @@ def run_engine(llm, workload: Workload, sample_stats: bool = True) -> EngineRun:
     peak_waste = 0.0
     waste_sum = 0.0
     peak_blocks = 0
+    waste_at_peak = 0.0
     stats_time = 0.0
     results = {}
     try:
@@ -273,7 +277,8 @@ def run_engine(llm, workload: Workload, sample_stats: bool = True) -> EngineRun:
                 st = kv.stats()
                 peak_waste = max(peak_waste, st.waste)
                 waste_sum += st.waste
-                peak_blocks = max(peak_blocks, st.num_used_blocks)
+                if st.num_used_blocks >= peak_blocks:
+                    peak_blocks, waste_at_peak = st.num_used_blocks, st.waste
                 stats_time += time.perf_counter() - te
         elapsed = time.perf_counter() - t0 - stats_time
     finally:
@@ -293,6 +298,7 @@ def run_engine(llm, workload: Workload, sample_stats: bool = True) -> EngineRun:
         peak_kv_waste=peak_waste,
         mean_kv_waste=waste_sum / len(steps) if steps else 0.0,
         peak_blocks_used=peak_blocks,
+        kv_waste_at_peak_usage=waste_at_peak,
         num_blocks=kv.num_blocks,
         prefix_cache_queries=end.prefix_cache_queries - base.prefix_cache_queries,
         prefix_cache_hits=end.prefix_cache_hits - base.prefix_cache_hits,

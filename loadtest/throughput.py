@@ -302,9 +302,10 @@ def _print_engine(run: EngineRun, ps: dict[str, Any], floor: dict[str, Any] | No
     print(f"generated:     {run.num_output_tokens} output tokens, {run.num_prompt_tokens} "
           f"prompt tokens, {run.num_requests} requests, {run.num_steps} steps, "
           f"{run.num_preemptions} preemptions")
-    print(f"KV cache:      peak waste {100 * run.peak_kv_waste:.2f}% (mean "
-          f"{100 * run.mean_kv_waste:.2f}%), peak blocks used {run.peak_blocks_used}/"
-          f"{run.num_blocks}, prefix hit rate {100 * run.hit_rate:.1f}%")
+    print(f"KV cache:      waste at peak usage {100 * run.kv_waste_at_peak_usage:.2f}%, "
+          f"max over steps {100 * run.peak_kv_waste:.2f}% (mean {100 * run.mean_kv_waste:.2f}%), "
+          f"peak blocks used {run.peak_blocks_used}/{run.num_blocks}, "
+          f"prefix hit rate {100 * run.hit_rate:.1f}%")
     print(f"steps:         {bd['decode_steps']} decode-only steps {bd['decode_time_s']:.2f} s, "
           f"{bd['prefill_steps']} steps with prefill {bd['prefill_time_s']:.2f} s")
     if floor is not None:

@@ -74,7 +74,7 @@ def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
     assert ps["num_requests"] == 2 and ps["num_prompt_tokens"] == rep["workload"][
         "num_prompt_tokens"]
     for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s",
-                "peak_kv_waste", "peak_blocks_used", "efficiency"):
+                "peak_kv_waste", "kv_waste_at_peak_usage", "peak_blocks_used", "efficiency"):
         assert ps[key] >= 0, key
     assert ps["output_tokens_per_s"] == pytest.approx(want / ps["elapsed_s"])
     assert 0 < ps["floor"]["floor_s"]
