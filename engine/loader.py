@@ -156,6 +156,7 @@ def _write_converted(gguf: Path, out: Path) -> None:
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         cfg.pop(key, None)
     cfg["dtype"] = str(CONVERTED_DTYPE).removeprefix("torch.")
+    cfg["architectures"] = [type(model).__name__]
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
     model.generation_config.save_pretrained(out)

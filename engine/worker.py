@@ -92,8 +92,8 @@ class Worker:
         capacity = num_blocks * config.block_size
         logger.info(
             "model %s (%s, %s) on %s loaded in %.1fs; attention backend: %s",
-            self.model_name, self.hf_config.architectures[0] if getattr(
-                self.hf_config, "architectures", None) else "?",
+            self.model_name,
+            (getattr(self.hf_config, "architectures", None) or [self.hf_config.model_type])[0],
             str(self.dtype).removeprefix("torch."), self.device, time.perf_counter() - t0,
             self.attn.name)
         logger.info(

@@ -27,8 +27,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--raw", action="store_true", help="send the prompts without the chat template")
+    ap.add_argument("--no-block-log", action="store_true",
+                    help="do not log each block allocation and free (blockmgr, DEBUG)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.no_block_log:  # the physical block allocation log: ids per request
+        logging.getLogger("blockmgr").setLevel(logging.DEBUG)
 
     # Configure sampling parameters: max tokens and temperature
     sampling_params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
@@ -41,8 +45,8 @@ def main() -> None:
     def tracked_step():  # record the peak block usage while the batch runs
         outs = step()
         s = kv.stats()
-        peak["blocks"] = max(peak["blocks"], s.num_used_blocks)
-        peak["waste"] = max(peak["waste"], s.waste)
+        if s.num_used_blocks >= peak["blocks"]:
+            peak["blocks"], peak["waste"] = s.num_used_blocks, s.waste
         return outs
 
     llm.engine.step = tracked_step
@@ -60,8 +64,8 @@ def main() -> None:
     bs = kv.block_size
     print(
         f"KV cache blocks: {kv.num_blocks} x {bs} tokens; peak in use {peak['blocks']} blocks "
-        f"({peak['blocks'] * bs} slots); peak slot waste {100 * peak['waste']:.1f}% "
-        f"(unfilled slots in the last block of each request); after the batch "
+        f"({peak['blocks'] * bs} slots), {100 * peak['waste']:.1f}% of them unfilled (the tail "
+        f"of each request's last block); after the batch "
         f"{s.num_free_blocks}/{s.num_blocks} blocks free; "
         f"preemptions {llm.engine.scheduler.num_preemptions}"
     )
