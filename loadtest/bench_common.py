@@ -316,3 +316,14 @@ def warm_up(llm, token_ids: list[int], seed: int) -> None:
                sample_stats=False)
     llm.reset_prefix_cache()
 
+
+def module_cli(prog: str, doc: str, add_arguments, main, argv=None) -> int:
+    """``python -m loadtest.X``: parse ``argv`` with the module's arguments and run it."""
+    import argparse
+    import logging
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    add_arguments(parser)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    main(parser.parse_args(argv))
+    return 0

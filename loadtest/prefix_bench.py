@@ -37,6 +37,7 @@ from loadtest.bench_common import (
     command_line,
     engine_kwargs,
     environment_info,
+    module_cli,
     print_header,
     run_engine,
     vocab_token_ids,
@@ -215,17 +216,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest.prefix_bench",
-                                description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return p
-
-
 def cli(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    main(build_parser().parse_args(argv))
-    return 0
+    return module_cli("python -m loadtest.prefix_bench", __doc__, add_arguments, main, argv)
 
 
 if __name__ == "__main__":
