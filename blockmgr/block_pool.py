@@ -105,6 +105,13 @@ class BlockPool:
         self.block_meta[block_id] = None
         self.num_evictions += 1
 
+    def evict_unreferenced(self) -> int:
+        """Forget the keys of all free blocks (ref count 0); returns how many."""
+        free = [b for b in self.cached.values() if self.ref_counts[b] == 0]
+        for b in free:
+            self._evict(b)
+        return len(free)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every key. Refused (False, nothing changed) while any block is referenced."""
         if len(self.free_queue) != self.num_blocks:

@@ -106,6 +106,14 @@ class KVCacheManager:
         logger.debug("prefix cache reset")
         return True
 
+    def drop_unreferenced_cache(self) -> int:
+        """Forget the keys of every free block, e.g. after a failed step whose blocks were
+        registered but never written. Blocks still referenced keep theirs."""
+        self._last_lookup = None
+        n = self.pool.evict_unreferenced()
+        logger.debug("dropped %d unreferenced cached blocks", n)
+        return n
+
     # -- allocation ------------------------------------------------------------------
     def allocate_slots(
         self, req: KVRequest, num_new_tokens: int, new_computed_blocks: list[int] | None = None

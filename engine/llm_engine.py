@@ -195,6 +195,8 @@ class LLMEngine:
             failed = {r.group.request_id: r.group for r, _ in sched.scheduled}
             for req, _ in sched.scheduled:
                 self._finish(req, RequestStatus.FINISHED_ERROR)
+            # Blocks of this step were registered in the prefix cache but never written.
+            self.kv.drop_unreferenced_cache()
             return [self._make_output(g, force=True) for g in failed.values()]
         for req, n in sched.scheduled:
             req.num_computed_tokens += n

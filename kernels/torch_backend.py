@@ -33,6 +33,8 @@ class _DecodeGroup:
     """[num_reqs * max_len] flat gather index into the flattened cache."""
     allowed: torch.Tensor
     """[num_reqs, 1, 1, max_len] bool, True = attend."""
+    rows: torch.Tensor | None = None
+    """The step's decode rows in this group; None = rows ``0..num_reqs-1`` in order."""
     masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -74,13 +76,46 @@ def _additive(
     return mask
 
 
+MIN_BUCKET = 8
+"""Fewest decode requests worth their own gather and SDPA call."""
+MAX_BUCKETS = 4
+
+
+def decode_buckets(seq_lens: list[int], shrink: float = 0.7) -> list[list[int]]:
+    """Split decode rows into at most ``MAX_BUCKETS`` groups of similar context length.
+
+    Each group is padded to its own longest context, so short contexts no longer pay
+    for the longest one in the gather and in SDPA (both memory-bound). A new group
+    starts when a context is shorter than ``shrink`` times the group's longest and both
+    the group and what is left hold at least ``MIN_BUCKET`` rows. Rows stay in
+    ascending order inside a group.
+    """
+    n = len(seq_lens)
+    if n == 0:
+        return []
+    if n < 2 * MIN_BUCKET:
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: -seq_lens[i])
+    groups: list[list[int]] = [[order[0]]]
+    top = seq_lens[order[0]]
+    for k, i in enumerate(order[1:], start=1):
+        cur = groups[-1]
+        if (seq_lens[i] < shrink * top and len(cur) >= MIN_BUCKET
+                and n - k >= MIN_BUCKET and len(groups) < MAX_BUCKETS):
+            groups.append([i])
+            top = seq_lens[i]
+        else:
+            cur.append(i)
+    return [sorted(g) for g in groups]
+
+
 @dataclass(slots=True)
 class _Prepared:
     num_tokens: int
     write_slots: torch.Tensor
     write_tokens: torch.Tensor | None
     """Rows of key/value to write (slot != -1), or None when every token is written."""
-    decode: _DecodeGroup | None
+    decode: list[_DecodeGroup]
     prefill: _PrefillGroup | None
 
 
@@ -128,14 +163,10 @@ class TorchBackend:
             write_tokens = keep.nonzero().squeeze(1)
             write_slots = slot_mapping.index_select(0, write_tokens)
 
-        decode = None
-        if nd > 0:
-            max_len = max(seq_lens_cpu[:nd])
-            seq_lens = meta.seq_lens[:nd]
-            slots = context_slots(meta.block_tables[:nd], seq_lens, max_len, block_size)
-            pos = torch.arange(max_len, device=device)
-            mask = pos[None, :] < seq_lens.long()[:, None]
-            decode = _DecodeGroup(nd, max_len, slots.reshape(-1), mask[:, None, None, :])
+        decode = [
+            self._decode_group(meta, rows, [seq_lens_cpu[i] for i in rows], block_size)
+            for rows in decode_buckets(seq_lens_cpu[:nd])
+        ]
 
         prefill = None
         if num_reqs > nd:
@@ -155,6 +186,22 @@ class TorchBackend:
             )  # fmt: skip
 
         meta.prepared = _Prepared(num_tokens, write_slots, write_tokens, decode, prefill)
+
+    @staticmethod
+    def _decode_group(
+        meta: AttentionMetadata, rows: list[int], lens: list[int], block_size: int
+    ) -> _DecodeGroup:
+        device = meta.block_tables.device
+        whole = rows == list(range(len(rows)))
+        index = None if whole else torch.tensor(rows, dtype=torch.long, device=device)
+        seq_lens = meta.seq_lens[: len(rows)] if whole else meta.seq_lens.index_select(0, index)
+        tables = meta.block_tables[: len(rows)] if whole else \
+            meta.block_tables.index_select(0, index)  # fmt: skip
+        max_len = max(lens)
+        slots = context_slots(tables, seq_lens, max_len, block_size)
+        pos = torch.arange(max_len, device=device)
+        mask = pos[None, :] < seq_lens.long()[:, None]
+        return _DecodeGroup(len(rows), max_len, slots.reshape(-1), mask[:, None, None, :], index)
 
     def forward(
         self,
@@ -188,27 +235,30 @@ class TorchBackend:
         dec, pre = st.decode, st.prefill
         if total > st.num_tokens:
             out = query.new_zeros(total, num_heads, head_dim)
-        elif pre is None and dec is not None:
-            out = None  # decode-only step: return the SDPA output itself
+        elif pre is None and len(dec) == 1 and dec[0].rows is None:
+            out = None  # decode-only step in one group: return the SDPA output itself
         else:
             out = query.new_empty(total, num_heads, head_dim)
 
-        if dec is not None:
-            n, length = dec.num_reqs, dec.max_len
-            k, v = self._gather_kv(k_flat, v_flat, dec.slots)
+        for g in dec:
+            n, length = g.num_reqs, g.max_len
+            k, v = self._gather_kv(k_flat, v_flat, g.slots)
             k = k.view(n, length, num_kv_heads, head_dim)
             v = v.view(n, length, num_kv_heads, head_dim)
-            q = query[:n].view(n, num_kv_heads, group, head_dim)
+            q = query[:n] if g.rows is None else query.index_select(0, g.rows)
             o = F.scaled_dot_product_attention(
-                q,
+                q.view(n, num_kv_heads, group, head_dim),
                 k.transpose(1, 2),
                 v.transpose(1, 2),
-                attn_mask=dec.mask(query.dtype),
+                attn_mask=g.mask(query.dtype),
                 scale=scale,
-            )
+            ).reshape(n, num_heads, head_dim)
             if out is None:
-                return o.reshape(n, num_heads, head_dim)
-            out[:n] = o.reshape(n, num_heads, head_dim)
+                return o
+            if g.rows is None:
+                out[:n] = o
+            else:
+                out.index_copy_(0, g.rows, o)
 
         if pre is not None:
             p, ql, length = pre.num_reqs, pre.max_q_len, pre.max_len

@@ -255,3 +255,42 @@ def test_registry_rejects_triton_imported_before_interpret_flag() -> None:
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_decode_buckets_group_similar_lengths() -> None:
+    from kernels.torch_backend import MAX_BUCKETS, MIN_BUCKET, decode_buckets
+
+    assert decode_buckets([]) == []
+    assert decode_buckets([5, 400, 7]) == [[0, 1, 2]]  # too few rows to split
+    lens = [400 - 7 * i for i in range(48)]  # 400 .. 71
+    groups = decode_buckets(lens)
+    assert sorted(i for g in groups for i in g) == list(range(48))
+    assert 1 < len(groups) <= MAX_BUCKETS and all(len(g) >= MIN_BUCKET for g in groups)
+    # Every group is padded to its own longest context, far less than one group would be.
+    padded = sum(len(g) * max(lens[i] for i in g) for g in groups)
+    assert padded < 0.8 * 48 * max(lens)
+
+
+def test_torch_backend_many_decodes_in_length_buckets() -> None:
+    """A large decode batch with spread-out contexts runs in several groups, exactly."""
+    from kernels.torch_backend import decode_buckets
+
+    seq_lens = [3 + (i * 37) % 300 for i in range(40)] + [70, 33]
+    q_lens = [1] * 40 + [20, 33]
+    assert len(decode_buckets(seq_lens[:40])) > 1
+    step = make_step(seq_lens, q_lens, num_heads=6, num_kv_heads=2, head_dim=32,
+                     block_size=16, num_pad_tokens=3)  # fmt: skip
+    expected = reference_step(clone_step(step))
+    backend = TorchBackend()
+    backend.prepare(step.meta, 16)
+    out = backend.forward(step.query, step.key, step.value, step.k_cache, step.v_cache,
+                          step.meta, step.scale)  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # Decode-only step (the output is assembled from the groups).
+    dec = make_step(seq_lens[:40], [1] * 40, num_heads=6, num_kv_heads=2, head_dim=32,
+                    block_size=16)  # fmt: skip
+    expected = reference_step(clone_step(dec))
+    backend.prepare(dec.meta, 16)
+    out = backend.forward(dec.query, dec.key, dec.value, dec.k_cache, dec.v_cache, dec.meta,
+                          dec.scale)  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -135,3 +135,30 @@ def test_bfloat16_on_cpu():
     assert llm.engine.worker.kv_cache.dtype == torch.bfloat16
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) >= 1 and out[0].outputs[0].text
+
+
+def test_failed_step_errors_its_requests_and_keeps_serving(llm):
+    ref = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    eng = llm.engine
+    real = eng.worker.execute
+    calls = {"n": 0}
+
+    def failing(sched):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real(sched)
+
+    eng.reset_prefix_cache()
+    eng.worker.execute = failing
+    try:
+        outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6),
+                            use_tqdm=False)
+    finally:
+        eng.worker.execute = real
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
+    stats = eng.kv.stats()
+    assert stats.num_used_blocks == 0 and stats.num_cached_blocks == 0  # nothing unwritten hit
+    eng.kv.check_invariants()
+    again = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert texts(again) == texts(ref)
