@@ -2,7 +2,7 @@
 
 Each user sends chat completions to ``/v1/chat/completions``, streamed or not, and
 waits a think time between requests. A streamed request is validated with the
-benchmark's stream checker (:class:`loadtest.serve_bench.StreamChecker`): a stream
+benchmark's stream checker (:class:`loadtest.sse_check.StreamChecker`): a stream
 without ``data: [DONE]`` last, without exactly one finish chunk per choice, with an
 in-stream error or no content is a failure. Besides the request entries
 (``POST chat stream`` / ``POST chat``, timed to the end of the body), every stream
@@ -52,7 +52,7 @@ from locust import FastHttpUser, between, task
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loadtest.datasets import CONVERSATIONS_FILE, load_conversations  # noqa: E402
-from loadtest.serve_bench import StreamChecker  # noqa: E402
+from loadtest.sse_check import StreamChecker  # noqa: E402
 
 
 def _env_float(name: str, default: float) -> float:

@@ -39,147 +39,23 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.datasets import DATASETS, SampleRequest
+from loadtest.server_metrics import (  # noqa: F401 - part of this module's interface
+    SERVER_HISTOGRAMS,
+    compare_server_metrics,
+    fetch_metrics,
+    histogram_mean,
+    metric_total,
+    server_idle_problems,
+    wait_server_idle,
+)
+from loadtest.sse_check import StreamChecker  # noqa: F401
 
 logger = logging.getLogger("loadtest.serve_bench")
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-SERVER_HISTOGRAMS = {
-    "ttft": "pagedserve:time_to_first_token_seconds",
-    "e2e": "pagedserve:e2e_request_latency_seconds",
-    "itl": "pagedserve:inter_token_latency_seconds",
-}
-"""Server-side histograms compared with the client's numbers by ``--check-metrics``."""
 
 
-# -- stream validation -------------------------------------------------------------------
-class StreamChecker:
-    """Incremental parser and validator of one OpenAI SSE response body.
 
-    Feed it the body as it arrives (:meth:`feed`, any split of the bytes), then call
-    :meth:`close`. It records the arrival time of every chunk that carries content,
-    the generated text, the ``usage`` object, an in-stream ``error`` and every
-    violation of the streaming contract:
-
-    - an event that is not exactly ``data: <payload>`` followed by a blank line;
-    - a payload that is not JSON (other than ``[DONE]``);
-    - anything after ``data: [DONE]``, or a stream that ends without it;
-    - a choice with zero or several chunks carrying a ``finish_reason``, or content after
-      its finish chunk;
-    - no ``usage`` when it was requested, or a usage-only chunk before a finish chunk.
-    """
-
-    def __init__(self, expected_choices: int = 1, expect_usage: bool = True) -> None:
-        self.expected_choices = expected_choices
-        self.expect_usage = expect_usage
-        self.buffer = b""
-        self.num_events = 0
-        self.done = False
-        self.closed = False
-        self.content_times: list[float] = []
-        self.text_parts: list[str] = []
-        self.finish_counts: dict[int, int] = {}
-        self.finish_reasons: dict[int, str] = {}
-        self.usage: dict[str, Any] | None = None
-        self.error: str | None = None
-        self.violations: list[str] = []
-
-    @property
-    def text(self) -> str:
-        """The concatenated content of every choice, in arrival order."""
-        return "".join(self.text_parts)
-
-    def _violation(self, msg: str) -> None:
-        if msg not in self.violations:
-            self.violations.append(msg)
-
-    def feed(self, data: bytes, now: float | None = None) -> None:
-        """Parse the complete events in ``data`` (plus what was buffered before)."""
-        now = time.perf_counter() if now is None else now
-        self.buffer += data
-        while True:
-            end = self.buffer.find(b"\n\n")
-            if end < 0:
-                return
-            event, self.buffer = self.buffer[:end], self.buffer[end + 2:]
-            self._event(event, now)
-
-    def _event(self, event: bytes, now: float) -> None:
-        self.num_events += 1
-        if event.startswith(b":"):  # an SSE comment (keep-alive)
-            return
-        if not event.startswith(b"data: ") or b"\n" in event:
-            self._violation(f"malformed SSE event: {event[:80]!r}")
-            return
-        payload = event[len(b"data: "):]
-        if self.done:
-            self._violation("event after [DONE]")
-            return
-        if payload.strip() == b"[DONE]":
-            self.done = True
-            return
-        try:
-            chunk = json.loads(payload)
-        except ValueError:
-            self._violation(f"payload is not JSON: {payload[:80]!r}")
-            return
-        if not isinstance(chunk, dict):
-            self._violation(f"payload is not a JSON object: {payload[:80]!r}")
-            return
-        if chunk.get("error") is not None:
-            err = chunk["error"]
-            self.error = str(err.get("message", err) if isinstance(err, dict) else err)
-            return
-        choices = chunk.get("choices")
-        if not isinstance(choices, list):
-            self._violation("chunk without a 'choices' list")
-            return
-        if chunk.get("usage") is not None:
-            if self.usage is not None:
-                self._violation("more than one chunk carries usage")
-            self.usage = chunk["usage"]
-            if not choices and len(self.finish_counts) < self.expected_choices:
-                self._violation("usage chunk before the finish chunks")
-        has_content = False
-        for choice in choices:
-            idx = int(choice.get("index", 0))
-            delta = choice.get("delta")
-            content = (delta.get("content") if isinstance(delta, dict)
-                       else choice.get("text"))
-            if content:
-                if self.finish_counts.get(idx):
-                    self._violation(f"choice {idx} has content after its finish chunk")
-                self.text_parts.append(content)
-                has_content = True
-            if choice.get("finish_reason") is not None:
-                self.finish_counts[idx] = self.finish_counts.get(idx, 0) + 1
-                self.finish_reasons[idx] = choice["finish_reason"]
-        if has_content:
-            self.content_times.append(now)
-
-    def close(self) -> list[str]:
-        """Finish checking at the end of the body; the violations found."""
-        if self.closed:
-            return self.violations
-        self.closed = True
-        if self.buffer.strip():
-            self._violation(f"body ends inside an event: {self.buffer[:80]!r}")
-        if self.error is not None:
-            return self.violations
-        if not self.done:
-            self._violation("stream ended without data: [DONE]")
-        for idx in range(self.expected_choices):
-            n = self.finish_counts.get(idx, 0)
-            if n != 1:
-                self._violation(f"choice {idx} has {n} finish chunks (expected exactly 1)")
-        extra = sorted(set(self.finish_counts) - set(range(self.expected_choices)))
-        if extra:
-            self._violation(f"finish chunks for unexpected choice indices {extra}")
-        if self.expect_usage and self.usage is None:
-            self._violation("no usage although stream_options.include_usage was set")
-        return self.violations
-
-
-# -- one request -------------------------------------------------------------------------
 @dataclass(slots=True)
 class RequestResult:
     """What the client measured for one request (times in seconds)."""
@@ -439,70 +315,6 @@ async def fetch_model_name(session: Any, base_url: str) -> str:
     return data["data"][0]["id"]
 
 
-async def fetch_metrics(session: Any, base_url: str) -> str:
-    """The Prometheus text of ``GET /metrics``."""
-    async with session.get(base_url + "/metrics") as resp:
-        resp.raise_for_status()
-        return await resp.text()
-
-
-# -- server metrics ----------------------------------------------------------------------
-def metric_total(text: str, name: str) -> float | None:
-    """The sum over label sets of sample ``name`` in a Prometheus text (None if absent)."""
-    total: float | None = None
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        rest = line[len(name):]
-        if rest[:1] not in ("{", " "):
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        total = value if total is None else total + value
-    return total
-
-
-def histogram_mean(before: str, after: str, name: str) -> tuple[float | None, int]:
-    """Mean (seconds) and count of histogram ``name`` observed between two scrapes."""
-    s1, c1 = metric_total(after, name + "_sum"), metric_total(after, name + "_count")
-    if s1 is None or c1 is None:
-        return None, 0
-    s0 = metric_total(before, name + "_sum") or 0.0
-    c0 = metric_total(before, name + "_count") or 0.0
-    n = int(round(c1 - c0))
-    return ((s1 - s0) / n if n > 0 else None), n
-
-
-def compare_server_metrics(before: str, after: str, report: dict[str, Any]) -> dict[str, Any]:
-    """Server histogram means over the run next to the client's means (ms)."""
-    client = {"ttft": report["ttft_ms"]["mean"], "e2e": report["e2el_ms"]["mean"],
-              "itl": report["itl_ms"]["mean"]}
-    out: dict[str, Any] = {}
-    for key, name in SERVER_HISTOGRAMS.items():
-        mean, n = histogram_mean(before, after, name)
-        out[key] = {"server_mean_ms": None if mean is None else mean * 1000.0,
-                    "server_count": n, "client_mean_ms": client[key]}
-    return out
-
-
-def server_idle_problems(metrics_text: str) -> list[str]:
-    """Why the server is not idle with an empty KV cache (empty list: it is).
-
-    Checks ``pagedserve:kv_cache_usage_perc`` == 0 and no running or waiting request.
-    """
-    problems = []
-    for name in ("pagedserve:kv_cache_usage_perc", "pagedserve:num_requests_running",
-                 "pagedserve:num_requests_waiting"):
-        v = metric_total(metrics_text, name)
-        if v is None:
-            problems.append(f"{name} is missing")
-        elif v != 0:
-            problems.append(f"{name} = {v:g} (expected 0)")
-    return problems
-
-
 def run_problems(report: dict[str, Any]) -> list[str]:
     """Why a run is not clean: failed requests, stream violations (empty list: clean)."""
     problems = []
@@ -515,20 +327,6 @@ def run_problems(report: dict[str, Any]) -> list[str]:
         problems.append(f"{report['successful_requests']} successful of "
                         f"{report['num_prompts']} requests")
     return problems
-
-
-async def wait_server_idle(base_url: str, timeout: float = 10.0) -> list[str]:
-    """Poll ``/metrics`` until :func:`server_idle_problems` is empty or ``timeout`` passes;
-    the last problems found."""
-    import aiohttp
-
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while True:
-            problems = server_idle_problems(await fetch_metrics(session, base_url.rstrip("/")))
-            if not problems or time.monotonic() > deadline:
-                return problems
-            await asyncio.sleep(0.2)
 
 
 # -- report ------------------------------------------------------------------------------
