@@ -13,13 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestGroup, RequestStatus
-from engine.sampler import check_token_ids
+from engine.sampler import check_token_ids, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stop import StopChecker
@@ -146,9 +144,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 arrival_time=now,
             )
-            if params.seed is not None:
-                req.generator = torch.Generator(device=self.worker.device).manual_seed(
-                    (params.seed + i * 1_000_003) % (2**63))
+            req.generator = make_generator(params, self.worker.device, i)
             req.detok = IncrementalDetokenizer(
                 self.tokenizer, group.prompt_token_ids, params.skip_special_tokens,
                 params.spaces_between_special_tokens)
@@ -173,10 +169,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    @property
-    def num_unfinished_groups(self) -> int:
-        return len(self._groups)
 
     # -- one step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:

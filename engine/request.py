@@ -48,7 +48,6 @@ class RequestGroup:
     params: SamplingParams
     arrival_time: float
     members: list[Request] = field(default_factory=list)
-    user_data: Any = None
 
     @property
     def finished(self) -> bool:

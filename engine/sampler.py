@@ -42,13 +42,17 @@ class SamplerOutput:
 
 
 def make_generator(
-    params: SamplingParams, device: torch.device | str = "cpu"
+    params: SamplingParams, device: torch.device | str = "cpu", index: int = 0
 ) -> torch.Generator | None:
-    """A generator seeded from ``params.seed``, or None when the request has no seed."""
+    """A generator seeded from ``params.seed``, or None when the request has no seed.
+
+    ``index`` is the choice among ``n``: each sibling gets its own stream, and choice 0
+    the plain seed.
+    """
     if params.seed is None:
         return None
     g = torch.Generator(device=device)
-    g.manual_seed(params.seed)
+    g.manual_seed((params.seed + index * 1_000_003) % 2**63)
     return g
 
 
