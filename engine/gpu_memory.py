@@ -156,17 +156,7 @@ def build_dummy_step(
     tables = row.repeat(len(layout), 1)
     pos = torch.tensor(positions, dtype=torch.int64)
     slots = (pos // block_size) % num_cache_blocks * block_size + pos % block_size
-    meta = AttentionMetadata(
-        slot_mapping=slots.to(device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        num_decodes=num_decodes,
-        max_query_len=max(q for q, _ in layout),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-    )
+    meta = AttentionMetadata.from_host(slots, qsl, seq_lens, tables, num_decodes, device)
     return DummyStep(torch.zeros(qsl[-1], dtype=torch.int64, device=device),
                      pos.to(device), meta)  # fmt: skip
 

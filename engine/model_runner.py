@@ -86,17 +86,7 @@ class ModelRunner:
         ridx = torch.tensor(req_index, dtype=torch.int64)
         slots = bt[ridx, pos_t // bs].to(torch.int64) * bs + pos_t % bs
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=bt.to(dev),
-            num_decodes=num_decodes,
-            max_query_len=max(n for _, n in order),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-        )
+        meta = AttentionMetadata.from_host(slots, qsl, seq_lens, bt, num_decodes, dev)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=pos_t.to(dev),

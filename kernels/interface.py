@@ -51,6 +51,30 @@ class AttentionMetadata:
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    @classmethod
+    def from_host(
+        cls,
+        slot_mapping: torch.Tensor,
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        num_decodes: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Metadata from host-side lists and tensors, moved to ``device`` once."""
+        return cls(
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables.to(device),
+            num_decodes=num_decodes,
+            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:],
+                                                    strict=False)),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+
 
 class AttentionBackend(Protocol):
     name: str
