@@ -253,12 +253,15 @@ class LLMEngine:
         sent = self._sent.get(rid)
         outs = []
         for req in group.members:
-            text, ids, lps = req.output_text, req.output_token_ids, req.logprobs
+            text, lps = req.output_text, req.logprobs
+            t0 = i0 = 0
             if kind == OUTPUT_DELTA and sent is not None:
+                # Slice only what is new: a stream costs O(new tokens) per step, not O(all).
                 t0, i0 = sent[req.index]
-                sent[req.index] = (len(text), len(ids))
-                text, ids = text[t0:], ids[i0:]
+                sent[req.index] = (len(text), req.num_output_tokens)
+                text = text[t0:]
                 lps = lps[i0:] if lps is not None else None
+            ids = req.all_token_ids[req.num_prompt_tokens + i0:]
             outs.append(CompletionOutput(
                 index=req.index,
                 text=text,
