@@ -14,7 +14,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("auto", "torch", "triton")
+_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 @dataclass(frozen=True)

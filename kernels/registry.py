@@ -10,10 +10,11 @@ import os
 
 import torch
 
+from kernels import cpu_native
 from kernels.interface import AttentionBackend
 
 ENV_VAR = "PAGEDSERVE_ATTENTION_BACKEND"
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 def _triton_interpreted() -> bool:
@@ -26,7 +27,8 @@ def get_attention_backend(
     """Return the attention backend ``name`` for ``device``.
 
     ``"auto"`` (overridable with ``PAGEDSERVE_ATTENTION_BACKEND``) picks Triton on
-    CUDA and torch elsewhere. Triton on a non-CUDA device needs ``TRITON_INTERPRET=1``
+    CUDA and, elsewhere, the native CPU backend (``"cpu"``: torch plus a C decode
+    kernel built at first use) or, when that kernel cannot be built, pure torch. Triton on a non-CUDA device needs ``TRITON_INTERPRET=1``
     (the interpreter: exact but slow, for tests).
     """
     if name == "auto":
@@ -35,7 +37,20 @@ def get_attention_backend(
         raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
     device_type = torch.device(device).type
     if name == "auto":
-        name = "triton" if device_type == "cuda" else "torch"
+        if device_type == "cuda":
+            name = "triton"
+        else:
+            name = "cpu" if device_type == "cpu" and cpu_native.load() is not None else "torch"
+    if name == "cpu":
+        if device_type != "cpu":
+            raise RuntimeError(f"the cpu attention backend runs on the CPU (got {device_type!r})")
+        lib = cpu_native.load()
+        if lib is None:
+            raise RuntimeError("the cpu attention backend's native kernel is unavailable: "
+                               f"{cpu_native.unavailable_reason()}")  # fmt: skip
+        from kernels.cpu_backend import CpuBackend
+
+        return CpuBackend(lib)
     if name == "torch":
         from kernels.torch_backend import TorchBackend
 

@@ -17,6 +17,7 @@ additive (0 / -inf) in the compute dtype: SDPA converts boolean masks with a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +116,8 @@ class _Prepared:
     write_slots: torch.Tensor
     write_tokens: torch.Tensor | None
     """Rows of key/value to write (slot != -1), or None when every token is written."""
-    decode: list[_DecodeGroup]
+    decode: Any
+    """Decode state from ``_plan_decodes`` (length buckets here; backend-specific)."""
     prefill: _PrefillGroup | None
 
 
@@ -163,10 +165,7 @@ class TorchBackend:
             write_tokens = keep.nonzero().squeeze(1)
             write_slots = slot_mapping.index_select(0, write_tokens)
 
-        decode = [
-            self._decode_group(meta, rows, [seq_lens_cpu[i] for i in rows], block_size)
-            for rows in decode_buckets(seq_lens_cpu[:nd])
-        ]
+        decode = self._plan_decodes(meta, seq_lens_cpu[:nd], block_size)
 
         prefill = None
         if num_reqs > nd:
@@ -186,6 +185,15 @@ class TorchBackend:
             )  # fmt: skip
 
         meta.prepared = _Prepared(num_tokens, write_slots, write_tokens, decode, prefill)
+
+    def _plan_decodes(
+        self, meta: AttentionMetadata, seq_lens: list[int], block_size: int
+    ) -> list[_DecodeGroup]:
+        """Per-step state for the decode rows ``0..len(seq_lens)-1``."""
+        return [
+            self._decode_group(meta, rows, [seq_lens[i] for i in rows], block_size)
+            for rows in decode_buckets(seq_lens)
+        ]
 
     @staticmethod
     def _decode_group(
@@ -217,7 +225,6 @@ class TorchBackend:
         st: _Prepared = meta.prepared
         total, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
-        group = num_heads // num_kv_heads
         # Rows of the flattened cache are whole slots: 2-D index ops copy them as one run.
         k_flat = k_cache.view(-1, num_kv_heads * head_dim)
         v_flat = v_cache.view(-1, num_kv_heads * head_dim)
@@ -232,15 +239,54 @@ class TorchBackend:
             k_flat.index_copy_(0, st.write_slots, k_new)
             v_flat.index_copy_(0, st.write_slots, v_new)
 
-        dec, pre = st.decode, st.prefill
+        pre = st.prefill
+        if pre is None and total == st.num_tokens and meta.num_decodes:
+            # Decode-only step: the decode output is the whole output.
+            return self._attend_decodes(query, k_cache, v_cache, meta, scale, None)
         if total > st.num_tokens:
             out = query.new_zeros(total, num_heads, head_dim)
-        elif pre is None and len(dec) == 1 and dec[0].rows is None:
-            out = None  # decode-only step in one group: return the SDPA output itself
         else:
             out = query.new_empty(total, num_heads, head_dim)
+        if meta.num_decodes:
+            self._attend_decodes(query, k_cache, v_cache, meta, scale, out[: meta.num_decodes])
 
-        for g in dec:
+        if pre is not None:
+            group = num_heads // num_kv_heads
+            p, ql, length = pre.num_reqs, pre.max_q_len, pre.max_len
+            k, v = self._gather_kv(k_flat, v_flat, pre.slots)
+            k = k.view(p, length, num_kv_heads, head_dim)
+            v = v.view(p, length, num_kv_heads, head_dim)
+            q = query.index_select(0, pre.token_index).view(p, ql, num_heads, head_dim)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=pre.mask(query.dtype), scale=scale, enable_gqa=group > 1,
+            )  # fmt: skip
+            o = o.transpose(1, 2).reshape(p * ql, num_heads, head_dim)
+            out[pre.token_start : pre.token_end] = o.index_select(0, pre.back)
+        return out
+
+    def _attend_decodes(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of the decode rows ``query[:num_decodes]``, into ``out`` if given.
+
+        Each length bucket gathers its K/V through the block tables and runs one SDPA
+        call, the ``G`` query heads of a KV head folded into query rows.
+        """
+        nd = meta.num_decodes
+        _, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        k_flat = k_cache.view(-1, num_kv_heads * head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads * head_dim)
+        groups: list[_DecodeGroup] = meta.prepared.decode
+        for g in groups:
             n, length = g.num_reqs, g.max_len
             k, v = self._gather_kv(k_flat, v_flat, g.slots)
             k = k.view(n, length, num_kv_heads, head_dim)
@@ -254,23 +300,12 @@ class TorchBackend:
                 scale=scale,
             ).reshape(n, num_heads, head_dim)
             if out is None:
-                return o
+                if len(groups) == 1 and g.rows is None:
+                    return o
+                out = query.new_empty(nd, num_heads, head_dim)
             if g.rows is None:
                 out[:n] = o
             else:
                 out.index_copy_(0, g.rows, o)
-
-        if pre is not None:
-            p, ql, length = pre.num_reqs, pre.max_q_len, pre.max_len
-            k, v = self._gather_kv(k_flat, v_flat, pre.slots)
-            k = k.view(p, length, num_kv_heads, head_dim)
-            v = v.view(p, length, num_kv_heads, head_dim)
-            q = query.index_select(0, pre.token_index).view(p, ql, num_heads, head_dim)
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=pre.mask(query.dtype), scale=scale, enable_gqa=group > 1,
-            )  # fmt: skip
-            o = o.transpose(1, 2).reshape(p * ql, num_heads, head_dim)
-            out[pre.token_start : pre.token_end] = o.index_select(0, pre.back)
         assert out is not None
         return out

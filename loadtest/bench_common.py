@@ -38,7 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", default=True)
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "torch", "triton"))
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")

@@ -62,10 +62,14 @@ def run(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[in
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_default_model_matches_hf_chunked_mixed_batch(default_prompts, default_reference):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_default_model_matches_hf_chunked_mixed_batch(backend, default_prompts,
+                                                      default_reference):  # fmt: skip
     assert any(len(p) > 3 * 16 for p in default_prompts)
     # A small token budget chunks the long prompts and mixes decodes with prefill chunks.
-    llm = LLM(max_num_batched_tokens=24, enable_prefix_caching=False)
+    llm = LLM(max_num_batched_tokens=24, enable_prefix_caching=False, attention_backend=backend)
+    # auto on the CPU is the native decode kernel; torch is the fallback without a compiler.
+    assert llm.engine.worker.attn.name == ("cpu" if backend == "auto" else "torch")
     assert run(llm, default_prompts) == default_reference
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
 

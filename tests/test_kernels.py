@@ -1,4 +1,4 @@
-"""Torch reference and TorchBackend against a naive dense-attention oracle."""
+"""Torch reference, TorchBackend and CpuBackend against a naive dense-attention oracle."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ from kernels import (
 )
 from kernels.testing import PagedStep, fused_qkv_views, make_step
 from kernels.torch_backend import TorchBackend
+
+# Both CPU backends: pure torch, and torch with the native decode kernel.
+CPU_BACKENDS = ["torch", "cpu"]
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -140,13 +143,15 @@ def test_prefill_reference_handles_decodes_too() -> None:
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("case", MIXED)
-def test_torch_backend_matches_reference(case, block_size, heads, dtype) -> None:
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_torch_backend_matches_reference(name, case, block_size, heads, dtype) -> None:
     seq_lens, q_lens = case
     step = make_step(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
                      block_size=block_size, dtype=dtype, num_pad_tokens=3)  # fmt: skip
     ref_step = clone_step(step)
     expected = reference_step(ref_step)
-    backend = TorchBackend()
+    backend = get_attention_backend(name, "cpu")
+    assert backend.name == name
     backend.prepare(step.meta, block_size)
     out = backend.forward(step.query, step.key, step.value, step.k_cache, step.v_cache,
                           step.meta, step.scale)  # fmt: skip
@@ -157,7 +162,8 @@ def test_torch_backend_matches_reference(case, block_size, heads, dtype) -> None
     assert torch.all(out[step.meta.query_start_loc_cpu[-1] :] == 0)
 
 
-def test_torch_backend_prepare_once_many_layers() -> None:
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_torch_backend_prepare_once_many_layers(name) -> None:
     """One prepare serves every layer (each with its own cache and inputs)."""
     base = make_step([30, 12, 90, 41], [1, 1, 50, 41], num_heads=6, num_kv_heads=2,
                      head_dim=32, block_size=16)  # fmt: skip
@@ -179,7 +185,8 @@ def test_torch_backend_prepare_once_many_layers() -> None:
         )  # fmt: skip
         for _ in range(3)
     ]
-    backend = TorchBackend()
+    backend = get_attention_backend(name, "cpu")
+    assert backend.name == name
     meta = layers[0].meta
     backend.prepare(meta, 16)
     for step in layers:
@@ -189,7 +196,8 @@ def test_torch_backend_prepare_once_many_layers() -> None:
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_torch_backend_without_host_lists() -> None:
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_torch_backend_without_host_lists(name) -> None:
     """prepare falls back to the device tensors when the host-side lists are empty."""
     step = make_step([10, 20, 33], [1, 20, 5], num_heads=4, num_kv_heads=2, head_dim=16,
                      block_size=16)  # fmt: skip
@@ -197,7 +205,8 @@ def test_torch_backend_without_host_lists() -> None:
     bare = AttentionMetadata(m.slot_mapping, m.query_start_loc, m.seq_lens, m.block_tables,
                              m.num_decodes, m.max_query_len, m.max_seq_len)  # fmt: skip
     expected = reference_step(clone_step(step))
-    backend = TorchBackend()
+    backend = get_attention_backend(name, "cpu")
+    assert backend.name == name
     backend.prepare(bare, 16)
     out = backend.forward(step.query, step.key, step.value, step.k_cache, step.v_cache, bare,
                           step.scale)  # fmt: skip
@@ -206,7 +215,10 @@ def test_torch_backend_without_host_lists() -> None:
 
 def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
-    assert get_attention_backend().name == "torch"
+    assert get_attention_backend().name == "cpu"  # this machine has a C compiler
+    assert isinstance(get_attention_backend("torch"), TorchBackend)
+    with pytest.raises(RuntimeError, match="runs on the CPU"):
+        get_attention_backend("cpu", "cuda")
     assert get_attention_backend("torch", "cuda").name == "torch"
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
     assert get_attention_backend("auto", "cuda").name == "torch"
@@ -221,20 +233,22 @@ def test_cpu_path_does_not_import_triton() -> None:
     code = (
         "import sys, kernels\n"
         "b = kernels.get_attention_backend('auto', 'cpu')\n"
-        "assert b.name == 'torch'\n"
+        "assert b.name == 'cpu'\n"
         "assert 'triton' not in sys.modules, 'triton was imported'\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_ATTENTION_BACKEND"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
-def test_torch_backend_strided_inputs() -> None:
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_torch_backend_strided_inputs(name) -> None:
     step = make_step([9, 60, 33], [1, 60, 7], num_heads=6, num_kv_heads=2, head_dim=32,
                      block_size=16, num_pad_tokens=1)  # fmt: skip
     expected = reference_step(clone_step(step))
     q, k, v = fused_qkv_views(step)
     assert not q.is_contiguous()
-    backend = TorchBackend()
+    backend = get_attention_backend(name, "cpu")
+    assert backend.name == name
     backend.prepare(step.meta, 16)
     out = backend.forward(q, k, v, step.k_cache, step.v_cache, step.meta, step.scale)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -271,7 +285,8 @@ def test_decode_buckets_group_similar_lengths() -> None:
     assert padded < 0.8 * 48 * max(lens)
 
 
-def test_torch_backend_many_decodes_in_length_buckets() -> None:
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_torch_backend_many_decodes_in_length_buckets(name) -> None:
     """A large decode batch with spread-out contexts runs in several groups, exactly."""
     from kernels.torch_backend import decode_buckets
 
@@ -281,7 +296,8 @@ def test_torch_backend_many_decodes_in_length_buckets() -> None:
     step = make_step(seq_lens, q_lens, num_heads=6, num_kv_heads=2, head_dim=32,
                      block_size=16, num_pad_tokens=3)  # fmt: skip
     expected = reference_step(clone_step(step))
-    backend = TorchBackend()
+    backend = get_attention_backend(name, "cpu")
+    assert backend.name == name
     backend.prepare(step.meta, 16)
     out = backend.forward(step.query, step.key, step.value, step.k_cache, step.v_cache,
                           step.meta, step.scale)  # fmt: skip

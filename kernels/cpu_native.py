@@ -1,0 +1,167 @@
+"""The native CPU decode-attention kernel: built at first use, called through ctypes.
+
+``csrc/paged_attention_cpu.c`` is plain C with OpenMP (no torch headers), so it
+compiles in about a second with the system C compiler (``$CC``, else ``cc``) and
+``-O3 -march=native``. The shared library is cached under
+``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``), keyed by the
+source, the flags, the compiler's version and the CPU's feature flags, and written
+atomically, so concurrent processes can build it at once.
+
+When there is no compiler or the build fails, :func:`load` returns ``None`` and says
+why once in the log; the caller falls back to the pure torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kernels.cpu_native")
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_HEAD_DIM = 512
+_ERRORS = {
+    -1: "num_heads is not a multiple of num_kv_heads",
+    -2: f"head_dim outside 1..{MAX_HEAD_DIM}",
+    -3: "unsupported KV cache dtype",
+    -4: "out of memory for the score buffer",
+    -5: "a context length or block id is out of range",
+}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDSERVE_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "pagedserve"
+    return base / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc) or shutil.which("gcc")
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.stdout.encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):  # fmt: skip
+        key.update(part)
+        key.update(b"\0")
+    out = _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".so.tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, check=False)  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built the native CPU attention kernel: %s", out)
+    return out
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; ``None`` (reason logged once) if unavailable."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib = None
+        try:
+            cc = _compiler()
+            if cc is None:
+                raise RuntimeError("no C compiler found (set $CC or install gcc)")
+            lib = ctypes.CDLL(str(_build(cc)))
+            fn = lib.paged_decode_attention
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3 \
+                + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]  # fmt: skip
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _state["error"] = str(exc)
+            log.warning("native CPU attention kernel unavailable, using torch ops: %s", exc)
+            lib = None
+        _state["lib"] = lib
+        return lib
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned ``None``, or ``None`` if it has not failed."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def paged_decode_attention(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention read in place from the paged cache (see the C source).
+
+    query ``[B, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]`` in float32,
+    bfloat16 or float16; block_tables ``[B, M]`` and seq_lens ``[B]`` int32 on the CPU;
+    ``max_seq_len`` at least every ``seq_lens`` entry. Returns ``[B, Hq, D]`` in the
+    query dtype (computed in float32), written into ``out`` when given.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not "
+                         f"match query {tuple(query.shape)}")  # fmt: skip
+    if k_cache.dtype not in DTYPE_CODES:
+        raise ValueError(f"unsupported KV cache dtype {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    q = query.to(torch.float32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+    result = out if direct else torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+    status = lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
+        tables.data_ptr(), lens.data_ptr(), result.data_ptr(), num_seqs, num_heads,
+        num_kv_heads, head_dim, block_size, num_blocks, tables.shape[1], max_seq_len, scale,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"paged_decode_attention: {_ERRORS.get(status, status)}")
+    if out is None:
+        return result.to(query.dtype)
+    if not direct:
+        out.copy_(result)
+    return out
