@@ -1,18 +1,21 @@
 /*
  * Paged decode attention for the CPU: one query token per request attends to its
  * whole context, reading K/V in place through the request's block table (no gather
- * copy). Built at first use by kernels/cpu_native.py and called through ctypes.
+ * copy, no padding to the longest context). Built at first use by
+ * kernels/cpu_native.py and called through ctypes.
  *
  * Layouts (all contiguous):
- *   query, out    [num_seqs, num_heads, head_dim]                 float32
+ *   query, out    [num_seqs, num_heads, head_dim]                  float32
  *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] float32 | bf16 | f16
- *   block_tables  [num_seqs, max_blocks_per_seq]                  int32
- *   seq_lens      [num_seqs]                                      int32
+ *   block_tables  [num_seqs, max_blocks_per_seq]                   int32
+ *   seq_lens      [num_seqs]                                       int32
  *
- * One work item is (request, KV head): the G = num_heads / num_kv_heads query heads
- * sharing that KV head are computed together, so every K and V row is read from
- * memory exactly once per step and layer. Scores are kept for the whole context
- * (two passes: q.K then softmax-weighted V), accumulating in float32.
+ * A work item is one request and a run of its KV heads (all of them when there are
+ * enough requests to keep every thread busy): the slot rows of a block are then read
+ * as one contiguous stream, and every K and V element is read from memory exactly
+ * once per step and layer. The G = num_heads / num_kv_heads query heads sharing a KV
+ * head are computed together. Scores are kept for the whole context (two passes: q.K,
+ * then softmax-weighted V), all in float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,27 +26,45 @@ enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 
 #define MAX_HEAD_DIM 512
 
+/* One work item: request ``seq``, KV heads ``h0 .. h0 + nh - 1``. */
+typedef struct {
+    const float *query; /* [nh * group, head_dim], the item's first query head */
+    float *out;         /* same shape */
+    const int32_t *table;
+    int seq_len, h0, nh;
+} item_t;
+
+typedef struct {
+    const void *k_cache, *v_cache;
+    int num_kv_heads, group, head_dim, block_size;
+    float scale;
+} shape_t;
+
+/* ------------------------------------------------------------------------- */
+/* Portable path (any head_dim, any x86/ARM compiler).                        */
+/* ------------------------------------------------------------------------- */
+
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } c;
     c.u = (uint32_t)h << 16;
     return c.f;
 }
 
-/* Row ``row`` of a cache viewed as [rows, head_dim] in float32: a pointer into the
- * cache itself for float32, else a conversion into ``tmp``. */
-static inline const float *load_row(const void *cache, int dtype, int64_t row,
-                                    int head_dim, float *tmp) {
-    if (dtype == DTYPE_F32) return (const float *)cache + row * head_dim;
+/* Element offset ``idx`` of a cache as ``n`` float32 values: a pointer into the cache
+ * itself for float32, else a conversion into ``tmp``. */
+static inline const float *load_row(const void *cache, int dtype, int64_t idx, int n,
+                                    float *tmp) {
+    if (dtype == DTYPE_F32) return (const float *)cache + idx;
     if (dtype == DTYPE_BF16) {
-        const uint16_t *src = (const uint16_t *)cache + row * head_dim;
+        const uint16_t *src = (const uint16_t *)cache + idx;
 #pragma omp simd
-        for (int d = 0; d < head_dim; ++d) tmp[d] = bf16_to_f32(src[d]);
+        for (int d = 0; d < n; ++d) tmp[d] = bf16_to_f32(src[d]);
         return tmp;
     }
 #ifdef __FLT16_MAX__
-    const _Float16 *src = (const _Float16 *)cache + row * head_dim;
+    const _Float16 *src = (const _Float16 *)cache + idx;
 #pragma omp simd
-    for (int d = 0; d < head_dim; ++d) tmp[d] = (float)src[d];
+    for (int d = 0; d < n; ++d) tmp[d] = (float)src[d];
 #endif
     return tmp;
 }
@@ -55,59 +76,66 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     return acc;
 }
 
-static void attend_one(const float *restrict query, const void *k_cache,
-                       const void *v_cache, int dtype, const int32_t *table, int seq_len,
-                       int kv_head, int num_kv_heads, int group, int head_dim,
-                       int block_size, float scale, float *restrict out,
-                       float *restrict scores, float *restrict acc, float *restrict tmp) {
-    /* query/out point at the group's first query head: [group, head_dim]. */
-    const int64_t heads_stride = (int64_t)num_kv_heads;
+static void softmax(float *s, int n) {
+    float m = -INFINITY;
+    for (int i = 0; i < n; ++i) m = s[i] > m ? s[i] : m;
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < n; ++i) s[i] *= inv;
+}
+
+static void attend_portable(const item_t *it, const shape_t *sh, int dtype, float *scores,
+                            float *acc, float *tmp) {
+    const int D = sh->head_dim, G = sh->group, L = it->seq_len, nq = it->nh * G;
     int t = 0;
-    for (int b = 0; t < seq_len; ++b) {
-        const int64_t base = (int64_t)table[b] * block_size;
-        const int n = seq_len - t < block_size ? seq_len - t : block_size;
+    for (int b = 0; t < L; ++b) {
+        const int64_t base = (int64_t)it->table[b] * sh->block_size;
+        const int n = L - t < sh->block_size ? L - t : sh->block_size;
         for (int off = 0; off < n; ++off, ++t) {
-            const float *k = load_row(k_cache, dtype, (base + off) * heads_stride + kv_head,
-                                      head_dim, tmp);
-            for (int g = 0; g < group; ++g)
-                scores[(int64_t)g * seq_len + t] = dot(query + g * head_dim, k, head_dim) * scale;
-        }
-    }
-    for (int g = 0; g < group; ++g) {
-        float *s = scores + (int64_t)g * seq_len;
-        float m = -INFINITY;
-        for (int i = 0; i < seq_len; ++i) m = s[i] > m ? s[i] : m;
-        float sum = 0.0f;
-        for (int i = 0; i < seq_len; ++i) {
-            s[i] = expf(s[i] - m);
-            sum += s[i];
-        }
-        const float inv = 1.0f / sum;
-        for (int i = 0; i < seq_len; ++i) s[i] *= inv;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)group * head_dim);
-    t = 0;
-    for (int b = 0; t < seq_len; ++b) {
-        const int64_t base = (int64_t)table[b] * block_size;
-        const int n = seq_len - t < block_size ? seq_len - t : block_size;
-        for (int off = 0; off < n; ++off, ++t) {
-            const float *v = load_row(v_cache, dtype, (base + off) * heads_stride + kv_head,
-                                      head_dim, tmp);
-            for (int g = 0; g < group; ++g) {
-                const float p = scores[(int64_t)g * seq_len + t];
-                float *a = acc + g * head_dim;
-#pragma omp simd
-                for (int d = 0; d < head_dim; ++d) a[d] += p * v[d];
+            const int64_t row = ((base + off) * sh->num_kv_heads + it->h0) * D;
+            for (int hh = 0; hh < it->nh; ++hh) {
+                const float *k = load_row(sh->k_cache, dtype, row + (int64_t)hh * D, D, tmp);
+                for (int g = 0; g < G; ++g) {
+                    const int qh = hh * G + g;
+                    scores[(int64_t)qh * L + t] = dot(it->query + (int64_t)qh * D, k, D) * sh->scale;
+                }
             }
         }
     }
-    memcpy(out, acc, sizeof(float) * (size_t)group * head_dim);
+    for (int qh = 0; qh < nq; ++qh) softmax(scores + (int64_t)qh * L, L);
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
+    t = 0;
+    for (int b = 0; t < L; ++b) {
+        const int64_t base = (int64_t)it->table[b] * sh->block_size;
+        const int n = L - t < sh->block_size ? L - t : sh->block_size;
+        for (int off = 0; off < n; ++off, ++t) {
+            const int64_t row = ((base + off) * sh->num_kv_heads + it->h0) * D;
+            for (int hh = 0; hh < it->nh; ++hh) {
+                const float *v = load_row(sh->v_cache, dtype, row + (int64_t)hh * D, D, tmp);
+                for (int g = 0; g < G; ++g) {
+                    const int qh = hh * G + g;
+                    const float p = scores[(int64_t)qh * L + t];
+                    float *a = acc + (int64_t)qh * D;
+#pragma omp simd
+                    for (int d = 0; d < D; ++d) a[d] += p * v[d];
+                }
+            }
+        }
+    }
+    memcpy(it->out, acc, sizeof(float) * (size_t)nq * D);
 }
 
+/* ------------------------------------------------------------------------- */
+/* AVX-512 path (head_dim a multiple of 16, up to 256).                       */
+/* ------------------------------------------------------------------------- */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#define MAX_NV 16 /* head_dim <= 256 */
+#define MAX_NV 16
 
 /* exp(x) for x <= 0 (Cephes' polynomial after n*ln2 range reduction; ~1 ulp). */
 static inline __m512 exp512(__m512 x) {
@@ -135,7 +163,8 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     return _mm512_cvtph_ps(h);
 }
 
-/* Softmax in place over s[0..n), vectorized; returns nothing, s sums to 1. */
+static inline __mmask16 tail_mask(int n) { return (__mmask16)((1u << n) - 1u); }
+
 static void softmax512(float *s, int n) {
     __m512 mv = _mm512_set1_ps(-INFINITY);
     int i = 0;
@@ -143,87 +172,92 @@ static void softmax512(float *s, int n) {
     float m = _mm512_reduce_max_ps(mv);
     for (; i < n; ++i) m = s[i] > m ? s[i] : m;
     const __m512 mm = _mm512_set1_ps(m);
-    __m512 sv = _mm512_setzero_ps();
+    __m512 sum = _mm512_setzero_ps();
     for (i = 0; i + 16 <= n; i += 16) {
         const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), mm));
         _mm512_storeu_ps(s + i, e);
-        sv = _mm512_add_ps(sv, e);
+        sum = _mm512_add_ps(sum, e);
     }
     if (i < n) {
-        const __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+        const __mmask16 k = tail_mask(n - i);
         const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mm));
         _mm512_mask_storeu_ps(s + i, k, e);
-        sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sv));
-    for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (i = 0; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
     if (i < n) {
-        const __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+        const __mmask16 k = tail_mask(n - i);
         _mm512_mask_storeu_ps(s + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
     }
 }
 
-/* attend_one for head_dim % 16 == 0 and group <= MAX_GROUP, with AVX-512. */
-static inline __attribute__((always_inline)) void attend_one_512(
-    const float *restrict query, const void *k_cache, const void *v_cache, const int dtype,
-    const int32_t *table, int seq_len, int kv_head, int num_kv_heads, int group,
-    const int nv, int block_size, float scale, float *restrict out, float *restrict scores,
-    float *restrict acc) {
-    const int head_dim = 16 * nv;
+/* ``nv`` (head_dim / 16) and ``dtype`` are compile-time constants in each caller. */
+static inline __attribute__((always_inline)) void attend512(const item_t *it,
+                                                            const shape_t *sh,
+                                                            const int dtype, const int nv,
+                                                            float *scores, float *acc) {
+    const int D = 16 * nv, G = sh->group, L = it->seq_len, nq = it->nh * G;
     int t = 0;
-    for (int b = 0; t < seq_len; ++b) {
-        const int64_t base = (int64_t)table[b] * block_size;
-        const int n = seq_len - t < block_size ? seq_len - t : block_size;
+    for (int b = 0; t < L; ++b) {
+        const int64_t base = (int64_t)it->table[b] * sh->block_size;
+        const int n = L - t < sh->block_size ? L - t : sh->block_size;
         for (int off = 0; off < n; ++off, ++t) {
-            const int64_t row = ((base + off) * num_kv_heads + kv_head) * head_dim;
-            __m512 k[MAX_NV];
-            for (int j = 0; j < nv; ++j) k[j] = load16(k_cache, row + 16 * j, dtype);
-            for (int g = 0; g < group; ++g) {
-                const float *qg = query + g * head_dim;
-                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
-                for (int j = 1; j < nv; ++j)
-                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], dot);
-                scores[(int64_t)g * seq_len + t] = _mm512_reduce_add_ps(dot) * scale;
+            const int64_t row = ((base + off) * sh->num_kv_heads + it->h0) * D;
+            for (int hh = 0; hh < it->nh; ++hh) {
+                __m512 k[MAX_NV];
+                for (int j = 0; j < nv; ++j) k[j] = load16(sh->k_cache, row + hh * D + 16 * j, dtype);
+                for (int g = 0; g < G; ++g) {
+                    const int qh = hh * G + g;
+                    const float *q = it->query + (int64_t)qh * D;
+                    __m512 d = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
+                    for (int j = 1; j < nv; ++j) d = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * j), k[j], d);
+                    scores[(int64_t)qh * L + t] = _mm512_reduce_add_ps(d) * sh->scale;
+                }
             }
         }
     }
-    for (int g = 0; g < group; ++g) softmax512(scores + (int64_t)g * seq_len, seq_len);
-    memset(acc, 0, sizeof(float) * (size_t)group * head_dim);
+    for (int qh = 0; qh < nq; ++qh) softmax512(scores + (int64_t)qh * L, L);
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
     t = 0;
-    for (int b = 0; t < seq_len; ++b) {
-        const int64_t base = (int64_t)table[b] * block_size;
-        const int n = seq_len - t < block_size ? seq_len - t : block_size;
+    for (int b = 0; t < L; ++b) {
+        const int64_t base = (int64_t)it->table[b] * sh->block_size;
+        const int n = L - t < sh->block_size ? L - t : sh->block_size;
         for (int off = 0; off < n; ++off, ++t) {
-            const int64_t row = ((base + off) * num_kv_heads + kv_head) * head_dim;
-            __m512 v[MAX_NV];
-            for (int j = 0; j < nv; ++j) v[j] = load16(v_cache, row + 16 * j, dtype);
-            for (int g = 0; g < group; ++g) {
-                float *a = acc + g * head_dim;
-                const __m512 p = _mm512_set1_ps(scores[(int64_t)g * seq_len + t]);
-                for (int j = 0; j < nv; ++j)
-                    _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(p, v[j], _mm512_loadu_ps(a + 16 * j)));
+            const int64_t row = ((base + off) * sh->num_kv_heads + it->h0) * D;
+            for (int hh = 0; hh < it->nh; ++hh) {
+                __m512 v[MAX_NV];
+                for (int j = 0; j < nv; ++j) v[j] = load16(sh->v_cache, row + hh * D + 16 * j, dtype);
+                for (int g = 0; g < G; ++g) {
+                    const int qh = hh * G + g;
+                    const __m512 p = _mm512_set1_ps(scores[(int64_t)qh * L + t]);
+                    float *a = acc + (int64_t)qh * D;
+                    for (int j = 0; j < nv; ++j)
+                        _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(p, v[j], _mm512_loadu_ps(a + 16 * j)));
+                }
             }
         }
     }
-    memcpy(out, acc, sizeof(float) * (size_t)group * head_dim);
+    memcpy(it->out, acc, sizeof(float) * (size_t)nq * D);
 }
 
-/* Specialised for head_dim 64 and 128 (the loops over 16-float vectors unroll). */
-#define ATTEND_512(name, code)                                                               \
-    static void name(const float *q, const void *kc, const void *vc, const int32_t *tb,     \
-                     int len, int h, int hkv, int g, int d, int bs, float sc, float *o,       \
-                     float *s, float *a) {                                                   \
-        if (d == 64)                                                                         \
-            attend_one_512(q, kc, vc, code, tb, len, h, hkv, g, 4, bs, sc, o, s, a);         \
-        else if (d == 128)                                                                   \
-            attend_one_512(q, kc, vc, code, tb, len, h, hkv, g, 8, bs, sc, o, s, a);         \
-        else                                                                                 \
-            attend_one_512(q, kc, vc, code, tb, len, h, hkv, g, d / 16, bs, sc, o, s, a);    \
+/* Specialised for head_dim 64 and 128, where the loops over 16-float vectors unroll. */
+#define ATTEND512_FOR(name, code)                                                     \
+    static void name(const item_t *it, const shape_t *sh, float *s, float *a) {       \
+        if (sh->head_dim == 64)                                                        \
+            attend512(it, sh, code, 4, s, a);                                          \
+        else if (sh->head_dim == 128)                                                  \
+            attend512(it, sh, code, 8, s, a);                                          \
+        else                                                                           \
+            attend512(it, sh, code, sh->head_dim / 16, s, a);                          \
     }
-ATTEND_512(attend_512_f32, DTYPE_F32)
-ATTEND_512(attend_512_bf16, DTYPE_BF16)
-ATTEND_512(attend_512_f16, DTYPE_F16)
+ATTEND512_FOR(attend512_f32, DTYPE_F32)
+ATTEND512_FOR(attend512_bf16, DTYPE_BF16)
+ATTEND512_FOR(attend512_f16, DTYPE_F16)
 #endif
+
+/* ------------------------------------------------------------------------- */
 
 /* Returns 0 on success, a negative code on bad arguments or allocation failure. */
 int paged_decode_attention(const float *query, const void *k_cache, const void *v_cache,
@@ -239,53 +273,55 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
 #ifndef __FLT16_MAX__
     if (dtype == DTYPE_F16) return -3;
 #endif
-    const int group = num_heads / num_kv_heads;
-    const int64_t items = (int64_t)num_seqs * num_kv_heads;
-    int status = 0;
     if (num_threads < 1) num_threads = 1;
+    const shape_t sh = {k_cache, v_cache, num_kv_heads, num_heads / num_kv_heads, head_dim,
+                        block_size, scale};
+    /* Whole requests per item when there are enough of them; else one KV head each. */
+    const int per_item = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
+    const int splits = num_kv_heads / per_item;
+    const int64_t items = (int64_t)num_seqs * splits;
     if (items < num_threads) num_threads = (int)items;
+    int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * ((size_t)group * max_seq_len + 16));
-        float *acc = malloc(sizeof(float) * (size_t)group * head_dim);
+        const size_t nq = (size_t)per_item * sh.group;
+        float *scores = malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
+        float *acc = malloc(sizeof(float) * nq * (size_t)head_dim);
         float tmp[MAX_HEAD_DIM];
         if (scores == NULL || acc == NULL) {
 #pragma omp atomic write
             status = -4;
         }
 #pragma omp barrier
-        if (status == 0) {
+        if (status != -4) {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < items; ++item) {
-                const int s = (int)(item / num_kv_heads);
-                const int h = (int)(item % num_kv_heads);
+            for (int64_t i = 0; i < items; ++i) {
+                const int s = (int)(i / splits);
+                const int h0 = (int)(i % splits) * per_item;
                 const int len = seq_lens[s];
                 const int32_t *table = block_tables + (int64_t)s * max_blocks_per_seq;
-                int bad = len <= 0 || len > max_seq_len ||
-                          (len + block_size - 1) / block_size > max_blocks_per_seq;
-                for (int b = 0; !bad && b < (len + block_size - 1) / block_size; ++b)
-                    bad = table[b] < 0 || table[b] >= num_blocks;
+                const int nb = len > 0 ? (len + block_size - 1) / block_size : 0;
+                int bad = len <= 0 || len > max_seq_len || nb > max_blocks_per_seq;
+                for (int b = 0; !bad && b < nb; ++b) bad = table[b] < 0 || table[b] >= num_blocks;
                 if (bad) {
 #pragma omp atomic write
                     status = -5;
                     continue;
                 }
-                const int64_t q_off = ((int64_t)s * num_heads + (int64_t)h * group) * head_dim;
+                const int64_t q_off = ((int64_t)s * num_heads + (int64_t)h0 * sh.group) * head_dim;
+                const item_t it = {query + q_off, out + q_off, table, len, h0, per_item};
 #if defined(__AVX512F__)
                 if (head_dim % 16 == 0 && head_dim <= 16 * MAX_NV) {
-                    void (*fn)(const float *, const void *, const void *, const int32_t *, int,
-                               int, int, int, int, int, float, float *, float *, float *) =
-                        dtype == DTYPE_F32    ? attend_512_f32
-                        : dtype == DTYPE_BF16 ? attend_512_bf16
-                                              : attend_512_f16;
-                    fn(query + q_off, k_cache, v_cache, table, len, h, num_kv_heads, group,
-                       head_dim, block_size, scale, out + q_off, scores, acc);
+                    if (dtype == DTYPE_F32)
+                        attend512_f32(&it, &sh, scores, acc);
+                    else if (dtype == DTYPE_BF16)
+                        attend512_bf16(&it, &sh, scores, acc);
+                    else
+                        attend512_f16(&it, &sh, scores, acc);
                     continue;
                 }
 #endif
-                attend_one(query + q_off, k_cache, v_cache, dtype, table, len, h,
-                           num_kv_heads, group, head_dim, block_size, scale, out + q_off,
-                           scores, acc, tmp);
+                attend_portable(&it, &sh, dtype, scores, acc, tmp);
             }
         }
         free(scores);

@@ -1,0 +1,175 @@
+"""The native CPU decode kernel against the torch reference, its errors and its build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_native, get_attention_backend, paged_decode_attention, write_kv
+from kernels.testing import make_step
+
+TOL = {
+    torch.float32: dict(atol=2e-6, rtol=2e-6),
+    # Both sides compute in float32 from the same cached values; the outputs may differ
+    # by one unit in the last place of the output dtype.
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+    torch.bfloat16: dict(atol=4e-3, rtol=8e-3),
+}
+LENS = [1, 2, 15, 16, 17, 31, 33, 100, 257, 700]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = cpu_native.load()
+    assert lib is not None, cpu_native.unavailable_reason()
+    return lib
+
+
+def decode_step(lens, heads, head_dim, block_size, dtype, seed=0):
+    step = make_step(lens, [1] * len(lens), num_heads=heads[0], num_kv_heads=heads[1],
+                     head_dim=head_dim, block_size=block_size, dtype=dtype, seed=seed)  # fmt: skip
+    write_kv(step.key, step.value, step.k_cache, step.v_cache, step.meta.slot_mapping)
+    return step
+
+
+def native(lib, step, **kw):
+    m = step.meta
+    return cpu_native.paged_decode_attention(
+        lib, step.query, step.k_cache, step.v_cache, m.block_tables, m.seq_lens,
+        max(m.seq_lens_cpu), step.scale, **kw,
+    )  # fmt: skip
+
+
+def reference(step):
+    m = step.meta
+    return paged_decode_attention(step.query, step.k_cache, step.v_cache, m.block_tables,
+                                  m.seq_lens, step.scale)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+# 64 and 128 are the specialised AVX-512 paths, 96 the general one, 40 the scalar loop.
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 40])
+def test_matches_reference(lib, head_dim, block_size, heads, dtype) -> None:
+    # Unused blocks (including block 0, the table padding) hold NaN: any read past a
+    # context, or of a padding table entry, poisons the output.
+    step = decode_step(LENS, heads, head_dim, block_size, dtype)
+    out = native(lib, step)
+    assert out.dtype == dtype and out.shape == step.query.shape
+    torch.testing.assert_close(out.float(), reference(step).float(), **TOL[dtype])
+
+
+def test_large_scores_are_stable(lib) -> None:
+    """Scores far from zero (large q.k) still give a finite, exact softmax."""
+    step = decode_step([5, 300], (6, 2), 64, 16, torch.float32)
+    step.query.mul_(40.0)
+    out = native(lib, step)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference(step), atol=1e-4, rtol=1e-4)
+
+
+def test_writes_into_out(lib) -> None:
+    step = decode_step([3, 40, 77], (9, 3), 64, 16, torch.float32)
+    buf = torch.full((5, 9, 64), 7.0)
+    got = native(lib, step, out=buf[1:4])
+    assert got.data_ptr() == buf[1:4].data_ptr()
+    torch.testing.assert_close(buf[1:4], reference(step), **TOL[torch.float32])
+    assert torch.all(buf[0] == 7.0) and torch.all(buf[4] == 7.0)
+    # A bfloat16 destination is filled through a float32 buffer.
+    bf = torch.zeros(3, 9, 64, dtype=torch.bfloat16)
+    native(lib, step, out=bf)
+    torch.testing.assert_close(bf, reference(step).to(torch.bfloat16))
+
+
+def test_rejects_bad_inputs(lib) -> None:
+    step = decode_step([20, 9], (4, 2), 64, 16, torch.float32)
+    m = step.meta
+    args = (lib, step.query, step.k_cache, step.v_cache)
+    bad_table = m.block_tables.clone()
+    bad_table[1, 0] = step.k_cache.shape[0]  # one past the last block
+    with pytest.raises(ValueError, match="block id is out of range"):
+        cpu_native.paged_decode_attention(*args, bad_table, m.seq_lens, 20, step.scale)
+    with pytest.raises(ValueError, match="out of range"):  # a context over max_seq_len
+        cpu_native.paged_decode_attention(*args, m.block_tables, m.seq_lens, 10, step.scale)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        cpu_native.paged_decode_attention(lib, step.query[:, :3], step.k_cache, step.v_cache,
+                                          m.block_tables, m.seq_lens, 20, step.scale)  # fmt: skip
+    with pytest.raises(ValueError, match="unsupported KV cache dtype"):
+        cpu_native.paged_decode_attention(lib, step.query, step.k_cache.double(),
+                                          step.v_cache.double(), m.block_tables, m.seq_lens,
+                                          20, step.scale)  # fmt: skip
+
+
+def test_threads_do_not_change_results(lib) -> None:
+    step = decode_step(LENS * 3, (9, 3), 64, 16, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native(lib, step)
+        torch.set_num_threads(max(2, threads))
+        many = native(lib, step)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PAGEDSERVE_CACHE": str(cache), **env}
+    full.pop("PAGEDSERVE_ATTENTION_BACKEND", None)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
+                          text=True, check=False)  # fmt: skip
+
+
+def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
+    """Processes building at once all load a kernel; one cached library remains."""
+    code = ("from kernels import cpu_native\n"
+            "assert cpu_native.load() is not None, cpu_native.unavailable_reason()\n")  # fmt: skip
+    full = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=full) for _ in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    built = list((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so", built
+
+
+def test_without_a_compiler_auto_falls_back_to_torch(tmp_path: Path) -> None:
+    code = (
+        "import logging, pytest\n"
+        "logging.basicConfig()\n"
+        "from kernels import get_attention_backend\n"
+        "assert get_attention_backend('auto', 'cpu').name == 'torch'\n"
+        "with pytest.raises(RuntimeError, match='no C compiler'):\n"
+        "    get_attention_backend('cpu', 'cpu')\n"
+    )
+    proc = _run(code, tmp_path, CC="/nonexistent/cc", PATH=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "native CPU attention kernel unavailable" in proc.stderr
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
+
+
+def test_failed_build_falls_back_and_leaves_no_partial_file(tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    cc = fake / "cc"
+    cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\n"
+                  "echo 'fatal: broken' >&2\nexit 3\n")  # fmt: skip
+    cc.chmod(0o755)
+    code = ("from kernels import cpu_native, get_attention_backend\n"
+            "assert get_attention_backend('auto', 'cpu').name == 'torch'\n"
+            "print(cpu_native.unavailable_reason())\n")  # fmt: skip
+    proc = _run(code, tmp_path, CC=str(cc))
+    assert proc.returncode == 0, proc.stderr
+    assert "fatal: broken" in proc.stdout
+    assert list((tmp_path / "kernels").iterdir()) == []
+
+
+def test_explicit_backend_env_var_selects_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
+    assert get_attention_backend("auto", "cpu").name == "torch"
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "cpu")
+    assert get_attention_backend("auto", "cpu").name == "cpu"
