@@ -5,7 +5,7 @@ import os
 # OpenMP threads that busy-wait stall for milliseconds whenever another process or thread
 # (the server's event loop, a load generator) holds a core; passive waiting avoids that.
 # It only takes effect if torch has not been imported yet.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE") if "GOMP_SPINCOUNT" not in os.environ else None
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLM  # noqa: E402

@@ -1,9 +1,10 @@
-"""The default CPU attention backend: the torch backend with a native decode kernel.
+"""The default CPU backend: the torch backend with native decode attention and layer ops.
 
 Decode rows (one query token each) are attended by ``csrc/paged_attention_cpu.c``,
 which reads K/V in place through the block tables: each K and V row is read from
 memory once per layer, with no gather copy and no padding to the longest context.
-Prefill chunks, KV writes and everything else are :class:`TorchBackend`'s.
+Its ``ops`` are :class:`NativeLayerOps` (fused RMSNorm with the residual add, RoPE,
+SiLU-and-multiply). Prefill chunks and KV writes are :class:`TorchBackend`'s.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from kernels import cpu_native
 from kernels.interface import AttentionMetadata
+from kernels.layer_ops import NativeLayerOps
 from kernels.torch_backend import TorchBackend
 
 
@@ -35,6 +37,7 @@ class CpuBackend(TorchBackend):
     def __init__(self, lib: ctypes.CDLL) -> None:
         super().__init__()
         self._lib = lib
+        self.ops = NativeLayerOps(lib)
 
     def _plan_decodes(
         self, meta: AttentionMetadata, seq_lens: list[int], block_size: int

@@ -1,11 +1,12 @@
-"""The native CPU decode-attention kernel: built at first use, called through ctypes.
+"""Native CPU kernels: built at first use, called through ctypes.
 
-``csrc/paged_attention_cpu.c`` is plain C with OpenMP (no torch headers), so it
-compiles in about a second with the system C compiler (``$CC``, else ``cc``) and
-``-O3 -march=native``. The shared library is cached under
-``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``), keyed by the
-source, the flags, the compiler's version and the CPU's feature flags, and written
-atomically, so concurrent processes can build it at once.
+``csrc/`` holds plain C with OpenMP (no torch headers): the paged decode attention
+kernel and fused element-wise layer ops. It compiles in about a second with the
+system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native``. The shared library
+is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``),
+keyed by the sources, the flags, the compiler's version and the CPU's feature flags,
+and written atomically, so concurrent processes can build it at once. ctypes releases
+the GIL for the duration of each call.
 
 When there is no compiler or the build fails, :func:`load` returns ``None`` and says
 why once in the log; the caller falls back to the pure torch path.
@@ -28,8 +29,12 @@ import torch
 
 log = logging.getLogger("kernels.cpu_native")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "fused_ops_cpu.c")
+HEADERS = (CSRC / "simd_math.h",)
+# -std=c11 keeps floating-point contraction off: a * b + c rounds twice, as in torch.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared",
+          "-std=c11")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_DIM = 512
 _ERRORS = {
@@ -69,7 +74,8 @@ def _compiler() -> str | None:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.stdout.encode(),
+    parts = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
+    for part in (*parts, " ".join(CFLAGS).encode(), version.stdout.encode(),
                  platform.machine().encode(), _cpu_flags().encode()):  # fmt: skip
         key.update(part)
         key.update(b"\0")
@@ -80,7 +86,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".so.tmp", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
                               capture_output=True, text=True, check=False)  # fmt: skip
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -90,6 +96,19 @@ def _build(cc: str) -> Path:
             os.unlink(tmp)
     log.info("built the native CPU attention kernel: %s", out)
     return out
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "paged_decode_attention": (i32, [ptr] * 3 + [i32] + [ptr] * 3 + [i32] * 8 + [f32, i32]),
+        "add_rms_norm_f32": (None, [ptr, ptr, ptr, f32, ptr, i32, i32, i64, i32]),
+        "rope_f32": (None, [ptr, i64, i32, i32, i32, ptr, ptr, i32]),
+        "silu_mul_f32": (None, [ptr, ptr, i32, i32, i32]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
 
 
 def load() -> ctypes.CDLL | None:
@@ -103,10 +122,7 @@ def load() -> ctypes.CDLL | None:
             if cc is None:
                 raise RuntimeError("no C compiler found (set $CC or install gcc)")
             lib = ctypes.CDLL(str(_build(cc)))
-            fn = lib.paged_decode_attention
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3 \
-                + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]  # fmt: skip
+            _declare(lib)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             _state["error"] = str(exc)
             log.warning("native CPU attention kernel unavailable, using torch ops: %s", exc)

@@ -78,6 +78,9 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+    ops: Any
+    """Element-wise layer ops (:class:`kernels.layer_ops.TorchLayerOps` or a faster
+    implementation of the same methods)."""
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Once per step, before the layers run: set ``meta.prepared``."""

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.interface import AttentionMetadata
+from kernels.layer_ops import TorchLayerOps
 from kernels.paged_index import context_slots, flat_to_padded_index, padded_query_rows
 
 
@@ -128,6 +129,7 @@ class TorchBackend:
 
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
+        self.ops: TorchLayerOps = TorchLayerOps()
 
     def _gather_kv(
         self, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor

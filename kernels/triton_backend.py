@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.interface import AttentionMetadata
+from kernels.layer_ops import TorchLayerOps
 from kernels.triton_decode import choose_partition, paged_decode_attention
 from kernels.triton_prefill import paged_prefill_attention
 from kernels.triton_write_kv import write_kv
@@ -30,6 +31,8 @@ class TritonBackend:
     """Paged attention with Triton kernels; the CUDA path of the engine."""
 
     name = "triton"
+    ops = TorchLayerOps()
+    """Element-wise layer ops: torch (CUDA graphs capture them)."""
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Host-side sizes for this step's launches (no device syncs when the host

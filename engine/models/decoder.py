@@ -67,13 +67,6 @@ class DecoderSpec:
         )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    var = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(var + eps)).to(dtype)
-
-
 def rope_tables(cfg, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_len, head_dim] in float32, computed as HF transformers does."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -94,13 +87,6 @@ def rope_tables(cfg, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.T
     freqs = pos[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * attn_scale, emb.sin() * attn_scale
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, 1, D] in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class DecoderLayer(nn.Module):
@@ -125,30 +111,38 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         attn: AttentionBackend,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the residual stream: returns ``(mlp output, residual)``.
+
+        The residual add of the previous layer is fused into this layer's first norm
+        (``residual=None`` on the first layer, where ``hidden`` is the embedding).
+        """
+        ops = attn.ops
         t = hidden.shape[0]
-        x = rms_norm(hidden, self.input_layernorm, self.eps)
+        if residual is None:
+            residual, x = hidden, ops.rms_norm(hidden, self.input_layernorm, self.eps)
+        else:
+            residual, x = ops.add_rms_norm(residual, hidden, self.input_layernorm, self.eps)
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view_as(q)
+            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view_as(k)
+        q, k = ops.rope(q, k, cos, sin)
         o = attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
-        hidden = hidden + self.o_proj(o.reshape(t, self.q_size))
-        x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return hidden + self.down_proj(nn.functional.silu(gate) * up)
+        residual, x = ops.add_rms_norm(residual, self.o_proj(o.reshape(t, self.q_size)),
+                                       self.post_attention_layernorm, self.eps)  # fmt: skip
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x))), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -182,9 +176,12 @@ class DecoderForCausalLM(nn.Module):
         dtype = hidden.dtype
         cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=False):
-            hidden = layer(hidden, cos, sin, k_cache, v_cache, meta, attn)
-        return rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
+            hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache, meta, attn)
+        if residual is None:  # a model without layers
+            return attn.ops.rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
+        return attn.ops.add_rms_norm(residual, hidden, self.norm, self.spec.rms_norm_eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

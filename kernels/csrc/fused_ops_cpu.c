@@ -1,0 +1,91 @@
+/*
+ * Fused element-wise ops of a decoder layer for the CPU, float32: each replaces
+ * several torch ops (and their thread wake-ups) with one pass over the rows. Small
+ * calls run on the calling thread; large ones (prefill) split rows across threads.
+ *
+ * Rounding follows the torch expressions they replace, operation by operation, except
+ * where noted: the sum of squares in RMSNorm and exp in SiLU are accumulated or
+ * approximated in another order (differences in the last bit).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "simd_math.h"
+
+#define PARALLEL_MIN_ELEMS (1 << 18)
+
+static inline int threads_for(int64_t elems, int num_threads) {
+    return elems >= PARALLEL_MIN_ELEMS && num_threads > 1 ? num_threads : 1;
+}
+
+/* residual += delta (if delta is given), then out = weight * rmsnorm(residual).
+ * Same as torch: h = residual + delta; out = w * (h * rsqrt(mean(h * h) + eps)). */
+void add_rms_norm_f32(float *residual, const float *delta, const float *weight, float eps,
+                      float *out, int rows, int dim, int64_t out_stride, int num_threads) {
+#pragma omp parallel for num_threads(threads_for((int64_t)rows * dim, num_threads))
+    for (int r = 0; r < rows; ++r) {
+        float *h = residual + (int64_t)r * dim;
+        if (delta != 0) {
+            const float *dl = delta + (int64_t)r * dim;
+#pragma omp simd
+            for (int i = 0; i < dim; ++i) h[i] = h[i] + dl[i];
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < dim; ++i) ss += h[i] * h[i];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        float *o = out + (int64_t)r * out_stride;
+#pragma omp simd
+        for (int i = 0; i < dim; ++i) o[i] = weight[i] * (h[i] * inv);
+    }
+}
+
+/* Rotate-half RoPE in place on ``heads`` heads of ``head_dim`` at the start of each
+ * row (the query then key heads of a fused QKV row): x * cos + rotate_half(x) * sin,
+ * cos/sin rows [rows, head_dim]. Bit-identical to the torch expression. */
+void rope_f32(float *x, int64_t row_stride, int rows, int heads, int head_dim,
+              const float *cos, const float *sin, int num_threads) {
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(threads_for((int64_t)rows * heads * head_dim, num_threads))
+    for (int r = 0; r < rows; ++r) {
+        const float *c = cos + (int64_t)r * head_dim;
+        const float *s = sin + (int64_t)r * head_dim;
+        for (int h = 0; h < heads; ++h) {
+            float *v = x + (int64_t)r * row_stride + (int64_t)h * head_dim;
+            float tmp[512];
+#pragma omp simd
+            for (int i = 0; i < half; ++i) {
+                const float a = v[i], b = v[i + half];
+                const float lo = a * c[i], lo_rot = -b * s[i];
+                const float hi = b * c[i + half], hi_rot = a * s[i + half];
+                tmp[i] = lo + lo_rot;
+                tmp[i + half] = hi + hi_rot;
+            }
+#pragma omp simd
+            for (int i = 0; i < head_dim; ++i) v[i] = tmp[i];
+        }
+    }
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] for i < inter. */
+void silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int num_threads) {
+#pragma omp parallel for num_threads(threads_for((int64_t)rows * inter, num_threads))
+    for (int r = 0; r < rows; ++r) {
+        const float *g = gate_up + (int64_t)r * 2 * inter;
+        const float *u = g + inter;
+        float *o = out + (int64_t)r * inter;
+        int i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i < inter; i += 16) {
+            const __mmask16 k = inter - i >= 16 ? (__mmask16)0xFFFF
+                                                : (__mmask16)((1u << (inter - i)) - 1u);
+            const __m512 x = _mm512_maskz_loadu_ps(k, g + i);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
+            _mm512_mask_storeu_ps(o + i, k, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(k, u + i)));
+        }
+#endif
+        for (; i < inter; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}

@@ -1,0 +1,128 @@
+"""Element-wise ops of a decoder layer, behind the kernel backend seam.
+
+Every attention backend carries an ``ops`` object. :class:`TorchLayerOps` is plain
+torch (the reference, used on CUDA, where CUDA graphs capture it, and whenever the
+native library is unavailable). :class:`NativeLayerOps` replaces each op with one
+call into the native CPU library for float32 CPU tensors, and falls back to torch
+for anything else. On a decode step of a small model the torch versions cost more in
+dispatch and thread wake-ups than in arithmetic: RMSNorm alone is six ops.
+
+The residual stream follows the usual fused form: ``add_rms_norm(residual, delta)``
+returns ``(residual + delta, rms_norm(residual + delta))``; the native version
+updates ``residual`` in place, so callers must own it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))``, computed in float32 as HF does."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    var = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(var + eps)).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x ``[T, H, D]``; cos/sin ``[T, 1, D]`` in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class TorchLayerOps:
+    """The torch expressions (the reference for :class:`NativeLayerOps`)."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + delta
+        return residual, rms_norm(residual, weight, eps)
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]``, k ``[T, Hkv, D]``; cos/sin ``[T, 1, D]`` in q's dtype."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _native_f32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+class NativeLayerOps(TorchLayerOps):
+    """The same ops in one native call each (float32 on the CPU)."""
+
+    name = "native"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def _rows(self, x: torch.Tensor) -> bool:
+        """x is a 2-D float32 CPU tensor with contiguous rows."""
+        return x.dim() == 2 and x.stride(1) == 1 and _native_f32(x)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not (self._rows(x) and x.is_contiguous() and _native_f32(weight)):
+            return rms_norm(x, weight, eps)
+        # Without a delta the kernel only reads ``residual``.
+        out = torch.empty_like(x)
+        self._add_rms_norm(x, None, weight, eps, out)
+        return out
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self._rows(residual) and residual.is_contiguous() and delta.is_contiguous()
+                and delta.shape == residual.shape and _native_f32(delta, weight)):  # fmt: skip
+            return super().add_rms_norm(residual, delta, weight, eps)
+        out = torch.empty_like(residual)
+        self._add_rms_norm(residual, delta, weight, eps, out)
+        return residual, out
+
+    def _add_rms_norm(self, residual, delta, weight, eps, out) -> None:
+        rows, dim = residual.shape
+        self._lib.add_rms_norm_f32(
+            residual.data_ptr(), None if delta is None else delta.data_ptr(),
+            weight.contiguous().data_ptr(), eps, out.data_ptr(), rows, dim, out.stride(0),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place on q and k (each with unit-stride heads of contiguous head_dim)."""
+        t, _, head_dim = q.shape
+        cos2, sin2 = cos.reshape(t, head_dim), sin.reshape(t, head_dim)
+        if not (_native_f32(q, k, cos2, sin2) and cos2.is_contiguous() and sin2.is_contiguous()
+                and all(x.stride(2) == 1 and x.stride(1) == head_dim for x in (q, k))):  # fmt: skip
+            return super().rope(q, k, cos, sin)
+        nt = torch.get_num_threads()
+        for x in (q, k):
+            self._lib.rope_f32(x.data_ptr(), x.stride(0), t, x.shape[1], head_dim,
+                               cos2.data_ptr(), sin2.data_ptr(), nt)  # fmt: skip
+        return q, k
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not (self._rows(gate_up) and gate_up.is_contiguous()):
+            return super().silu_mul(gate_up)
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+                               torch.get_num_threads())  # fmt: skip
+        return out
