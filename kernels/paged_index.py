@@ -42,9 +42,18 @@ def padded_query_rows(
       cells use the last position, i.e. they attend to the whole context);
     * ``valid``: the cell holds a real query token.
     """
-    device = query_start_loc.device
     starts = query_start_loc[:-1].long()
     q_lens = query_start_loc[1:].long() - starts
+    return padded_rows(starts, q_lens, seq_lens, max_q_len, num_tokens)
+
+
+def padded_rows(
+    starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor, max_q_len: int,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`padded_query_rows` for chunks given by first token row and length
+    (int64), which need not be adjacent or in order."""
+    device = starts.device
     j = torch.arange(max_q_len, device=device)[None, :]
     valid = j < q_lens[:, None]
     j_clamped = torch.minimum(j, (q_lens[:, None] - 1).clamp(min=0))

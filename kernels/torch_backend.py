@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kernels.interface import AttentionMetadata
 from kernels.layer_ops import TorchLayerOps
-from kernels.paged_index import context_slots, flat_to_padded_index, padded_query_rows
+from kernels.paged_index import context_slots, padded_rows
 
 
 @dataclass(slots=True)
@@ -46,19 +46,21 @@ class _DecodeGroup:
 
 @dataclass(slots=True)
 class _PrefillGroup:
+    """Prefill chunks attending through the cache: one padded SDPA call."""
+
     num_reqs: int
     max_q_len: int
     max_len: int
-    token_start: int
-    token_end: int
     slots: torch.Tensor
     """[num_reqs * max_len] flat gather index into the flattened cache."""
     token_index: torch.Tensor
     """[num_reqs * max_q_len] rows of the step's query forming the padded grid."""
     allowed: torch.Tensor
     """[num_reqs, 1, max_q_len, max_len] bool causal mask, True = attend."""
-    back: torch.Tensor
-    """[token_end - token_start] index of each prefill token in the padded grid."""
+    grid_rows: torch.Tensor
+    """Cells of the flattened padded grid that hold real query tokens..."""
+    token_rows: torch.Tensor
+    """...and the step's token row each of them is."""
     masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -77,6 +79,10 @@ def _additive(
         cache[dtype] = mask
     return mask
 
+
+MAX_CAUSAL_CALLS = 32
+"""Most whole-context prefill chunks given their own causal SDPA call in one step;
+beyond that (many short prompts) one padded call costs less than the calls."""
 
 MIN_BUCKET = 8
 """Fewest decode requests worth their own gather and SDPA call."""
@@ -120,6 +126,9 @@ class _Prepared:
     decode: Any
     """Decode state from ``_plan_decodes`` (length buckets here; backend-specific)."""
     prefill: _PrefillGroup | None
+    causal: list[tuple[int, int]] = field(default_factory=list)
+    """Token ranges of whole-context chunks (a prompt's only chunk, no cached prefix):
+    each attends to its own fresh K/V with a causal SDPA call, no gather, no mask."""
 
 
 class TorchBackend:
@@ -152,7 +161,6 @@ class TorchBackend:
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Build gather indices and masks for this step into ``meta.prepared``."""
-        device = meta.block_tables.device
         qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
         seq_lens_cpu = meta.seq_lens_cpu or meta.seq_lens.tolist()
         num_reqs = len(seq_lens_cpu)
@@ -169,24 +177,42 @@ class TorchBackend:
 
         decode = self._plan_decodes(meta, seq_lens_cpu[:nd], block_size)
 
-        prefill = None
-        if num_reqs > nd:
-            p_qsl = meta.query_start_loc[nd:].long()
-            seq_lens = meta.seq_lens[nd:]
-            start, end = qsl[nd], qsl[num_reqs]
-            max_q_len = max(qsl[i + 1] - qsl[i] for i in range(nd, num_reqs))
-            max_len = max(seq_lens_cpu[nd:])
-            token_index, position, _ = padded_query_rows(p_qsl, seq_lens, max_q_len, num_tokens)
-            slots = context_slots(meta.block_tables[nd:], seq_lens, max_len, block_size)
-            pos = torch.arange(max_len, device=device)
-            allowed = pos[None, None, :] <= position[:, :, None]
-            back = flat_to_padded_index(p_qsl, max_q_len, end - start)
-            prefill = _PrefillGroup(
-                num_reqs - nd, max_q_len, max_len, start, end,
-                slots.reshape(-1), token_index.reshape(-1), allowed[:, None], back,
-            )  # fmt: skip
+        rows = range(nd, num_reqs)
+        fresh = [i for i in rows if qsl[i + 1] - qsl[i] == seq_lens_cpu[i]]
+        if len(fresh) > MAX_CAUSAL_CALLS:
+            fresh = []
+        fresh_set = set(fresh)
+        padded = [i for i in rows if i not in fresh_set]
+        prefill = self._prefill_group(meta, padded, qsl, seq_lens_cpu, block_size) \
+            if padded else None  # fmt: skip
+        causal = [(qsl[i], qsl[i + 1]) for i in fresh]
+        meta.prepared = _Prepared(num_tokens, write_slots, write_tokens, decode, prefill, causal)
 
-        meta.prepared = _Prepared(num_tokens, write_slots, write_tokens, decode, prefill)
+    @staticmethod
+    def _prefill_group(
+        meta: AttentionMetadata, rows: list[int], qsl: list[int], seq_lens_cpu: list[int],
+        block_size: int,
+    ) -> _PrefillGroup:
+        """One padded group over prefill requests ``rows`` (in any order)."""
+        device = meta.block_tables.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        starts = torch.tensor([qsl[i] for i in rows], dtype=torch.long, device=device)
+        q_lens_cpu = [qsl[i + 1] - qsl[i] for i in rows]
+        q_lens = torch.tensor(q_lens_cpu, dtype=torch.long, device=device)
+        seq_lens = meta.seq_lens.index_select(0, index)
+        max_q_len = max(q_lens_cpu)
+        max_len = max(seq_lens_cpu[i] for i in rows)
+        token_index, position, valid = padded_rows(starts, q_lens, seq_lens, max_q_len, qsl[-1])
+        slots = context_slots(meta.block_tables.index_select(0, index), seq_lens, max_len,
+                              block_size)  # fmt: skip
+        pos = torch.arange(max_len, device=device)
+        allowed = pos[None, None, :] <= position[:, :, None]
+        valid = valid.reshape(-1)
+        grid_rows = valid.nonzero().squeeze(1)
+        return _PrefillGroup(
+            len(rows), max_q_len, max_len, slots.reshape(-1), token_index.reshape(-1),
+            allowed[:, None], grid_rows, token_index.reshape(-1).index_select(0, grid_rows),
+        )  # fmt: skip
 
     def _plan_decodes(
         self, meta: AttentionMetadata, seq_lens: list[int], block_size: int
@@ -242,7 +268,7 @@ class TorchBackend:
             v_flat.index_copy_(0, st.write_slots, v_new)
 
         pre = st.prefill
-        if pre is None and total == st.num_tokens and meta.num_decodes:
+        if pre is None and not st.causal and total == st.num_tokens and meta.num_decodes:
             # Decode-only step: the decode output is the whole output.
             return self._attend_decodes(query, k_cache, v_cache, meta, scale, None)
         if total > st.num_tokens:
@@ -252,8 +278,17 @@ class TorchBackend:
         if meta.num_decodes:
             self._attend_decodes(query, k_cache, v_cache, meta, scale, out[: meta.num_decodes])
 
+        group = num_heads // num_kv_heads
+        for a, b in st.causal:
+            # 4-D [1, H, L, D] views: SDPA's CPU flash kernel (3-D inputs take the math path).
+            o = F.scaled_dot_product_attention(
+                query[None, a:b].transpose(1, 2),
+                key[None, a:b].view(1, b - a, num_kv_heads, head_dim).transpose(1, 2),
+                value[None, a:b].view(1, b - a, num_kv_heads, head_dim).transpose(1, 2),
+                is_causal=True, scale=scale, enable_gqa=group > 1,
+            )  # fmt: skip
+            out[a:b] = o[0].transpose(0, 1)
         if pre is not None:
-            group = num_heads // num_kv_heads
             p, ql, length = pre.num_reqs, pre.max_q_len, pre.max_len
             k, v = self._gather_kv(k_flat, v_flat, pre.slots)
             k = k.view(p, length, num_kv_heads, head_dim)
@@ -264,7 +299,7 @@ class TorchBackend:
                 attn_mask=pre.mask(query.dtype), scale=scale, enable_gqa=group > 1,
             )  # fmt: skip
             o = o.transpose(1, 2).reshape(p * ql, num_heads, head_dim)
-            out[pre.token_start : pre.token_end] = o.index_select(0, pre.back)
+            out.index_copy_(0, pre.token_rows, o.index_select(0, pre.grid_rows))
         return out
 
     def _attend_decodes(

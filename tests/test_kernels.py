@@ -310,3 +310,25 @@ def test_torch_backend_many_decodes_in_length_buckets(name) -> None:
     out = backend.forward(dec.query, dec.key, dec.value, dec.k_cache, dec.v_cache, dec.meta,
                           dec.scale)  # fmt: skip
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_whole_prompt_chunks_use_causal_calls(name) -> None:
+    """Whole-context chunks attend with their own causal call, others through the cache;
+    past MAX_CAUSAL_CALLS every chunk goes into one padded call. All exact."""
+    from kernels.torch_backend import MAX_CAUSAL_CALLS
+
+    few = ([9, 30, 17, 64, 50], [1, 30, 17, 20, 50])  # a decode, 3 whole prompts, 1 later chunk
+    many_n = MAX_CAUSAL_CALLS + 4
+    many = ([5 + i % 23 for i in range(many_n)] + [70], [5 + i % 23 for i in range(many_n)] + [9])
+    for (seq_lens, q_lens), expect_causal in ((few, 3), (many, 0)):
+        step = make_step(seq_lens, q_lens, num_heads=6, num_kv_heads=2, head_dim=32,
+                         block_size=16, num_pad_tokens=2)  # fmt: skip
+        expected = reference_step(clone_step(step))
+        backend = get_attention_backend(name, "cpu")
+        backend.prepare(step.meta, 16)
+        assert len(step.meta.prepared.causal) == expect_causal
+        out = backend.forward(step.query, step.key, step.value, step.k_cache, step.v_cache,
+                              step.meta, step.scale)  # fmt: skip
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        assert torch.all(out[step.meta.query_start_loc_cpu[-1] :] == 0)
