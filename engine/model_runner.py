@@ -107,7 +107,7 @@ class ModelRunner:
                                 self.attn)
         if not step.sampling_reqs:
             return [], None
-        logits = self.model.compute_logits(hidden[step.logits_indices])
+        logits = self.model.compute_logits(hidden[step.logits_indices], self.attn.ops)
         rows = [
             SamplingRow(
                 params=r.params,

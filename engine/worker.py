@@ -76,6 +76,7 @@ class Worker:
         self.eos_token_ids = self._eos_ids()
 
         self.attn = get_attention_backend(config.attention_backend, self.device)
+        self.attn.ops.prepare_weights(model.linear_weights())
         num_blocks = self._num_blocks()
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          config.enable_prefix_caching)

@@ -7,6 +7,12 @@ call into the native CPU library for float32 CPU tensors, and falls back to torc
 for anything else. On a decode step of a small model the torch versions cost more in
 dispatch and thread wake-ups than in arithmetic: RMSNorm alone is six ops.
 
+Linear layers go through ``ops.linear`` too: on the CPU, bfloat16 weights pre-packed
+for oneDNN at load time beat ``F.linear`` by 15-50% at every batch size (the packed
+copy lives beside the weight). In float32 packing measured about 10% less GEMM time at
+decode batch sizes and no end-to-end gain outside noise, so float32 keeps ``F.linear``
+and its memory.
+
 The residual stream follows the usual fused form: ``add_rms_norm(residual, delta)``
 returns ``(residual + delta, rms_norm(residual + delta))``; the native version
 updates ``residual`` in place, so callers must own it.
@@ -15,9 +21,16 @@ updates ``residual`` in place, so callers must own it.
 from __future__ import annotations
 
 import ctypes
+import logging
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("kernels.layer_ops")
+
+PACKED_DTYPES = (torch.bfloat16,)
+"""Weight dtypes that ``NativeLayerOps.linear`` runs through oneDNN-packed weights."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,6 +68,14 @@ class TorchLayerOps:
         """q ``[T, Hq, D]``, k ``[T, Hkv, D]``; cos/sin ``[T, 1, D]`` in q's dtype."""
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+    def prepare_weights(self, weights: Iterable[torch.Tensor]) -> None:
+        """Once at load: prepare the linear weights for :meth:`linear` (nothing here)."""
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -72,6 +93,46 @@ class NativeLayerOps(TorchLayerOps):
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
+        self._packing = torch.backends.mkldnn.is_available()
+
+    def prepare_weights(self, weights: Iterable[torch.Tensor]) -> None:
+        """Pack every CPU weight of a packed dtype now rather than on the first step."""
+        if not self._packing:
+            return
+        try:
+            for w in weights:
+                if w.device.type == "cpu" and w.dtype in PACKED_DTYPES:
+                    self._packed(w)
+        except (RuntimeError, AttributeError) as exc:
+            self._packing = False
+            log.warning("oneDNN weight packing unavailable, using F.linear: %s", exc)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self._use_packed(x, weight):
+            return F.linear(x, weight, bias)
+        try:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight), bias, "none",
+                                                      [], "")  # fmt: skip
+        except (RuntimeError, AttributeError) as exc:
+            self._packing = False
+            log.warning("oneDNN packed linear unavailable, using F.linear: %s", exc)
+            return F.linear(x, weight, bias)
+
+    def _use_packed(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (self._packing and x.dim() == 2 and x.device.type == "cpu"
+                and x.dtype == weight.dtype and x.dtype in PACKED_DTYPES)  # fmt: skip
+
+    @staticmethod
+    def _packed(weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` packed for oneDNN, cached on the tensor (re-packed if it changes)."""
+        cached = getattr(weight, "_pagedserve_packed", None)
+        if cached is not None and cached[0] == weight._version:
+            return cached[1]
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        weight._pagedserve_packed = (weight._version, packed)
+        return packed
 
     def _rows(self, x: torch.Tensor) -> bool:
         """x is a 2-D float32 CPU tensor with contiguous rows."""

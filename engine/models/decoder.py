@@ -9,8 +9,9 @@ frequency tables) so that greedy outputs match it token for token.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -130,7 +131,7 @@ class DecoderLayer(nn.Module):
             residual, x = hidden, ops.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
             residual, x = ops.add_rms_norm(residual, hidden, self.input_layernorm, self.eps)
-        qkv = self.qkv_proj(x)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -140,9 +141,11 @@ class DecoderLayer(nn.Module):
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view_as(k)
         q, k = ops.rope(q, k, cos, sin)
         o = attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
-        residual, x = ops.add_rms_norm(residual, self.o_proj(o.reshape(t, self.q_size)),
-                                       self.post_attention_layernorm, self.eps)  # fmt: skip
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x))), residual
+        attn_out = ops.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        residual, x = ops.add_rms_norm(residual, attn_out, self.post_attention_layernorm,
+                                       self.eps)  # fmt: skip
+        h = ops.silu_mul(ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
+        return ops.linear(h, self.down_proj.weight, self.down_proj.bias), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -183,9 +186,19 @@ class DecoderForCausalLM(nn.Module):
             return attn.ops.rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
         return attn.ops.add_rms_norm(residual, hidden, self.norm, self.spec.rms_norm_eps)[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def linear_weights(self) -> Iterator[torch.Tensor]:
+        """Every weight that goes through ``ops.linear``, the logits' included."""
+        for layer in self.layers:
+            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                yield proj.weight
+        yield self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        """float32 logits of ``hidden`` (``ops``: the backend's layer ops, if any)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if ops is None:
+            return torch.nn.functional.linear(hidden, weight).float()
+        return ops.linear(hidden, weight).float()
 
     # -- weights ------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

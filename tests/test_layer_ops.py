@@ -1,0 +1,104 @@
+"""Native fused layer ops against the torch expressions they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_native
+from kernels.layer_ops import NativeLayerOps, TorchLayerOps, apply_rope, rms_norm
+
+
+@pytest.fixture(scope="module")
+def native() -> NativeLayerOps:
+    lib = cpu_native.load()
+    assert lib is not None, cpu_native.unavailable_reason()
+    return NativeLayerOps(lib)
+
+
+REF = TorchLayerOps()
+# Rows of a decode step and of a prefill chunk large enough to split across threads.
+ROWS = [1, 7, 64, 600]
+
+
+def randn(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dim", [576, 64, 100])
+def test_rms_norm(native, rows, dim) -> None:
+    x, w = randn(rows, dim, scale=3.0), randn(dim, seed=1)
+    before = x.clone()
+    out = native.rms_norm(x, w, 1e-5)
+    assert torch.equal(x, before)  # the input is only read
+    # Only the sum of squares is accumulated in another order: a few ulp.
+    torch.testing.assert_close(out, rms_norm(x, w, 1e-5), atol=1e-6, rtol=4e-7)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_add_rms_norm_updates_residual_in_place(native, rows) -> None:
+    residual, delta, w = randn(rows, 576), randn(rows, 576, seed=2), randn(576, seed=3)
+    expected_res, expected = REF.add_rms_norm(residual.clone(), delta, w, 1e-6)
+    res, out = native.add_rms_norm(residual, delta, w, 1e-6)
+    assert res.data_ptr() == residual.data_ptr()
+    assert torch.equal(res, expected_res)  # the add itself is exact
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=4e-7)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 128), (2, 1, 32)])
+def test_rope_in_place_on_fused_qkv_views_is_bit_exact(native, rows, heads) -> None:
+    hq, hkv, d = heads
+    qkv = randn(rows, (hq + 2 * hkv) * d)
+    q = qkv[:, : hq * d].view(rows, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(rows, hkv, d)
+    v_before = qkv[:, (hq + hkv) * d :].clone()
+    angles = randn(rows, 1, d, seed=4, scale=10.0)
+    cos, sin = angles.cos(), angles.sin()
+    expected_q, expected_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    got_q, got_k = native.rope(q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr()
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul(native, rows) -> None:
+    gate_up = randn(rows, 2 * 1536, scale=4.0)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp over- and underflow
+    out = native.silu_mul(gate_up)
+    torch.testing.assert_close(out, REF.silu_mul(gate_up), atol=1e-6, rtol=1e-6)
+
+
+def test_other_dtypes_and_layouts_fall_back_to_torch(native) -> None:
+    x, w = randn(5, 64).bfloat16(), randn(64, seed=1).bfloat16()
+    assert torch.equal(native.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+    strided = randn(5, 128)[:, ::2]
+    assert torch.equal(native.rms_norm(strided, randn(64), 1e-5), rms_norm(strided, randn(64), 1e-5))
+    gu = randn(3, 64).double()
+    assert torch.equal(native.silu_mul(gu), REF.silu_mul(gu))
+    q, k = randn(3, 2, 16).bfloat16(), randn(3, 1, 16).bfloat16()
+    cos, sin = randn(3, 1, 16).bfloat16(), randn(3, 1, 16, seed=5).bfloat16()
+    got = native.rope(q.clone(), k.clone(), cos, sin)
+    assert torch.equal(got[0], apply_rope(q, cos, sin)) and torch.equal(got[1], apply_rope(k, cos, sin))
+
+
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_bfloat16_linear_uses_packed_weights(native, rows) -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    w, b = randn(96, 64).bfloat16(), randn(96, seed=6).bfloat16()
+    x = randn(rows, 64, seed=7).bfloat16()
+    native.prepare_weights([w])
+    assert hasattr(w, "_pagedserve_packed")
+    torch.testing.assert_close(native.linear(x, w, b).float(), F.linear(x, w, b).float(),
+                               atol=3e-2, rtol=1.6e-2)  # fmt: skip
+    # An in-place weight update is seen: the packed copy is rebuilt.
+    w.mul_(2)
+    torch.testing.assert_close(native.linear(x, w).float(), F.linear(x, w).float(),
+                               atol=6e-2, rtol=1.6e-2)  # fmt: skip
+    # float32 keeps F.linear exactly.
+    x32, w32 = x.float(), w.float()
+    assert torch.equal(native.linear(x32, w32), F.linear(x32, w32))
