@@ -146,6 +146,11 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     return _mm512_cvtph_ps(h);
 }
 
+/* Prefetch ``bytes`` starting at ``p`` into L1 (one instruction per cache line). */
+static inline void prefetch_bytes(const char *p, int bytes) {
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
 static inline __mmask16 tail_mask(int n) { return (__mmask16)((1u << n) - 1u); }
 
 static void softmax512(float *s, int n) {
@@ -182,12 +187,21 @@ static inline __attribute__((always_inline)) void attend512(const item_t *it,
                                                             const int dtype, const int nv,
                                                             float *scores, float *acc) {
     const int D = 16 * nv, G = sh->group, L = it->seq_len, nq = it->nh * G;
+    const int bs = sh->block_size, nblocks = (L + bs - 1) / bs;
+    const int elem = dtype == DTYPE_F32 ? 4 : 2, row_bytes = it->nh * D * elem;
+    /* Blocks are scattered, so the hardware prefetcher stalls at every block edge: while
+     * reading row ``off`` of block b, fetch row ``off`` of block b + 1 (in pass 1 the
+     * last block fetches the first V block instead). */
     int t = 0;
     for (int b = 0; t < L; ++b) {
-        const int64_t base = (int64_t)it->table[b] * sh->block_size;
-        const int n = L - t < sh->block_size ? L - t : sh->block_size;
+        const int64_t base = (int64_t)it->table[b] * bs;
+        const int n = L - t < bs ? L - t : bs;
+        const char *next = b + 1 < nblocks
+            ? (const char *)sh->k_cache + (int64_t)it->table[b + 1] * bs * sh->num_kv_heads * D * elem
+            : (const char *)sh->v_cache + (int64_t)it->table[0] * bs * sh->num_kv_heads * D * elem;
         for (int off = 0; off < n; ++off, ++t) {
             const int64_t row = ((base + off) * sh->num_kv_heads + it->h0) * D;
+            prefetch_bytes(next + ((int64_t)off * sh->num_kv_heads + it->h0) * D * elem, row_bytes);
             for (int hh = 0; hh < it->nh; ++hh) {
                 __m512 k[MAX_NV];
                 for (int j = 0; j < nv; ++j) k[j] = load16(sh->k_cache, row + hh * D + 16 * j, dtype);
@@ -205,10 +219,15 @@ static inline __attribute__((always_inline)) void attend512(const item_t *it,
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
     t = 0;
     for (int b = 0; t < L; ++b) {
-        const int64_t base = (int64_t)it->table[b] * sh->block_size;
-        const int n = L - t < sh->block_size ? L - t : sh->block_size;
+        const int64_t base = (int64_t)it->table[b] * bs;
+        const int n = L - t < bs ? L - t : bs;
+        const char *next = b + 1 < nblocks
+            ? (const char *)sh->v_cache + (int64_t)it->table[b + 1] * bs * sh->num_kv_heads * D * elem
+            : NULL;
         for (int off = 0; off < n; ++off, ++t) {
             const int64_t row = ((base + off) * sh->num_kv_heads + it->h0) * D;
+            if (next != NULL)
+                prefetch_bytes(next + ((int64_t)off * sh->num_kv_heads + it->h0) * D * elem, row_bytes);
             for (int hh = 0; hh < it->nh; ++hh) {
                 __m512 v[MAX_NV];
                 for (int j = 0; j < nv; ++j) v[j] = load16(sh->v_cache, row + hh * D + 16 * j, dtype);
