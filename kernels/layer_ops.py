@@ -7,11 +7,13 @@ call into the native CPU library for float32 CPU tensors, and falls back to torc
 for anything else. On a decode step of a small model the torch versions cost more in
 dispatch and thread wake-ups than in arithmetic: RMSNorm alone is six ops.
 
-Linear layers go through ``ops.linear`` too: on the CPU, bfloat16 weights pre-packed
-for oneDNN at load time beat ``F.linear`` by 15-50% at every batch size (the packed
-copy lives beside the weight). In float32 packing measured about 10% less GEMM time at
-decode batch sizes and no end-to-end gain outside noise, so float32 keeps ``F.linear``
-and its memory.
+Linear layers go through ``ops.linear`` too: on the CPU, weights pre-packed for
+oneDNN at load time beat ``F.linear`` by 15-50% at every batch size in bfloat16, and
+in float32 by 10-25% for 2 to 1024 rows (a whole decode forward of the default model
+at batch 64: about 7% less time); float32 with one row or more than 1024 rows keeps
+``F.linear``, which measured as fast or faster there. The packed copy lives beside the
+weight (the linear weights' memory twice); ``PAGEDSERVE_PACK_WEIGHTS=0`` turns packing
+off.
 
 The residual stream follows the usual fused form: ``add_rms_norm(residual, delta)``
 returns ``(residual + delta, rms_norm(residual + delta))``; the native version
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections.abc import Iterable
 
 import torch
@@ -29,8 +32,9 @@ import torch.nn.functional as F
 
 log = logging.getLogger("kernels.layer_ops")
 
-PACKED_DTYPES = (torch.bfloat16,)
-"""Weight dtypes that ``NativeLayerOps.linear`` runs through oneDNN-packed weights."""
+PACKED_F32_ROWS = (2, 1024)
+"""Row counts for which float32 uses the packed weights (bfloat16: every count)."""
+PACK_ENV_VAR = "PAGEDSERVE_PACK_WEIGHTS"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,15 +97,16 @@ class NativeLayerOps(TorchLayerOps):
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._packing = torch.backends.mkldnn.is_available()
+        self._packing = torch.backends.mkldnn.is_available() and \
+            os.environ.get(PACK_ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
 
     def prepare_weights(self, weights: Iterable[torch.Tensor]) -> None:
-        """Pack every CPU weight of a packed dtype now rather than on the first step."""
+        """Pack every CPU float32/bfloat16 weight now rather than on the first step."""
         if not self._packing:
             return
         try:
             for w in weights:
-                if w.device.type == "cpu" and w.dtype in PACKED_DTYPES:
+                if w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
                     self._packed(w)
         except (RuntimeError, AttributeError) as exc:
             self._packing = False
@@ -121,8 +126,12 @@ class NativeLayerOps(TorchLayerOps):
             return F.linear(x, weight, bias)
 
     def _use_packed(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (self._packing and x.dim() == 2 and x.device.type == "cpu"
-                and x.dtype == weight.dtype and x.dtype in PACKED_DTYPES)  # fmt: skip
+        if not (self._packing and x.dim() == 2 and x.device.type == "cpu"
+                and x.dtype == weight.dtype):  # fmt: skip
+            return False
+        if x.dtype == torch.bfloat16:
+            return True
+        return x.dtype == torch.float32 and PACKED_F32_ROWS[0] <= x.shape[0] <= PACKED_F32_ROWS[1]
 
     @staticmethod
     def _packed(weight: torch.Tensor) -> torch.Tensor:

@@ -85,20 +85,34 @@ def test_other_dtypes_and_layouts_fall_back_to_torch(native) -> None:
     assert torch.equal(got[0], apply_rope(q, cos, sin)) and torch.equal(got[1], apply_rope(k, cos, sin))
 
 
-@pytest.mark.parametrize("rows", [1, 64, 300])
-def test_bfloat16_linear_uses_packed_weights(native, rows) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 64, 300, 1500])
+def test_linear_with_packed_weights(native, rows, dtype) -> None:
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
-    w, b = randn(96, 64).bfloat16(), randn(96, seed=6).bfloat16()
-    x = randn(rows, 64, seed=7).bfloat16()
+    from kernels.layer_ops import PACKED_F32_ROWS
+
+    w, b = randn(96, 64).to(dtype), randn(96, seed=6).to(dtype)
+    x = randn(rows, 64, seed=7).to(dtype)
     native.prepare_weights([w])
     assert hasattr(w, "_pagedserve_packed")
-    torch.testing.assert_close(native.linear(x, w, b).float(), F.linear(x, w, b).float(),
-                               atol=3e-2, rtol=1.6e-2)  # fmt: skip
+    tol = dict(atol=3e-2, rtol=1.6e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native.linear(x, w, b), F.linear(x, w, b), **tol)
+    if dtype == torch.float32 and not PACKED_F32_ROWS[0] <= rows <= PACKED_F32_ROWS[1]:
+        assert torch.equal(native.linear(x, w, b), F.linear(x, w, b))  # F.linear itself
     # An in-place weight update is seen: the packed copy is rebuilt.
     w.mul_(2)
-    torch.testing.assert_close(native.linear(x, w).float(), F.linear(x, w).float(),
-                               atol=6e-2, rtol=1.6e-2)  # fmt: skip
-    # float32 keeps F.linear exactly.
-    x32, w32 = x.float(), w.float()
-    assert torch.equal(native.linear(x32, w32), F.linear(x32, w32))
+    tol = dict(atol=6e-2, rtol=1.6e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(native.linear(x, w), F.linear(x, w), **tol)
+
+
+def test_packing_can_be_turned_off(monkeypatch) -> None:
+    from kernels.layer_ops import PACK_ENV_VAR
+
+    monkeypatch.setenv(PACK_ENV_VAR, "0")
+    ops = NativeLayerOps(cpu_native.load())
+    w = randn(8, 4)
+    ops.prepare_weights([w])
+    assert not hasattr(w, "_pagedserve_packed")
+    x = randn(5, 4, seed=1)
+    assert torch.equal(ops.linear(x, w), F.linear(x, w))
