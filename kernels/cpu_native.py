@@ -101,7 +101,8 @@ def _build(cc: str) -> Path:
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "paged_decode_attention": (i32, [ptr] * 3 + [i32] + [ptr] * 3 + [i32] * 8 + [f32, i32]),
+        "paged_decode_attention": (i32, [ptr] * 3 + [i32] + [ptr] * 2 + [i64, ptr] + [i32] * 8
+                                   + [f32, i32]),
         "add_rms_norm_f32": (None, [ptr, ptr, ptr, f32, ptr, i32, i32, i64, i32]),
         "rope_f32": (None, [ptr, i64, i32, i32, i32, ptr, ptr, i32]),
         "silu_mul_f32": (None, [ptr, ptr, i32, i32, i32]),
@@ -149,7 +150,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Decode attention read in place from the paged cache (see the C source).
 
-    query ``[B, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]`` in float32,
+    query ``[B, Hq, D]`` (rows may be strided); caches ``[num_blocks, block_size, Hkv, D]`` in float32,
     bfloat16 or float16; block_tables ``[B, M]`` and seq_lens ``[B]`` int32 on the CPU;
     ``max_seq_len`` at least every ``seq_lens`` entry. Returns ``[B, Hq, D]`` in the
     query dtype (computed in float32), written into ``out`` when given.
@@ -163,14 +164,18 @@ def paged_decode_attention(
         raise ValueError(f"unsupported KV cache dtype {k_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV caches must be contiguous")
-    q = query.to(torch.float32).contiguous()
+    # Rows may be strided (views of a fused QKV output); heads and dims must not be.
+    if query.dtype == torch.float32 and query.stride(2) == 1 and query.stride(1) == head_dim:
+        q = query
+    else:
+        q = query.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     result = out if direct else torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     status = lib.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
-        tables.data_ptr(), lens.data_ptr(), result.data_ptr(), num_seqs, num_heads,
+        tables.data_ptr(), lens.data_ptr(), q.stride(0), result.data_ptr(), num_seqs, num_heads,
         num_kv_heads, head_dim, block_size, num_blocks, tables.shape[1], max_seq_len, scale,
         torch.get_num_threads(),
     )  # fmt: skip

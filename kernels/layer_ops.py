@@ -87,7 +87,10 @@ class TorchLayerOps:
 
 
 def _native_f32(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return False
+    return True
 
 
 class NativeLayerOps(TorchLayerOps):
@@ -126,8 +129,7 @@ class NativeLayerOps(TorchLayerOps):
             return F.linear(x, weight, bias)
 
     def _use_packed(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        if not (self._packing and x.dim() == 2 and x.device.type == "cpu"
-                and x.dtype == weight.dtype):  # fmt: skip
+        if not (self._packing and x.dim() == 2 and x.is_cpu and x.dtype == weight.dtype):
             return False
         if x.dtype == torch.bfloat16:
             return True

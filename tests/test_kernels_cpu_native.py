@@ -74,6 +74,18 @@ def test_large_scores_are_stable(lib) -> None:
     torch.testing.assert_close(out, reference(step), atol=1e-4, rtol=1e-4)
 
 
+def test_strided_query_rows(lib) -> None:
+    """Query rows taken from a fused QKV output are read in place."""
+    step = decode_step([3, 40, 77], (9, 3), 64, 16, torch.float32)
+    fused = torch.cat([step.query.reshape(3, -1), torch.randn(3, 2 * 3 * 64)], dim=1)
+    view = fused[:, : 9 * 64].view(3, 9, 64)
+    assert not view.is_contiguous()
+    m = step.meta
+    got = cpu_native.paged_decode_attention(lib, view, step.k_cache, step.v_cache,
+                                            m.block_tables, m.seq_lens, 77, step.scale)  # fmt: skip
+    torch.testing.assert_close(got, reference(step), **TOL[torch.float32])
+
+
 def test_writes_into_out(lib) -> None:
     step = decode_step([3, 40, 77], (9, 3), 64, 16, torch.float32)
     buf = torch.full((5, 9, 64), 7.0)

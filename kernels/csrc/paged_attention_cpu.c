@@ -6,6 +6,7 @@
  *
  * Layouts (all contiguous):
  *   query, out    [num_seqs, num_heads, head_dim]                  float32
+ *                 (query rows may be ``q_stride`` floats apart, e.g. a fused QKV row)
  *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] float32 | bf16 | f16
  *   block_tables  [num_seqs, max_blocks_per_seq]                   int32
  *   seq_lens      [num_seqs]                                       int32
@@ -264,7 +265,8 @@ ATTEND512_FOR(attend512_f16, DTYPE_F16)
 /* Returns 0 on success, a negative code on bad arguments or allocation failure. */
 int paged_decode_attention(const float *query, const void *k_cache, const void *v_cache,
                            int dtype, const int32_t *block_tables, const int32_t *seq_lens,
-                           float *out, int num_seqs, int num_heads, int num_kv_heads,
+                           int64_t q_stride, float *out, int num_seqs, int num_heads,
+                           int num_kv_heads,
                            int head_dim, int block_size, int num_blocks,
                            int max_blocks_per_seq, int max_seq_len, float scale,
                            int num_threads) {
@@ -310,8 +312,10 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
                     status = -5;
                     continue;
                 }
-                const int64_t q_off = ((int64_t)s * num_heads + (int64_t)h0 * sh.group) * head_dim;
-                const item_t it = {query + q_off, out + q_off, table, len, h0, per_item};
+                const int64_t head_off = (int64_t)h0 * sh.group * head_dim;
+                const item_t it = {query + (int64_t)s * q_stride + head_off,
+                                   out + (int64_t)s * num_heads * head_dim + head_off, table,
+                                   len, h0, per_item};
 #if defined(__AVX512F__)
                 if (head_dim % 16 == 0 && head_dim <= 16 * MAX_NV) {
                     if (dtype == DTYPE_F32)
