@@ -81,8 +81,16 @@ void silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int num
             const __mmask16 k = inter - i >= 16 ? (__mmask16)0xFFFF
                                                 : (__mmask16)((1u << (inter - i)) - 1u);
             const __m512 x = _mm512_maskz_loadu_ps(k, g + i);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
-            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
+            /* exp(-x) capped below overflow, so that 1 + e stays finite for the
+             * reciprocal (silu(x) is then x / 1.6e38, i.e. zero, for x < -88). */
+            const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x),
+                                                  _mm512_set1_ps(88.0f)));
+            /* x / d by a reciprocal estimate refined with one Newton step (a division
+             * costs several times more; the result is within an ulp or two). */
+            const __m512 d = _mm512_add_ps(one, e);
+            __m512 r = _mm512_rcp14_ps(d);
+            r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+            const __m512 silu = _mm512_mul_ps(x, r);
             _mm512_mask_storeu_ps(o + i, k, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(k, u + i)));
         }
 #endif
