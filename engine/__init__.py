@@ -1,11 +1,11 @@
 """pagedserve engine: ``from engine import LLM, SamplingParams``."""
 
-import os
+from engine.process_tuning import set_omp_wait_policy, tune_malloc
 
-# OpenMP threads that busy-wait stall for milliseconds whenever another process or thread
-# (the server's event loop, a load generator) holds a core; passive waiting avoids that.
-# It only takes effect if torch has not been imported yet.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE") if "GOMP_SPINCOUNT" not in os.environ else None
+# Before torch is imported: passive OpenMP waiting, and a malloc that keeps its memory
+# (see engine/process_tuning.py for why and how to turn each off).
+set_omp_wait_policy()
+tune_malloc()
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLM  # noqa: E402
