@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="HF static batch size (default: every request in one batch)")
     r.add_argument("--hf-static", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--hf-continuous", action=argparse.BooleanOptionalAction, default=True)
+    r.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="with --compare-hf: N pagedserve / HF static pairs in all, run "
+                        "alternately, and the median ratio (the host's speed drifts)")
     r.add_argument("--save-result", metavar="FILE.json", default=None)
 
 
@@ -289,6 +292,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_hf:
         report.update(_compare_hf(args, workload, model_path, dtype, kv_size_gb, max_tokens,
                                   ps, pagedserve_ids))
+        if args.repeat > 1 and args.hf_static:
+            first = (ps["elapsed_s"], report["hf_static"]["elapsed_s"])
+            report["repeats"] = _repeat_pairs(args, workload, model_path, dtype, first)
     if args.save_result:
         with open(args.save_result, "w") as f:
             json.dump(report, f, indent=2)
@@ -320,6 +326,38 @@ def _print_engine(run: EngineRun, ps: dict[str, Any], floor: dict[str, Any] | No
             print(f"               decode step at batch {bd['decode_batch_max']}: median "
                   f"{1e3 * bd['decode_step_median_s_at_max']:.1f} ms vs floor "
                   f"{1e3 * bd['decode_step_floor_s_at_max']:.1f} ms")
+
+
+def _repeat_pairs(args, workload: Workload, model_path, dtype: str,
+                  first: tuple[float, float]) -> dict[str, Any]:
+    """More pagedserve / HF static pairs, alternating, after the first one; the ratio of
+    each pair and their median. The engine's prefix cache is reset before every run."""
+    from engine.llm import LLM
+    from loadtest import hf_baseline as hf
+
+    llm = LLM(model=str(model_path), **engine_kwargs(args))
+    model = hf.load_hf_model(model_path, dtype)
+    bs = args.hf_batch_size or workload.num_requests
+    if args.warmup:
+        warm_up(llm, vocab_token_ids(llm), args.seed)
+        hf.warm_up_static(model, workload)
+    pairs = [first]
+    for _ in range(args.repeat - 1):
+        llm.reset_prefix_cache()
+        engine_s = run_engine(llm, workload, sample_stats=False).elapsed_s
+        pairs.append((engine_s, hf.run_static(model, workload, bs).elapsed_s))
+    del llm, model
+    gc.collect()
+    ratios = [h / e for e, h in pairs]  # same tokens, so the tok/s ratio is the time ratio
+    print(f"-- {len(pairs)} pairs, alternating (pagedserve s, HF static s, ratio) --")
+    for i, ((e, h), r) in enumerate(zip(pairs, ratios, strict=True), start=1):
+        print(f"pair {i}:        {e:7.2f} s   {h:7.2f} s   {r:.2f}x")
+    med = statistics.median(ratios)
+    print(f"median ratio output tok s vs hf static over {len(pairs)} pairs: {med:.2f}x "
+          f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
+    return {"pairs": [{"pagedserve_s": e, "hf_static_s": h, "ratio": r}
+                      for (e, h), r in zip(pairs, ratios, strict=True)],
+            "median_ratio_vs_hf_static": med}
 
 
 def _compare_hf(args, workload: Workload, model_path, dtype: str, kv_gb: float,

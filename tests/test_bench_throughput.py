@@ -91,6 +91,23 @@ def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
         assert key in env
 
 
+def test_throughput_bench_repeated_pairs(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    throughput.cli([
+        "--model", tiny_llama, "--num-requests", "2", "--input-len-min", "8",
+        "--input-len-max", "20", "--output-len-min", "3", "--output-len-max", "6",
+        "--compare-hf", "--no-hf-continuous", "--no-floor", "--repeat", "3", *ENGINE,
+        "--save-result", str(out)])
+    text = capsys.readouterr().out
+    assert "-- 3 pairs, alternating" in text and "median ratio" in text
+    rep = json.loads(out.read_text())["repeats"]
+    assert len(rep["pairs"]) == 3
+    for pair in rep["pairs"]:
+        assert pair["ratio"] == pytest.approx(pair["hf_static_s"] / pair["pagedserve_s"])
+    ratios = sorted(p["ratio"] for p in rep["pairs"])
+    assert rep["median_ratio_vs_hf_static"] == pytest.approx(ratios[1])
+
+
 def test_prefix_bench(tiny_llama, tmp_path, capsys):
     out = tmp_path / "p.json"
     prefix_bench.cli([
