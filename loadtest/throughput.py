@@ -330,8 +330,9 @@ def _print_engine(run: EngineRun, ps: dict[str, Any], floor: dict[str, Any] | No
 
 def _repeat_pairs(args, workload: Workload, model_path, dtype: str,
                   first: tuple[float, float]) -> dict[str, Any]:
-    """More pagedserve / HF static pairs, alternating, after the first one; the ratio of
-    each pair and their median. The engine's prefix cache is reset before every run."""
+    """More pagedserve / HF static pairs after the first one (HF first in every other
+    pair); the ratio of each pair and their median. The engine's prefix cache is reset
+    before every run."""
     from engine.llm import LLM
     from loadtest import hf_baseline as hf
 
@@ -342,14 +343,20 @@ def _repeat_pairs(args, workload: Workload, model_path, dtype: str,
         warm_up(llm, vocab_token_ids(llm), args.seed)
         hf.warm_up_static(model, workload)
     pairs = [first]
-    for _ in range(args.repeat - 1):
+    for i in range(1, args.repeat):
+        # Alternate the order inside a pair, so a host that speeds up or slows down over
+        # the run does not favour one side.
+        h = hf.run_static(model, workload, bs).elapsed_s if i % 2 else None
         llm.reset_prefix_cache()
-        engine_s = run_engine(llm, workload, sample_stats=False).elapsed_s
-        pairs.append((engine_s, hf.run_static(model, workload, bs).elapsed_s))
+        e = run_engine(llm, workload, sample_stats=False).elapsed_s
+        if h is None:
+            h = hf.run_static(model, workload, bs).elapsed_s
+        pairs.append((e, h))
     del llm, model
     gc.collect()
     ratios = [h / e for e, h in pairs]  # same tokens, so the tok/s ratio is the time ratio
-    print(f"-- {len(pairs)} pairs, alternating (pagedserve s, HF static s, ratio) --")
+    print(f"-- {len(pairs)} pairs, HF first in the even ones (pagedserve s, HF static s, "
+          "ratio) --")
     for i, ((e, h), r) in enumerate(zip(pairs, ratios, strict=True), start=1):
         print(f"pair {i}:        {e:7.2f} s   {h:7.2f} s   {r:.2f}x")
     med = statistics.median(ratios)

@@ -99,7 +99,7 @@ def test_throughput_bench_repeated_pairs(tiny_llama, tmp_path, capsys):
         "--compare-hf", "--no-hf-continuous", "--no-floor", "--repeat", "3", *ENGINE,
         "--save-result", str(out)])
     text = capsys.readouterr().out
-    assert "-- 3 pairs, alternating" in text and "median ratio" in text
+    assert "-- 3 pairs, HF first in the even ones" in text and "median ratio" in text
     rep = json.loads(out.read_text())["repeats"]
     assert len(rep["pairs"]) == 3
     for pair in rep["pairs"]:
