@@ -9,7 +9,14 @@ from aiohttp import web
 
 from engine.outputs import TokenLogprobs
 from server.errors import APIError
-from server.generation import Generation, raise_if_failed, random_id, usage_dict
+from server.generation import (
+    ChoiceTally,
+    Generation,
+    choice_updates,
+    random_id,
+    usage_dict,
+    with_finish,
+)
 from server.logprobs import chat_logprobs
 from server.params import chat_params
 from server.prompts import chat_prompt
@@ -70,33 +77,22 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
         _chunk(ctx, [{"index": i, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None}])
         for i in range(ctx.n)))
-    done = [False] * ctx.n
-    completion_tokens = cached = 0
+    tally = ChoiceTally()
     try:
-        async for _, out in gen:
-            cached = out.num_cached_tokens
+        async for updates in choice_updates(gen, ctx.n, tally):
             frames = []
-            for c in out.outputs:
-                if done[c.index]:
-                    continue
-                raise_if_failed(c.finish_reason)
-                completion_tokens += len(c.token_ids)
+            for i, c in updates:
                 has_lp = ctx.want_logprobs and bool(c.logprobs)
                 if not c.text and c.finish_reason is None and not has_lp:
                     continue  # nothing new to show (text held back by a possible stop string)
-                choice = {"index": c.index,
-                          "delta": {"content": c.text} if c.text or has_lp else {},
-                          "logprobs": _lp(state, ctx, c.logprobs) if has_lp else None,
-                          "finish_reason": c.finish_reason}
-                if c.finish_reason is not None:
-                    done[c.index] = True
-                    choice["stop_reason"] = c.stop_reason
-                frames.append(_chunk(ctx, [choice]))
+                frames.append(_chunk(ctx, [with_finish({
+                    "index": i, "delta": {"content": c.text} if c.text or has_lp else {},
+                    "logprobs": _lp(state, ctx, c.logprobs) if has_lp else None}, c)]))
             if frames:
                 await resp.write(b"".join(frames))
         if ctx.include_usage:
-            await resp.write(_chunk(ctx, [], usage_dict(ctx.prompt_tokens, completion_tokens,
-                                                          cached)))
+            await resp.write(_chunk(ctx, [], usage_dict(
+                ctx.prompt_tokens, tally.completion_tokens, tally.cached_tokens)))
         await resp.write(DONE)
     except APIError as err:
         await send_error_and_done(resp, err)
@@ -110,19 +106,14 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
     lps: list[list[TokenLogprobs]] = [[] for _ in range(ctx.n)]
     reasons: list[str | None] = [None] * ctx.n
     stop_reasons: list[int | str | None] = [None] * ctx.n
-    completion_tokens = cached = 0
-    async for _, out in gen:
-        cached = out.num_cached_tokens
-        for c in out.outputs:
-            if reasons[c.index] is not None:
-                continue
-            raise_if_failed(c.finish_reason)
-            texts[c.index].append(c.text)
-            completion_tokens += len(c.token_ids)
+    tally = ChoiceTally()
+    async for updates in choice_updates(gen, ctx.n, tally):
+        for i, c in updates:
+            texts[i].append(c.text)
             if c.logprobs:
-                lps[c.index].extend(c.logprobs)
-            reasons[c.index] = c.finish_reason
-            stop_reasons[c.index] = c.stop_reason
+                lps[i].extend(c.logprobs)
+            reasons[i] = c.finish_reason
+            stop_reasons[i] = c.stop_reason
     choices = [{"index": i,
                 "message": {"role": "assistant", "content": "".join(texts[i])},
                 "logprobs": _lp(state, ctx, lps[i]),
@@ -131,4 +122,4 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
     return json_response({
         "id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
         "choices": choices,
-        "usage": usage_dict(ctx.prompt_tokens, completion_tokens, cached)})
+        "usage": usage_dict(ctx.prompt_tokens, tally.completion_tokens, tally.cached_tokens)})

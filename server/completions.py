@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from server.errors import APIError
-from server.generation import Generation, Prompt, raise_if_failed, random_id, usage_dict
+from server.generation import (
+    ChoiceTally,
+    Generation,
+    Prompt,
+    choice_updates,
+    random_id,
+    usage_dict,
+    with_finish,
+)
 from server.logprobs import CompletionLogprobs, merge_completion_logprobs
 from server.params import completion_params
 from server.prompts import completion_prompts
@@ -78,47 +86,35 @@ def _logprob_builders(state: ServerState, ctx: _Ctx) -> list[CompletionLogprobs]
         for k in range(ctx.num_choices)]
 
 
-def _usage(ctx: _Ctx, completion_tokens: int, cached: dict[int, int]) -> dict:
-    return usage_dict(sum(len(p.token_ids) for p in ctx.prompts), completion_tokens,
-                      sum(cached.values()))
+def _usage(ctx: _Ctx, tally: ChoiceTally) -> dict:
+    return usage_dict(sum(len(p.token_ids) for p in ctx.prompts), tally.completion_tokens,
+                      tally.cached_tokens)
 
 
 async def _stream(request: web.Request, state: ServerState, gen: Generation,
                   ctx: _Ctx) -> web.StreamResponse:
     resp = await open_stream(request)
     builders = _logprob_builders(state, ctx)
-    done = [False] * ctx.num_choices
-    cached: dict[int, int] = {}
-    completion_tokens = 0
+    tally = ChoiceTally()
     try:
         if ctx.echo_texts:
             await resp.write(b"".join(
                 _chunk(ctx, [{"index": k, "text": ctx.echo_texts[k // ctx.n],
                               "logprobs": None, "finish_reason": None}])
                 for k in range(ctx.num_choices)))
-        async for pidx, out in gen:
-            cached[pidx] = out.num_cached_tokens
+        async for updates in choice_updates(gen, ctx.n, tally):
             frames = []
-            for c in out.outputs:
-                k = pidx * ctx.n + c.index
-                if done[k]:
-                    continue
-                raise_if_failed(c.finish_reason)
-                completion_tokens += len(c.token_ids)
+            for k, c in updates:
                 has_lp = builders is not None and bool(c.logprobs)
                 if not c.text and c.finish_reason is None and not has_lp:
                     continue
-                choice = {"index": k, "text": c.text,
-                          "logprobs": builders[k].build(c.logprobs) if has_lp else None,
-                          "finish_reason": c.finish_reason}
-                if c.finish_reason is not None:
-                    done[k] = True
-                    choice["stop_reason"] = c.stop_reason
-                frames.append(_chunk(ctx, [choice]))
+                frames.append(_chunk(ctx, [with_finish({
+                    "index": k, "text": c.text,
+                    "logprobs": builders[k].build(c.logprobs) if has_lp else None}, c)]))
             if frames:
                 await resp.write(b"".join(frames))
         if ctx.include_usage:
-            await resp.write(_chunk(ctx, [], _usage(ctx, completion_tokens, cached)))
+            await resp.write(_chunk(ctx, [], _usage(ctx, tally)))
         await resp.write(DONE)
     except APIError as err:
         await send_error_and_done(resp, err)
@@ -135,17 +131,10 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
     lps: list[list[dict]] = [[] for _ in range(m)]
     reasons: list[str | None] = [None] * m
     stop_reasons: list[int | str | None] = [None] * m
-    cached: dict[int, int] = {}
-    completion_tokens = 0
-    async for pidx, out in gen:
-        cached[pidx] = out.num_cached_tokens
-        for c in out.outputs:
-            k = pidx * ctx.n + c.index
-            if reasons[k] is not None:
-                continue
-            raise_if_failed(c.finish_reason)
+    tally = ChoiceTally()
+    async for updates in choice_updates(gen, ctx.n, tally):
+        for k, c in updates:
             texts[k].append(c.text)
-            completion_tokens += len(c.token_ids)
             if builders is not None and c.logprobs:
                 lps[k].append(builders[k].build(c.logprobs))
             reasons[k] = c.finish_reason
@@ -156,4 +145,4 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
                for k in range(m)]
     return json_response({
         "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
-        "choices": choices, "usage": _usage(ctx, completion_tokens, cached)})
+        "choices": choices, "usage": _usage(ctx, tally)})

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.async_engine import EngineDeadError, StepItem
 from engine.llm_engine import PromptTooLongError
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParamError, SamplingParams
 from server.errors import APIError, bad_request, internal, unavailable
 from server.state import ServerState
@@ -105,6 +105,49 @@ class Generation:
                 self._unfinished.discard(rid)
                 metrics.observe_finished(out.metrics)
             yield self._index[rid], out
+
+
+@dataclass
+class ChoiceTally:
+    """Token counts gathered while iterating :func:`choice_updates`."""
+
+    completion_tokens: int = 0
+    cached: dict[int, int] = field(default_factory=dict)
+    """Prompt index -> cached prompt tokens."""
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached.values())
+
+
+async def choice_updates(
+    gen: Generation, n: int, tally: ChoiceTally
+) -> AsyncIterator[list[tuple[int, CompletionOutput]]]:
+    """Per engine step, the new output of every choice that had not finished, as
+    ``(k, output)`` with ``k = prompt index * n + output.index``. A choice that ended in
+    ``error`` or ``abort`` raises its API error."""
+    finished: set[int] = set()
+    async for pidx, out in gen:
+        tally.cached[pidx] = out.num_cached_tokens
+        updates = []
+        for c in out.outputs:
+            k = pidx * n + c.index
+            if k in finished:
+                continue
+            raise_if_failed(c.finish_reason)
+            tally.completion_tokens += len(c.token_ids)
+            if c.finish_reason is not None:
+                finished.add(k)
+            updates.append((k, c))
+        yield updates
+
+
+def with_finish(choice: dict, c: CompletionOutput) -> dict:
+    """``choice`` with ``finish_reason`` (and ``stop_reason`` once finished) of ``c``."""
+    choice["finish_reason"] = c.finish_reason
+    if c.finish_reason is not None:
+        choice["stop_reason"] = c.stop_reason
+    return choice
 
 
 def raise_if_failed(finish_reason: str | None) -> None:
