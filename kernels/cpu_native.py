@@ -79,7 +79,7 @@ def _build(cc: str) -> Path:
                  platform.machine().encode(), _cpu_flags().encode()):  # fmt: skip
         key.update(part)
         key.update(b"\0")
-    out = _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    out = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +94,7 @@ def _build(cc: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built the native CPU attention kernel: %s", out)
+    log.info("built the native CPU kernels: %s", out)
     return out
 
 
@@ -126,7 +126,7 @@ def load() -> ctypes.CDLL | None:
             _declare(lib)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             _state["error"] = str(exc)
-            log.warning("native CPU attention kernel unavailable, using torch ops: %s", exc)
+            log.warning("native CPU kernels unavailable, using torch ops: %s", exc)
             lib = None
         _state["lib"] = lib
         return lib
