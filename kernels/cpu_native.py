@@ -71,11 +71,11 @@ def _compiler() -> str | None:
     return shutil.which(cc) or shutil.which("gcc")
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, cflags: tuple[str, ...]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     key = hashlib.sha256()
     parts = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
-    for part in (*parts, " ".join(CFLAGS).encode(), version.stdout.encode(),
+    for part in (*parts, " ".join(cflags).encode(), version.stdout.encode(),
                  platform.machine().encode(), _cpu_flags().encode()):  # fmt: skip
         key.update(part)
         key.update(b"\0")
@@ -86,7 +86,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".so.tmp", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *cflags, *map(str, SOURCES), "-o", tmp, "-lm"],
                               capture_output=True, text=True, check=False)  # fmt: skip
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -112,18 +112,27 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype, fn.argtypes = restype, argtypes
 
 
+def build_library(cflags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL:
+    """Build (or find cached) and open the library with ``cflags``; raises on failure.
+
+    :func:`load` is the engine's entry point; other flags serve tests (the portable C
+    path is what a CPU without AVX-512 runs).
+    """
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC or install gcc)")
+    lib = ctypes.CDLL(str(_build(cc, cflags)))
+    _declare(lib)
+    return lib
+
+
 def load() -> ctypes.CDLL | None:
     """The kernel library, built if needed; ``None`` (reason logged once) if unavailable."""
     with _lock:
         if "lib" in _state:
             return _state["lib"]  # type: ignore[return-value]
-        lib = None
         try:
-            cc = _compiler()
-            if cc is None:
-                raise RuntimeError("no C compiler found (set $CC or install gcc)")
-            lib = ctypes.CDLL(str(_build(cc)))
-            _declare(lib)
+            lib = build_library()
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             _state["error"] = str(exc)
             log.warning("native CPU kernels unavailable, using torch ops: %s", exc)
@@ -150,8 +159,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Decode attention read in place from the paged cache (see the C source).
 
-    query ``[B, Hq, D]`` (rows may be strided); caches ``[num_blocks, block_size, Hkv, D]`` in float32,
-    bfloat16 or float16; block_tables ``[B, M]`` and seq_lens ``[B]`` int32 on the CPU;
+    query ``[B, Hq, D]`` (rows may be strided); caches ``[num_blocks, block_size, Hkv,
+    D]`` in float32, bfloat16 or float16; block_tables ``[B, M]`` and seq_lens ``[B]`` int32 on the CPU;
     ``max_seq_len`` at least every ``seq_lens`` entry. Returns ``[B, Hq, D]`` in the
     query dtype (computed in float32), written into ``out`` when given.
     """

@@ -23,8 +23,13 @@ TOL = {
 LENS = [1, 2, 15, 16, 17, 31, 33, 100, 257, 700]
 
 
-@pytest.fixture(scope="module")
-def lib():
+@pytest.fixture(scope="module", params=["native", "portable"])
+def lib(request):
+    """The engine's library, and one built without ``-march=native``: the portable C
+    loops that a CPU without AVX-512 runs for every head dim."""
+    if request.param == "portable":
+        return cpu_native.build_library(tuple(f for f in cpu_native.CFLAGS
+                                              if f != "-march=native"))  # fmt: skip
     lib = cpu_native.load()
     assert lib is not None, cpu_native.unavailable_reason()
     return lib

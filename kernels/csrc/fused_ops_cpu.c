@@ -40,9 +40,12 @@ void add_rms_norm_f32(float *residual, const float *delta, const float *weight, 
     }
 }
 
-/* Rotate-half RoPE in place on ``heads`` heads of ``head_dim`` at the start of each
- * row (the query then key heads of a fused QKV row): x * cos + rotate_half(x) * sin,
- * cos/sin rows [rows, head_dim]. Bit-identical to the torch expression. */
+#define ROPE_MAX_HEAD_DIM 512
+
+/* Rotate-half RoPE in place on ``heads`` heads of ``head_dim`` (at most
+ * ROPE_MAX_HEAD_DIM) at the start of each row (the query then key heads of a fused QKV
+ * row): x * cos + rotate_half(x) * sin, cos/sin rows [rows, head_dim]. Bit-identical
+ * to the torch expression. */
 void rope_f32(float *x, int64_t row_stride, int rows, int heads, int head_dim,
               const float *cos, const float *sin, int num_threads) {
     const int half = head_dim / 2;
@@ -52,7 +55,7 @@ void rope_f32(float *x, int64_t row_stride, int rows, int heads, int head_dim,
         const float *s = sin + (int64_t)r * head_dim;
         for (int h = 0; h < heads; ++h) {
             float *v = x + (int64_t)r * row_stride + (int64_t)h * head_dim;
-            float tmp[512];
+            float tmp[ROPE_MAX_HEAD_DIM];
 #pragma omp simd
             for (int i = 0; i < half; ++i) {
                 const float a = v[i], b = v[i + half];
@@ -78,8 +81,7 @@ void silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int num
 #if defined(__AVX512F__)
         const __m512 one = _mm512_set1_ps(1.0f);
         for (; i < inter; i += 16) {
-            const __mmask16 k = inter - i >= 16 ? (__mmask16)0xFFFF
-                                                : (__mmask16)((1u << (inter - i)) - 1u);
+            const __mmask16 k = tail_mask(inter - i);
             const __m512 x = _mm512_maskz_loadu_ps(k, g + i);
             /* exp(-x) capped below overflow, so that 1 + e stays finite for the
              * reciprocal (silu(x) is then x / 1.6e38, i.e. zero, for x < -88). */

@@ -89,41 +89,38 @@ static void softmax(float *s, int n) {
     for (int i = 0; i < n; ++i) s[i] *= inv;
 }
 
+/* Element offset of context row ``t``'s first KV head of the item, through the table. */
+static inline int64_t slot_row(const item_t *it, const shape_t *sh, int t) {
+    const int64_t slot = (int64_t)it->table[t / sh->block_size] * sh->block_size +
+                         t % sh->block_size;
+    return (slot * sh->num_kv_heads + it->h0) * sh->head_dim;
+}
+
 static void attend_portable(const item_t *it, const shape_t *sh, int dtype, float *scores,
                             float *acc, float *tmp) {
     const int D = sh->head_dim, G = sh->group, L = it->seq_len, nq = it->nh * G;
-    int t = 0;
-    for (int b = 0; t < L; ++b) {
-        const int64_t base = (int64_t)it->table[b] * sh->block_size;
-        const int n = L - t < sh->block_size ? L - t : sh->block_size;
-        for (int off = 0; off < n; ++off, ++t) {
-            const int64_t row = ((base + off) * sh->num_kv_heads + it->h0) * D;
-            for (int hh = 0; hh < it->nh; ++hh) {
-                const float *k = load_row(sh->k_cache, dtype, row + (int64_t)hh * D, D, tmp);
-                for (int g = 0; g < G; ++g) {
-                    const int qh = hh * G + g;
-                    scores[(int64_t)qh * L + t] = dot(it->query + (int64_t)qh * D, k, D) * sh->scale;
-                }
+    for (int t = 0; t < L; ++t) {
+        const int64_t row = slot_row(it, sh, t);
+        for (int hh = 0; hh < it->nh; ++hh) {
+            const float *k = load_row(sh->k_cache, dtype, row + (int64_t)hh * D, D, tmp);
+            for (int g = 0; g < G; ++g) {
+                const int qh = hh * G + g;
+                scores[(int64_t)qh * L + t] = dot(it->query + (int64_t)qh * D, k, D) * sh->scale;
             }
         }
     }
     for (int qh = 0; qh < nq; ++qh) softmax(scores + (int64_t)qh * L, L);
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
-    t = 0;
-    for (int b = 0; t < L; ++b) {
-        const int64_t base = (int64_t)it->table[b] * sh->block_size;
-        const int n = L - t < sh->block_size ? L - t : sh->block_size;
-        for (int off = 0; off < n; ++off, ++t) {
-            const int64_t row = ((base + off) * sh->num_kv_heads + it->h0) * D;
-            for (int hh = 0; hh < it->nh; ++hh) {
-                const float *v = load_row(sh->v_cache, dtype, row + (int64_t)hh * D, D, tmp);
-                for (int g = 0; g < G; ++g) {
-                    const int qh = hh * G + g;
-                    const float p = scores[(int64_t)qh * L + t];
-                    float *a = acc + (int64_t)qh * D;
+    for (int t = 0; t < L; ++t) {
+        const int64_t row = slot_row(it, sh, t);
+        for (int hh = 0; hh < it->nh; ++hh) {
+            const float *v = load_row(sh->v_cache, dtype, row + (int64_t)hh * D, D, tmp);
+            for (int g = 0; g < G; ++g) {
+                const int qh = hh * G + g;
+                const float p = scores[(int64_t)qh * L + t];
+                float *a = acc + (int64_t)qh * D;
 #pragma omp simd
-                    for (int d = 0; d < D; ++d) a[d] += p * v[d];
-                }
+                for (int d = 0; d < D; ++d) a[d] += p * v[d];
             }
         }
     }
@@ -151,8 +148,6 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
 static inline void prefetch_bytes(const char *p, int bytes) {
     for (int i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
-
-static inline __mmask16 tail_mask(int n) { return (__mmask16)((1u << n) - 1u); }
 
 static void softmax512(float *s, int n) {
     __m512 mv = _mm512_set1_ps(-INFINITY);
@@ -266,8 +261,7 @@ ATTEND512_FOR(attend512_f16, DTYPE_F16)
 int paged_decode_attention(const float *query, const void *k_cache, const void *v_cache,
                            int dtype, const int32_t *block_tables, const int32_t *seq_lens,
                            int64_t q_stride, float *out, int num_seqs, int num_heads,
-                           int num_kv_heads,
-                           int head_dim, int block_size, int num_blocks,
+                           int num_kv_heads, int head_dim, int block_size, int num_blocks,
                            int max_blocks_per_seq, int max_seq_len, float scale,
                            int num_threads) {
     if (num_seqs <= 0) return 0;

@@ -1,4 +1,4 @@
-/* Vector math shared by the CPU kernels. */
+/* Vector helpers shared by the CPU kernels. */
 #ifndef PAGEDSERVE_SIMD_MATH_H
 #define PAGEDSERVE_SIMD_MATH_H
 
@@ -21,6 +21,11 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
+}
+
+/* The first ``n`` of 16 lanes (all 16 for n >= 16). */
+static inline __mmask16 tail_mask(int n) {
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
 }
 
 #endif
