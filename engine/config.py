@@ -12,9 +12,10 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
-_DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("auto", "cpu", "torch", "triton")
+from kernels.registry import BACKENDS as ATTENTION_BACKENDS
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,12 @@ class EngineConfig:
         def bad(name: str, value: Any, limit: str) -> ValueError:
             return ValueError(f"{name}={value!r} is invalid: {limit}")
 
-        if self.dtype not in _DTYPES:
-            raise bad("dtype", self.dtype, f"must be one of {_DTYPES}")
-        if self.device not in _DEVICES:
-            raise bad("device", self.device, f"must be one of {_DEVICES}")
-        if self.attention_backend not in _BACKENDS:
-            raise bad("attention_backend", self.attention_backend, f"must be one of {_BACKENDS}")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", self.dtype, f"must be one of {DTYPES}")
+        if self.device not in DEVICES:
+            raise bad("device", self.device, f"must be one of {DEVICES}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad("attention_backend", self.attention_backend, f"must be one of {ATTENTION_BACKENDS}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise bad("block_size", self.block_size, "must be one of 8, 16, 32, 64, 128")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

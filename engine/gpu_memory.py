@@ -210,7 +210,7 @@ def run_dummy_step(
 
             vocab = vocab_size or model.spec.vocab_size
             idx = torch.arange(num_sample_rows, device=hidden.device) % hidden.shape[0]
-            logits = model.compute_logits(hidden[idx])
+            logits = model.compute_logits(hidden[idx], attn.ops)
             Sampler(vocab)(logits, heavy_sampling_rows(num_sample_rows, vocab))
             del logits
     return hidden

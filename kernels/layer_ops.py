@@ -30,6 +30,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_native import MAX_HEAD_DIM
+
 log = logging.getLogger("kernels.layer_ops")
 
 PACKED_F32_ROWS = (2, 1024)
@@ -145,12 +147,13 @@ class NativeLayerOps(TorchLayerOps):
         weight._pagedserve_packed = (weight._version, packed)
         return packed
 
-    def _rows(self, x: torch.Tensor) -> bool:
-        """x is a 2-D float32 CPU tensor with contiguous rows."""
-        return x.dim() == 2 and x.stride(1) == 1 and _native_f32(x)
+    @staticmethod
+    def _rows(x: torch.Tensor) -> bool:
+        """x is a contiguous 2-D float32 CPU tensor."""
+        return x.dim() == 2 and x.is_contiguous() and _native_f32(x)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if not (self._rows(x) and x.is_contiguous() and _native_f32(weight)):
+        if not (self._rows(x) and _native_f32(weight)):
             return rms_norm(x, weight, eps)
         # Without a delta the kernel only reads ``residual``.
         out = torch.empty_like(x)
@@ -160,8 +163,8 @@ class NativeLayerOps(TorchLayerOps):
     def add_rms_norm(
         self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self._rows(residual) and residual.is_contiguous() and delta.is_contiguous()
-                and delta.shape == residual.shape and _native_f32(delta, weight)):  # fmt: skip
+        if not (self._rows(residual) and self._rows(delta) and delta.shape == residual.shape
+                and _native_f32(weight)):  # fmt: skip
             return super().add_rms_norm(residual, delta, weight, eps)
         out = torch.empty_like(residual)
         self._add_rms_norm(residual, delta, weight, eps, out)
@@ -181,7 +184,8 @@ class NativeLayerOps(TorchLayerOps):
         """In place on q and k (each with unit-stride heads of contiguous head_dim)."""
         t, _, head_dim = q.shape
         cos2, sin2 = cos.reshape(t, head_dim), sin.reshape(t, head_dim)
-        if not (_native_f32(q, k, cos2, sin2) and cos2.is_contiguous() and sin2.is_contiguous()
+        if not (head_dim <= MAX_HEAD_DIM and _native_f32(q, k, cos2, sin2)
+                and cos2.is_contiguous() and sin2.is_contiguous()
                 and all(x.stride(2) == 1 and x.stride(1) == head_dim for x in (q, k))):  # fmt: skip
             return super().rope(q, k, cos, sin)
         nt = torch.get_num_threads()
@@ -191,7 +195,7 @@ class NativeLayerOps(TorchLayerOps):
         return q, k
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if not (self._rows(gate_up) and gate_up.is_contiguous()):
+        if not self._rows(gate_up):
             return super().silu_mul(gate_up)
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)

@@ -27,9 +27,9 @@ def get_attention_backend(
     """Return the attention backend ``name`` for ``device``.
 
     ``"auto"`` (overridable with ``PAGEDSERVE_ATTENTION_BACKEND``) picks Triton on
-    CUDA and, elsewhere, the native CPU backend (``"cpu"``: torch plus a C decode
-    kernel built at first use) or, when that kernel cannot be built, pure torch. Triton on a non-CUDA device needs ``TRITON_INTERPRET=1``
-    (the interpreter: exact but slow, for tests).
+    CUDA; on the CPU the native backend (``"cpu"``: torch plus C kernels built at first
+    use) or, when those cannot be built, pure torch. Triton on a non-CUDA device needs
+    ``TRITON_INTERPRET=1`` (the interpreter: exact but slow, for tests).
     """
     if name == "auto":
         name = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
@@ -39,8 +39,10 @@ def get_attention_backend(
     if name == "auto":
         if device_type == "cuda":
             name = "triton"
+        elif device_type == "cpu" and cpu_native.load() is not None:
+            name = "cpu"
         else:
-            name = "cpu" if device_type == "cpu" and cpu_native.load() is not None else "torch"
+            name = "torch"
     if name == "cpu":
         if device_type != "cpu":
             raise RuntimeError(f"the cpu attention backend runs on the CPU (got {device_type!r})")

@@ -14,11 +14,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES
 from loadtest.workloads import Workload, allowed_token_ids
 
 logger = logging.getLogger("loadtest")
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 # -- flags -------------------------------------------------------------------------------
@@ -38,8 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", default=True)
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "torch", "triton"))
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    g.add_argument("--device", default="auto", choices=DEVICES)
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
 

@@ -83,6 +83,11 @@ def test_other_dtypes_and_layouts_fall_back_to_torch(native) -> None:
     cos, sin = randn(3, 1, 16).bfloat16(), randn(3, 1, 16, seed=5).bfloat16()
     got = native.rope(q.clone(), k.clone(), cos, sin)
     assert torch.equal(got[0], apply_rope(q, cos, sin)) and torch.equal(got[1], apply_rope(k, cos, sin))
+    # A head wider than the kernel's stack buffer takes the torch expression too.
+    q, k = randn(2, 1, 1024), randn(2, 1, 1024, seed=1)
+    cos, sin = randn(2, 1, 1024, seed=2), randn(2, 1, 1024, seed=3)
+    got = native.rope(q.clone(), k.clone(), cos, sin)
+    assert torch.equal(got[0], apply_rope(q, cos, sin)) and torch.equal(got[1], apply_rope(k, cos, sin))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -193,11 +193,9 @@ class DecoderForCausalLM(nn.Module):
                 yield proj.weight
         yield self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor, ops: Any = None) -> torch.Tensor:
-        """float32 logits of ``hidden`` (``ops``: the backend's layer ops, if any)."""
+    def compute_logits(self, hidden: torch.Tensor, ops: Any) -> torch.Tensor:
+        """float32 logits of ``hidden`` through the backend's layer ops."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if ops is None:
-            return torch.nn.functional.linear(hidden, weight).float()
         return ops.linear(hidden, weight).float()
 
     # -- weights ------------------------------------------------------------
