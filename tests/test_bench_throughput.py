@@ -17,6 +17,8 @@ from loadtest.workloads import (
 )
 
 ENGINE = ["--kv-cache-memory-gb", "0.02", "--max-model-len", "512"]
+TINY_WORKLOAD = ["--num-requests", "2", "--input-len-min", "8", "--input-len-max", "20",
+                 "--output-len-min", "3", "--output-len-max", "6"]
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +59,8 @@ def test_floor_grid_and_interpolation():
 
 def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
     out = tmp_path / "t.json"
-    throughput.cli([
-        "--model", tiny_llama, "--num-requests", "2", "--input-len-min", "8",
-        "--input-len-max", "20", "--output-len-min", "3", "--output-len-max", "6",
-        "--compare-hf", *ENGINE, "--save-result", str(out)])
+    throughput.cli(["--model", tiny_llama, *TINY_WORKLOAD, "--compare-hf", *ENGINE,
+                    "--save-result", str(out)])
     text = capsys.readouterr().out
     for field in ("command:", "hardware:", "versions:", "torch threads", "dtype:", "seed:",
                   "out tok/s", "req/s", "waste at peak usage", "peak blocks used", "matmul floor",
@@ -93,11 +93,8 @@ def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
 
 def test_throughput_bench_repeated_pairs(tiny_llama, tmp_path, capsys):
     out = tmp_path / "r.json"
-    throughput.cli([
-        "--model", tiny_llama, "--num-requests", "2", "--input-len-min", "8",
-        "--input-len-max", "20", "--output-len-min", "3", "--output-len-max", "6",
-        "--compare-hf", "--no-hf-continuous", "--no-floor", "--repeat", "3", *ENGINE,
-        "--save-result", str(out)])
+    throughput.cli(["--model", tiny_llama, *TINY_WORKLOAD, "--compare-hf", "--no-hf-continuous",
+                    "--no-floor", "--repeat", "3", *ENGINE, "--save-result", str(out)])
     text = capsys.readouterr().out
     assert "-- 3 pairs, HF first in the even ones" in text and "median ratio" in text
     rep = json.loads(out.read_text())["repeats"]
