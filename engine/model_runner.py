@@ -46,7 +46,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(vocab_size)
+        self.sampler = Sampler(vocab_size, argmax=attn.ops.argmax)
         self.decode_graphs: DecodeGraphRunner | None = None
         """Set on CUDA (``engine.cuda_graphs``): runs decode-only steps as CUDA graphs."""
 

@@ -11,6 +11,7 @@ share one batched draw from torch's global generator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,8 +93,12 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
 class Sampler:
     """Turns a step's logits into one token (and optional logprobs) per row."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(
+        self, vocab_size: int, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
         self.vocab_size = vocab_size
+        self._argmax = argmax or (lambda x: x.argmax(dim=-1))
+        """Row-wise argmax of the raw logits (the kernel backend's, e.g. native on the CPU)."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """``logits`` is [len(rows), V] with V >= vocab_size (padded columns are ignored)."""
@@ -101,7 +106,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
         vocab = min(self.vocab_size, logits.shape[1])
         raw = logits[:, :vocab]
-        tokens = raw.argmax(dim=-1)
+        tokens = self._argmax(raw)
         special = [i for i, r in enumerate(rows) if not _is_plain_greedy(r)]
         if not special:
             return SamplerOutput(tokens.tolist(), [None] * len(rows))

@@ -106,6 +106,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "add_rms_norm_f32": (None, [ptr, ptr, ptr, f32, ptr, i32, i32, i64, i32]),
         "rope_f32": (None, [ptr, i64, i32, i32, i32, ptr, ptr, i32]),
         "silu_mul_f32": (None, [ptr, ptr, i32, i32, i32]),
+        "argmax_f32": (None, [ptr, i64, i32, i32, ptr, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

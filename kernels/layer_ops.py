@@ -87,6 +87,11 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of 2-D ``x`` (int64; the first maximum, NaN counting as
+        the largest)."""
+        return x.argmax(dim=-1)
+
 
 def _native_f32(*tensors: torch.Tensor) -> bool:
     for t in tensors:
@@ -201,4 +206,14 @@ class NativeLayerOps(TorchLayerOps):
         out = gate_up.new_empty(rows, width // 2)
         self._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
                                torch.get_num_threads())  # fmt: skip
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        # Rows may be a column slice of wider logits (vocabulary padding).
+        if not (x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0 and x.stride(1) == 1
+                and _native_f32(x)):  # fmt: skip
+            return super().argmax(x)
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._lib.argmax_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
+                             out.data_ptr(), torch.get_num_threads())  # fmt: skip
         return out

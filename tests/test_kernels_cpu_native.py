@@ -57,7 +57,7 @@ def reference(step):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1), (12, 2)])
 @pytest.mark.parametrize("block_size", [16, 32])
 # 64 and 128 are the specialised AVX-512 paths, 96 the general one, 40 the scalar loop.
 @pytest.mark.parametrize("head_dim", [64, 128, 96, 40])

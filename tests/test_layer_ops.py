@@ -72,6 +72,44 @@ def test_silu_mul(native, rows) -> None:
     torch.testing.assert_close(out, REF.silu_mul(gate_up), atol=1e-6, rtol=1e-6)
 
 
+@pytest.fixture(scope="module", params=["native", "portable"])
+def any_build(request, native) -> NativeLayerOps:
+    """The engine's ops, and ops from a build without ``-march=native`` (scalar loops)."""
+    if request.param == "native":
+        return native
+    flags = tuple(f for f in cpu_native.CFLAGS if f != "-march=native")
+    return NativeLayerOps(cpu_native.build_library(flags))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 49152])
+def test_argmax(any_build, rows, cols) -> None:
+    x = randn(rows, cols + 5)[:, :cols]  # a column slice, as padded logits are
+    assert torch.equal(any_build.argmax(x), x.argmax(dim=-1))
+    # Ties take the first index; a NaN is the largest value (the first NaN wins); a row
+    # of -inf gives 0: all as torch.
+    x = torch.zeros(rows, cols)
+    if cols > 2:
+        x[0, 1] = x[0, cols - 1] = 5.0
+    if rows > 1 and cols > 2:
+        x[1, cols - 1] = float("nan")
+        x[1, cols - 2] = float("nan")
+        x[1, 0] = float("inf")
+    if rows > 2:
+        x[2] = float("-inf")
+    assert torch.equal(any_build.argmax(x), x.argmax(dim=-1))
+
+
+def test_argmax_in_the_sampler_equals_torch(native) -> None:
+    from engine.sampler import Sampler, SamplingRow
+    from engine.sampling_params import SamplingParams
+
+    logits = randn(16, 1000)
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(16)]
+    got = Sampler(999, argmax=native.argmax)(logits, rows).token_ids
+    assert got == logits[:, :999].argmax(dim=-1).tolist()
+
+
 def test_other_dtypes_and_layouts_fall_back_to_torch(native) -> None:
     x, w = randn(5, 64).bfloat16(), randn(64, seed=1).bfloat16()
     assert torch.equal(native.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
@@ -88,6 +126,9 @@ def test_other_dtypes_and_layouts_fall_back_to_torch(native) -> None:
     cos, sin = randn(2, 1, 1024, seed=2), randn(2, 1, 1024, seed=3)
     got = native.rope(q.clone(), k.clone(), cos, sin)
     assert torch.equal(got[0], apply_rope(q, cos, sin)) and torch.equal(got[1], apply_rope(k, cos, sin))
+    logits = randn(4, 10).bfloat16()
+    assert torch.equal(native.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(native.argmax(randn(4, 10)[:, ::2]), randn(4, 10)[:, ::2].argmax(dim=-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

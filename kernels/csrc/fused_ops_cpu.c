@@ -99,3 +99,49 @@ void silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int num
         for (; i < inter; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* The first index of the largest value of each row, as torch.argmax: a NaN counts as
+ * larger than anything (the first NaN wins); a row of -inf gives 0. */
+static int64_t argmax_row(const float *x, int cols) {
+    int i = 0;
+#if defined(__AVX512F__)
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i best_idx = _mm512_setzero_si512();
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = 0;
+    for (; i < cols; i += 16) {
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(cols - i), x + i);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        best = _mm512_mask_mov_ps(best, gt, v);
+        best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
+        idx = _mm512_add_epi32(idx, step);
+    }
+    if (!nan) {
+        const float m = _mm512_reduce_max_ps(best);
+        const __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+        /* Lanes holding the maximum: the smallest index among them. */
+        return _mm512_mask_reduce_min_epi32(at, best_idx);
+    }
+    i = 0;
+#endif
+    int64_t arg = 0;
+    float m = x[0];
+    if (m != m) return 0;
+    for (i = 1; i < cols; ++i) {
+        if (x[i] != x[i]) return i;
+        if (x[i] > m) {
+            m = x[i];
+            arg = i;
+        }
+    }
+    return arg;
+}
+
+/* out[r] = argmax of row r (``cols`` floats; rows ``row_stride`` floats apart). */
+void argmax_f32(const float *x, int64_t row_stride, int rows, int cols, int64_t *out,
+                int num_threads) {
+#pragma omp parallel for num_threads(threads_for((int64_t)rows * cols, num_threads))
+    for (int r = 0; r < rows; ++r) out[r] = argmax_row(x + (int64_t)r * row_stride, cols);
+}

@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
 
 /* Prefetch ``bytes`` starting at ``p`` into L1 (one instruction per cache line). */
 static inline void prefetch_bytes(const char *p, int bytes) {
-    for (int i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
 }
 
 static void softmax512(float *s, int n) {
@@ -177,65 +177,164 @@ static void softmax512(float *s, int n) {
     }
 }
 
-/* ``nv`` (head_dim / 16) and ``dtype`` are compile-time constants in each caller. */
+/* Sixteen horizontal sums at once: lane r of the result is the sum of the 16 lanes of
+ * ``p[SUM16_SLOT(r)]``. Each step adds pairs of lanes that come from the same input
+ * vector, so a lane of the result never mixes two inputs (unused slots may hold
+ * anything finite or not). 15 shuffle pairs and adds instead of 16 reductions. */
+#define SUM16_SLOT(r) (4 * ((r) & 3) + ((r) >> 2))
+
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *p) {
+    __m512 c[8], d[4], e[2];
+    for (int i = 0; i < 8; ++i)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)
+        e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
+                         _mm512_shuffle_ps(e[0], e[1], 0xDD));
+}
+
+/* Query heads handled together in one sweep over a run of rows. */
+#define GCHUNK 4
+
+/* Scores of query heads ``qh .. qh + GN - 1`` (sharing the KV head at element offset
+ * ``head`` of each row) against ``m <= 16`` consecutive rows starting at cache row
+ * ``first``: ``scores[g * L + i]`` for i < m. */
+static inline __attribute__((always_inline)) void qk_rows(
+        const shape_t *sh, const float *q, const int dtype, const int nv, const int GN,
+        int64_t first, int64_t head, int m, float *scores, int L, __m512 part[][16],
+        const char *next, int64_t next_stride, int pf_bytes) {
+    const int64_t stride = (int64_t)sh->num_kv_heads * 16 * nv;
+    __m512 qv[GCHUNK][MAX_NV];
+    for (int g = 0; g < GN; ++g)
+        for (int j = 0; j < nv; ++j) qv[g][j] = _mm512_loadu_ps(q + (int64_t)g * 16 * nv + 16 * j);
+    for (int r = 0; r < m; ++r) {
+        const int64_t row = (first + r) * stride + head;
+        if (next != NULL) prefetch_bytes(next + r * next_stride, pf_bytes);
+        __m512 k[MAX_NV];
+        for (int j = 0; j < nv; ++j) k[j] = load16(sh->k_cache, row + 16 * j, dtype);
+        for (int g = 0; g < GN; ++g) {
+            __m512 d = _mm512_mul_ps(qv[g][0], k[0]);
+            for (int j = 1; j < nv; ++j) d = _mm512_fmadd_ps(qv[g][j], k[j], d);
+            part[g][SUM16_SLOT(r)] = d;
+        }
+    }
+    for (int r = m; r < 16; ++r)
+        for (int g = 0; g < GN; ++g) part[g][SUM16_SLOT(r)] = _mm512_setzero_ps();
+    const __m512 scale = _mm512_set1_ps(sh->scale);
+    const __mmask16 mask = tail_mask(m);
+    for (int g = 0; g < GN; ++g)
+        _mm512_mask_storeu_ps(scores + (int64_t)g * L, mask, _mm512_mul_ps(sum16(part[g]), scale));
+}
+
+/* ``acc[g] += sum_i p[g * L + i] * V[row i]`` for query heads ``g < GN`` over ``m``
+ * consecutive rows starting at cache row ``first``; ``acc`` rows are ``16 * nv``. */
+static inline __attribute__((always_inline)) void pv_rows(
+        const shape_t *sh, const float *p, const int dtype, const int nv, const int GN,
+        int64_t first, int64_t head, int m, int L, float *acc, const char *next,
+        int64_t next_stride, int pf_bytes) {
+    const int64_t stride = (int64_t)sh->num_kv_heads * 16 * nv;
+    __m512 a[GCHUNK][MAX_NV];
+    for (int g = 0; g < GN; ++g)
+        for (int j = 0; j < nv; ++j) a[g][j] = _mm512_loadu_ps(acc + (int64_t)g * 16 * nv + 16 * j);
+    for (int r = 0; r < m; ++r) {
+        const int64_t row = (first + r) * stride + head;
+        if (next != NULL) prefetch_bytes(next + r * next_stride, pf_bytes);
+        __m512 v[MAX_NV];
+        for (int j = 0; j < nv; ++j) v[j] = load16(sh->v_cache, row + 16 * j, dtype);
+        for (int g = 0; g < GN; ++g) {
+            const __m512 w = _mm512_set1_ps(p[(int64_t)g * L + r]);
+            for (int j = 0; j < nv; ++j) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
+        }
+    }
+    for (int g = 0; g < GN; ++g)
+        for (int j = 0; j < nv; ++j) _mm512_storeu_ps(acc + (int64_t)g * 16 * nv + 16 * j, a[g][j]);
+}
+
+/* Dispatch on the number of query heads left in a chunk, so that each body has a
+ * compile-time head count and its vectors stay in registers. */
+#define FOR_GN(gn, CALL)                       \
+    switch (gn) {                              \
+        case 1: CALL(1); break;                \
+        case 2: CALL(2); break;                \
+        case 3: CALL(3); break;                \
+        default: CALL(GCHUNK); break;          \
+    }
+
+/* The item's first KV head in row 0 of cache block ``block``. */
+static inline const char *block_rows(const void *cache, const shape_t *sh, const item_t *it,
+                                     int64_t block, int D, int elem) {
+    return (const char *)cache + (block * sh->block_size * sh->num_kv_heads + it->h0) * D * elem;
+}
+
+/* ``nv`` (head_dim / 16) and ``dtype`` are compile-time constants in each caller.
+ *
+ * The context is walked in runs of at most 16 rows of one block. Pass 1 computes the
+ * scores of a run for up to GCHUNK query heads of one KV head at a time (each K row
+ * loaded once per chunk, the 16 dot products reduced together by ``sum16``); pass 2
+ * accumulates softmax-weighted V rows in registers. A run's rows are read again for
+ * the next KV head or chunk, from L1. */
 static inline __attribute__((always_inline)) void attend512(const item_t *it,
                                                             const shape_t *sh,
                                                             const int dtype, const int nv,
                                                             float *scores, float *acc) {
     const int D = 16 * nv, G = sh->group, L = it->seq_len, nq = it->nh * G;
     const int bs = sh->block_size, nblocks = (L + bs - 1) / bs;
-    const int elem = dtype == DTYPE_F32 ? 4 : 2, row_bytes = it->nh * D * elem;
+    const int elem = dtype == DTYPE_F32 ? 4 : 2;
+    __m512 part[GCHUNK][16];
     /* Blocks are scattered, so the hardware prefetcher stalls at every block edge: while
-     * reading row ``off`` of block b, fetch row ``off`` of block b + 1 (in pass 1 the
-     * last block fetches the first V block instead). */
-    int t = 0;
-    for (int b = 0; t < L; ++b) {
-        const int64_t base = (int64_t)it->table[b] * bs;
+     * reading row r of a block, fetch row r of the next one (pass 1's last block fetches
+     * V's first). Only the first sweep over a run prefetches. */
+    const int64_t row_bytes = (int64_t)sh->num_kv_heads * D * elem;
+    const int pf_bytes = it->nh * D * elem;
+    for (int b = 0, t = 0; t < L; ++b) {
+        const int64_t block = it->table[b];
         const int n = L - t < bs ? L - t : bs;
         const char *next = b + 1 < nblocks
-            ? (const char *)sh->k_cache + (int64_t)it->table[b + 1] * bs * sh->num_kv_heads * D * elem
-            : (const char *)sh->v_cache + (int64_t)it->table[0] * bs * sh->num_kv_heads * D * elem;
-        for (int off = 0; off < n; ++off, ++t) {
-            const int64_t row = ((base + off) * sh->num_kv_heads + it->h0) * D;
-            prefetch_bytes(next + ((int64_t)off * sh->num_kv_heads + it->h0) * D * elem, row_bytes);
+            ? block_rows(sh->k_cache, sh, it, it->table[b + 1], D, elem)
+            : block_rows(sh->v_cache, sh, it, it->table[0], D, elem);
+        for (int r0 = 0; r0 < n; r0 += 16) {
+            const int m = n - r0 < 16 ? n - r0 : 16;
+            const int64_t first = block * bs + r0;
             for (int hh = 0; hh < it->nh; ++hh) {
-                __m512 k[MAX_NV];
-                for (int j = 0; j < nv; ++j) k[j] = load16(sh->k_cache, row + hh * D + 16 * j, dtype);
-                for (int g = 0; g < G; ++g) {
-                    const int qh = hh * G + g;
+                const int64_t head = (int64_t)(it->h0 + hh) * D;
+                for (int g0 = 0; g0 < G; g0 += GCHUNK) {
+                    const int qh = hh * G + g0;
                     const float *q = it->query + (int64_t)qh * D;
-                    __m512 d = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
-                    for (int j = 1; j < nv; ++j) d = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * j), k[j], d);
-                    scores[(int64_t)qh * L + t] = _mm512_reduce_add_ps(d) * sh->scale;
+                    float *s = scores + (int64_t)qh * L + t + r0;
+                    const char *pf = hh == 0 && g0 == 0 ? next + r0 * row_bytes : NULL;
+#define QK(GN) qk_rows(sh, q, dtype, nv, GN, first, head, m, s, L, part, pf, row_bytes, pf_bytes)
+                    FOR_GN(G - g0, QK)
+#undef QK
                 }
             }
         }
+        t += n;
     }
     for (int qh = 0; qh < nq; ++qh) softmax512(scores + (int64_t)qh * L, L);
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
-    t = 0;
-    for (int b = 0; t < L; ++b) {
-        const int64_t base = (int64_t)it->table[b] * bs;
+    for (int b = 0, t = 0; t < L; ++b) {
+        const int64_t block = it->table[b];
         const int n = L - t < bs ? L - t : bs;
         const char *next = b + 1 < nblocks
-            ? (const char *)sh->v_cache + (int64_t)it->table[b + 1] * bs * sh->num_kv_heads * D * elem
-            : NULL;
-        for (int off = 0; off < n; ++off, ++t) {
-            const int64_t row = ((base + off) * sh->num_kv_heads + it->h0) * D;
-            if (next != NULL)
-                prefetch_bytes(next + ((int64_t)off * sh->num_kv_heads + it->h0) * D * elem, row_bytes);
-            for (int hh = 0; hh < it->nh; ++hh) {
-                __m512 v[MAX_NV];
-                for (int j = 0; j < nv; ++j) v[j] = load16(sh->v_cache, row + hh * D + 16 * j, dtype);
-                for (int g = 0; g < G; ++g) {
-                    const int qh = hh * G + g;
-                    const __m512 p = _mm512_set1_ps(scores[(int64_t)qh * L + t]);
-                    float *a = acc + (int64_t)qh * D;
-                    for (int j = 0; j < nv; ++j)
-                        _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(p, v[j], _mm512_loadu_ps(a + 16 * j)));
-                }
+            ? block_rows(sh->v_cache, sh, it, it->table[b + 1], D, elem) : NULL;
+        for (int hh = 0; hh < it->nh; ++hh) {
+            const int64_t head = (int64_t)(it->h0 + hh) * D;
+            for (int g0 = 0; g0 < G; g0 += GCHUNK) {
+                const int qh = hh * G + g0;
+                const float *p = scores + (int64_t)qh * L + t;
+                float *a = acc + (int64_t)qh * D;
+                const char *pf = hh == 0 && g0 == 0 ? next : NULL;
+#define PV(GN) pv_rows(sh, p, dtype, nv, GN, block * bs, head, n, L, a, pf, row_bytes, pf_bytes)
+                FOR_GN(G - g0, PV)
+#undef PV
             }
         }
+        t += n;
     }
     memcpy(it->out, acc, sizeof(float) * (size_t)nq * D);
 }
