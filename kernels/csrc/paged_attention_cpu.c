@@ -15,8 +15,9 @@
  * enough requests to keep every thread busy): the slot rows of a block are then read
  * as one contiguous stream, and every K and V element is read from memory exactly
  * once per step and layer. The G = num_heads / num_kv_heads query heads sharing a KV
- * head are computed together. Scores are kept for the whole context (two passes: q.K,
- * then softmax-weighted V), all in float32.
+ * head are computed together, all in float32. The AVX-512 path makes one pass with an
+ * online softmax (K and V of each run of rows together); the portable path keeps the
+ * scores of the whole context (two passes: q.K, then softmax-weighted V).
  */
 #include <math.h>
 #include <stdint.h>
@@ -149,34 +150,6 @@ static inline void prefetch_bytes(const char *p, int bytes) {
     for (int i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
 }
 
-static void softmax512(float *s, int n) {
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    int i = 0;
-    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + i));
-    float m = _mm512_reduce_max_ps(mv);
-    for (; i < n; ++i) m = s[i] > m ? s[i] : m;
-    const __m512 mm = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
-    for (i = 0; i + 16 <= n; i += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), mm));
-        _mm512_storeu_ps(s + i, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    if (i < n) {
-        const __mmask16 k = tail_mask(n - i);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mm));
-        _mm512_mask_storeu_ps(s + i, k, e);
-        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    for (i = 0; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
-    if (i < n) {
-        const __mmask16 k = tail_mask(n - i);
-        _mm512_mask_storeu_ps(s + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
-    }
-}
-
 /* Sixteen horizontal sums at once: lane r of the result is the sum of the 16 lanes of
  * ``p[SUM16_SLOT(r)]``. Each step adds pairs of lanes that come from the same input
  * vector, so a lane of the result never mixes two inputs (unused slots may hold
@@ -201,58 +174,71 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 *p) {
 /* Query heads handled together in one sweep over a run of rows. */
 #define GCHUNK 4
 
-/* Scores of query heads ``qh .. qh + GN - 1`` (sharing the KV head at element offset
- * ``head`` of each row) against ``m <= 16`` consecutive rows starting at cache row
- * ``first``: ``scores[g * L + i]`` for i < m. */
-static inline __attribute__((always_inline)) void qk_rows(
+/* One run of ``m <= 16`` consecutive cache rows starting at row ``first``, for the
+ * ``GN`` query heads at ``q`` that share the KV head at element offset ``head``:
+ * scores (the 16 dot products of a head reduced together by ``sum16``), then the
+ * online-softmax update of each head's running maximum ``mx``, denominator ``den``
+ * and unnormalised output ``acc`` (rows of ``16 * nv``), with V's rows accumulated in
+ * registers. ``next_k``/``next_v`` (or NULL): rows to prefetch, ``next_stride`` apart. */
+static inline __attribute__((always_inline)) void attend_run(
         const shape_t *sh, const float *q, const int dtype, const int nv, const int GN,
-        int64_t first, int64_t head, int m, float *scores, int L, __m512 part[][16],
-        const char *next, int64_t next_stride, int pf_bytes) {
-    const int64_t stride = (int64_t)sh->num_kv_heads * 16 * nv;
-    __m512 qv[GCHUNK][MAX_NV];
-    for (int g = 0; g < GN; ++g)
-        for (int j = 0; j < nv; ++j) qv[g][j] = _mm512_loadu_ps(q + (int64_t)g * 16 * nv + 16 * j);
-    for (int r = 0; r < m; ++r) {
-        const int64_t row = (first + r) * stride + head;
-        if (next != NULL) prefetch_bytes(next + r * next_stride, pf_bytes);
-        __m512 k[MAX_NV];
-        for (int j = 0; j < nv; ++j) k[j] = load16(sh->k_cache, row + 16 * j, dtype);
+        int64_t first, int64_t head, int m, float *mx, float *den, float *acc,
+        const char *next_k, const char *next_v, int64_t next_stride, int pf_bytes) {
+    const int D = 16 * nv;
+    const int64_t stride = (int64_t)sh->num_kv_heads * D;
+    const __mmask16 mask = tail_mask(m);
+    float p[GCHUNK][16] __attribute__((aligned(64)));
+    float corr[GCHUNK];
+    {
+        __m512 part[GCHUNK][16];
+        __m512 qv[GCHUNK][MAX_NV];
+        for (int g = 0; g < GN; ++g)
+            for (int j = 0; j < nv; ++j) qv[g][j] = _mm512_loadu_ps(q + (int64_t)g * D + 16 * j);
+        for (int r = 0; r < m; ++r) {
+            const int64_t row = (first + r) * stride + head;
+            if (next_k != NULL) prefetch_bytes(next_k + r * next_stride, pf_bytes);
+            __m512 k[MAX_NV];
+            for (int j = 0; j < nv; ++j) k[j] = load16(sh->k_cache, row + 16 * j, dtype);
+            for (int g = 0; g < GN; ++g) {
+                __m512 d = _mm512_mul_ps(qv[g][0], k[0]);
+                for (int j = 1; j < nv; ++j) d = _mm512_fmadd_ps(qv[g][j], k[j], d);
+                part[g][SUM16_SLOT(r)] = d;
+            }
+        }
+        for (int r = m; r < 16; ++r)
+            for (int g = 0; g < GN; ++g) part[g][SUM16_SLOT(r)] = _mm512_setzero_ps();
+        const __m512 scale = _mm512_set1_ps(sh->scale);
         for (int g = 0; g < GN; ++g) {
-            __m512 d = _mm512_mul_ps(qv[g][0], k[0]);
-            for (int j = 1; j < nv; ++j) d = _mm512_fmadd_ps(qv[g][j], k[j], d);
-            part[g][SUM16_SLOT(r)] = d;
+            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask,
+                                                _mm512_mul_ps(sum16(part[g]), scale));
+            const float run_max = _mm512_reduce_max_ps(s);
+            const float m_new = run_max > mx[g] ? run_max : mx[g];
+            const __m512 e = _mm512_maskz_mov_ps(
+                mask, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+            corr[g] = mx[g] == -INFINITY ? 0.0f : expf(mx[g] - m_new);
+            den[g] = den[g] * corr[g] + _mm512_reduce_add_ps(e);
+            mx[g] = m_new;
+            _mm512_store_ps(p[g], e);
         }
     }
-    for (int r = m; r < 16; ++r)
-        for (int g = 0; g < GN; ++g) part[g][SUM16_SLOT(r)] = _mm512_setzero_ps();
-    const __m512 scale = _mm512_set1_ps(sh->scale);
-    const __mmask16 mask = tail_mask(m);
-    for (int g = 0; g < GN; ++g)
-        _mm512_mask_storeu_ps(scores + (int64_t)g * L, mask, _mm512_mul_ps(sum16(part[g]), scale));
-}
-
-/* ``acc[g] += sum_i p[g * L + i] * V[row i]`` for query heads ``g < GN`` over ``m``
- * consecutive rows starting at cache row ``first``; ``acc`` rows are ``16 * nv``. */
-static inline __attribute__((always_inline)) void pv_rows(
-        const shape_t *sh, const float *p, const int dtype, const int nv, const int GN,
-        int64_t first, int64_t head, int m, int L, float *acc, const char *next,
-        int64_t next_stride, int pf_bytes) {
-    const int64_t stride = (int64_t)sh->num_kv_heads * 16 * nv;
     __m512 a[GCHUNK][MAX_NV];
-    for (int g = 0; g < GN; ++g)
-        for (int j = 0; j < nv; ++j) a[g][j] = _mm512_loadu_ps(acc + (int64_t)g * 16 * nv + 16 * j);
+    for (int g = 0; g < GN; ++g) {
+        const __m512 c = _mm512_set1_ps(corr[g]);
+        for (int j = 0; j < nv; ++j)
+            a[g][j] = _mm512_mul_ps(c, _mm512_loadu_ps(acc + (int64_t)g * D + 16 * j));
+    }
     for (int r = 0; r < m; ++r) {
         const int64_t row = (first + r) * stride + head;
-        if (next != NULL) prefetch_bytes(next + r * next_stride, pf_bytes);
+        if (next_v != NULL) prefetch_bytes(next_v + r * next_stride, pf_bytes);
         __m512 v[MAX_NV];
         for (int j = 0; j < nv; ++j) v[j] = load16(sh->v_cache, row + 16 * j, dtype);
         for (int g = 0; g < GN; ++g) {
-            const __m512 w = _mm512_set1_ps(p[(int64_t)g * L + r]);
+            const __m512 w = _mm512_set1_ps(p[g][r]);
             for (int j = 0; j < nv; ++j) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
         }
     }
     for (int g = 0; g < GN; ++g)
-        for (int j = 0; j < nv; ++j) _mm512_storeu_ps(acc + (int64_t)g * 16 * nv + 16 * j, a[g][j]);
+        for (int j = 0; j < nv; ++j) _mm512_storeu_ps(acc + (int64_t)g * D + 16 * j, a[g][j]);
 }
 
 /* Dispatch on the number of query heads left in a chunk, so that each body has a
@@ -273,30 +259,34 @@ static inline const char *block_rows(const void *cache, const shape_t *sh, const
 
 /* ``nv`` (head_dim / 16) and ``dtype`` are compile-time constants in each caller.
  *
- * The context is walked in runs of at most 16 rows of one block. Pass 1 computes the
- * scores of a run for up to GCHUNK query heads of one KV head at a time (each K row
- * loaded once per chunk, the 16 dot products reduced together by ``sum16``); pass 2
- * accumulates softmax-weighted V rows in registers. A run's rows are read again for
- * the next KV head or chunk, from L1. */
+ * One pass over the context in runs of at most 16 rows of one block: each run's K rows,
+ * then its V rows, so both streams are in flight together and no score buffer is
+ * needed. ``state`` holds ``nq * (head_dim + 2)`` floats. A run's rows are read again
+ * for the next KV head or query-head chunk, from L1. */
 static inline __attribute__((always_inline)) void attend512(const item_t *it,
                                                             const shape_t *sh,
                                                             const int dtype, const int nv,
-                                                            float *scores, float *acc) {
+                                                            float *state) {
     const int D = 16 * nv, G = sh->group, L = it->seq_len, nq = it->nh * G;
     const int bs = sh->block_size, nblocks = (L + bs - 1) / bs;
     const int elem = dtype == DTYPE_F32 ? 4 : 2;
-    __m512 part[GCHUNK][16];
+    float *acc = state, *mx = state + (int64_t)nq * D, *den = mx + nq;
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
+    for (int i = 0; i < nq; ++i) {
+        mx[i] = -INFINITY;
+        den[i] = 0.0f;
+    }
     /* Blocks are scattered, so the hardware prefetcher stalls at every block edge: while
-     * reading row r of a block, fetch row r of the next one (pass 1's last block fetches
-     * V's first). Only the first sweep over a run prefetches. */
+     * reading row r of a block, fetch row r of the next one. Only the first sweep over
+     * a run prefetches. */
     const int64_t row_bytes = (int64_t)sh->num_kv_heads * D * elem;
     const int pf_bytes = it->nh * D * elem;
     for (int b = 0, t = 0; t < L; ++b) {
         const int64_t block = it->table[b];
         const int n = L - t < bs ? L - t : bs;
-        const char *next = b + 1 < nblocks
-            ? block_rows(sh->k_cache, sh, it, it->table[b + 1], D, elem)
-            : block_rows(sh->v_cache, sh, it, it->table[0], D, elem);
+        const int last = b + 1 >= nblocks;
+        const char *next_k = last ? NULL : block_rows(sh->k_cache, sh, it, it->table[b + 1], D, elem);
+        const char *next_v = last ? NULL : block_rows(sh->v_cache, sh, it, it->table[b + 1], D, elem);
         for (int r0 = 0; r0 < n; r0 += 16) {
             const int m = n - r0 < 16 ? n - r0 : 16;
             const int64_t first = block * bs + r0;
@@ -304,50 +294,35 @@ static inline __attribute__((always_inline)) void attend512(const item_t *it,
                 const int64_t head = (int64_t)(it->h0 + hh) * D;
                 for (int g0 = 0; g0 < G; g0 += GCHUNK) {
                     const int qh = hh * G + g0;
-                    const float *q = it->query + (int64_t)qh * D;
-                    float *s = scores + (int64_t)qh * L + t + r0;
-                    const char *pf = hh == 0 && g0 == 0 ? next + r0 * row_bytes : NULL;
-#define QK(GN) qk_rows(sh, q, dtype, nv, GN, first, head, m, s, L, part, pf, row_bytes, pf_bytes)
-                    FOR_GN(G - g0, QK)
-#undef QK
+                    const int pf = !last && hh == 0 && g0 == 0;
+                    const char *pk = pf ? next_k + r0 * row_bytes : NULL;
+                    const char *pv = pf ? next_v + r0 * row_bytes : NULL;
+#define RUN(GN) attend_run(sh, it->query + (int64_t)qh * D, dtype, nv, GN, first, head, m, \
+                           mx + qh, den + qh, acc + (int64_t)qh * D, pk, pv, row_bytes, pf_bytes)
+                    FOR_GN(G - g0, RUN)
+#undef RUN
                 }
             }
         }
         t += n;
     }
-    for (int qh = 0; qh < nq; ++qh) softmax512(scores + (int64_t)qh * L, L);
-    memset(acc, 0, sizeof(float) * (size_t)nq * D);
-    for (int b = 0, t = 0; t < L; ++b) {
-        const int64_t block = it->table[b];
-        const int n = L - t < bs ? L - t : bs;
-        const char *next = b + 1 < nblocks
-            ? block_rows(sh->v_cache, sh, it, it->table[b + 1], D, elem) : NULL;
-        for (int hh = 0; hh < it->nh; ++hh) {
-            const int64_t head = (int64_t)(it->h0 + hh) * D;
-            for (int g0 = 0; g0 < G; g0 += GCHUNK) {
-                const int qh = hh * G + g0;
-                const float *p = scores + (int64_t)qh * L + t;
-                float *a = acc + (int64_t)qh * D;
-                const char *pf = hh == 0 && g0 == 0 ? next : NULL;
-#define PV(GN) pv_rows(sh, p, dtype, nv, GN, block * bs, head, n, L, a, pf, row_bytes, pf_bytes)
-                FOR_GN(G - g0, PV)
-#undef PV
-            }
-        }
-        t += n;
+    for (int qh = 0; qh < nq; ++qh) {
+        const __m512 inv = _mm512_set1_ps(1.0f / den[qh]);
+        for (int j = 0; j < nv; ++j)
+            _mm512_storeu_ps(it->out + (int64_t)qh * D + 16 * j,
+                             _mm512_mul_ps(inv, _mm512_loadu_ps(acc + (int64_t)qh * D + 16 * j)));
     }
-    memcpy(it->out, acc, sizeof(float) * (size_t)nq * D);
 }
 
 /* Specialised for head_dim 64 and 128, where the loops over 16-float vectors unroll. */
 #define ATTEND512_FOR(name, code)                                                     \
-    static void name(const item_t *it, const shape_t *sh, float *s, float *a) {       \
+    static void name(const item_t *it, const shape_t *sh, float *state) {             \
         if (sh->head_dim == 64)                                                        \
-            attend512(it, sh, code, 4, s, a);                                          \
+            attend512(it, sh, code, 4, state);                                         \
         else if (sh->head_dim == 128)                                                  \
-            attend512(it, sh, code, 8, s, a);                                          \
+            attend512(it, sh, code, 8, state);                                         \
         else                                                                           \
-            attend512(it, sh, code, sh->head_dim / 16, s, a);                          \
+            attend512(it, sh, code, sh->head_dim / 16, state);                         \
     }
 ATTEND512_FOR(attend512_f32, DTYPE_F32)
 ATTEND512_FOR(attend512_bf16, DTYPE_BF16)
@@ -383,7 +358,8 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
     {
         const size_t nq = (size_t)per_item * sh.group;
         float *scores = malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
-        float *acc = malloc(sizeof(float) * nq * (size_t)head_dim);
+        /* The AVX-512 path's online-softmax state: acc, running max, denominator. */
+        float *acc = malloc(sizeof(float) * nq * ((size_t)head_dim + 2));
         float tmp[MAX_HEAD_DIM];
         if (scores == NULL || acc == NULL) {
 #pragma omp atomic write
@@ -412,11 +388,11 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
 #if defined(__AVX512F__)
                 if (head_dim % 16 == 0 && head_dim <= 16 * MAX_NV) {
                     if (dtype == DTYPE_F32)
-                        attend512_f32(&it, &sh, scores, acc);
+                        attend512_f32(&it, &sh, acc);
                     else if (dtype == DTYPE_BF16)
-                        attend512_bf16(&it, &sh, scores, acc);
+                        attend512_bf16(&it, &sh, acc);
                     else
-                        attend512_f16(&it, &sh, scores, acc);
+                        attend512_f16(&it, &sh, acc);
                     continue;
                 }
 #endif
