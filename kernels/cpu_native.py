@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cache import cache_root
+
 log = logging.getLogger("kernels.cpu_native")
 
 CSRC = Path(__file__).with_name("csrc")
@@ -47,12 +49,6 @@ _ERRORS = {
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDSERVE_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "pagedserve"
-    return base / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -79,7 +75,7 @@ def _build(cc: str, cflags: tuple[str, ...]) -> Path:
                  platform.machine().encode(), _cpu_flags().encode()):  # fmt: skip
         key.update(part)
         key.update(b"\0")
-    out = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    out = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
