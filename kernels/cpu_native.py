@@ -99,9 +99,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     signatures = {
         "paged_decode_attention": (i32, [ptr] * 3 + [i32] + [ptr] * 2 + [i64, ptr] + [i32] * 8
                                    + [f32, i32]),
-        "add_rms_norm_f32": (None, [ptr, ptr, ptr, f32, ptr, i32, i32, i64, i32]),
-        "rope_f32": (None, [ptr, i64, i32, i32, i32, ptr, ptr, i32]),
-        "silu_mul_f32": (None, [ptr, ptr, i32, i32, i32]),
+        **{f"add_rms_norm_{d}": (None, [ptr, ptr, ptr, f32, ptr, i32, i32, i64, i32])
+           for d in ("f32", "bf16")},
+        **{f"rope_{d}": (None, [ptr, i64, i32, i32, i32, ptr, ptr, i32]) for d in ("f32", "bf16")},
+        **{f"silu_mul_{d}": (None, [ptr, ptr, i32, i32, i32]) for d in ("f32", "bf16")},
         "argmax_f32": (None, [ptr, i64, i32, i32, ptr, i32]),
     }
     for name, (restype, argtypes) in signatures.items():

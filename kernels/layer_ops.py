@@ -3,8 +3,9 @@
 Every attention backend carries an ``ops`` object. :class:`TorchLayerOps` is plain
 torch (the reference, used on CUDA, where CUDA graphs capture it, and whenever the
 native library is unavailable). :class:`NativeLayerOps` replaces each op with one
-call into the native CPU library for float32 CPU tensors, and falls back to torch
-for anything else. On a decode step of a small model the torch versions cost more in
+call into the native CPU library for float32 and bfloat16 CPU tensors (bfloat16
+rounded where the torch expression rounds), and falls back to torch for anything
+else; greedy sampling's argmax over float32 logits is native too. On a decode step of a small model the torch versions cost more in
 dispatch and thread wake-ups than in arithmetic: RMSNorm alone is six ops.
 
 Linear layers go through ``ops.linear`` too: on the CPU, weights pre-packed for
@@ -94,14 +95,27 @@ class TorchLayerOps:
 
 
 def _native_f32(*tensors: torch.Tensor) -> bool:
+    return _native_dtype(*tensors) == "f32"
+
+
+_NATIVE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+"""Dtypes with native element-wise ops, and the suffix of their C functions."""
+
+
+def _native_dtype(*tensors: torch.Tensor) -> str | None:
+    """The C suffix when every tensor is on the CPU in one dtype that has native ops."""
+    dtype = tensors[0].dtype
+    suffix = _NATIVE_DTYPES.get(dtype)
+    if suffix is None:
+        return None
     for t in tensors:
-        if t.dtype != torch.float32 or not t.is_cpu:
-            return False
-    return True
+        if t.dtype != dtype or not t.is_cpu:
+            return None
+    return suffix
 
 
 class NativeLayerOps(TorchLayerOps):
-    """The same ops in one native call each (float32 on the CPU)."""
+    """The same ops in one native call each (float32 and bfloat16 on the CPU)."""
 
     name = "native"
 
@@ -153,31 +167,35 @@ class NativeLayerOps(TorchLayerOps):
         return packed
 
     @staticmethod
-    def _rows(x: torch.Tensor) -> bool:
-        """x is a contiguous 2-D float32 CPU tensor."""
-        return x.dim() == 2 and x.is_contiguous() and _native_f32(x)
+    def _rows(*xs: torch.Tensor) -> str | None:
+        """The C suffix when every x is a contiguous 2-D CPU tensor of one native dtype."""
+        if not all(x.dim() == 2 and x.is_contiguous() for x in xs):
+            return None
+        return _native_dtype(*xs)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if not (self._rows(x) and _native_f32(weight)):
+        suffix = self._rows(x)
+        if suffix is None or _native_dtype(x, weight) is None:
             return rms_norm(x, weight, eps)
         # Without a delta the kernel only reads ``residual``.
         out = torch.empty_like(x)
-        self._add_rms_norm(x, None, weight, eps, out)
+        self._add_rms_norm(suffix, x, None, weight, eps, out)
         return out
 
     def add_rms_norm(
         self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self._rows(residual) and self._rows(delta) and delta.shape == residual.shape
-                and _native_f32(weight)):  # fmt: skip
+        suffix = self._rows(residual, delta)
+        if suffix is None or delta.shape != residual.shape \
+                or _native_dtype(residual, weight) is None:  # fmt: skip
             return super().add_rms_norm(residual, delta, weight, eps)
         out = torch.empty_like(residual)
-        self._add_rms_norm(residual, delta, weight, eps, out)
+        self._add_rms_norm(suffix, residual, delta, weight, eps, out)
         return residual, out
 
-    def _add_rms_norm(self, residual, delta, weight, eps, out) -> None:
+    def _add_rms_norm(self, suffix, residual, delta, weight, eps, out) -> None:
         rows, dim = residual.shape
-        self._lib.add_rms_norm_f32(
+        getattr(self._lib, f"add_rms_norm_{suffix}")(
             residual.data_ptr(), None if delta is None else delta.data_ptr(),
             weight.contiguous().data_ptr(), eps, out.data_ptr(), rows, dim, out.stride(0),
             torch.get_num_threads(),
@@ -189,23 +207,25 @@ class NativeLayerOps(TorchLayerOps):
         """In place on q and k (each with unit-stride heads of contiguous head_dim)."""
         t, _, head_dim = q.shape
         cos2, sin2 = cos.reshape(t, head_dim), sin.reshape(t, head_dim)
-        if not (head_dim <= MAX_HEAD_DIM and _native_f32(q, k, cos2, sin2)
+        suffix = _native_dtype(q, k, cos2, sin2)
+        if not (suffix and head_dim <= MAX_HEAD_DIM
                 and cos2.is_contiguous() and sin2.is_contiguous()
                 and all(x.stride(2) == 1 and x.stride(1) == head_dim for x in (q, k))):  # fmt: skip
             return super().rope(q, k, cos, sin)
-        nt = torch.get_num_threads()
+        fn, nt = getattr(self._lib, f"rope_{suffix}"), torch.get_num_threads()
         for x in (q, k):
-            self._lib.rope_f32(x.data_ptr(), x.stride(0), t, x.shape[1], head_dim,
-                               cos2.data_ptr(), sin2.data_ptr(), nt)  # fmt: skip
+            fn(x.data_ptr(), x.stride(0), t, x.shape[1], head_dim, cos2.data_ptr(),
+               sin2.data_ptr(), nt)  # fmt: skip
         return q, k
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if not self._rows(gate_up):
+        suffix = self._rows(gate_up)
+        if suffix is None:
             return super().silu_mul(gate_up)
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
-        self._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
-                               torch.get_num_threads())  # fmt: skip
+        getattr(self._lib, f"silu_mul_{suffix}")(gate_up.data_ptr(), out.data_ptr(), rows,
+                                                 width // 2, torch.get_num_threads())  # fmt: skip
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

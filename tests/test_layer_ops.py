@@ -110,15 +110,58 @@ def test_argmax_in_the_sampler_equals_torch(native) -> None:
     assert got == logits[:, :999].argmax(dim=-1).tolist()
 
 
+BF16_ULP = dict(atol=0.0, rtol=2**-7)  # one bfloat16 unit in the last place
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_bfloat16_norms(native, rows) -> None:
+    residual = randn(rows, 576, scale=3.0).bfloat16()
+    delta, w = randn(rows, 576, seed=2).bfloat16(), randn(576, seed=3).bfloat16()
+    expected_res, expected = REF.add_rms_norm(residual.clone(), delta, w, 1e-5)
+    res, out = native.add_rms_norm(residual, delta, w, 1e-5)
+    assert res.data_ptr() == residual.data_ptr() and out.dtype == torch.bfloat16
+    assert torch.equal(res, expected_res)  # the add is rounded as torch rounds it
+    # The float32 sum of squares is accumulated in another order: a rounding boundary
+    # may fall between the two, so an element may differ by one bfloat16 ulp.
+    torch.testing.assert_close(out, expected, **BF16_ULP)
+    assert (out != expected).float().mean() < 0.01
+    torch.testing.assert_close(native.rms_norm(res, w, 1e-5), rms_norm(res, w, 1e-5), **BF16_ULP)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_bfloat16_rope_is_bit_exact(native, rows) -> None:
+    qkv = randn(rows, 15 * 64).bfloat16()
+    q, k = qkv[:, : 9 * 64].view(rows, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(rows, 3, 64)
+    angles = randn(rows, 1, 64, seed=4, scale=10.0)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    expected_q, expected_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    got_q, got_k = native.rope(q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr()
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_bfloat16_silu_mul(native, rows) -> None:
+    gate_up = randn(rows, 2 * 1536 + 2, scale=4.0)[:, 1:-1].contiguous().bfloat16()
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    out, expected = native.silu_mul(gate_up), REF.silu_mul(gate_up)
+    assert out.dtype == torch.bfloat16
+    # exp is capped below overflow, so silu(-100) is about -6e-37 instead of -4e-42.
+    torch.testing.assert_close(out, expected, atol=1e-30, rtol=2**-7)
+    assert (out != expected).float().mean() < 0.01
+
+
 def test_other_dtypes_and_layouts_fall_back_to_torch(native) -> None:
-    x, w = randn(5, 64).bfloat16(), randn(64, seed=1).bfloat16()
+    x, w = randn(5, 64).half(), randn(64, seed=1).half()
+    assert torch.equal(native.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+    x, w = randn(5, 64).bfloat16(), randn(64, seed=1)  # mixed dtypes
     assert torch.equal(native.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
     strided = randn(5, 128)[:, ::2]
     assert torch.equal(native.rms_norm(strided, randn(64), 1e-5), rms_norm(strided, randn(64), 1e-5))
     gu = randn(3, 64).double()
     assert torch.equal(native.silu_mul(gu), REF.silu_mul(gu))
-    q, k = randn(3, 2, 16).bfloat16(), randn(3, 1, 16).bfloat16()
-    cos, sin = randn(3, 1, 16).bfloat16(), randn(3, 1, 16, seed=5).bfloat16()
+    q, k = randn(3, 2, 16).half(), randn(3, 1, 16).half()
+    cos, sin = randn(3, 1, 16).half(), randn(3, 1, 16, seed=5).half()
     got = native.rope(q.clone(), k.clone(), cos, sin)
     assert torch.equal(got[0], apply_rope(q, cos, sin)) and torch.equal(got[1], apply_rope(k, cos, sin))
     # A head wider than the kernel's stack buffer takes the torch expression too.

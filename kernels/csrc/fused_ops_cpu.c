@@ -1,5 +1,6 @@
 /*
- * Fused element-wise ops of a decoder layer for the CPU, float32: each replaces
+ * Fused element-wise ops of a decoder layer for the CPU, float32 and bfloat16, and
+ * the row-wise argmax of greedy sampling: each replaces
  * several torch ops (and their thread wake-ups) with one pass over the rows. Small
  * calls run on the calling thread; large ones (prefill) split rows across threads.
  *
@@ -9,6 +10,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "simd_math.h"
 
@@ -97,6 +99,109 @@ void silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int num
         }
 #endif
         for (; i < inter; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* ------------------------------------------------------------------------- */
+/* bfloat16 versions: values are widened to float32, every torch op of the       */
+/* expression is computed in float32 and rounded back to bfloat16 (round to       */
+/* nearest even, as torch) where torch rounds, so results match the bfloat16      */
+/* torch expressions up to the last bit of the float32 steps noted above.         */
+/* ------------------------------------------------------------------------- */
+
+static inline float bf16_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_bf16(float f) {
+    if (f != f) return 0x7FC0;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* bfloat16 ``f32_bf16(x)`` widened back: the float32 value torch holds after rounding. */
+static inline float round_bf16(float x) { return bf16_f32(f32_bf16(x)); }
+
+void add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t *weight,
+                       float eps, uint16_t *out, int rows, int dim, int64_t out_stride,
+                       int num_threads) {
+#pragma omp parallel for num_threads(threads_for((int64_t)rows * dim, num_threads))
+    for (int r = 0; r < rows; ++r) {
+        uint16_t *h = residual + (int64_t)r * dim;
+        if (delta != 0) {
+            const uint16_t *dl = delta + (int64_t)r * dim;
+#pragma omp simd
+            for (int i = 0; i < dim; ++i) h[i] = f32_bf16(bf16_f32(h[i]) + bf16_f32(dl[i]));
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < dim; ++i) ss += bf16_f32(h[i]) * bf16_f32(h[i]);
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        uint16_t *o = out + (int64_t)r * out_stride;
+#pragma omp simd
+        for (int i = 0; i < dim; ++i)
+            o[i] = f32_bf16(bf16_f32(weight[i]) * round_bf16(bf16_f32(h[i]) * inv));
+    }
+}
+
+/* x * cos + rotate_half(x) * sin with every product and the sum rounded to bfloat16. */
+void rope_bf16(uint16_t *x, int64_t row_stride, int rows, int heads, int head_dim,
+               const uint16_t *cos, const uint16_t *sin, int num_threads) {
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(threads_for((int64_t)rows * heads * head_dim, num_threads))
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t *c = cos + (int64_t)r * head_dim;
+        const uint16_t *s = sin + (int64_t)r * head_dim;
+        for (int h = 0; h < heads; ++h) {
+            uint16_t *v = x + (int64_t)r * row_stride + (int64_t)h * head_dim;
+            uint16_t tmp[ROPE_MAX_HEAD_DIM];
+#pragma omp simd
+            for (int i = 0; i < half; ++i) {
+                const float a = bf16_f32(v[i]), b = bf16_f32(v[i + half]);
+                const float lo = round_bf16(a * bf16_f32(c[i]));
+                const float lo_rot = round_bf16(-b * bf16_f32(s[i]));
+                const float hi = round_bf16(b * bf16_f32(c[i + half]));
+                const float hi_rot = round_bf16(a * bf16_f32(s[i + half]));
+                tmp[i] = f32_bf16(lo + lo_rot);
+                tmp[i + half] = f32_bf16(hi + hi_rot);
+            }
+            memcpy(v, tmp, sizeof(uint16_t) * (size_t)head_dim);
+        }
+    }
+}
+
+/* silu(gate) rounded to bfloat16, times up, rounded again (F.silu(gate) * up). */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
+                   int num_threads) {
+#pragma omp parallel for num_threads(threads_for((int64_t)rows * inter, num_threads))
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t *g = gate_up + (int64_t)r * 2 * inter;
+        const uint16_t *u = g + inter;
+        uint16_t *o = out + (int64_t)r * inter;
+        int i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        float silu[16] __attribute__((aligned(64)));
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i))), 16));
+            const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x),
+                                                  _mm512_set1_ps(88.0f)));
+            _mm512_store_ps(silu, _mm512_div_ps(x, _mm512_add_ps(one, e)));
+#pragma omp simd
+            for (int j = 0; j < 16; ++j)
+                o[i + j] = f32_bf16(round_bf16(silu[j]) * bf16_f32(u[i + j]));
+        }
+#endif
+        for (; i < inter; ++i) {
+            const float x = bf16_f32(g[i]);
+            o[i] = f32_bf16(round_bf16(x / (1.0f + expf(-x))) * bf16_f32(u[i]));
+        }
     }
 }
 
