@@ -94,10 +94,6 @@ class TorchLayerOps:
         return x.argmax(dim=-1)
 
 
-def _native_f32(*tensors: torch.Tensor) -> bool:
-    return _native_dtype(*tensors) == "f32"
-
-
 _NATIVE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 """Dtypes with native element-wise ops, and the suffix of their C functions."""
 
@@ -231,7 +227,7 @@ class NativeLayerOps(TorchLayerOps):
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         # Rows may be a column slice of wider logits (vocabulary padding).
         if not (x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0 and x.stride(1) == 1
-                and _native_f32(x)):  # fmt: skip
+                and _native_dtype(x) == "f32"):  # fmt: skip
             return super().argmax(x)
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._lib.argmax_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],

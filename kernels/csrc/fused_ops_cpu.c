@@ -20,56 +20,122 @@ static inline int threads_for(int64_t elems, int num_threads) {
     return elems >= PARALLEL_MIN_ELEMS && num_threads > 1 ? num_threads : 1;
 }
 
-/* residual += delta (if delta is given), then out = weight * rmsnorm(residual).
- * Same as torch: h = residual + delta; out = w * (h * rsqrt(mean(h * h) + eps)). */
+/* bfloat16 values are widened to float32, every torch op of an expression is computed
+ * in float32 and rounded back to bfloat16 (round to nearest even, as torch) where torch
+ * rounds, so results match the bfloat16 torch expressions up to the last bit of the
+ * float32 steps noted above. */
+
+static inline float bf16_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_bf16(float f) {
+    if (f != f) return 0x7FC0;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* bfloat16 ``f32_bf16(x)`` widened back: the float32 value torch holds after rounding. */
+static inline float round_bf16(float x) { return bf16_f32(f32_bf16(x)); }
+
+/* Element access shared by the float32 and bfloat16 versions of an op: ``bf16`` is a
+ * compile-time constant wherever these are inlined. ``rnd`` is the float32 value torch
+ * holds after storing an intermediate result in the tensor's dtype. */
+static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, const int bf16) {
+    return bf16 ? bf16_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void st(void *p, int64_t i, float v, const int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+static inline __attribute__((always_inline)) float rnd(float v, const int bf16) {
+    return bf16 ? round_bf16(v) : v;
+}
+
+/* Row r: residual += delta (if delta is given), then out = weight * rmsnorm(residual).
+ * Same as torch: h = residual + delta; out = w * (h * rsqrt(mean(h * h) + eps)), with
+ * h and h * rsqrt(...) rounded to the dtype. */
+static inline __attribute__((always_inline)) void add_rms_norm_row(
+        void *residual, const void *delta, const void *weight, float eps, void *out, int r,
+        int dim, int64_t out_stride, const int bf16) {
+    const int64_t h = (int64_t)r * dim, o = (int64_t)r * out_stride;
+    if (delta != 0) {
+#pragma omp simd
+        for (int i = 0; i < dim; ++i)
+            st(residual, h + i, ld(residual, h + i, bf16) + ld(delta, h + i, bf16), bf16);
+    }
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < dim; ++i) ss += ld(residual, h + i, bf16) * ld(residual, h + i, bf16);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int i = 0; i < dim; ++i)
+        st(out, o + i, ld(weight, i, bf16) * rnd(ld(residual, h + i, bf16) * inv, bf16), bf16);
+}
+
 void add_rms_norm_f32(float *residual, const float *delta, const float *weight, float eps,
                       float *out, int rows, int dim, int64_t out_stride, int num_threads) {
 #pragma omp parallel for num_threads(threads_for((int64_t)rows * dim, num_threads))
-    for (int r = 0; r < rows; ++r) {
-        float *h = residual + (int64_t)r * dim;
-        if (delta != 0) {
-            const float *dl = delta + (int64_t)r * dim;
-#pragma omp simd
-            for (int i = 0; i < dim; ++i) h[i] = h[i] + dl[i];
-        }
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int i = 0; i < dim; ++i) ss += h[i] * h[i];
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        float *o = out + (int64_t)r * out_stride;
-#pragma omp simd
-        for (int i = 0; i < dim; ++i) o[i] = weight[i] * (h[i] * inv);
-    }
+    for (int r = 0; r < rows; ++r)
+        add_rms_norm_row(residual, delta, weight, eps, out, r, dim, out_stride, 0);
+}
+
+void add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t *weight,
+                       float eps, uint16_t *out, int rows, int dim, int64_t out_stride,
+                       int num_threads) {
+#pragma omp parallel for num_threads(threads_for((int64_t)rows * dim, num_threads))
+    for (int r = 0; r < rows; ++r)
+        add_rms_norm_row(residual, delta, weight, eps, out, r, dim, out_stride, 1);
 }
 
 #define ROPE_MAX_HEAD_DIM 512
 
-/* Rotate-half RoPE in place on ``heads`` heads of ``head_dim`` (at most
- * ROPE_MAX_HEAD_DIM) at the start of each row (the query then key heads of a fused QKV
- * row): x * cos + rotate_half(x) * sin, cos/sin rows [rows, head_dim]. Bit-identical
- * to the torch expression. */
+/* Rotate-half RoPE in place on the ``heads`` heads of ``head_dim`` (at most
+ * ROPE_MAX_HEAD_DIM) at the start of row r (the query then key heads of a fused QKV
+ * row): x * cos + rotate_half(x) * sin, cos/sin rows [rows, head_dim]. Every product
+ * and the sum are rounded to the dtype, as the torch expression does: bit-identical. */
+static inline __attribute__((always_inline)) void rope_row(
+        void *x, int64_t row_stride, int r, int heads, int head_dim, const void *cos,
+        const void *sin, const int bf16) {
+    const int half = head_dim / 2;
+    const int64_t cs = (int64_t)r * head_dim;
+    for (int h = 0; h < heads; ++h) {
+        const int64_t v = (int64_t)r * row_stride + (int64_t)h * head_dim;
+        float tmp[ROPE_MAX_HEAD_DIM];
+#pragma omp simd
+        for (int i = 0; i < half; ++i) {
+            const float a = ld(x, v + i, bf16), b = ld(x, v + i + half, bf16);
+            const float lo = rnd(a * ld(cos, cs + i, bf16), bf16);
+            const float lo_rot = rnd(-b * ld(sin, cs + i, bf16), bf16);
+            const float hi = rnd(b * ld(cos, cs + i + half, bf16), bf16);
+            const float hi_rot = rnd(a * ld(sin, cs + i + half, bf16), bf16);
+            tmp[i] = lo + lo_rot;
+            tmp[i + half] = hi + hi_rot;
+        }
+#pragma omp simd
+        for (int i = 0; i < head_dim; ++i) st(x, v + i, tmp[i], bf16);
+    }
+}
+
 void rope_f32(float *x, int64_t row_stride, int rows, int heads, int head_dim,
               const float *cos, const float *sin, int num_threads) {
-    const int half = head_dim / 2;
 #pragma omp parallel for num_threads(threads_for((int64_t)rows * heads * head_dim, num_threads))
-    for (int r = 0; r < rows; ++r) {
-        const float *c = cos + (int64_t)r * head_dim;
-        const float *s = sin + (int64_t)r * head_dim;
-        for (int h = 0; h < heads; ++h) {
-            float *v = x + (int64_t)r * row_stride + (int64_t)h * head_dim;
-            float tmp[ROPE_MAX_HEAD_DIM];
-#pragma omp simd
-            for (int i = 0; i < half; ++i) {
-                const float a = v[i], b = v[i + half];
-                const float lo = a * c[i], lo_rot = -b * s[i];
-                const float hi = b * c[i + half], hi_rot = a * s[i + half];
-                tmp[i] = lo + lo_rot;
-                tmp[i + half] = hi + hi_rot;
-            }
-#pragma omp simd
-            for (int i = 0; i < head_dim; ++i) v[i] = tmp[i];
-        }
-    }
+    for (int r = 0; r < rows; ++r) rope_row(x, row_stride, r, heads, head_dim, cos, sin, 0);
+}
+
+void rope_bf16(uint16_t *x, int64_t row_stride, int rows, int heads, int head_dim,
+               const uint16_t *cos, const uint16_t *sin, int num_threads) {
+#pragma omp parallel for num_threads(threads_for((int64_t)rows * heads * head_dim, num_threads))
+    for (int r = 0; r < rows; ++r) rope_row(x, row_stride, r, heads, head_dim, cos, sin, 1);
 }
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] for i < inter. */
@@ -99,79 +165,6 @@ void silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int num
         }
 #endif
         for (; i < inter; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
-}
-
-/* ------------------------------------------------------------------------- */
-/* bfloat16 versions: values are widened to float32, every torch op of the       */
-/* expression is computed in float32 and rounded back to bfloat16 (round to       */
-/* nearest even, as torch) where torch rounds, so results match the bfloat16      */
-/* torch expressions up to the last bit of the float32 steps noted above.         */
-/* ------------------------------------------------------------------------- */
-
-static inline float bf16_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_bf16(float f) {
-    if (f != f) return 0x7FC0;
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* bfloat16 ``f32_bf16(x)`` widened back: the float32 value torch holds after rounding. */
-static inline float round_bf16(float x) { return bf16_f32(f32_bf16(x)); }
-
-void add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t *weight,
-                       float eps, uint16_t *out, int rows, int dim, int64_t out_stride,
-                       int num_threads) {
-#pragma omp parallel for num_threads(threads_for((int64_t)rows * dim, num_threads))
-    for (int r = 0; r < rows; ++r) {
-        uint16_t *h = residual + (int64_t)r * dim;
-        if (delta != 0) {
-            const uint16_t *dl = delta + (int64_t)r * dim;
-#pragma omp simd
-            for (int i = 0; i < dim; ++i) h[i] = f32_bf16(bf16_f32(h[i]) + bf16_f32(dl[i]));
-        }
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int i = 0; i < dim; ++i) ss += bf16_f32(h[i]) * bf16_f32(h[i]);
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        uint16_t *o = out + (int64_t)r * out_stride;
-#pragma omp simd
-        for (int i = 0; i < dim; ++i)
-            o[i] = f32_bf16(bf16_f32(weight[i]) * round_bf16(bf16_f32(h[i]) * inv));
-    }
-}
-
-/* x * cos + rotate_half(x) * sin with every product and the sum rounded to bfloat16. */
-void rope_bf16(uint16_t *x, int64_t row_stride, int rows, int heads, int head_dim,
-               const uint16_t *cos, const uint16_t *sin, int num_threads) {
-    const int half = head_dim / 2;
-#pragma omp parallel for num_threads(threads_for((int64_t)rows * heads * head_dim, num_threads))
-    for (int r = 0; r < rows; ++r) {
-        const uint16_t *c = cos + (int64_t)r * head_dim;
-        const uint16_t *s = sin + (int64_t)r * head_dim;
-        for (int h = 0; h < heads; ++h) {
-            uint16_t *v = x + (int64_t)r * row_stride + (int64_t)h * head_dim;
-            uint16_t tmp[ROPE_MAX_HEAD_DIM];
-#pragma omp simd
-            for (int i = 0; i < half; ++i) {
-                const float a = bf16_f32(v[i]), b = bf16_f32(v[i + half]);
-                const float lo = round_bf16(a * bf16_f32(c[i]));
-                const float lo_rot = round_bf16(-b * bf16_f32(s[i]));
-                const float hi = round_bf16(b * bf16_f32(c[i + half]));
-                const float hi_rot = round_bf16(a * bf16_f32(s[i + half]));
-                tmp[i] = f32_bf16(lo + lo_rot);
-                tmp[i + half] = f32_bf16(hi + hi_rot);
-            }
-            memcpy(v, tmp, sizeof(uint16_t) * (size_t)head_dim);
-        }
     }
 }
 
