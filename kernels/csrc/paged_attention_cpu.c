@@ -145,7 +145,7 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     return _mm512_cvtph_ps(h);
 }
 
-/* Prefetch ``bytes`` starting at ``p`` into L1 (one instruction per cache line). */
+/* Prefetch ``bytes`` starting at ``p`` into L2 (one instruction per cache line). */
 static inline void prefetch_bytes(const char *p, int bytes) {
     for (int i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
 }
@@ -353,15 +353,21 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
     const int splits = num_kv_heads / per_item;
     const int64_t items = (int64_t)num_seqs * splits;
     if (items < num_threads) num_threads = (int)items;
+#if defined(__AVX512F__)
+    const int vector_path = head_dim % 16 == 0 && head_dim <= 16 * MAX_NV;
+#else
+    const int vector_path = 0;
+#endif
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         const size_t nq = (size_t)per_item * sh.group;
-        float *scores = malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
-        /* The AVX-512 path's online-softmax state: acc, running max, denominator. */
+        /* The portable path keeps the scores of a whole context; the AVX-512 path only
+         * its online-softmax state (acc, running max, denominator) in ``acc``. */
+        float *scores = vector_path ? NULL : malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
         float *acc = malloc(sizeof(float) * nq * ((size_t)head_dim + 2));
         float tmp[MAX_HEAD_DIM];
-        if (scores == NULL || acc == NULL) {
+        if ((scores == NULL && !vector_path) || acc == NULL) {
 #pragma omp atomic write
             status = -4;
         }
@@ -386,7 +392,7 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
                                    out + (int64_t)s * num_heads * head_dim + head_off, table,
                                    len, h0, per_item};
 #if defined(__AVX512F__)
-                if (head_dim % 16 == 0 && head_dim <= 16 * MAX_NV) {
+                if (vector_path) {
                     if (dtype == DTYPE_F32)
                         attend512_f32(&it, &sh, acc);
                     else if (dtype == DTYPE_BF16)
