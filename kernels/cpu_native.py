@@ -1,7 +1,8 @@
 """Native CPU kernels: built at first use, called through ctypes.
 
 ``csrc/`` holds plain C with OpenMP (no torch headers): the paged decode attention
-kernel and fused element-wise layer ops. It compiles in about a second with the
+kernel, fused element-wise layer ops and a float32 linear layer for decode-sized
+batches. It compiles in about a second with the
 system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native``. The shared library
 is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``),
 keyed by the sources, the flags, the compiler's version and the CPU's feature flags,
@@ -32,7 +33,7 @@ from kernels.cache import cache_root
 log = logging.getLogger("kernels.cpu_native")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "fused_ops_cpu.c")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "fused_ops_cpu.c", CSRC / "gemm_cpu.c")
 HEADERS = (CSRC / "simd_math.h",)
 # -std=c11 keeps floating-point contraction off: a * b + c rounds twice, as in torch.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared",
@@ -104,6 +105,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         **{f"rope_{d}": (None, [ptr, i64, i32, i32, i32, ptr, ptr, i32]) for d in ("f32", "bf16")},
         **{f"silu_mul_{d}": (None, [ptr, ptr, i32, i32, i32]) for d in ("f32", "bf16")},
         "argmax_f32": (None, [ptr, i64, i32, i32, ptr, i32]),
+        "gemm_f32_available": (i32, []),
+        "gemm_f32_packed_size": (i64, [i64, i64]),
+        "gemm_f32_pack": (None, [ptr, i64, i64, ptr]),
+        "gemm_f32": (None, [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

@@ -8,13 +8,16 @@ rounded where the torch expression rounds), and falls back to torch for anything
 else; greedy sampling's argmax over float32 logits is native too. On a decode step of a small model the torch versions cost more in
 dispatch and thread wake-ups than in arithmetic: RMSNorm alone is six ops.
 
-Linear layers go through ``ops.linear`` too: on the CPU, weights pre-packed for
-oneDNN at load time beat ``F.linear`` by 15-50% at every batch size in bfloat16, and
-in float32 by 10-25% for 2 to 1024 rows (a whole decode forward of the default model
-at batch 64: about 7% less time); float32 with one row or more than 1024 rows keeps
-``F.linear``, which measured as fast or faster there. The packed copy lives beside the
-weight (the linear weights' memory twice); ``PAGEDSERVE_PACK_WEIGHTS=0`` turns packing
-off.
+Linear layers go through ``ops.linear`` too, with weights packed once at load. In
+float32 with up to 256 rows (decode steps), the native library's own linear
+(``csrc/gemm_cpu.c``) runs: in a decode forward of the default model its linears take
+10-35% less time than oneDNN's packed linear or ``F.linear``, which leave one of two
+cores idle at these sizes; each output is one multiply-add chain in k order, so a row's
+result does not depend on the other rows in the batch. Larger float32 batches use
+``F.linear``. bfloat16 uses weights pre-packed for oneDNN at every size (15-50% faster
+than ``F.linear``), as does float32 on CPUs without AVX-512 (2 to 1024 rows). The
+packed copy lives beside the weight (the linear weights' memory twice);
+``PAGEDSERVE_PACK_WEIGHTS=0`` turns packing off.
 
 The residual stream follows the usual fused form: ``add_rms_norm(residual, delta)``
 returns ``(residual + delta, rms_norm(residual + delta))``; the native version
@@ -35,8 +38,11 @@ from kernels.cpu_native import MAX_HEAD_DIM
 
 log = logging.getLogger("kernels.layer_ops")
 
+NATIVE_LINEAR_MAX_ROWS = 256
+"""Float32 row counts up to which the native linear runs (where the CPU has it)."""
 PACKED_F32_ROWS = (2, 1024)
-"""Row counts for which float32 uses the packed weights (bfloat16: every count)."""
+"""Without the native linear: row counts for which float32 uses oneDNN's packed weights
+(bfloat16: every count)."""
 PACK_ENV_VAR = "PAGEDSERVE_PACK_WEIGHTS"
 
 
@@ -117,24 +123,30 @@ class NativeLayerOps(TorchLayerOps):
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._packing = torch.backends.mkldnn.is_available() and \
-            os.environ.get(PACK_ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+        flag = os.environ.get(PACK_ENV_VAR, "1").strip().lower()
+        packing = flag not in ("0", "false", "no", "off")
+        self._gemm = packing and bool(lib.gemm_f32_available())
+        self._packing = packing and torch.backends.mkldnn.is_available()
 
     def prepare_weights(self, weights: Iterable[torch.Tensor]) -> None:
         """Pack every CPU float32/bfloat16 weight now rather than on the first step."""
-        if not self._packing:
-            return
-        try:
-            for w in weights:
-                if w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
+        for w in weights:
+            if w.device.type != "cpu":
+                continue
+            if w.dtype == torch.float32 and self._gemm:
+                self._native_packed(w)
+            elif self._packing and w.dtype in (torch.float32, torch.bfloat16):
+                try:
                     self._packed(w)
-        except (RuntimeError, AttributeError) as exc:
-            self._packing = False
-            log.warning("oneDNN weight packing unavailable, using F.linear: %s", exc)
+                except (RuntimeError, AttributeError) as exc:
+                    self._packing = False
+                    log.warning("oneDNN weight packing unavailable, using F.linear: %s", exc)
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self._use_native(x, weight, bias):
+            return self._gemm_linear(x, weight, bias)
         if not self._use_packed(x, weight):
             return F.linear(x, weight, bias)
         try:
@@ -145,12 +157,44 @@ class NativeLayerOps(TorchLayerOps):
             log.warning("oneDNN packed linear unavailable, using F.linear: %s", exc)
             return F.linear(x, weight, bias)
 
+    def _use_native(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        if not (self._gemm and x.dim() == 2 and weight.dim() == 2
+                and 1 <= x.shape[0] <= NATIVE_LINEAR_MAX_ROWS and x.shape[1] == weight.shape[1]
+                and x.stride(1) == 1 and _native_dtype(x, weight) == "f32"):  # fmt: skip
+            return False
+        return bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous()
+                                and _native_dtype(bias) == "f32")  # fmt: skip
+
+    def _gemm_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        (rows, k), n = x.shape, weight.shape[0]
+        out = x.new_empty(rows, n)
+        self._lib.gemm_f32(x.data_ptr(), x.stride(0), rows, k, self._native_packed(weight).data_ptr(),
+                           n, None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                           torch.get_num_threads())  # fmt: skip
+        return out
+
+    def _native_packed(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` in the native linear's panels, cached on the tensor (re-packed if it
+        changes)."""
+        cached = getattr(weight, "_pagedserve_native_packed", None)
+        if cached is not None and cached[0] == weight._version:
+            return cached[1]
+        w = weight.detach().contiguous()
+        n, k = w.shape
+        packed = torch.empty(self._lib.gemm_f32_packed_size(n, k), dtype=torch.float32)
+        self._lib.gemm_f32_pack(w.data_ptr(), n, k, packed.data_ptr())
+        weight._pagedserve_native_packed = (weight._version, packed)
+        return packed
+
     def _use_packed(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         if not (self._packing and x.dim() == 2 and x.is_cpu and x.dtype == weight.dtype):
             return False
         if x.dtype == torch.bfloat16:
             return True
-        return x.dtype == torch.float32 and PACKED_F32_ROWS[0] <= x.shape[0] <= PACKED_F32_ROWS[1]
+        return (x.dtype == torch.float32 and not self._gemm
+                and PACKED_F32_ROWS[0] <= x.shape[0] <= PACKED_F32_ROWS[1])  # fmt: skip
 
     @staticmethod
     def _packed(weight: torch.Tensor) -> torch.Tensor:

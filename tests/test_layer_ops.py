@@ -177,22 +177,79 @@ def test_other_dtypes_and_layouts_fall_back_to_torch(native) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 64, 300, 1500])
 def test_linear_with_packed_weights(native, rows, dtype) -> None:
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
-    from kernels.layer_ops import PACKED_F32_ROWS
+    from kernels.layer_ops import NATIVE_LINEAR_MAX_ROWS
 
     w, b = randn(96, 64).to(dtype), randn(96, seed=6).to(dtype)
     x = randn(rows, 64, seed=7).to(dtype)
     native.prepare_weights([w])
-    assert hasattr(w, "_pagedserve_packed")
+    native_linear = dtype == torch.float32 and native._gemm
+    if native_linear:
+        assert hasattr(w, "_pagedserve_native_packed") and not hasattr(w, "_pagedserve_packed")
+    elif torch.backends.mkldnn.is_available():
+        assert hasattr(w, "_pagedserve_packed")
     tol = dict(atol=3e-2, rtol=1.6e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(native.linear(x, w, b), F.linear(x, w, b), **tol)
-    if dtype == torch.float32 and not PACKED_F32_ROWS[0] <= rows <= PACKED_F32_ROWS[1]:
+    if native_linear and rows > NATIVE_LINEAR_MAX_ROWS:
         assert torch.equal(native.linear(x, w, b), F.linear(x, w, b))  # F.linear itself
     # An in-place weight update is seen: the packed copy is rebuilt.
     w.mul_(2)
     tol = dict(atol=6e-2, rtol=1.6e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(native.linear(x, w), F.linear(x, w), **tol)
+
+
+@pytest.fixture(scope="module")
+def gemm(native) -> NativeLayerOps:
+    if not native._gemm:
+        pytest.skip("the native float32 linear needs AVX-512")
+    return native
+
+
+def linear_f64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+# Row counts around the 8-row tile and the 128-row block; widths around the 48-column
+# panel; k odd, small and large; weights big enough to split across threads and not.
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 63, 64, 129, 256])
+@pytest.mark.parametrize("n,k", [(96, 64), (1, 3), (47, 33), (49, 576), (960, 576), (576, 1536)])
+def test_native_linear_matches_float64(gemm, rows, n, k) -> None:
+    w, b = randn(n, k, scale=k**-0.5), randn(n, seed=1)
+    x = randn(rows, k, seed=2)
+    for bias in (None, b):
+        got = gemm.linear(x, w, bias)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        want = linear_f64(x, w, bias)
+        # One float32 multiply-add chain per output: error ~ k ulps of the partial sums.
+        torch.testing.assert_close(got.double(), want, atol=2e-6 * k**0.5, rtol=1e-5)
+
+
+def test_native_linear_is_batch_invariant(gemm) -> None:
+    """A row's output has the same bits whatever rows share its batch and wherever it
+    sits in them (tiles of 8, blocks of 128, the tail tile)."""
+    w, b = randn(200, 576, scale=0.05), randn(200, seed=3)
+    x = randn(150, 576, seed=4)
+    alone = torch.cat([gemm.linear(x[i : i + 1], w, b) for i in range(x.shape[0])])
+    assert torch.equal(gemm.linear(x, w, b), alone)
+    perm = torch.randperm(150, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(gemm.linear(x[perm], w, b), alone[perm])
+    for size in (3, 13, 64):
+        assert torch.equal(gemm.linear(x[:size], w, b), alone[:size])
+
+
+def test_native_linear_on_strided_rows_and_fallbacks(gemm) -> None:
+    w = randn(100, 64)
+    wide = randn(10, 192, seed=1)
+    x = wide[:, 64:128]  # rows strided by 192: read in place
+    assert x.stride() == (192, 1)
+    torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    # Column-strided input, a 3-D input, an empty batch and a bfloat16 bias take torch.
+    xt = randn(64, 10, seed=2).t()
+    assert torch.equal(gemm.linear(xt, w), F.linear(xt, w))
+    x3 = randn(2, 5, 64, seed=3)
+    assert torch.equal(gemm.linear(x3, w), F.linear(x3, w))
+    assert gemm.linear(randn(0, 64), w).shape == (0, 100)
+    bb = randn(100, seed=4).bfloat16()
+    assert not gemm._use_native(randn(4, 64), w, bb)
 
 
 def test_packing_can_be_turned_off(monkeypatch) -> None:
@@ -202,6 +259,6 @@ def test_packing_can_be_turned_off(monkeypatch) -> None:
     ops = NativeLayerOps(cpu_native.load())
     w = randn(8, 4)
     ops.prepare_weights([w])
-    assert not hasattr(w, "_pagedserve_packed")
+    assert not hasattr(w, "_pagedserve_packed") and not hasattr(w, "_pagedserve_native_packed")
     x = randn(5, 4, seed=1)
     assert torch.equal(ops.linear(x, w), F.linear(x, w))
