@@ -1,10 +1,13 @@
-"""The default CPU backend: the torch backend with native decode attention and layer ops.
+"""The default CPU backend: one native attention call per layer, native layer ops.
 
-Decode rows (one query token each) are attended by ``csrc/paged_attention_cpu.c``,
-which reads K/V in place through the block tables: each K and V row is read from
-memory once per layer, with no gather copy and no padding to the longest context.
+Every query row of a step, decode or prefill, is attended by
+``csrc/paged_attention_cpu.c``, which reads K/V in place through the block tables
+after this step's K/V are written: no gather copy, no padding to the longest context,
+no mask. Decode rows read each K and V row from memory once per layer; a prefill chunk
+reads each row once per tile of 16 query tokens, which all take it from L1. Chunks
+that continue a cached prefix or an earlier chunk take the same path as whole prompts.
 Its ``ops`` are :class:`NativeLayerOps` (fused RMSNorm with the residual add, RoPE,
-SiLU-and-multiply). Prefill chunks and KV writes are :class:`TorchBackend`'s.
+SiLU-and-multiply, the float32 linear). KV writes are :class:`TorchBackend`'s.
 """
 
 from __future__ import annotations
@@ -21,16 +24,21 @@ from kernels.torch_backend import TorchBackend
 
 
 @dataclass(slots=True)
-class _NativeDecodes:
+class _NativePlan:
+    num_tokens: int
+    write_slots: torch.Tensor
+    write_tokens: torch.Tensor | None
     block_tables: torch.Tensor
-    """[num_decodes, max_blocks] int32, contiguous."""
+    """[B, max_blocks] int32, contiguous."""
     seq_lens: torch.Tensor
-    """[num_decodes] int32."""
+    """[B] int32."""
+    query_start_loc: torch.Tensor | None
+    """[B + 1] int32; None when every request decodes one token (rows 0..B-1)."""
     max_seq_len: int
 
 
 class CpuBackend(TorchBackend):
-    """Paged attention on the CPU: native decode kernel, SDPA for prefill chunks."""
+    """Paged attention on the CPU: the native kernel for decodes and prefill chunks."""
 
     name = "cpu"
 
@@ -39,27 +47,40 @@ class CpuBackend(TorchBackend):
         self._lib = lib
         self.ops = NativeLayerOps(lib)
 
-    def _plan_decodes(
-        self, meta: AttentionMetadata, seq_lens: list[int], block_size: int
-    ) -> _NativeDecodes | None:
-        nd = len(seq_lens)
-        if nd == 0:
-            return None
-        tables = meta.block_tables[:nd].to(torch.int32).contiguous()
-        lens = meta.seq_lens[:nd].to(torch.int32).contiguous()
-        return _NativeDecodes(tables, lens, max(seq_lens))
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+        write_slots, write_tokens = self._write_plan(meta)
+        decode_only = meta.num_decodes == len(seq_lens)
+        meta.prepared = _NativePlan(
+            qsl[-1] if qsl else 0, write_slots, write_tokens,
+            meta.block_tables.to(torch.int32).contiguous(),
+            meta.seq_lens.to(torch.int32).contiguous(),
+            None if decode_only else meta.query_start_loc.to(torch.int32).contiguous(),
+            max(seq_lens, default=0),
+        )  # fmt: skip
 
-    def _attend_decodes(
+    def forward(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        out: torch.Tensor | None,
     ) -> torch.Tensor:
-        plan: _NativeDecodes = meta.prepared.decode
-        return cpu_native.paged_decode_attention(
-            self._lib, query[: meta.num_decodes], k_cache, v_cache, plan.block_tables,
-            plan.seq_lens, plan.max_seq_len, scale, out=out,
+        """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]`` (rows past
+        the step's tokens, padding, are zero)."""
+        plan: _NativePlan = meta.prepared
+        self._write_kv(key, value, k_cache, v_cache, plan.write_slots, plan.write_tokens)
+        n = plan.num_tokens
+        out = None if query.shape[0] == n else query.new_zeros(query.shape)
+        if n == 0:
+            return query.new_zeros(query.shape)
+        attended = cpu_native.paged_attention(
+            self._lib, query[:n], k_cache, v_cache, plan.block_tables, plan.seq_lens,
+            plan.max_seq_len, scale, out=None if out is None else out[:n],
+            query_start_loc=plan.query_start_loc,
         )  # fmt: skip
+        return attended if out is None else out

@@ -45,7 +45,7 @@ _ERRORS = {
     -2: f"head_dim outside 1..{MAX_HEAD_DIM}",
     -3: "unsupported KV cache dtype",
     -4: "out of memory for the score buffer",
-    -5: "a context length or block id is out of range",
+    -5: "a context length, query length or block id is out of range",
 }
 
 _lock = threading.Lock()
@@ -98,8 +98,8 @@ def _build(cc: str, cflags: tuple[str, ...]) -> Path:
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "paged_decode_attention": (i32, [ptr] * 3 + [i32] + [ptr] * 2 + [i64, ptr] + [i32] * 8
-                                   + [f32, i32]),
+        "paged_attention": (i32, [ptr] * 3 + [i32] + [ptr] * 3 + [i64, ptr] + [i32] * 8
+                            + [f32, i32]),
         **{f"add_rms_norm_{d}": (None, [ptr, ptr, ptr, f32, ptr, i32, i32, i64, i32])
            for d in ("f32", "bf16")},
         **{f"rope_{d}": (None, [ptr, i64, i32, i32, i32, ptr, ptr, i32]) for d in ("f32", "bf16")},
@@ -149,6 +149,73 @@ def unavailable_reason() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
+def paged_attention(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a step's query tokens, read in place from the paged cache
+    (see the C source); this step's K/V must already be written.
+
+    query ``[T, Hq, D]`` (rows may be strided); caches ``[num_blocks, block_size, Hkv,
+    D]`` in float32, bfloat16 or float16; block_tables ``[B, M]``, seq_lens ``[B]`` and
+    query_start_loc ``[B + 1]`` int32 on the CPU: request ``i`` owns query tokens
+    ``query_start_loc[i]:query_start_loc[i+1]``, the last positions of its context of
+    ``seq_lens[i]`` tokens. Without ``query_start_loc`` every request has one token
+    (decode, ``T == B``). ``max_seq_len`` is at least every ``seq_lens`` entry. Returns
+    ``[T, Hq, D]`` in the query dtype (computed in float32), written into ``out`` when
+    given.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not "
+                         f"match query {tuple(query.shape)}")  # fmt: skip
+    if k_cache.dtype not in DTYPE_CODES:
+        raise ValueError(f"unsupported KV cache dtype {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    if query_start_loc is None:
+        if num_seqs != num_tokens:
+            raise ValueError(f"{num_tokens} query rows for {num_seqs} decode requests")
+        qsl = None
+    else:
+        qsl = query_start_loc.to(torch.int32).contiguous()
+        if qsl.shape != (num_seqs + 1,) or int(qsl[-1]) > num_tokens or int(qsl[0]) < 0:
+            raise ValueError(f"query_start_loc {tuple(qsl.shape)} does not fit {num_seqs} "
+                             f"requests and {num_tokens} query rows")  # fmt: skip
+    # Rows may be strided (views of a fused QKV output); heads and dims must not be.
+    if query.dtype == torch.float32 and query.stride(2) == 1 and query.stride(1) == head_dim:
+        q = query
+    else:
+        q = query.to(torch.float32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+    result = out if direct else torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    status = lib.paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
+        tables.data_ptr(), lens.data_ptr(), None if qsl is None else qsl.data_ptr(), q.stride(0),
+        result.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+        tables.shape[1], max_seq_len, scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"paged_attention: {_ERRORS.get(status, status)}")
+    if out is None:
+        return result.to(query.dtype)
+    if not direct:
+        out.copy_(result)
+    return out
+
+
 def paged_decode_attention(
     lib: ctypes.CDLL,
     query: torch.Tensor,
@@ -160,41 +227,6 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention read in place from the paged cache (see the C source).
-
-    query ``[B, Hq, D]`` (rows may be strided); caches ``[num_blocks, block_size, Hkv,
-    D]`` in float32, bfloat16 or float16; block_tables ``[B, M]`` and seq_lens ``[B]`` int32 on the CPU;
-    ``max_seq_len`` at least every ``seq_lens`` entry. Returns ``[B, Hq, D]`` in the
-    query dtype (computed in float32), written into ``out`` when given.
-    """
-    num_seqs, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not "
-                         f"match query {tuple(query.shape)}")  # fmt: skip
-    if k_cache.dtype not in DTYPE_CODES:
-        raise ValueError(f"unsupported KV cache dtype {k_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
-    # Rows may be strided (views of a fused QKV output); heads and dims must not be.
-    if query.dtype == torch.float32 and query.stride(2) == 1 and query.stride(1) == head_dim:
-        q = query
-    else:
-        q = query.to(torch.float32).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
-    result = out if direct else torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
-    status = lib.paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
-        tables.data_ptr(), lens.data_ptr(), q.stride(0), result.data_ptr(), num_seqs, num_heads,
-        num_kv_heads, head_dim, block_size, num_blocks, tables.shape[1], max_seq_len, scale,
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise ValueError(f"paged_decode_attention: {_ERRORS.get(status, status)}")
-    if out is None:
-        return result.to(query.dtype)
-    if not direct:
-        out.copy_(result)
-    return out
+    """:func:`paged_attention` with one query token per request (query ``[B, Hq, D]``)."""
+    return paged_attention(lib, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
+                           scale, out)  # fmt: skip

@@ -1,4 +1,5 @@
-"""The native CPU decode kernel against the torch reference, its errors and its build."""
+"""The native CPU attention kernel (decode rows and prefill chunks) against the torch
+reference, its errors and its build."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_native, get_attention_backend, paged_decode_attention, write_kv
+from kernels import (
+    cpu_native,
+    get_attention_backend,
+    paged_decode_attention,
+    paged_prefill_attention,
+    write_kv,
+)
 from kernels.testing import make_step
 
 TOL = {
@@ -68,6 +75,66 @@ def test_matches_reference(lib, head_dim, block_size, heads, dtype) -> None:
     out = native(lib, step)
     assert out.dtype == dtype and out.shape == step.query.shape
     torch.testing.assert_close(out.float(), reference(step).float(), **TOL[dtype])
+
+
+# (seq_lens, q_lens): whole prompts shorter and longer than the 16-token tile and than a
+# block, chunks continuing a cached prefix or an earlier chunk (q_len < seq_len), a
+# context of several hundred rows, decodes first, and decodes alone.
+PREFILL = [
+    ([40], [40]),
+    ([1, 17, 300, 5, 64, 16, 33], [1, 1, 300, 5, 17, 16, 1]),
+    ([9, 700, 130, 37, 18], [1, 250, 130, 20, 2]),
+    ([3, 45, 200], [1, 1, 1]),
+]
+
+
+def prefill_step(case, heads, head_dim, block_size, dtype, seed=0):
+    seq_lens, q_lens = case
+    step = make_step(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_dim=head_dim, block_size=block_size, dtype=dtype, seed=seed)  # fmt: skip
+    write_kv(step.key, step.value, step.k_cache, step.v_cache, step.meta.slot_mapping)
+    return step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (12, 2)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 96, 40])
+@pytest.mark.parametrize("case", PREFILL)
+def test_prefill_chunks_match_reference(lib, case, head_dim, block_size, heads, dtype) -> None:
+    """Causal attention of prefill chunks through the cache; NaN in every unused block
+    (and past each token's own position in its last block) would poison the output."""
+    step = prefill_step(case, heads, head_dim, block_size, dtype)
+    m = step.meta
+    out = cpu_native.paged_attention(lib, step.query, step.k_cache, step.v_cache,
+                                     m.block_tables, m.seq_lens, max(m.seq_lens_cpu),
+                                     step.scale, query_start_loc=m.query_start_loc)  # fmt: skip
+    expected = paged_prefill_attention(step.query, step.k_cache, step.v_cache, m.block_tables,
+                                       m.query_start_loc, m.seq_lens, step.scale)  # fmt: skip
+    assert out.dtype == dtype and out.shape == step.query.shape
+    torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype])
+
+
+def test_prefill_tokens_see_only_their_past() -> None:
+    """Changing the K/V of a later position changes no earlier token's output."""
+    lib = cpu_native.load()
+    step = prefill_step(([70], [70]), (6, 2), 64, 16, torch.float32)
+    m = step.meta
+    args = (lib, step.query, step.k_cache, step.v_cache, m.block_tables, m.seq_lens, 70,
+            step.scale)  # fmt: skip
+    before = cpu_native.paged_attention(*args, query_start_loc=m.query_start_loc)
+    slot = int(m.slot_mapping[40])
+    step.k_cache.view(-1, 2, 64)[slot] += 3.0
+    step.v_cache.view(-1, 2, 64)[slot] -= 5.0
+    after = cpu_native.paged_attention(*args, query_start_loc=m.query_start_loc)
+    assert torch.equal(after[:40], before[:40])
+    assert not torch.equal(after[40:], before[40:])
+    # Every token of a chunk equals the same position attended as a one-token decode.
+    lens = torch.arange(1, 71, dtype=torch.int32)
+    tables = m.block_tables.expand(70, -1)
+    one_by_one = cpu_native.paged_decode_attention(lib, step.query, step.k_cache, step.v_cache,
+                                                   tables, lens, 70, step.scale)  # fmt: skip
+    torch.testing.assert_close(after, one_by_one, atol=2e-6, rtol=2e-6)
 
 
 def test_large_scores_are_stable(lib) -> None:

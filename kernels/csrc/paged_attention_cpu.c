@@ -1,20 +1,26 @@
 /*
- * Paged decode attention for the CPU: one query token per request attends to its
- * whole context, reading K/V in place through the request's block table (no gather
- * copy, no padding to the longest context). Built at first use by
- * kernels/cpu_native.py and called through ctypes.
+ * Paged attention for the CPU: each query token attends causally to its request's
+ * context, reading K/V in place through the request's block table (no gather copy,
+ * no padding to the longest context, no mask). Decode rows (one token per request)
+ * and prefill chunks (the last ``q_len`` positions of a context whose K/V are already
+ * in the cache) go through the same code. Built at first use by kernels/cpu_native.py
+ * and called through ctypes.
  *
  * Layouts (all contiguous):
- *   query, out    [num_seqs, num_heads, head_dim]                  float32
+ *   query, out    [num_tokens, num_heads, head_dim]                float32
  *                 (query rows may be ``q_stride`` floats apart, e.g. a fused QKV row)
+ *   query_start_loc [num_seqs + 1] int32: request s owns tokens qsl[s] .. qsl[s+1]-1
+ *                 (NULL: one token per request, token s)
  *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] float32 | bf16 | f16
  *   block_tables  [num_seqs, max_blocks_per_seq]                   int32
  *   seq_lens      [num_seqs]                                       int32
  *
- * A work item is one request and a run of its KV heads (all of them when there are
- * enough requests to keep every thread busy): the slot rows of a block are then read
- * as one contiguous stream, and every K and V element is read from memory exactly
- * once per step and layer. The G = num_heads / num_kv_heads query heads sharing a KV
+ * A work item is a tile of up to TOKEN_TILE consecutive query tokens of one request
+ * and a run of its KV heads (all of them when there are enough tiles to keep every
+ * thread busy): the slot rows of a block are then read as one contiguous stream, once
+ * per tile (so once per step and layer for a decode), and each run of rows serves
+ * every token of the tile from L1. A token sees the first ``pos + 1`` rows of the
+ * context, so causality is the row count of each run, never a mask. The G = num_heads / num_kv_heads query heads sharing a KV
  * head are computed together, all in float32. The AVX-512 path makes one pass with an
  * online softmax (K and V of each run of rows together); the portable path keeps the
  * scores of the whole context (two passes: q.K, then softmax-weighted V).
@@ -28,12 +34,17 @@ enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 
 #define MAX_HEAD_DIM 512
 
-/* One work item: request ``seq``, KV heads ``h0 .. h0 + nh - 1``. */
+/* Query tokens of one request handled by one work item. */
+#define TOKEN_TILE 16
+
+/* One work item: ``ntok`` consecutive tokens of one request, KV heads ``h0 .. h0 + nh -
+ * 1``. Token j sees the first ``seq_len + j`` rows of the context. */
 typedef struct {
-    const float *query; /* [nh * group, head_dim], the item's first query head */
-    float *out;         /* same shape */
+    const float *query; /* token 0's [nh * group, head_dim] query heads; tokens q_stride apart */
+    float *out;         /* same shape; tokens out_stride apart */
     const int32_t *table;
-    int seq_len, h0, nh;
+    int64_t q_stride, out_stride;
+    int seq_len, ntok, h0, nh;
 } item_t;
 
 typedef struct {
@@ -97,8 +108,8 @@ static inline int64_t slot_row(const item_t *it, const shape_t *sh, int t) {
     return (slot * sh->num_kv_heads + it->h0) * sh->head_dim;
 }
 
-static void attend_portable(const item_t *it, const shape_t *sh, int dtype, float *scores,
-                            float *acc, float *tmp) {
+static void attend_portable_token(const item_t *it, const shape_t *sh, int dtype,
+                                  float *scores, float *acc, float *tmp) {
     const int D = sh->head_dim, G = sh->group, L = it->seq_len, nq = it->nh * G;
     for (int t = 0; t < L; ++t) {
         const int64_t row = slot_row(it, sh, t);
@@ -126,6 +137,18 @@ static void attend_portable(const item_t *it, const shape_t *sh, int dtype, floa
         }
     }
     memcpy(it->out, acc, sizeof(float) * (size_t)nq * D);
+}
+
+static void attend_portable(const item_t *it, const shape_t *sh, int dtype, float *scores,
+                            float *acc, float *tmp) {
+    for (int j = 0; j < it->ntok; ++j) {
+        item_t one = *it;
+        one.query += j * it->q_stride;
+        one.out += j * it->out_stride;
+        one.seq_len += j;
+        one.ntok = 1;
+        attend_portable_token(&one, sh, dtype, scores, acc, tmp);
+    }
 }
 
 /* ------------------------------------------------------------------------- */
@@ -261,20 +284,25 @@ static inline const char *block_rows(const void *cache, const shape_t *sh, const
  *
  * One pass over the context in runs of at most 16 rows of one block: each run's K rows,
  * then its V rows, so both streams are in flight together and no score buffer is
- * needed. ``state`` holds ``nq * (head_dim + 2)`` floats. A run's rows are read again
- * for the next KV head or query-head chunk, from L1. */
+ * needed. Every token of the tile that sees part of a run takes it (its first rows, up
+ * to the token's own position) while the run is in L1. ``state`` holds ``ntok * nq *
+ * (head_dim + 2)`` floats. */
 static inline __attribute__((always_inline)) void attend512(const item_t *it,
                                                             const shape_t *sh,
                                                             const int dtype, const int nv,
                                                             float *state) {
-    const int D = 16 * nv, G = sh->group, L = it->seq_len, nq = it->nh * G;
+    const int D = 16 * nv, G = sh->group, nq = it->nh * G, T = it->ntok;
+    const int L0 = it->seq_len, L = L0 + T - 1;
     const int bs = sh->block_size, nblocks = (L + bs - 1) / bs;
     const int elem = dtype == DTYPE_F32 ? 4 : 2;
-    float *acc = state, *mx = state + (int64_t)nq * D, *den = mx + nq;
-    memset(acc, 0, sizeof(float) * (size_t)nq * D);
-    for (int i = 0; i < nq; ++i) {
-        mx[i] = -INFINITY;
-        den[i] = 0.0f;
+    const int64_t per_tok = (int64_t)nq * (D + 2);
+    for (int j = 0; j < T; ++j) {
+        float *acc = state + j * per_tok, *mx = acc + (int64_t)nq * D, *den = mx + nq;
+        memset(acc, 0, sizeof(float) * (size_t)nq * D);
+        for (int i = 0; i < nq; ++i) {
+            mx[i] = -INFINITY;
+            den[i] = 0.0f;
+        }
     }
     /* Blocks are scattered, so the hardware prefetcher stalls at every block edge: while
      * reading row r of a block, fetch row r of the next one. Only the first sweep over
@@ -288,29 +316,42 @@ static inline __attribute__((always_inline)) void attend512(const item_t *it,
         const char *next_k = last ? NULL : block_rows(sh->k_cache, sh, it, it->table[b + 1], D, elem);
         const char *next_v = last ? NULL : block_rows(sh->v_cache, sh, it, it->table[b + 1], D, elem);
         for (int r0 = 0; r0 < n; r0 += 16) {
-            const int m = n - r0 < 16 ? n - r0 : 16;
+            const int pos = t + r0; /* the run's first row */
+            const int run = n - r0 < 16 ? n - r0 : 16;
             const int64_t first = block * bs + r0;
-            for (int hh = 0; hh < it->nh; ++hh) {
-                const int64_t head = (int64_t)(it->h0 + hh) * D;
-                for (int g0 = 0; g0 < G; g0 += GCHUNK) {
-                    const int qh = hh * G + g0;
-                    const int pf = !last && hh == 0 && g0 == 0;
-                    const char *pk = pf ? next_k + r0 * row_bytes : NULL;
-                    const char *pv = pf ? next_v + r0 * row_bytes : NULL;
-#define RUN(GN) attend_run(sh, it->query + (int64_t)qh * D, dtype, nv, GN, first, head, m, \
-                           mx + qh, den + qh, acc + (int64_t)qh * D, pk, pv, row_bytes, pf_bytes)
-                    FOR_GN(G - g0, RUN)
+            /* Token j sees rows before L0 + j: the first that sees this run is j0. */
+            const int j0 = pos - L0 + 1 > 0 ? pos - L0 + 1 : 0;
+            for (int j = j0; j < T; ++j) {
+                const int seen = L0 + j - pos;
+                const int m = seen < run ? seen : run;
+                float *acc = state + j * per_tok, *mx = acc + (int64_t)nq * D, *den = mx + nq;
+                const float *q = it->query + j * it->q_stride;
+                for (int hh = 0; hh < it->nh; ++hh) {
+                    const int64_t head = (int64_t)(it->h0 + hh) * D;
+                    for (int g0 = 0; g0 < G; g0 += GCHUNK) {
+                        const int qh = hh * G + g0;
+                        const int pf = !last && j == j0 && hh == 0 && g0 == 0;
+                        const char *pk = pf ? next_k + r0 * row_bytes : NULL;
+                        const char *pv = pf ? next_v + r0 * row_bytes : NULL;
+#define RUN(GN) attend_run(sh, q + (int64_t)qh * D, dtype, nv, GN, first, head, m, mx + qh, \
+                           den + qh, acc + (int64_t)qh * D, pk, pv, row_bytes, pf_bytes)
+                        FOR_GN(G - g0, RUN)
 #undef RUN
+                    }
                 }
             }
         }
         t += n;
     }
-    for (int qh = 0; qh < nq; ++qh) {
-        const __m512 inv = _mm512_set1_ps(1.0f / den[qh]);
-        for (int j = 0; j < nv; ++j)
-            _mm512_storeu_ps(it->out + (int64_t)qh * D + 16 * j,
-                             _mm512_mul_ps(inv, _mm512_loadu_ps(acc + (int64_t)qh * D + 16 * j)));
+    for (int j = 0; j < T; ++j) {
+        const float *acc = state + j * per_tok, *den = acc + (int64_t)nq * D + nq;
+        float *out = it->out + j * it->out_stride;
+        for (int qh = 0; qh < nq; ++qh) {
+            const __m512 inv = _mm512_set1_ps(1.0f / den[qh]);
+            for (int v = 0; v < nv; ++v)
+                _mm512_storeu_ps(out + (int64_t)qh * D + 16 * v,
+                                 _mm512_mul_ps(inv, _mm512_loadu_ps(acc + (int64_t)qh * D + 16 * v)));
+        }
     }
 }
 
@@ -331,13 +372,18 @@ ATTEND512_FOR(attend512_f16, DTYPE_F16)
 
 /* ------------------------------------------------------------------------- */
 
+/* A tile of request ``s``: tokens ``tok0 .. tok0 + ntok - 1``, the first of which sees
+ * ``len0`` context rows. */
+typedef struct {
+    int s, tok0, ntok, len0;
+} tile_t;
+
 /* Returns 0 on success, a negative code on bad arguments or allocation failure. */
-int paged_decode_attention(const float *query, const void *k_cache, const void *v_cache,
-                           int dtype, const int32_t *block_tables, const int32_t *seq_lens,
-                           int64_t q_stride, float *out, int num_seqs, int num_heads,
-                           int num_kv_heads, int head_dim, int block_size, int num_blocks,
-                           int max_blocks_per_seq, int max_seq_len, float scale,
-                           int num_threads) {
+int paged_attention(const float *query, const void *k_cache, const void *v_cache, int dtype,
+                    const int32_t *block_tables, const int32_t *seq_lens,
+                    const int32_t *query_start_loc, int64_t q_stride, float *out, int num_seqs,
+                    int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
+                    int max_blocks_per_seq, int max_seq_len, float scale, int num_threads) {
     if (num_seqs <= 0) return 0;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
     if (head_dim <= 0 || head_dim > MAX_HEAD_DIM) return -2;
@@ -346,26 +392,45 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
     if (dtype == DTYPE_F16) return -3;
 #endif
     if (num_threads < 1) num_threads = 1;
+    /* Tiles of each request's query tokens; a request with no token this step has none. */
+    int64_t num_tiles = 0;
+    for (int s = 0; s < num_seqs; ++s) {
+        const int q_len = query_start_loc ? query_start_loc[s + 1] - query_start_loc[s] : 1;
+        if (q_len < 0 || q_len > seq_lens[s]) return -5;
+        num_tiles += (q_len + TOKEN_TILE - 1) / TOKEN_TILE;
+    }
+    if (num_tiles == 0) return 0;
+    tile_t *tiles = malloc(sizeof(tile_t) * (size_t)num_tiles);
+    if (tiles == NULL) return -4;
+    for (int s = 0, i = 0; s < num_seqs; ++s) {
+        const int tok = query_start_loc ? query_start_loc[s] : s;
+        const int q_len = query_start_loc ? query_start_loc[s + 1] - tok : 1;
+        for (int j = 0; j < q_len; j += TOKEN_TILE)
+            tiles[i++] = (tile_t){s, tok + j, q_len - j < TOKEN_TILE ? q_len - j : TOKEN_TILE,
+                                  seq_lens[s] - q_len + 1 + j};
+    }
     const shape_t sh = {k_cache, v_cache, num_kv_heads, num_heads / num_kv_heads, head_dim,
                         block_size, scale};
-    /* Whole requests per item when there are enough of them; else one KV head each. */
-    const int per_item = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
+    /* All KV heads per item when there are enough tiles; else one KV head each. */
+    const int per_item = num_tiles >= 4 * num_threads ? num_kv_heads : 1;
     const int splits = num_kv_heads / per_item;
-    const int64_t items = (int64_t)num_seqs * splits;
+    const int64_t items = num_tiles * splits;
     if (items < num_threads) num_threads = (int)items;
 #if defined(__AVX512F__)
     const int vector_path = head_dim % 16 == 0 && head_dim <= 16 * MAX_NV;
 #else
     const int vector_path = 0;
 #endif
+    const int64_t out_stride = (int64_t)num_heads * head_dim;
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         const size_t nq = (size_t)per_item * sh.group;
-        /* The portable path keeps the scores of a whole context; the AVX-512 path only
-         * its online-softmax state (acc, running max, denominator) in ``acc``. */
+        /* The portable path keeps the scores of a whole context (one token at a time);
+         * the AVX-512 path only the online-softmax state (acc, running max, denominator)
+         * of each token of a tile, in ``acc``. */
         float *scores = vector_path ? NULL : malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
-        float *acc = malloc(sizeof(float) * nq * ((size_t)head_dim + 2));
+        float *acc = malloc(sizeof(float) * nq * ((size_t)head_dim + 2) * TOKEN_TILE);
         float tmp[MAX_HEAD_DIM];
         if ((scores == NULL && !vector_path) || acc == NULL) {
 #pragma omp atomic write
@@ -375,12 +440,12 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
         if (status != -4) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < items; ++i) {
-                const int s = (int)(i / splits);
+                const tile_t tl = tiles[i / splits];
                 const int h0 = (int)(i % splits) * per_item;
-                const int len = seq_lens[s];
-                const int32_t *table = block_tables + (int64_t)s * max_blocks_per_seq;
-                const int nb = len > 0 ? (len + block_size - 1) / block_size : 0;
-                int bad = len <= 0 || len > max_seq_len || nb > max_blocks_per_seq;
+                const int last_len = tl.len0 + tl.ntok - 1;
+                const int32_t *table = block_tables + (int64_t)tl.s * max_blocks_per_seq;
+                const int nb = (last_len + block_size - 1) / block_size;
+                int bad = tl.len0 <= 0 || last_len > max_seq_len || nb > max_blocks_per_seq;
                 for (int b = 0; !bad && b < nb; ++b) bad = table[b] < 0 || table[b] >= num_blocks;
                 if (bad) {
 #pragma omp atomic write
@@ -388,9 +453,9 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
                     continue;
                 }
                 const int64_t head_off = (int64_t)h0 * sh.group * head_dim;
-                const item_t it = {query + (int64_t)s * q_stride + head_off,
-                                   out + (int64_t)s * num_heads * head_dim + head_off, table,
-                                   len, h0, per_item};
+                const item_t it = {query + (int64_t)tl.tok0 * q_stride + head_off,
+                                   out + (int64_t)tl.tok0 * out_stride + head_off, table,
+                                   q_stride, out_stride, tl.len0, tl.ntok, h0, per_item};
 #if defined(__AVX512F__)
                 if (vector_path) {
                     if (dtype == DTYPE_F32)
@@ -408,5 +473,6 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
         free(scores);
         free(acc);
     }
+    free(tiles);
     return status;
 }
