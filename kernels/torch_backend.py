@@ -17,7 +17,6 @@ additive (0 / -inf) in the compute dtype: SDPA converts boolean masks with a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -123,8 +122,8 @@ class _Prepared:
     write_slots: torch.Tensor
     write_tokens: torch.Tensor | None
     """Rows of key/value to write (slot != -1), or None when every token is written."""
-    decode: Any
-    """Decode state from ``_plan_decodes`` (length buckets here; backend-specific)."""
+    decode: list[_DecodeGroup]
+    """Decode length buckets from ``_plan_decodes``."""
     prefill: _PrefillGroup | None
     causal: list[tuple[int, int]] = field(default_factory=list)
     """Token ranges of whole-context chunks (a prompt's only chunk, no cached prefix):
