@@ -1,9 +1,9 @@
 """Native CPU kernels: built at first use, called through ctypes.
 
-``csrc/`` holds plain C with OpenMP (no torch headers): the paged decode attention
-kernel, fused element-wise layer ops and a float32 linear layer for decode-sized
-batches. It compiles in about a second with the
-system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native``. The shared library
+``csrc/`` holds plain C with OpenMP (no torch headers): the paged attention kernel
+(decode rows and prefill chunks), fused element-wise layer ops and a float32 linear
+layer for decode-sized batches. It compiles in about a second with the system C
+compiler (``$CC``, else ``cc``) and ``-O3 -march=native``. The shared library
 is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``),
 keyed by the sources, the flags, the compiler's version and the CPU's feature flags,
 and written atomically, so concurrent processes can build it at once. ctypes releases
@@ -44,7 +44,7 @@ _ERRORS = {
     -1: "num_heads is not a multiple of num_kv_heads",
     -2: f"head_dim outside 1..{MAX_HEAD_DIM}",
     -3: "unsupported KV cache dtype",
-    -4: "out of memory for the score buffer",
+    -4: "out of memory for the kernel's buffers",
     -5: "a context length, query length or block id is out of range",
 }
 

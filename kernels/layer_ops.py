@@ -5,19 +5,20 @@ torch (the reference, used on CUDA, where CUDA graphs capture it, and whenever t
 native library is unavailable). :class:`NativeLayerOps` replaces each op with one
 call into the native CPU library for float32 and bfloat16 CPU tensors (bfloat16
 rounded where the torch expression rounds), and falls back to torch for anything
-else; greedy sampling's argmax over float32 logits is native too. On a decode step of a small model the torch versions cost more in
-dispatch and thread wake-ups than in arithmetic: RMSNorm alone is six ops.
+else; greedy sampling's argmax over float32 logits is native too. On a decode step of
+a small model the torch versions cost more in dispatch and thread wake-ups than in
+arithmetic: RMSNorm alone is six ops.
 
 Linear layers go through ``ops.linear`` too, with weights packed once at load. In
 float32 with up to 256 rows (decode steps), the native library's own linear
 (``csrc/gemm_cpu.c``) runs: in a decode forward of the default model its linears take
-10-35% less time than oneDNN's packed linear or ``F.linear``, which leave one of two
-cores idle at these sizes; each output is one multiply-add chain in k order, so a row's
-result does not depend on the other rows in the batch. Larger float32 batches use
-``F.linear``. bfloat16 uses weights pre-packed for oneDNN at every size (15-50% faster
-than ``F.linear``), as does float32 on CPUs without AVX-512 (2 to 1024 rows). The
-packed copy lives beside the weight (the linear weights' memory twice);
-``PAGEDSERVE_PACK_WEIGHTS=0`` turns packing off.
+10-35% less time than oneDNN's packed linear or ``F.linear`` (oneDNN ran three of the
+four layer shapes at one core's speed on two cores); each output is one multiply-add
+chain in k order, so a row's result does not depend on the other rows in the batch.
+Larger float32 batches use ``F.linear``. bfloat16 uses weights pre-packed for oneDNN
+at every size (15-50% faster than ``F.linear``), as does float32 on CPUs without
+AVX-512 (2 to 1024 rows). The packed copy lives beside the weight (the linear weights'
+memory twice); ``PAGEDSERVE_PACK_WEIGHTS=0`` turns packing off.
 
 The residual stream follows the usual fused form: ``add_rms_norm(residual, delta)``
 returns ``(residual + delta, rms_norm(residual + delta))``; the native version
@@ -170,8 +171,9 @@ class NativeLayerOps(TorchLayerOps):
     ) -> torch.Tensor:
         (rows, k), n = x.shape, weight.shape[0]
         out = x.new_empty(rows, n)
-        self._lib.gemm_f32(x.data_ptr(), x.stride(0), rows, k, self._native_packed(weight).data_ptr(),
-                           n, None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+        packed = self._native_packed(weight)
+        self._lib.gemm_f32(x.data_ptr(), x.stride(0), rows, k, packed.data_ptr(), n,
+                           None if bias is None else bias.data_ptr(), out.data_ptr(), n,
                            torch.get_num_threads())  # fmt: skip
         return out
 

@@ -20,10 +20,11 @@
  * thread busy): the slot rows of a block are then read as one contiguous stream, once
  * per tile (so once per step and layer for a decode), and each run of rows serves
  * every token of the tile from L1. A token sees the first ``pos + 1`` rows of the
- * context, so causality is the row count of each run, never a mask. The G = num_heads / num_kv_heads query heads sharing a KV
- * head are computed together, all in float32. The AVX-512 path makes one pass with an
- * online softmax (K and V of each run of rows together); the portable path keeps the
- * scores of the whole context (two passes: q.K, then softmax-weighted V).
+ * context, so causality is the row count of each run, never a mask. The G = num_heads
+ * / num_kv_heads query heads sharing a KV head are computed together, all in float32.
+ * The AVX-512 path makes one pass with an online softmax (K and V of each run of rows
+ * together); the portable path keeps the scores of the whole context (two passes: q.K,
+ * then softmax-weighted V), one token at a time.
  */
 #include <math.h>
 #include <stdint.h>
@@ -348,9 +349,10 @@ static inline __attribute__((always_inline)) void attend512(const item_t *it,
         float *out = it->out + j * it->out_stride;
         for (int qh = 0; qh < nq; ++qh) {
             const __m512 inv = _mm512_set1_ps(1.0f / den[qh]);
+            const float *a = acc + (int64_t)qh * D;
             for (int v = 0; v < nv; ++v)
                 _mm512_storeu_ps(out + (int64_t)qh * D + 16 * v,
-                                 _mm512_mul_ps(inv, _mm512_loadu_ps(acc + (int64_t)qh * D + 16 * v)));
+                                 _mm512_mul_ps(inv, _mm512_loadu_ps(a + 16 * v)));
         }
     }
 }
@@ -429,7 +431,8 @@ int paged_attention(const float *query, const void *k_cache, const void *v_cache
         /* The portable path keeps the scores of a whole context (one token at a time);
          * the AVX-512 path only the online-softmax state (acc, running max, denominator)
          * of each token of a tile, in ``acc``. */
-        float *scores = vector_path ? NULL : malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
+        float *scores =
+            vector_path ? NULL : malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
         float *acc = malloc(sizeof(float) * nq * ((size_t)head_dim + 2) * TOKEN_TILE);
         float tmp[MAX_HEAD_DIM];
         if ((scores == NULL && !vector_path) || acc == NULL) {
