@@ -7,7 +7,8 @@ no mask. Decode rows read each K and V row from memory once per layer; a prefill
 reads each row once per tile of 16 query tokens, which all take it from L1. Chunks
 that continue a cached prefix or an earlier chunk take the same path as whole prompts.
 Its ``ops`` are :class:`NativeLayerOps` (fused RMSNorm with the residual add, RoPE,
-SiLU-and-multiply, the float32 linear). KV writes are :class:`TorchBackend`'s.
+SiLU-and-multiply, the float32 linear). KV writes share the torch backend's planned
+``index_copy_`` (:func:`kernels.torch_backend.write_plan`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from kernels import cpu_native
 from kernels.interface import AttentionMetadata
 from kernels.layer_ops import NativeLayerOps
-from kernels.torch_backend import TorchBackend
+from kernels.torch_backend import write_plan, write_planned_kv
 
 
 @dataclass(slots=True)
@@ -37,20 +38,19 @@ class _NativePlan:
     max_seq_len: int
 
 
-class CpuBackend(TorchBackend):
+class CpuBackend:
     """Paged attention on the CPU: the native kernel for decodes and prefill chunks."""
 
     name = "cpu"
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        super().__init__()
         self._lib = lib
         self.ops = NativeLayerOps(lib)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
-        write_slots, write_tokens = self._write_plan(meta)
+        write_slots, write_tokens = write_plan(meta)
         decode_only = meta.num_decodes == len(seq_lens)
         meta.prepared = _NativePlan(
             qsl[-1] if qsl else 0, write_slots, write_tokens,
@@ -73,11 +73,11 @@ class CpuBackend(TorchBackend):
         """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]`` (rows past
         the step's tokens, padding, are zero)."""
         plan: _NativePlan = meta.prepared
-        self._write_kv(key, value, k_cache, v_cache, plan.write_slots, plan.write_tokens)
+        write_planned_kv(key, value, k_cache, v_cache, plan.write_slots, plan.write_tokens)
         n = plan.num_tokens
-        out = None if query.shape[0] == n else query.new_zeros(query.shape)
         if n == 0:
             return query.new_zeros(query.shape)
+        out = None if query.shape[0] == n else query.new_zeros(query.shape)
         attended = cpu_native.paged_attention(
             self._lib, query[:n], k_cache, v_cache, plan.block_tables, plan.seq_lens,
             plan.max_seq_len, scale, out=None if out is None else out[:n],

@@ -215,18 +215,3 @@ def paged_attention(
         out.copy_(result)
     return out
 
-
-def paged_decode_attention(
-    lib: ctypes.CDLL,
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
-    scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`paged_attention` with one query token per request (query ``[B, Hq, D]``)."""
-    return paged_attention(lib, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
-                           scale, out)  # fmt: skip

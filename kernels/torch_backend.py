@@ -130,6 +130,32 @@ class _Prepared:
     each attends to its own fresh K/V with a causal SDPA call, no gather, no mask."""
 
 
+def write_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Once per step: the cache slots to write and the token rows they take (None: every
+    row, in order); padding tokens (slot -1) are skipped."""
+    slot_mapping = meta.slot_mapping.long()
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return slot_mapping, None
+    write_tokens = keep.nonzero().squeeze(1)
+    return slot_mapping.index_select(0, write_tokens), write_tokens
+
+
+def write_planned_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    write_slots: torch.Tensor, write_tokens: torch.Tensor | None,
+) -> None:
+    """Write this step's K/V rows into the slots chosen by :func:`write_plan`."""
+    # Rows of the flattened cache are whole slots: 2-D index ops copy them as one run.
+    width = k_cache.shape[2] * k_cache.shape[3]
+    k_flat, v_flat = k_cache.view(-1, width), v_cache.view(-1, width)
+    key, value = key.reshape(-1, width), value.reshape(-1, width)
+    if write_tokens is not None:
+        key, value = key.index_select(0, write_tokens), value.index_select(0, write_tokens)
+    k_flat.index_copy_(0, write_slots, key.to(k_flat.dtype))
+    v_flat.index_copy_(0, write_slots, value.to(v_flat.dtype))
+
+
 class TorchBackend:
     """Paged attention with torch ops; the CPU path of the engine."""
 
@@ -166,7 +192,7 @@ class TorchBackend:
         nd = meta.num_decodes
         num_tokens = qsl[-1] if qsl else 0
 
-        write_slots, write_tokens = self._write_plan(meta)
+        write_slots, write_tokens = write_plan(meta)
         decode = self._plan_decodes(meta, seq_lens_cpu[:nd], block_size)
 
         rows = range(nd, num_reqs)
@@ -179,32 +205,6 @@ class TorchBackend:
             if padded else None  # fmt: skip
         causal = [(qsl[i], qsl[i + 1]) for i in fresh]
         meta.prepared = _Prepared(num_tokens, write_slots, write_tokens, decode, prefill, causal)
-
-    @staticmethod
-    def _write_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Cache slots to write and the token rows they take (None: every row, in order);
-        padding tokens (slot -1) are skipped."""
-        slot_mapping = meta.slot_mapping.long()
-        keep = slot_mapping >= 0
-        if bool(keep.all()):
-            return slot_mapping, None
-        write_tokens = keep.nonzero().squeeze(1)
-        return slot_mapping.index_select(0, write_tokens), write_tokens
-
-    @staticmethod
-    def _write_kv(
-        key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        write_slots: torch.Tensor, write_tokens: torch.Tensor | None,
-    ) -> None:
-        """Write this step's K/V rows into their cache slots."""
-        # Rows of the flattened cache are whole slots: 2-D index ops copy them as one run.
-        width = k_cache.shape[2] * k_cache.shape[3]
-        k_flat, v_flat = k_cache.view(-1, width), v_cache.view(-1, width)
-        key, value = key.reshape(-1, width), value.reshape(-1, width)
-        if write_tokens is not None:
-            key, value = key.index_select(0, write_tokens), value.index_select(0, write_tokens)
-        k_flat.index_copy_(0, write_slots, key.to(k_flat.dtype))
-        v_flat.index_copy_(0, write_slots, value.to(v_flat.dtype))
 
     @staticmethod
     def _prefill_group(
@@ -271,7 +271,7 @@ class TorchBackend:
         st: _Prepared = meta.prepared
         total, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
-        self._write_kv(key, value, k_cache, v_cache, st.write_slots, st.write_tokens)
+        write_planned_kv(key, value, k_cache, v_cache, st.write_slots, st.write_tokens)
         k_flat = k_cache.view(-1, num_kv_heads * head_dim)
         v_flat = v_cache.view(-1, num_kv_heads * head_dim)
 

@@ -51,7 +51,7 @@ def decode_step(lens, heads, head_dim, block_size, dtype, seed=0):
 
 def native(lib, step, **kw):
     m = step.meta
-    return cpu_native.paged_decode_attention(
+    return cpu_native.paged_attention(
         lib, step.query, step.k_cache, step.v_cache, m.block_tables, m.seq_lens,
         max(m.seq_lens_cpu), step.scale, **kw,
     )  # fmt: skip
@@ -132,8 +132,8 @@ def test_prefill_tokens_see_only_their_past() -> None:
     # Every token of a chunk equals the same position attended as a one-token decode.
     lens = torch.arange(1, 71, dtype=torch.int32)
     tables = m.block_tables.expand(70, -1)
-    one_by_one = cpu_native.paged_decode_attention(lib, step.query, step.k_cache, step.v_cache,
-                                                   tables, lens, 70, step.scale)  # fmt: skip
+    one_by_one = cpu_native.paged_attention(lib, step.query, step.k_cache, step.v_cache,
+                                            tables, lens, 70, step.scale)  # fmt: skip
     torch.testing.assert_close(after, one_by_one, atol=2e-6, rtol=2e-6)
 
 
@@ -153,8 +153,8 @@ def test_strided_query_rows(lib) -> None:
     view = fused[:, : 9 * 64].view(3, 9, 64)
     assert not view.is_contiguous()
     m = step.meta
-    got = cpu_native.paged_decode_attention(lib, view, step.k_cache, step.v_cache,
-                                            m.block_tables, m.seq_lens, 77, step.scale)  # fmt: skip
+    got = cpu_native.paged_attention(lib, view, step.k_cache, step.v_cache,
+                                     m.block_tables, m.seq_lens, 77, step.scale)  # fmt: skip
     torch.testing.assert_close(got, reference(step), **TOL[torch.float32])
 
 
@@ -178,16 +178,16 @@ def test_rejects_bad_inputs(lib) -> None:
     bad_table = m.block_tables.clone()
     bad_table[1, 0] = step.k_cache.shape[0]  # one past the last block
     with pytest.raises(ValueError, match="block id is out of range"):
-        cpu_native.paged_decode_attention(*args, bad_table, m.seq_lens, 20, step.scale)
+        cpu_native.paged_attention(*args, bad_table, m.seq_lens, 20, step.scale)
     with pytest.raises(ValueError, match="out of range"):  # a context over max_seq_len
-        cpu_native.paged_decode_attention(*args, m.block_tables, m.seq_lens, 10, step.scale)
+        cpu_native.paged_attention(*args, m.block_tables, m.seq_lens, 10, step.scale)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        cpu_native.paged_decode_attention(lib, step.query[:, :3], step.k_cache, step.v_cache,
-                                          m.block_tables, m.seq_lens, 20, step.scale)  # fmt: skip
+        cpu_native.paged_attention(lib, step.query[:, :3], step.k_cache, step.v_cache,
+                                   m.block_tables, m.seq_lens, 20, step.scale)  # fmt: skip
     with pytest.raises(ValueError, match="unsupported KV cache dtype"):
-        cpu_native.paged_decode_attention(lib, step.query, step.k_cache.double(),
-                                          step.v_cache.double(), m.block_tables, m.seq_lens,
-                                          20, step.scale)  # fmt: skip
+        cpu_native.paged_attention(lib, step.query, step.k_cache.double(),
+                                   step.v_cache.double(), m.block_tables, m.seq_lens,
+                                   20, step.scale)  # fmt: skip
 
 
 def test_threads_do_not_change_results(lib) -> None:

@@ -448,7 +448,8 @@ int paged_attention(const float *query, const void *k_cache, const void *v_cache
                 const int last_len = tl.len0 + tl.ntok - 1;
                 const int32_t *table = block_tables + (int64_t)tl.s * max_blocks_per_seq;
                 const int nb = (last_len + block_size - 1) / block_size;
-                int bad = tl.len0 <= 0 || last_len > max_seq_len || nb > max_blocks_per_seq;
+                /* len0 >= 1: every request was checked for q_len <= seq_len above. */
+                int bad = last_len > max_seq_len || nb > max_blocks_per_seq;
                 for (int b = 0; !bad && b < nb; ++b) bad = table[b] < 0 || table[b] >= num_blocks;
                 if (bad) {
 #pragma omp atomic write
