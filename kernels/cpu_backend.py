@@ -7,8 +7,8 @@ no mask. Decode rows read each K and V row from memory once per layer; a prefill
 reads each row once per tile of 16 query tokens, which all take it from L1. Chunks
 that continue a cached prefix or an earlier chunk take the same path as whole prompts.
 Its ``ops`` are :class:`NativeLayerOps` (fused RMSNorm with the residual add, RoPE,
-SiLU-and-multiply, the float32 linear). KV writes share the torch backend's planned
-``index_copy_`` (:func:`kernels.torch_backend.write_plan`).
+SiLU-and-multiply, the float32 linear). The step's K/V rows are written by the same
+native call, just before it attends.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ import torch
 from kernels import cpu_native
 from kernels.interface import AttentionMetadata
 from kernels.layer_ops import NativeLayerOps
-from kernels.torch_backend import write_plan, write_planned_kv
 
 
 @dataclass(slots=True)
 class _NativePlan:
     num_tokens: int
-    write_slots: torch.Tensor
-    write_tokens: torch.Tensor | None
+    slot_mapping: torch.Tensor
+    """[T] int64, contiguous (-1: padding, not written)."""
     block_tables: torch.Tensor
     """[B, max_blocks] int32, contiguous."""
     seq_lens: torch.Tensor
@@ -50,10 +49,9 @@ class CpuBackend:
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
-        write_slots, write_tokens = write_plan(meta)
         decode_only = meta.num_decodes == len(seq_lens)
         meta.prepared = _NativePlan(
-            qsl[-1] if qsl else 0, write_slots, write_tokens,
+            qsl[-1] if qsl else 0, meta.slot_mapping.to(torch.int64).contiguous(),
             meta.block_tables.to(torch.int32).contiguous(),
             meta.seq_lens.to(torch.int32).contiguous(),
             None if decode_only else meta.query_start_loc.to(torch.int32).contiguous(),
@@ -73,7 +71,6 @@ class CpuBackend:
         """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]`` (rows past
         the step's tokens, padding, are zero)."""
         plan: _NativePlan = meta.prepared
-        write_planned_kv(key, value, k_cache, v_cache, plan.write_slots, plan.write_tokens)
         n = plan.num_tokens
         if n == 0:
             return query.new_zeros(query.shape)
@@ -81,6 +78,7 @@ class CpuBackend:
         attended = cpu_native.paged_attention(
             self._lib, query[:n], k_cache, v_cache, plan.block_tables, plan.seq_lens,
             plan.max_seq_len, scale, out=None if out is None else out[:n],
-            query_start_loc=plan.query_start_loc,
+            query_start_loc=plan.query_start_loc, key=key, value=value,
+            slot_mapping=plan.slot_mapping,
         )  # fmt: skip
         return attended if out is None else out

@@ -46,6 +46,7 @@ _ERRORS = {
     -3: "unsupported KV cache dtype",
     -4: "out of memory for the kernel's buffers",
     -5: "a context length, query length or block id is out of range",
+    -6: "a KV write slot is out of range",
 }
 
 _lock = threading.Lock()
@@ -99,7 +100,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
         "paged_attention": (i32, [ptr] * 3 + [i32] + [ptr] * 3 + [i64, ptr] + [i32] * 8
-                            + [f32, i32]),
+                            + [f32, ptr, ptr, i64, ptr, i32, i32]),
         **{f"add_rms_norm_{d}": (None, [ptr, ptr, ptr, f32, ptr, i32, i32, i64, i32])
            for d in ("f32", "bf16")},
         **{f"rope_{d}": (None, [ptr, i64, i32, i32, i32, ptr, ptr, i32]) for d in ("f32", "bf16")},
@@ -149,6 +150,30 @@ def unavailable_reason() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
+def _kv_rows(
+    key: torch.Tensor | None, value: torch.Tensor | None, slots: torch.Tensor | None,
+    k_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``key``/``value`` in the cache dtype with dense heads and one row stride for both
+    (views of a fused QKV output qualify as they are), and int64 ``slots``; None when
+    there is nothing to write."""
+    if slots is None:
+        return None
+    if key is None or value is None:
+        raise ValueError("slot_mapping needs key and value")
+    width = k_cache.shape[2:]
+    if key.shape[1:] != width or value.shape != key.shape or slots.shape != key.shape[:1]:
+        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
+                         f"{tuple(slots.shape)} do not fit the cache rows {tuple(width)}")
+
+    def dense(t: torch.Tensor) -> bool:
+        return t.dtype == k_cache.dtype and t.stride(2) == 1 and t.stride(1) == width[1]
+
+    if not (dense(key) and dense(value) and key.stride(0) == value.stride(0)):
+        key, value = (t.to(k_cache.dtype).contiguous() for t in (key, value))
+    return key, value, slots.to(torch.int64).contiguous()
+
+
 def paged_attention(
     lib: ctypes.CDLL,
     query: torch.Tensor,
@@ -160,9 +185,14 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     query_start_loc: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's query tokens, read in place from the paged cache
-    (see the C source); this step's K/V must already be written.
+    (see the C source). This step's K/V are either already in the cache or given as
+    ``key``/``value`` ``[N, Hkv, D]`` (rows may be strided) with ``slot_mapping`` ``[N]``
+    (-1: not written): they are written first, in the same call.
 
     query ``[T, Hq, D]`` (rows may be strided); caches ``[num_blocks, block_size, Hkv,
     D]`` in float32, bfloat16 or float16; block_tables ``[B, M]``, seq_lens ``[B]`` and
@@ -199,13 +229,17 @@ def paged_attention(
         q = query.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    rows = _kv_rows(key, value, slot_mapping, k_cache)
+    write = (None, None, 0, None, 0) if rows is None else (
+        rows[0].data_ptr(), rows[1].data_ptr(), rows[0].stride(0), rows[2].data_ptr(),
+        rows[0].shape[0])
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     result = out if direct else torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     status = lib.paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
         tables.data_ptr(), lens.data_ptr(), None if qsl is None else qsl.data_ptr(), q.stride(0),
         result.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-        tables.shape[1], max_seq_len, scale, torch.get_num_threads(),
+        tables.shape[1], max_seq_len, scale, *write, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"paged_attention: {_ERRORS.get(status, status)}")

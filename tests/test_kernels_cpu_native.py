@@ -115,6 +115,85 @@ def test_prefill_chunks_match_reference(lib, case, head_dim, block_size, heads, 
     torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype])
 
 
+def fused_rows(step):
+    """``key``/``value`` as strided views of one fused QKV output row per token."""
+    t = step.query.shape[0]
+    fused = torch.cat([x.reshape(t, -1) for x in (step.query, step.key, step.value)], dim=1)
+    q, k, v = fused.split([step.query[0].numel(), step.key[0].numel(),
+                           step.value[0].numel()], dim=1)  # fmt: skip
+    return k.view_as(step.key), v.view_as(step.value)
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", PREFILL)
+def test_writes_step_rows_then_attends(lib, case, dtype) -> None:
+    """The step's K/V rows handed to the call (views of a fused QKV output; two padding
+    rows with slot -1) are written before anything is attended: the same cache and the
+    same output as writing them first. The step's own slots start as NaN, so a row
+    attended before it is written poisons the output."""
+    seq_lens, q_lens = case
+    step = make_step(seq_lens, q_lens, num_heads=9, num_kv_heads=3, head_dim=64,
+                     block_size=16, dtype=dtype, num_pad_tokens=2)  # fmt: skip
+    m = step.meta
+    key, value = fused_rows(step)
+    assert not key.is_contiguous()
+    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
+    args = (m.block_tables, m.seq_lens, max(m.seq_lens_cpu), step.scale)
+    got = cpu_native.paged_attention(lib, step.query, k_cache, v_cache, *args,
+                                     query_start_loc=m.query_start_loc, key=key, value=value,
+                                     slot_mapping=m.slot_mapping)  # fmt: skip
+    write_kv(step.key, step.value, step.k_cache, step.v_cache, m.slot_mapping)
+    expected = cpu_native.paged_attention(lib, step.query, step.k_cache, step.v_cache, *args,
+                                          query_start_loc=m.query_start_loc)  # fmt: skip
+    assert_same(k_cache, step.k_cache)
+    assert_same(v_cache, step.v_cache)
+    n = int(m.query_start_loc[-1])
+    assert torch.isfinite(got[:n].float()).all()
+    assert_same(got[:n], expected[:n])
+
+
+def test_kv_rows_in_another_dtype_are_converted(lib) -> None:
+    step = make_step([5, 40], [1, 40], num_heads=4, num_kv_heads=2, head_dim=64,
+                     block_size=16, dtype=torch.bfloat16)  # fmt: skip
+    m = step.meta
+    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
+    cpu_native.paged_attention(lib, step.query, k_cache, v_cache, m.block_tables, m.seq_lens,
+                               40, step.scale, query_start_loc=m.query_start_loc,
+                               key=step.key.float(), value=step.value.float(),
+                               slot_mapping=m.slot_mapping)  # fmt: skip
+    write_kv(step.key, step.value, step.k_cache, step.v_cache, m.slot_mapping)
+    assert_same(k_cache, step.k_cache)
+    assert_same(v_cache, step.v_cache)
+
+
+def test_rejects_bad_kv_rows(lib) -> None:
+    """A slot past the cache is refused before anything is written."""
+    step = make_step([20, 9], [1, 9], num_heads=4, num_kv_heads=2, head_dim=64,
+                     block_size=16, dtype=torch.float32)  # fmt: skip
+    m = step.meta
+    args = (lib, step.query, step.k_cache, step.v_cache, m.block_tables, m.seq_lens, 20,
+            step.scale)  # fmt: skip
+    k_before, v_before = step.k_cache.clone(), step.v_cache.clone()
+    slots = m.slot_mapping.clone()
+    slots[-1] = step.k_cache.shape[0] * step.k_cache.shape[1]  # one past the last slot
+    with pytest.raises(ValueError, match="KV write slot is out of range"):
+        cpu_native.paged_attention(*args, query_start_loc=m.query_start_loc, key=step.key,
+                                   value=step.value, slot_mapping=slots)  # fmt: skip
+    assert_same(step.k_cache, k_before)
+    assert_same(step.v_cache, v_before)
+    with pytest.raises(ValueError, match="do not fit the cache rows"):
+        cpu_native.paged_attention(*args, query_start_loc=m.query_start_loc,
+                                   key=step.key[:, :1], value=step.value[:, :1],
+                                   slot_mapping=m.slot_mapping)  # fmt: skip
+    with pytest.raises(ValueError, match="slot_mapping needs key and value"):
+        cpu_native.paged_attention(*args, query_start_loc=m.query_start_loc,
+                                   slot_mapping=m.slot_mapping)  # fmt: skip
+
+
 def test_prefill_tokens_see_only_their_past() -> None:
     """Changing the K/V of a later position changes no earlier token's output."""
     lib = cpu_native.load()

@@ -14,6 +14,9 @@
  *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] float32 | bf16 | f16
  *   block_tables  [num_seqs, max_blocks_per_seq]                   int32
  *   seq_lens      [num_seqs]                                       int32
+ *   key, value    [num_rows, num_kv_heads, head_dim] in the cache dtype, this step's
+ *                 K/V (rows ``kv_stride`` elements apart), written to cache slots
+ *   slots         [num_rows] int64 (-1: not written) before anything is attended
  *
  * A work item is a tile of up to TOKEN_TILE consecutive query tokens of one request
  * and a run of its KV heads (all of them when there are enough tiles to keep every
@@ -380,13 +383,32 @@ typedef struct {
     int s, tok0, ntok, len0;
 } tile_t;
 
-/* Returns 0 on success, a negative code on bad arguments or allocation failure. */
-int paged_attention(const float *query, const void *k_cache, const void *v_cache, int dtype,
+/* Row ``t`` of ``key``/``value`` (``num_kv_heads * head_dim`` elements of the cache
+ * dtype, rows ``kv_stride`` elements apart) to cache slot ``slots[t]``; -1 is skipped. */
+static void write_rows(void *k_cache, void *v_cache, const void *key, const void *value,
+                       int64_t kv_stride, const int64_t *slots, int num_rows, size_t row_bytes,
+                       int elem) {
+#pragma omp for schedule(static)
+    for (int t = 0; t < num_rows; ++t) {
+        if (slots[t] < 0) continue;
+        memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)key + t * kv_stride * elem,
+               row_bytes);
+        memcpy((char *)v_cache + slots[t] * row_bytes,
+               (const char *)value + t * kv_stride * elem, row_bytes);
+    }
+}
+
+/* Writes the step's K/V rows (``key``/``value``, ``num_rows`` of them, to ``slots``;
+ * ``slots`` NULL: none), then attends. Returns 0 on success, a negative code on bad
+ * arguments (nothing is written then, except for a bad block table) or allocation
+ * failure. */
+int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
                     const int32_t *block_tables, const int32_t *seq_lens,
                     const int32_t *query_start_loc, int64_t q_stride, float *out, int num_seqs,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
-                    int max_blocks_per_seq, int max_seq_len, float scale, int num_threads) {
-    if (num_seqs <= 0) return 0;
+                    int max_blocks_per_seq, int max_seq_len, float scale, const void *key,
+                    const void *value, int64_t kv_stride, const int64_t *slots, int num_rows,
+                    int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
     if (head_dim <= 0 || head_dim > MAX_HEAD_DIM) return -2;
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16) return -3;
@@ -394,6 +416,17 @@ int paged_attention(const float *query, const void *k_cache, const void *v_cache
     if (dtype == DTYPE_F16) return -3;
 #endif
     if (num_threads < 1) num_threads = 1;
+    if (slots == NULL) num_rows = 0;
+    for (int t = 0; t < num_rows; ++t)
+        if (slots[t] < -1 || slots[t] >= (int64_t)num_blocks * block_size) return -6;
+    const int elem = dtype == DTYPE_F32 ? 4 : 2;
+    const size_t row_bytes = (size_t)num_kv_heads * head_dim * elem;
+    if (num_seqs <= 0) {
+        /* Nothing to attend; rows may still be written (a step of padding only has none). */
+#pragma omp parallel num_threads(num_rows >= 64 ? num_threads : 1)
+        write_rows(k_cache, v_cache, key, value, kv_stride, slots, num_rows, row_bytes, elem);
+        return 0;
+    }
     /* Tiles of each request's query tokens; a request with no token this step has none. */
     int64_t num_tiles = 0;
     for (int s = 0; s < num_seqs; ++s) {
@@ -401,8 +434,7 @@ int paged_attention(const float *query, const void *k_cache, const void *v_cache
         if (q_len < 0 || q_len > seq_lens[s]) return -5;
         num_tiles += (q_len + TOKEN_TILE - 1) / TOKEN_TILE;
     }
-    if (num_tiles == 0) return 0;
-    tile_t *tiles = malloc(sizeof(tile_t) * (size_t)num_tiles);
+    tile_t *tiles = malloc(sizeof(tile_t) * (size_t)(num_tiles > 0 ? num_tiles : 1));
     if (tiles == NULL) return -4;
     for (int s = 0, i = 0; s < num_seqs; ++s) {
         const int tok = query_start_loc ? query_start_loc[s] : s;
@@ -417,7 +449,7 @@ int paged_attention(const float *query, const void *k_cache, const void *v_cache
     const int per_item = num_tiles >= 4 * num_threads ? num_kv_heads : 1;
     const int splits = num_kv_heads / per_item;
     const int64_t items = num_tiles * splits;
-    if (items < num_threads) num_threads = (int)items;
+    if (items < num_threads) num_threads = items > 0 ? (int)items : 1;
 #if defined(__AVX512F__)
     const int vector_path = head_dim % 16 == 0 && head_dim <= 16 * MAX_NV;
 #else
@@ -439,7 +471,9 @@ int paged_attention(const float *query, const void *k_cache, const void *v_cache
 #pragma omp atomic write
             status = -4;
         }
-#pragma omp barrier
+        /* This step's K/V rows first: a prefill tile reads rows that other threads
+         * write (the omp for ends with a barrier). */
+        write_rows(k_cache, v_cache, key, value, kv_stride, slots, num_rows, row_bytes, elem);
         if (status != -4) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < items; ++i) {
