@@ -233,7 +233,19 @@ class LLMEngine:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             if not isinstance(req.stop_reason, str):  # EOS, stop token or length
-                req.output_text += req.stop_checker.flush()
+                # Text held back for a character the output ends inside of (U+FFFD, as a
+                # full decode gives), still checked for stop strings.
+                tail = req.detok.flush()
+                if tail and n_out >= p.min_tokens:
+                    emitted, matched = req.stop_checker.feed(tail)
+                    req.output_text += emitted
+                    if matched is not None:
+                        req.stop_reason = matched
+                        status = RequestStatus.FINISHED_STOPPED
+                else:
+                    req.output_text += tail
+                if not isinstance(req.stop_reason, str):
+                    req.output_text += req.stop_checker.flush()
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

@@ -67,7 +67,7 @@ def _chunk(ctx: _Ctx, choices: list[dict], usage: dict | None = None) -> bytes:
 def _lp(state: ServerState, ctx: _Ctx, entries: list[TokenLogprobs] | None) -> dict | None:
     if not ctx.want_logprobs or entries is None:
         return None
-    return {"content": chat_logprobs(entries, state.token_text)}
+    return {"content": chat_logprobs(entries, state.token_piece)}
 
 
 async def _stream(request: web.Request, state: ServerState, gen: Generation,

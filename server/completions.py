@@ -81,7 +81,7 @@ def _logprob_builders(state: ServerState, ctx: _Ctx) -> list[CompletionLogprobs]
     if not ctx.want_logprobs:
         return None
     return [CompletionLogprobs(
-        state.token_text,
+        state.token_piece,
         len(ctx.echo_texts[k // ctx.n]) if ctx.echo_texts else 0)
         for k in range(ctx.num_choices)]
 

@@ -2,23 +2,79 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from engine.outputs import TokenLogprobs
 
-TokenText = Callable[[int], str]
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+@dataclass(frozen=True, slots=True)
+class TokenPiece:
+    """One token as logprobs show it."""
+
+    text: str
+    """Its decoded text; for a token that holds only part of a UTF-8 character,
+    ``bytes:`` and its bytes escaped (``bytes:\\xf0\\x9f``), so that two such tokens
+    never share a name."""
+    bytes: list[int]
+    """Its UTF-8 bytes (for a piece of a character, that piece alone)."""
+    width: int
+    """Characters it adds to a plain decode (U+FFFD for a piece of a character)."""
 
 
-def chat_logprobs(entries: list[TokenLogprobs], token_text: TokenText) -> list[dict]:
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 byte values, inverted."""
+    keep = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_piece(tokenizer: Any, token_id: int) -> TokenPiece:
+    """``token_id`` decoded alone; its raw bytes when that decode is a replacement
+    character (byte-level BPE vocabularies, SentencePiece byte fallback ``<0xNN>``)."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if "\ufffd" not in text:
+        return TokenPiece(text, list(text.encode("utf-8")), len(text))
+    raw = tokenizer.convert_ids_to_tokens(token_id)
+    table = _byte_decoder()
+    if isinstance(raw, str) and (m := _BYTE_TOKEN.fullmatch(raw)):
+        data = bytes([int(m.group(1), 16)])
+    elif isinstance(raw, str) and raw and all(c in table for c in raw):
+        data = bytes(table[c] for c in raw)
+    else:
+        return TokenPiece(text, list(text.encode("utf-8")), len(text))
+    try:
+        return TokenPiece(data.decode("utf-8"), list(data), len(text))
+    except UnicodeDecodeError:
+        shown = "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+        return TokenPiece(shown, list(data), len(text))
+
+
+TokenPieces = Callable[[int], TokenPiece]
+
+
+def _entry(piece: TokenPiece, logprob: float) -> dict:
+    return {"token": piece.text, "logprob": logprob, "bytes": piece.bytes}
+
+
+def chat_logprobs(entries: list[TokenLogprobs], pieces: TokenPieces) -> list[dict]:
     """The ``logprobs.content`` items for the given sampled tokens."""
     content = []
     for e in entries:
-        item = _entry(token_text(e.token_id), e.logprob)
-        item["top_logprobs"] = [_entry(token_text(c.token_id), c.logprob) for c in e.top]
+        item = _entry(pieces(e.token_id), e.logprob)
+        item["top_logprobs"] = [_entry(pieces(c.token_id), c.logprob) for c in e.top]
         content.append(item)
     return content
 
@@ -30,8 +86,8 @@ class CompletionLogprobs:
     includes the prompt when echoing); it carries over from one streamed chunk to the next.
     """
 
-    def __init__(self, token_text: TokenText, start_offset: int = 0) -> None:
-        self.token_text = token_text
+    def __init__(self, pieces: TokenPieces, start_offset: int = 0) -> None:
+        self.pieces = pieces
         self.offset = start_offset
 
     def build(self, entries: list[TokenLogprobs]) -> dict:
@@ -40,14 +96,14 @@ class CompletionLogprobs:
         top: list[dict[str, float]] = []
         offsets: list[int] = []
         for e in entries:
-            text = self.token_text(e.token_id)
-            tokens.append(text)
+            piece = self.pieces(e.token_id)
+            tokens.append(piece.text)
             token_logprobs.append(e.logprob)
-            cands = {self.token_text(c.token_id): c.logprob for c in e.top}
-            cands.setdefault(text, e.logprob)
+            cands = {self.pieces(c.token_id).text: c.logprob for c in e.top}
+            cands.setdefault(piece.text, e.logprob)
             top.append(cands)
             offsets.append(self.offset)
-            self.offset += len(text)
+            self.offset += piece.width
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": offsets}
 

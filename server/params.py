@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling_params import SamplingParamError, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 
@@ -42,7 +42,12 @@ def _build(kw: dict[str, Any], rename: dict[str, str]) -> SamplingParams:
         return SamplingParams(
             **{k: v for k, v in kw.items() if v is not None or k == "max_tokens"})
     except SamplingParamError as e:
-        raise bad_request(str(e), rename.get(e.param, e.param)) from None
+        # Name the field as the client sent it (``max_completion_tokens``, ``top_logprobs``).
+        name = rename.get(e.param, e.param)
+        message = str(e)
+        if name != e.param and message.startswith(f"{e.param}="):
+            message = name + message[len(e.param):]
+        raise bad_request(message, name) from None
 
 
 def _unsupported(value: Any, allowed: tuple, param: str, what: str) -> None:
@@ -69,8 +74,12 @@ def chat_params(req: ChatCompletionRequest) -> tuple[SamplingParams, str]:
         raise bad_request("only the 'text' modality is supported", "modalities")
     if req.audio is not None:
         raise bad_request("audio output is not supported", "audio")
-    if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs={req.top_logprobs!r} is invalid: must be an "
+                              f"integer in [0, {MAX_LOGPROBS}]", "top_logprobs")  # fmt: skip
+        if req.top_logprobs > 0 and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     kw = _common(req)
     limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

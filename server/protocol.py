@@ -122,6 +122,14 @@ def decode_body(body: bytes, kind: type[T]) -> T:
     try:
         obj = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
+        if "Number out of range" in str(e):
+            # Valid JSON with a number past float64: decode against the schema to learn
+            # which field holds it.
+            try:
+                msgspec.json.decode(body, type=kind)
+            except (msgspec.ValidationError, msgspec.DecodeError) as typed:
+                msg = str(typed)
+                raise bad_request(f"invalid request: {msg}", _param_of(msg)) from None
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")

@@ -17,6 +17,7 @@ from engine.llm_engine import PromptTooLongError
 from engine.sampler import check_token_ids
 from engine.sampling_params import SamplingParamError, SamplingParams
 from server.errors import bad_request, not_found, overloaded, unavailable
+from server.logprobs import TokenPiece, token_piece
 from server.metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -56,7 +57,8 @@ class ServerState:
         self.idle = asyncio.Event()
         self.idle.set()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+        self._token_piece = functools.lru_cache(maxsize=65536)(
+            functools.partial(token_piece, self.tokenizer))
 
     # -- naming -------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -122,12 +124,9 @@ class ServerState:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def token_text(self, token_id: int) -> str:
-        """The text of one token (cached), as shown in logprobs."""
-        return self._token_text(token_id)
+    def token_piece(self, token_id: int) -> TokenPiece:
+        """One token as logprobs show it (cached)."""
+        return self._token_piece(token_id)
 
     # -- in-flight accounting (graceful shutdown) ----------------------------------------
     def enter(self) -> None:

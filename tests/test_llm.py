@@ -77,6 +77,17 @@ def test_stop_strings_never_appear(llm):
         assert kept.text == text[: text.find(stop) + len(stop)]
 
 
+def test_output_ending_inside_a_character_keeps_its_text(llm):
+    """Text held back for an unfinished character is released at the end, as U+FFFD
+    (what a full decode gives)."""
+    tok = llm.get_tokenizer()
+    first = tok.encode("\U0001F600", add_special_tokens=False)[0]
+    params = SamplingParams(temperature=0, max_tokens=1, logit_bias={first: 100.0})
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [first] and out.finish_reason == "length"
+    assert out.text == tok.decode([first]) == "\ufffd"
+
+
 def test_n_gives_n_outputs(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=3),
                        use_tqdm=False)[0]

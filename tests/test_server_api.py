@@ -172,6 +172,27 @@ def test_completion_logprobs_shape(client):
     assert offsets == lp.text_offset
 
 
+def test_logprobs_of_part_of_a_character(client, default_tokenizer):
+    """A token holding only some bytes of a character: logprobs give its own bytes (not
+    U+FFFD's), name it by them, and the text ends with U+FFFD as a full decode does."""
+    first = default_tokenizer.encode("\U0001F600", add_special_tokens=False)[0]
+    force = {str(first): 100}
+    out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
+                                         max_tokens=1, temperature=0, logit_bias=force,
+                                         logprobs=True, top_logprobs=5)
+    item = out.choices[0].logprobs.content[0]
+    emoji = "\U0001F600".encode()
+    assert 0 < len(item.bytes) < len(emoji) and bytes(item.bytes) == emoji[:len(item.bytes)]
+    assert item.token == "bytes:" + "".join(f"\\x{b:02x}" for b in item.bytes)
+    assert len(item.top_logprobs) == 5  # of the unbiased distribution
+    assert out.choices[0].message.content == default_tokenizer.decode([first]) == "\ufffd"
+    comp = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                     max_tokens=1, temperature=0, logit_bias=force, logprobs=5)
+    lp = comp.choices[0].logprobs
+    assert lp.tokens == [item.token] and item.token in lp.top_logprobs[0]
+    assert comp.choices[0].text == "\ufffd"
+
+
 def test_echo(client):
     out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
                                     max_tokens=3, temperature=0, echo=True)

@@ -51,6 +51,12 @@ CASES = {
     "n_range": (CHAT, chat(n=0), 400, "n"),
     "top_logprobs_range": (CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     "top_logprobs_needs_logprobs": (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    "top_logprobs_negative": (CHAT, chat(top_logprobs=-1), 400, "top_logprobs"),
+    # Valid JSON, but past float64: the field is still named.
+    "temperature_overflow": (CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], '
+                                   b'"temperature": 1e400}', 400, "temperature"),
+    "logit_bias_overflow": (COMP, b'{"prompt": "Hi", "logit_bias": {"5": -1e400}}', 400,
+                            "logit_bias"),
     "max_completion_tokens_zero": (CHAT, chat(max_completion_tokens=0), 400,
                                    "max_completion_tokens"),
     "presence_penalty_range": (CHAT, chat(presence_penalty=3), 400, "presence_penalty"),
@@ -93,6 +99,14 @@ def test_bad_input(server, case):
     assert err["code"] == status and err["param"] == param, err
     assert isinstance(err["message"], str) and err["message"]
     assert err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+
+
+def test_message_names_the_field_sent(server):
+    """A limit checked under the engine's name is reported under the client's."""
+    for body, name in ((chat(max_completion_tokens=0), "max_completion_tokens"),
+                       (chat(logprobs=True, top_logprobs=21), "top_logprobs")):
+        err = requests.post(server.url + CHAT, json=body).json()["error"]
+        assert err["param"] == name and err["message"].startswith(f"{name}="), err
 
 
 def test_length_error_says_the_numbers(server):
