@@ -1,10 +1,10 @@
 """pagedserve engine: ``from engine import LLM, SamplingParams``."""
 
-from engine.process_tuning import set_omp_wait_policy, tune_malloc
+from engine.process_tuning import set_omp_spin, tune_malloc
 
-# Before torch is imported: passive OpenMP waiting, and a malloc that keeps its memory
+# Before torch is imported: a short OpenMP spin, and a malloc that keeps its memory
 # (see engine/process_tuning.py for why and how to turn each off).
-set_omp_wait_policy()
+set_omp_spin()
 tune_malloc()
 
 from engine.config import EngineConfig  # noqa: E402

@@ -1,9 +1,15 @@
 """Process-wide settings the engine makes when it is imported.
 
-* ``OMP_WAIT_POLICY=PASSIVE``: OpenMP threads that busy-wait stall for milliseconds
-  whenever another process or thread (the server's event loop, a load generator) holds
-  a core. Set only if neither it nor ``GOMP_SPINCOUNT`` is set, and only effective
-  before torch is imported.
+* ``GOMP_SPINCOUNT=1000``: an idle OpenMP thread (torch's and the native kernels' pool,
+  which is one libgomp) spins about 25 us for the next parallel region before it
+  sleeps. libgomp's default spins for milliseconds, which stalls every region whenever
+  another process or thread (the server's event loop, a load generator) holds a core;
+  ``OMP_WAIT_POLICY=PASSIVE`` (no spin) makes the next region wake a sleeping thread,
+  and a decode step runs ~150 regions a few to a hundred microseconds apart. Against
+  PASSIVE, prefill steps took ~10% less time and decode steps the same or less on an
+  idle 2-core machine, and the same with a busy loop on one of its cores (BENCHMARKS.md).
+  Set only if neither ``GOMP_SPINCOUNT`` nor ``OMP_WAIT_POLICY`` is set, and only
+  effective before torch is imported.
 * glibc ``malloc``: torch allocates every op's output with ``malloc``; glibc serves
   blocks over its mmap threshold (128 KiB, adapting up to 32 MiB) with fresh ``mmap``
   and returns freed heap tops to the kernel, so a prefill step of a few thousand tokens
@@ -30,11 +36,12 @@ MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20
 ENV_VAR = "PAGEDSERVE_MALLOC_TUNING"
+SPIN_COUNT = "1000"
 
 
-def set_omp_wait_policy() -> None:
+def set_omp_spin() -> None:
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
 
 
 def tune_malloc() -> bool:

@@ -122,6 +122,7 @@ def environment_info() -> dict[str, Any]:
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg")
         else None,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "(unset)"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": _version("transformers"),
@@ -151,7 +152,7 @@ def print_header(title: str, env: dict[str, Any], extra: dict[str, Any]) -> None
     print(f"command:   {command_line()}")
     print(f"hardware:  {env['cpu']}, {env['cpu_cores']} cores, torch threads "
           f"{env['torch_threads']}, load average {env['load_average']}, "
-          f"OMP_WAIT_POLICY={env['omp_wait_policy']}"
+          f"OMP_WAIT_POLICY={env['omp_wait_policy']} GOMP_SPINCOUNT={env['gomp_spincount']}"
           + (f", GPU {env['gpu']}" if "gpu" in env else ""))
     print(f"versions:  python {env['python']}, torch {env['torch']}, transformers "
           f"{env['transformers']}, pagedserve {env['pagedserve']}")
