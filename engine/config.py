@@ -9,6 +9,7 @@ once the model's config is known.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -52,6 +53,20 @@ class EngineConfig:
         def bad(name: str, value: Any, limit: str) -> ValueError:
             return ValueError(f"{name}={value!r} is invalid: {limit}")
 
+        # Types first, so the range checks below compare numbers with numbers.
+        for name in ("max_model_len", "seed", "block_size", "num_gpu_blocks_override",
+                     "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise bad(name, v, "must be an integer")
+        for name in ("gpu_memory_utilization", "kv_cache_memory_gb"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)
+                                  or not math.isfinite(v)):
+                raise bad(name, v, "must be a finite number")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "must be True or False")
         if self.dtype not in DTYPES:
             raise bad("dtype", self.dtype, f"must be one of {DTYPES}")
         if self.device not in DEVICES:

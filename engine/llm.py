@@ -43,8 +43,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt in one continuous batch; outputs are in input order.
 
-        A prompt is a string or ``{"prompt_token_ids": [...]}`` (optionally with
-        ``"prompt"`` and ``"cache_salt"``).
+        A prompt is a string, ``{"prompt": "..."}`` or ``{"prompt_token_ids": [...]}``
+        (optionally with ``"prompt"``); either dict may carry ``"cache_salt"``.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -58,10 +58,13 @@ class LLM:
             elif isinstance(p, dict) and "prompt_token_ids" in p:
                 ids, text = list(p["prompt_token_ids"]), p.get("prompt")
                 salt = p.get("cache_salt", cache_salt)
+            elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
+                ids, text = tok.encode(p["prompt"]), p["prompt"]
+                salt = p.get("cache_salt", cache_salt)
             else:
                 raise TypeError(
-                    f"prompts[{i}] must be a string or a dict with 'prompt_token_ids', "
-                    f"got {type(p).__name__}")
+                    f"prompts[{i}] must be a string or a dict with 'prompt_token_ids' or "
+                    f"'prompt', got {type(p).__name__}")
             requests.append((ids, text, sp, salt))
         return self._run(requests, use_tqdm)
 
@@ -72,15 +75,26 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation and generate."""
+        """Apply the tokenizer's chat template to each conversation and generate.
+
+        A message's content is a string or a list of OpenAI text parts
+        (``{"type": "text", "text": ...}``), joined with newlines as the server does.
+        ``continue_final_message`` leaves the last (assistant) message open for the model
+        to continue; ``chat_template_kwargs`` go to the template (e.g. ``enable_thinking``).
+        """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         prompts: list[PromptType] = []
-        for conv in convs:
+        for c, conv in enumerate(convs):
             text = tok.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template)
+                _template_messages(conv, c), tokenize=False,
+                add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -140,3 +154,27 @@ def _progress(total: int):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+def _template_messages(conv: Sequence[dict[str, Any]], c: int) -> list[dict[str, Any]]:
+    """``conv`` with each message's text parts joined; a clear error for a message that
+    is not a dict with a string ``role`` and string or text-part ``content``."""
+    out = []
+    for i, m in enumerate(conv):
+        where = f"messages[{c}][{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"{where} must be a dict with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise ValueError(f"{where}.content[{j}] must be a text part "
+                                     '({"type": "text", "text": ...})')
+                texts.append(part["text"])
+            m = {**m, "content": "\n".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"{where}.content must be a string or a list of text parts")
+        out.append(m)
+    return out

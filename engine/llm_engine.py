@@ -87,7 +87,17 @@ class LLMEngine:
                     f"This model's maximum context length is {self.max_model_len} tokens. "
                     f"However, your prompt has {num_prompt_tokens} tokens, which leaves no room "
                     f"for a completion.", param)
-            max_tokens = room
+            # Up to the end of the context, or of what the whole KV cache (and, with
+            # chunked prefill off, one step) can hold.
+            limit = self.kv.num_blocks * self.block_size
+            if not self.config.enable_chunked_prefill:
+                limit = min(limit, self.scheduler.max_num_batched_tokens)
+            max_tokens = min(room, limit - num_prompt_tokens)
+            if max_tokens < 1:
+                raise PromptTooLongError(
+                    f"the prompt has {num_prompt_tokens} tokens, which leaves no room for a "
+                    f"completion in the {limit} tokens one request can hold (the KV cache "
+                    f"has {self.kv.num_blocks} blocks of {self.block_size} tokens)", param)
         else:
             max_tokens = params.max_tokens
             if num_prompt_tokens + max_tokens > self.max_model_len:
@@ -102,7 +112,8 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"the request needs {need} KV cache blocks ({num_prompt_tokens} prompt + "
                 f"{max_tokens} completion tokens) but the whole cache has {self.kv.num_blocks} "
-                f"blocks of {self.block_size} tokens", "max_tokens")
+                f"blocks of {self.block_size} tokens",
+                "max_tokens" if num_prompt_tokens < self.kv.num_blocks * self.block_size else param)
         if not self.config.enable_chunked_prefill and \
                 num_prompt_tokens + max_tokens > self.scheduler.max_num_batched_tokens:
             raise PromptTooLongError(
@@ -219,6 +230,7 @@ class LLMEngine:
             elif token in p.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token
+        by_token = status is not None  # EOS or a stop token: its text is not decoded
         if status is None:
             delta = req.detok.decode_next(token)
             if n_out < p.min_tokens:  # stop strings do not count before min_tokens
@@ -233,6 +245,13 @@ class LLMEngine:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             if not isinstance(req.stop_reason, str):  # EOS, stop token or length
+                if by_token and p.include_stop_str_in_output:
+                    # The stop token's own text (empty for a special token skipped in
+                    # the output), after whatever the stop checker holds.
+                    req.output_text += req.stop_checker.flush()
+                    req.output_text += req.detok.decode_next(token) + req.detok.flush()
+                    self._finish(req, status)
+                    return
                 # Text held back for a character the output ends inside of (U+FFFD, as a
                 # full decode gives), still checked for stop strings.
                 tail = req.detok.flush()

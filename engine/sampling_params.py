@@ -47,6 +47,7 @@ class SamplingParams:
     logprobs: int | None = None
     """Number of top logprobs per sampled token (0 = only the sampled one)."""
     prompt_logprobs: int | None = None
+    """Not supported: anything but None is refused."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Filled by the engine, not the user.
@@ -57,9 +58,16 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        else:
+            raise _err("stop", self.stop, "must be a string or a list of strings")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise _err("stop_token_ids", self.stop_token_ids, "must be a list of token ids")
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -94,10 +102,13 @@ class SamplingParams:
                 raise _err("logit_bias", self.logit_bias, "must map token ids to biases")
             clean: dict[int, float] = {}
             for k, v in self.logit_bias.items():
-                try:
+                # An int, or the decimal string of one (JSON object keys are strings).
+                if is_int(k):
+                    tid = k
+                elif isinstance(k, str) and k.strip().lstrip("-").isdigit():
                     tid = int(k)
-                except (TypeError, ValueError):
-                    raise _err("logit_bias", k, "keys must be token ids") from None
+                else:
+                    raise _err("logit_bias", k, "keys must be integer token ids")
                 if not is_num(v) or not -100.0 <= v <= 100.0:
                     raise _err("logit_bias", v, "biases must be in [-100, 100]")
                 clean[tid] = float(v)
@@ -116,10 +127,16 @@ class SamplingParams:
             raise _err("min_tokens", self.min_tokens, "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _err("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                raise _err(name, v, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.logprobs is not None and (not is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise _err("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            raise _err("prompt_logprobs", self.prompt_logprobs,
+                       "prompt logprobs are not supported by this engine (leave it None)")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _err(name, getattr(self, name), "must be true or false")
 
     @property
     def greedy(self) -> bool:

@@ -309,10 +309,17 @@ async def run_benchmark(
 
 async def fetch_model_name(session: Any, base_url: str) -> str:
     """The first model id of ``GET /v1/models``."""
-    async with session.get(base_url + "/v1/models") as resp:
-        resp.raise_for_status()
-        data = await resp.json()
-    return data["data"][0]["id"]
+    import aiohttp
+
+    try:
+        async with session.get(base_url + "/v1/models") as resp:
+            resp.raise_for_status()
+            data = await resp.json()
+        return data["data"][0]["id"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KeyError, IndexError,
+            TypeError, ValueError) as e:
+        raise SystemExit(f"error: could not read the model name from {base_url}/v1/models "
+                         f"({type(e).__name__}: {e}); is the server up? (or pass --model)") from None
 
 
 def run_problems(report: dict[str, Any]) -> list[str]:
@@ -505,7 +512,12 @@ def load_bench_tokenizer(name: str | None) -> Any:
 def main(args: argparse.Namespace) -> dict[str, Any] | list[dict[str, Any]]:
     """Run ``pagedserve bench serve``; the report (a list of reports for a sweep)."""
     base_url = args.base_url or f"http://{args.host}:{args.port}"
-    extra = json.loads(args.extra_body) if args.extra_body else None
+    if args.num_prompts < 1:
+        raise SystemExit(f"error: --num-prompts={args.num_prompts} must be >= 1")
+    try:
+        extra = json.loads(args.extra_body) if args.extra_body else None
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: --extra-body is not valid JSON: {e}") from None
     if extra is not None and not isinstance(extra, dict):
         raise SystemExit("error: --extra-body must be a JSON object")
     tokenizer = load_bench_tokenizer(args.tokenizer)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.llm_engine import PromptTooLongError
 from engine.sampling_params import SamplingParamError
 
@@ -88,6 +89,56 @@ def test_output_ending_inside_a_character_keeps_its_text(llm):
     assert out.text == tok.decode([first]) == "\ufffd"
 
 
+def test_stop_token_text_kept_with_include_stop_str_in_output(llm):
+    base = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)[0].outputs[0]
+    stop = base.token_ids[3]
+    tok = llm.get_tokenizer()
+    for include in (False, True):
+        out = llm.generate(PROMPTS[0], SamplingParams(
+            temperature=0, max_tokens=8, stop_token_ids=[stop],
+            include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+        n = base.token_ids.index(stop) + 1
+        assert out.token_ids == base.token_ids[:n] and out.stop_reason == stop
+        assert out.text == tok.decode(out.token_ids if include else out.token_ids[:-1])
+
+
+def test_unbounded_max_tokens_fits_the_cache(llm):
+    """``max_tokens=None`` runs to the end of the context or of the KV cache, whichever
+    comes first, instead of being refused for a cache smaller than the context."""
+    eng = llm.engine
+    capacity = eng.kv.num_blocks * eng.block_size
+    assert capacity < eng.max_model_len  # the fixture's 0.25 GiB cache
+    assert eng.check_length(10, SamplingParams(max_tokens=None), "prompt") == capacity - 10
+    with pytest.raises(PromptTooLongError, match="leaves no room") as e:
+        eng.check_length(capacity, SamplingParams(max_tokens=None), "prompt")
+    assert e.value.param == "prompt"
+
+
+def test_prompt_dicts_and_chat_content_parts(llm):
+    g = SamplingParams(temperature=0, max_tokens=6)
+    plain = llm.generate(PROMPTS[0], g, use_tqdm=False)[0]
+    as_dict = llm.generate({"prompt": PROMPTS[0]}, g, use_tqdm=False)[0]
+    assert as_dict.prompt == PROMPTS[0]
+    assert as_dict.outputs[0].token_ids == plain.outputs[0].token_ids
+    text = llm.chat([{"role": "user", "content": "Say hi."}], g, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}], g,
+                     use_tqdm=False)[0]
+    assert parts.prompt_token_ids == text.prompt_token_ids
+    assert parts.outputs[0].token_ids == text.outputs[0].token_ids
+    # The last (assistant) message left open for the model to continue.
+    cont = llm.chat([{"role": "user", "content": "Say hi."},
+                     {"role": "assistant", "content": "Hel"}], g, use_tqdm=False,
+                    add_generation_prompt=False, continue_final_message=True,
+                    chat_template_kwargs={"unused_flag": True})[0]
+    assert cont.prompt.endswith("<|im_start|>assistant\nHel")
+    with pytest.raises(ValueError, match=r"messages\[0\]\[0\]\.content\[0\] must be a text part"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], g, use_tqdm=False)
+    with pytest.raises(ValueError, match="string 'role'"):
+        llm.chat([{"content": "hi"}], g, use_tqdm=False)
+    assert llm.engine.kv.stats().num_used_blocks == 0
+
+
 def test_n_gives_n_outputs(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=3),
                        use_tqdm=False)[0]
@@ -121,6 +172,39 @@ def test_chat_template(llm):
                    SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     tok = llm.get_tokenizer()
     assert tok.decode(out.prompt_token_ids).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"stop": 5}, "stop"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"logit_bias": {5.7: 1.0}}, "logit_bias"),
+    ({"logit_bias": {True: 1.0}}, "logit_bias"),
+    ({"prompt_logprobs": 2}, "prompt_logprobs"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"skip_special_tokens": None}, "skip_special_tokens"),
+])
+def test_sampling_params_types_are_checked(kwargs, param):
+    with pytest.raises(SamplingParamError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and str(e.value).startswith(f"{param}=")
+
+
+def test_logit_bias_keys_may_be_decimal_strings():
+    assert SamplingParams(logit_bias={"12": 1, 7: -2}).logit_bias == {12: 1.0, 7: -2.0}
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"kv_cache_memory_gb": float("nan")}, "kv_cache_memory_gb"),
+    ({"kv_cache_memory_gb": float("inf")}, "kv_cache_memory_gb"),
+    ({"max_num_seqs": "4"}, "max_num_seqs"),
+    ({"max_num_seqs": 2.5}, "max_num_seqs"),
+    ({"block_size": 16.0}, "block_size"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
+])
+def test_engine_arguments_types_are_checked(kwargs, name):
+    """Refused when the config is built, before any model is loaded."""
+    with pytest.raises(ValueError, match=f"^{name}="):
+        EngineConfig.from_kwargs(**kwargs)
 
 
 def test_bad_inputs_name_the_parameter(llm):

@@ -276,3 +276,17 @@ def test_main_conversation_chat(fake_server: str, tmp_path: Path) -> None:
     r = sb.main(args)
     assert r["successful_requests"] == 5 and r["total_output_tokens"] == 20
     assert len(json.loads((tmp_path / "r.json").read_text())["requests"]) == 5
+
+
+def test_main_names_bad_arguments_and_an_unreachable_server() -> None:
+    """Ordinary mistakes end with one ``error:`` line, not a traceback."""
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        unused_tcp_port = sock.getsockname()[1]
+    for argv, message in ((["--num-prompts", "0"], "--num-prompts=0 must be >= 1"),
+                          (["--extra-body", "{bad"], "--extra-body is not valid JSON"),
+                          (["--port", str(unused_tcp_port), "--num-prompts", "1"],
+                           "could not read the model name")):
+        with pytest.raises(SystemExit) as e:
+            sb.main(_cli(["bench", "serve", *argv]))
+        assert str(e.value).startswith("error: ") and message in str(e.value)
