@@ -88,15 +88,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         text = " ".join(t for t in (HELP.get(f.name), docs.get(f.name)) if t) \
             or f"EngineConfig.{f.name}."
         flag = "--" + f.name.replace("_", "-")
+        # The default is always shown, once: help texts that describe it keep theirs.
+        shown = "" if "(default:" in text else " (default: %(default)s)"
         if tp is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=default, help=text)
+                               default=default, help=f"{text}{shown}")
             continue
         conv = tp if tp in (int, float, str) else str
         metavar = conv.__name__.upper()
         group.add_argument(flag, dest=f.name, type=_optional(conv) if optional else conv,
-                           default=default, metavar=metavar,
-                           help=f"{text} (default: %(default)s)")
+                           default=default, metavar=metavar, help=f"{text}{shown}")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -23,6 +23,14 @@ def test_every_engine_field_is_a_documented_flag(capsys):
                  "--max-waiting-requests", "--shutdown-timeout", "--log-level",
                  "--no-enable-prefix-caching", "--enforce-eager"):
         assert flag in text, flag
+    # Each engine flag states its default exactly once, switches included.
+    entries = " ".join(text.split()).split(" --")
+    for name in EngineConfig.field_names():
+        flag = name.replace("_", "-")
+        i = next(i for i, e in enumerate(entries) if e.startswith((flag + " ", flag + ",")))
+        alias = entries[i + 1] if i + 1 < len(entries) else ""
+        entry = entries[i] + (alias if alias.startswith("no-" + flag) else "")
+        assert entry.count("(default:") == 1, entry
 
 
 def test_defaults_equal_the_dataclass():
