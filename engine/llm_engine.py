@@ -233,14 +233,13 @@ class LLMEngine:
         by_token = status is not None  # EOS or a stop token: its text is not decoded
         if status is None:
             delta = req.detok.decode_next(token)
-            if n_out < p.min_tokens:  # stop strings do not count before min_tokens
-                req.output_text += delta
-            else:
-                emitted, matched = req.stop_checker.feed(delta)
-                req.output_text += emitted
-                if matched is not None:
-                    req.stop_reason = matched
-                    status = RequestStatus.FINISHED_STOPPED
+            # Stop strings end the output only once min_tokens are out (one may begin
+            # before that).
+            emitted, matched = req.stop_checker.feed(delta, match=n_out >= p.min_tokens)
+            req.output_text += emitted
+            if matched is not None:
+                req.stop_reason = matched
+                status = RequestStatus.FINISHED_STOPPED
         if status is None and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
@@ -255,14 +254,12 @@ class LLMEngine:
                 # Text held back for a character the output ends inside of (U+FFFD, as a
                 # full decode gives), still checked for stop strings.
                 tail = req.detok.flush()
-                if tail and n_out >= p.min_tokens:
-                    emitted, matched = req.stop_checker.feed(tail)
+                if tail:
+                    emitted, matched = req.stop_checker.feed(tail, match=n_out >= p.min_tokens)
                     req.output_text += emitted
                     if matched is not None:
                         req.stop_reason = matched
                         status = RequestStatus.FINISHED_STOPPED
-                else:
-                    req.output_text += tail
                 if not isinstance(req.stop_reason, str):
                     req.output_text += req.stop_checker.flush()
             self._finish(req, status)

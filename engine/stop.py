@@ -28,11 +28,14 @@ class StopChecker:
     def stopped(self) -> bool:
         return self._matched is not None
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
+    def feed(self, delta: str, match: bool = True) -> tuple[str, str | None]:
         """Add text; return (text safe to emit now, matched stop string or None).
 
         After a match the emitted text ends right before the stop string (or right after
-        it with ``include_stop_str_in_output``) and later calls emit nothing.
+        it with ``include_stop_str_in_output``) and later calls emit nothing. With
+        ``match=False`` (before ``min_tokens``) nothing matches, but the start of a stop
+        string is still held back: a stop string completed by a later call may begin in
+        this text.
         """
         if self._matched is not None:
             return "", None
@@ -40,8 +43,11 @@ class StopChecker:
             return delta, None
         buf = self._held + delta
         best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for s in self._stops:
-            start = buf.find(s)
+        old = len(self._held)
+        for s in self._stops if match else ():
+            # Only a stop string completed by this delta: one inside the held text was
+            # completed while matching was off.
+            start = buf.find(s, max(0, old - len(s) + 1))
             if start >= 0:
                 cand = (start + len(s), start, s)
                 if best is None or cand[:2] < best[:2]:

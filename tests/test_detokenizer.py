@@ -151,6 +151,21 @@ def test_false_alarm_is_released() -> None:
     assert c.flush() == "\nU"
 
 
+def test_stop_begun_before_matching_starts() -> None:
+    """Before ``min_tokens`` nothing matches, but a stop string completed later may begin
+    in that text: its start is held back. One completed while matching was off never
+    matches afterwards."""
+    c = StopChecker(["Paris."])
+    assert c.feed("It is Par", match=False) == ("It is ", None)
+    assert c.feed("is.", match=True) == ("", "Paris.")
+    c = StopChecker(["ab", "xaby"])
+    assert c.feed("1xab", match=False) == ("1", None)  # "xab" may still become "xaby"
+    assert c.feed("z") == ("xabz", None)  # the "ab" inside it was completed too early
+    c = StopChecker(["ab"])
+    assert c.feed("ab", match=False) == ("ab", None)
+    assert c.feed("ab") == ("", "ab")
+
+
 def test_overlapping_candidates() -> None:
     c = StopChecker(["abcd", "bcx"])
     assert c.feed("zab") == ("z", None)

@@ -103,6 +103,22 @@ def test_stop_token_text_kept_with_include_stop_str_in_output(llm):
         assert out.text == tok.decode(out.token_ids if include else out.token_ids[:-1])
 
 
+def test_stop_string_may_begin_before_min_tokens(llm):
+    """A stop string that begins in the first token's text and ends in the second's
+    stops the output at ``min_tokens=2``."""
+    tok = llm.get_tokenizer()
+    base = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)[0].outputs[0]
+    first, two = tok.decode(base.token_ids[:1]), tok.decode(base.token_ids[:2])
+    assert len(first) >= 1 and len(two) > len(first)
+    stop = two[len(first) - 1:]
+    assert stop not in two[:-1]  # completed by the second token, not before
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, min_tokens=2,
+                                                  stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == first[:-1] and out.token_ids == base.token_ids[:2]
+
+
 def test_unbounded_max_tokens_fits_the_cache(llm):
     """``max_tokens=None`` runs to the end of the context or of the KV cache, whichever
     comes first, instead of being refused for a cache smaller than the context."""
