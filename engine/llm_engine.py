@@ -7,6 +7,7 @@ the server drives it from its own engine thread, the offline API from the caller
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -53,6 +54,8 @@ class LLMEngine:
         self.worker = Worker(config)
         w = self.worker
         self.tokenizer = w.tokenizer
+        self._token_text = functools.lru_cache(maxsize=65536)(
+            lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
         self.max_model_len = w.max_model_len
         self.kv = w.kv_manager
         self.block_size = config.block_size
@@ -219,6 +222,9 @@ class LLMEngine:
             m.first_token_time = now
         m.last_token_time = now
         if logprob is not None:
+            logprob.decoded = self._token_text(logprob.token_id)
+            for cand in logprob.top:
+                cand.decoded = self._token_text(cand.token_id)
             req.logprobs.append(logprob)
             req.cumulative_logprob += logprob.logprob
         p = req.params

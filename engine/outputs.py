@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 
@@ -16,12 +17,36 @@ class Logprob:
 
 
 @dataclass(slots=True)
-class TokenLogprobs:
-    """The sampled token's logprob and the top candidates at that position."""
+class TokenLogprobs(Mapping[int, Logprob]):
+    """The sampled token's logprob and the top candidates at that position.
+
+    Also a read-only mapping ``token id -> Logprob`` over the candidates and the sampled
+    token, as vLLM's per-position dicts are (``out.logprobs[i][token_id].logprob``).
+    """
 
     token_id: int
     logprob: float
     top: list[Logprob]
+    rank: int | None = None
+    """The sampled token's rank in the distribution (1 = most likely)."""
+    decoded: str | None = None
+    """The sampled token's text alone (filled by the engine)."""
+
+    def _entries(self) -> dict[int, Logprob]:
+        entries = {c.token_id: c for c in self.top}
+        if self.token_id not in entries:
+            entries[self.token_id] = Logprob(self.token_id, self.logprob, self.rank or 0,
+                                             self.decoded)  # fmt: skip
+        return entries
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries()[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
 
 
 @dataclass(slots=True)

@@ -207,11 +207,12 @@ def _logprobs(
     chosen = lp.gather(1, torch.tensor([tokens[i] for i in want], device=dev).unsqueeze(1))
     kmax = max(rows[i].params.logprobs or 0 for i in want)
     chosen_l = chosen.squeeze(1).tolist()
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
     if kmax:
         top = lp.topk(kmax, dim=-1)
         top_v, top_i = top.values.tolist(), top.indices.tolist()
     for j, i in enumerate(want):
         k = rows[i].params.logprobs or 0
         cands = [Logprob(top_i[j][r], top_v[j][r], r + 1) for r in range(k)] if k else []
-        out[i] = TokenLogprobs(tokens[i], chosen_l[j], cands)
+        out[i] = TokenLogprobs(tokens[i], chosen_l[j], cands, ranks[j])
     return out

@@ -181,6 +181,21 @@ def test_logprobs(llm):
         assert lp.top[0].rank == 1 and lp.top[0].token_id == tid  # greedy = rank 1
         assert lp.logprob <= 0
     assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+    # vLLM's access pattern: per position, token id -> Logprob, with decoded text.
+    tok = llm.get_tokenizer()
+    first = out.logprobs[0]
+    assert first[out.token_ids[0]].logprob == first.logprob and first.rank == 1
+    assert list(first) == [c.token_id for c in first.top] and len(first) == 3
+    assert all(first[t].decoded == tok.decode([t]) for t in first)
+    # Sampled at a high temperature, the sampled token may be outside the top 1: it is
+    # still in the mapping, with its rank.
+    hot = llm.generate(PROMPTS[0], SamplingParams(temperature=5.0, seed=3, max_tokens=8,
+                                                  logprobs=1), use_tqdm=False)[0].outputs[0]
+    for tid, lp in zip(hot.token_ids, hot.logprobs, strict=True):
+        assert tid in lp and lp[tid].logprob == lp.logprob and lp[tid].rank == lp.rank >= 1
+        assert lp[tid].decoded == tok.decode([tid])
+        assert (lp.rank == 1) == (lp.top[0].token_id == tid)
+    assert any(lp.rank > 1 for lp in hot.logprobs)
 
 
 def test_chat_template(llm):
