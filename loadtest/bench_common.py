@@ -22,6 +22,16 @@ logger = logging.getLogger("loadtest")
 
 
 # -- flags -------------------------------------------------------------------------------
+
+class _NegatableFlag(argparse.Action):
+    """A switch whose ``--no-...`` spellings turn it off and whose others turn it on."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Model and engine flags shared by the offline benchmarks."""
     g = parser.add_argument_group("model and engine")
@@ -36,8 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV cache size (default: the engine's, 1 GiB on the CPU)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
-                   action="store_false", default=True)
+    # Spelled as `pagedserve serve` spells it, and the short form.
+    g.add_argument("--enable-chunked-prefill", "--no-enable-chunked-prefill",
+                   "--no-chunked-prefill", dest="enable_chunked_prefill",
+                   action=_NegatableFlag, default=True, help="(default: on)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     g.add_argument("--device", default="auto", choices=DEVICES)
     g.add_argument("--threads", type=int, default=None,

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--zero-reuse-output-len", type=int, default=32)
     add_engine_args(parser)
     r = parser.add_argument_group("run")
-    r.add_argument("--repeats", type=int, default=3,
+    r.add_argument("--repeats", "--repeat", dest="repeats", type=int, default=3,
                    help="zero-reuse on/off pairs, alternating (the shared-prefix pair runs once)")
     r.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--profile-hashing", action="store_true",

@@ -230,3 +230,16 @@ def test_leaked_blocks_fail_the_load_test() -> None:
     assert server_idle_problems("") == [
         "pagedserve:kv_cache_usage_perc is missing", "pagedserve:num_requests_running is missing",
         "pagedserve:num_requests_waiting is missing"]
+
+
+def test_bench_flags_take_the_serve_spellings_too() -> None:
+    from server.cli import build_parser
+
+    parse = build_parser().parse_args
+    for bench in ("throughput", "prefix"):
+        assert parse(["bench", bench]).enable_chunked_prefill is True
+        for off in ("--no-chunked-prefill", "--no-enable-chunked-prefill"):
+            assert parse(["bench", bench, off]).enable_chunked_prefill is False
+        assert parse(["bench", bench, "--no-chunked-prefill", "--enable-chunked-prefill"]
+                     ).enable_chunked_prefill is True
+    assert parse(["bench", "prefix", "--repeat", "5"]).repeats == 5
