@@ -109,6 +109,10 @@ class LLM:
         if len(sp) != n:
             raise ValueError(
                 f"sampling_params has {len(sp)} entries but there are {n} prompts")
+        for i, p in enumerate(sp):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, "
+                                f"got {type(p).__name__}")
         return sp
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:

@@ -153,6 +153,8 @@ def test_prompt_dicts_and_chat_content_parts(llm):
     with pytest.raises(ValueError, match="string 'role'"):
         llm.chat([{"content": "hi"}], g, use_tqdm=False)
     assert llm.engine.kv.stats().num_used_blocks == 0
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams"):
+        llm.generate(["a", "b"], [g, {"max_tokens": 3}], use_tqdm=False)
 
 
 def test_n_gives_n_outputs(llm):
