@@ -24,6 +24,15 @@ def _err(param: str, value: Any, limit: str) -> SamplingParamError:
     return SamplingParamError(param, f"{param}={value!r} is invalid: {limit}")
 
 
+def _as_list(param: str, value: Any, limit: str) -> list:
+    """None as [], a list or tuple as a list; anything else is an error naming ``param``."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise _err(param, value, limit)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -54,20 +63,10 @@ class SamplingParams:
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, (list, tuple)):
-            self.stop = list(self.stop)
-        else:
-            raise _err("stop", self.stop, "must be a string or a list of strings")
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        elif isinstance(self.stop_token_ids, (list, tuple)):
-            self.stop_token_ids = list(self.stop_token_ids)
-        else:
-            raise _err("stop_token_ids", self.stop_token_ids, "must be a list of token ids")
+        self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(
+            "stop", self.stop, "must be a string or a list of strings")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
+                                       "must be a list of token ids")
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
