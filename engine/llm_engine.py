@@ -54,8 +54,8 @@ class LLMEngine:
         self.worker = Worker(config)
         w = self.worker
         self.tokenizer = w.tokenizer
-        self._token_text = functools.lru_cache(maxsize=65536)(
-            lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
+        self.token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
+        """One token's text decoded alone (cached); logprobs show it."""
         self.max_model_len = w.max_model_len
         self.kv = w.kv_manager
         self.block_size = config.block_size
@@ -79,11 +79,15 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return f"req-{next(self._counter)}"
 
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def check_length(self, num_prompt_tokens: int, params: SamplingParams, param: str) -> int:
         """Validate lengths; return the effective max_tokens. Raises PromptTooLongError."""
         if num_prompt_tokens == 0:
             raise PromptTooLongError("the prompt is empty: at least one token is required", param)
         room = self.max_model_len - num_prompt_tokens
+        capacity = self.kv.num_blocks * self.block_size  # tokens the whole cache holds
         if params.max_tokens is None:
             if room < 1:
                 raise PromptTooLongError(
@@ -92,7 +96,7 @@ class LLMEngine:
                     f"for a completion.", param)
             # Up to the end of the context, or of what the whole KV cache (and, with
             # chunked prefill off, one step) can hold.
-            limit = self.kv.num_blocks * self.block_size
+            limit = capacity
             if not self.config.enable_chunked_prefill:
                 limit = min(limit, self.scheduler.max_num_batched_tokens)
             max_tokens = min(room, limit - num_prompt_tokens)
@@ -116,7 +120,7 @@ class LLMEngine:
                 f"the request needs {need} KV cache blocks ({num_prompt_tokens} prompt + "
                 f"{max_tokens} completion tokens) but the whole cache has {self.kv.num_blocks} "
                 f"blocks of {self.block_size} tokens",
-                "max_tokens" if num_prompt_tokens < self.kv.num_blocks * self.block_size else param)
+                "max_tokens" if num_prompt_tokens < capacity else param)
         if not self.config.enable_chunked_prefill and \
                 num_prompt_tokens + max_tokens > self.scheduler.max_num_batched_tokens:
             raise PromptTooLongError(
@@ -222,9 +226,9 @@ class LLMEngine:
             m.first_token_time = now
         m.last_token_time = now
         if logprob is not None:
-            logprob.decoded = self._token_text(logprob.token_id)
+            logprob.decoded = self.token_text(logprob.token_id)
             for cand in logprob.top:
-                cand.decoded = self._token_text(cand.token_id)
+                cand.decoded = self.token_text(cand.token_id)
             req.logprobs.append(logprob)
             req.cumulative_logprob += logprob.logprob
         p = req.params
@@ -253,21 +257,21 @@ class LLMEngine:
                 if by_token and p.include_stop_str_in_output:
                     # The stop token's own text (empty for a special token skipped in
                     # the output), after whatever the stop checker holds.
-                    req.output_text += req.stop_checker.flush()
-                    req.output_text += req.detok.decode_next(token) + req.detok.flush()
-                    self._finish(req, status)
-                    return
-                # Text held back for a character the output ends inside of (U+FFFD, as a
-                # full decode gives), still checked for stop strings.
-                tail = req.detok.flush()
-                if tail:
-                    emitted, matched = req.stop_checker.feed(tail, match=n_out >= p.min_tokens)
-                    req.output_text += emitted
-                    if matched is not None:
-                        req.stop_reason = matched
-                        status = RequestStatus.FINISHED_STOPPED
-                if not isinstance(req.stop_reason, str):
-                    req.output_text += req.stop_checker.flush()
+                    req.output_text += (req.stop_checker.flush() + req.detok.decode_next(token)
+                                        + req.detok.flush())
+                else:
+                    # Text held back for a character the output ends inside of (U+FFFD,
+                    # as a full decode gives), still checked for stop strings.
+                    tail = req.detok.flush()
+                    if tail:
+                        emitted, matched = req.stop_checker.feed(
+                            tail, match=n_out >= p.min_tokens)
+                        req.output_text += emitted
+                        if matched is not None:
+                            req.stop_reason = matched
+                            status = RequestStatus.FINISHED_STOPPED
+                    if not isinstance(req.stop_reason, str):
+                        req.output_text += req.stop_checker.flush()
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

@@ -41,10 +41,10 @@ def _byte_decoder() -> dict[str, int]:
     return chars
 
 
-def token_piece(tokenizer: Any, token_id: int) -> TokenPiece:
-    """``token_id`` decoded alone; its raw bytes when that decode is a replacement
-    character (byte-level BPE vocabularies, SentencePiece byte fallback ``<0xNN>``)."""
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
+def token_piece(tokenizer: Any, text: str, token_id: int) -> TokenPiece:
+    """``token_id``, whose text decoded alone is ``text``; its raw bytes when that text
+    has a replacement character (byte-level BPE vocabularies, SentencePiece byte
+    fallback ``<0xNN>``)."""
     if "\ufffd" not in text:
         return TokenPiece(text, list(text.encode("utf-8")), len(text))
     raw = tokenizer.convert_ids_to_tokens(token_id)

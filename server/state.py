@@ -58,7 +58,7 @@ class ServerState:
         self.idle.set()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._token_piece = functools.lru_cache(maxsize=65536)(
-            functools.partial(token_piece, self.tokenizer))
+            lambda t: token_piece(self.tokenizer, llm.token_text(t), t))
 
     # -- naming -------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
