@@ -4,6 +4,7 @@ reference, its errors and its build."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -336,3 +337,20 @@ def test_explicit_backend_env_var_selects_torch(monkeypatch: pytest.MonkeyPatch)
     assert get_attention_backend("auto", "cpu").name == "torch"
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "cpu")
     assert get_attention_backend("auto", "cpu").name == "cpu"
+
+
+def test_attention_code_prefetches_the_next_block() -> None:
+    """The sweeps over a block fetch the next block ahead. A compiler once deleted every
+    prefetch of the kernel (it judged the helper free of side effects); outputs stay
+    the same without them, so only the built code shows it."""
+    lib = cpu_native.load()
+    assert lib is not None, cpu_native.unavailable_reason()
+    if not lib.gemm_f32_available():
+        pytest.skip("this CPU has no AVX-512: the vector attention path is not built")
+    objdump = shutil.which("objdump")
+    assert objdump, "objdump (binutils, installed with gcc) is needed to read the library"
+    for fn in ("attend512_f32", "attend512_bf16"):
+        asm = subprocess.run([objdump, "-d", f"--disassemble={fn}", lib._name],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        assert "vfmadd" in asm, f"{fn} not found in {lib._name}"
+        assert "prefetcht1" in asm, f"{fn} has no prefetch instruction"
