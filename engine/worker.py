@@ -8,6 +8,7 @@ import time
 import torch
 
 from blockmgr import KVCacheManager
+from engine import hugepages
 from engine.config import EngineConfig
 from engine.loader import iter_weights, load_config, load_tokenizer, resolve_model_path
 from engine.model_runner import ModelRunner
@@ -82,7 +83,10 @@ class Worker:
                                          config.enable_prefix_caching)
         shape = (self.spec.num_layers, 2, num_blocks, config.block_size,
                  self.spec.num_kv_heads, self.spec.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            self.kv_cache = hugepages.empty(shape, self.dtype).zero_()
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.runner = ModelRunner(self.model, self.attn, kv_caches, config.block_size,
                                   self.device, self.vocab_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, hugepages
 from engine.config import EngineConfig
 from engine.llm_engine import PromptTooLongError
 from engine.sampling_params import SamplingParamError
@@ -21,6 +21,11 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(kv_cache_memory_gb=0.25, max_num_batched_tokens=64)
+
+
+def test_kv_cache_is_one_huge_page_aligned_pool(llm):
+    cache = llm.engine.worker.kv_cache
+    assert cache.is_contiguous() and cache.data_ptr() % hugepages.HUGE_PAGE == 0
 
 
 def texts(outs):
