@@ -36,6 +36,7 @@ from loadtest.bench_common import (
     vocab_token_ids,
     warm_up,
 )
+from loadtest.op_times import OpTimes, format_report
 from loadtest.workloads import Workload, random_workload
 
 logger = logging.getLogger("loadtest")
@@ -64,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="HF static batch size (default: every request in one batch)")
     r.add_argument("--hf-static", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--hf-continuous", action=argparse.BooleanOptionalAction, default=True)
+    r.add_argument("--op-times", action="store_true",
+                   help="time every layer op and attention call of the (first) engine run "
+                        "and print where its steps' time went")
     r.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="with --compare-hf: N pagedserve / HF static pairs in all, run "
                         "alternately, and the median ratio (the host's speed drifts)")
@@ -259,7 +263,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     })
     if args.warmup:
         warm_up(llm, token_ids, args.seed)
-    run = run_engine(llm, workload)
+    timers = OpTimes(llm.engine) if args.op_times else None
+    try:
+        run = run_engine(llm, workload)
+    finally:
+        if timers is not None:
+            timers.remove()
     if run.num_output_tokens != workload.num_output_tokens:
         logger.warning("generated %d tokens but the workload requested %d",
                        run.num_output_tokens, workload.num_output_tokens)
@@ -271,6 +280,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         ps["floor"] = {k: v for k, v in floor.items() if not k.startswith("_")}
         ps["efficiency"] = floor["floor_s"] / run.elapsed_s
     ps["step_breakdown"] = breakdown
+    if timers is not None:
+        ps["op_times"] = timers.report({"decode": breakdown["decode_time_s"],
+                                        "prefill": breakdown["prefill_time_s"]})
     kv_size_gb = (llm.engine.kv.num_blocks * worker.block_bytes()) / 2**30
     max_tokens = llm.engine.scheduler.max_num_batched_tokens
     model_path = worker.model_path
@@ -279,6 +291,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     gc.collect()
 
     _print_engine(run, ps, floor, breakdown)
+    if timers is not None:
+        print(format_report(ps["op_times"]))
     report: dict[str, Any] = {
         "benchmark": "throughput",
         "command": command_line(),

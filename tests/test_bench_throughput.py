@@ -105,6 +105,40 @@ def test_throughput_bench_repeated_pairs(tiny_llama, tmp_path, capsys):
     assert rep["median_ratio_vs_hf_static"] == pytest.approx(ratios[1])
 
 
+def test_op_times_split_each_phase_and_come_off_after_the_run(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "o.json"
+    throughput.cli(["--model", tiny_llama, *TINY_WORKLOAD, "--no-floor", "--op-times", *ENGINE,
+                    "--save-result", str(out)])
+    text = capsys.readouterr().out
+    assert "-- op times (timers on every layer op and attention call) --" in text
+    ps = json.loads(out.read_text())["pagedserve"]
+    bd, times = ps["step_breakdown"], ps["op_times"]
+    layers = 2  # the tiny Llama's
+    for phase, steps in (("decode", bd["decode_steps"]), ("prefill", bd["prefill_steps"])):
+        r = times[phase]
+        calls = {op["op"]: op["calls"] for op in r["ops"]}
+        assert steps > 0 and calls["attention"] == layers * steps, (phase, calls)
+        for proj in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            assert calls[f"linear {proj}"] == layers * steps, (phase, proj)
+        assert calls["linear lm_head"] == steps
+        assert r["ops_s"] == pytest.approx(sum(op["seconds"] for op in r["ops"]))
+        assert 0 < r["ops_s"] <= r["steps_s"] == pytest.approx(bd[f"{phase}_time_s"])
+        assert r["rest_s"] == pytest.approx(r["steps_s"] - r["ops_s"])
+
+
+def test_op_timers_are_removed(tiny_llama):
+    from engine.llm import LLM
+    from loadtest.op_times import OpTimes
+
+    llm = LLM(model=tiny_llama, kv_cache_memory_gb=0.02, max_model_len=512)
+    eng = llm.engine
+    timers = OpTimes(eng)
+    assert "forward" in vars(eng.worker.attn) and "linear" in vars(eng.worker.attn.ops)
+    timers.remove()
+    assert "forward" not in vars(eng.worker.attn) and "schedule" not in vars(eng.scheduler)
+    assert not {"linear", "rope", "silu_mul"} & set(vars(eng.worker.attn.ops))
+
+
 def test_prefix_bench(tiny_llama, tmp_path, capsys):
     out = tmp_path / "p.json"
     prefix_bench.cli([
