@@ -84,6 +84,8 @@ class Worker:
         shape = (self.spec.num_layers, 2, num_blocks, config.block_size,
                  self.spec.num_kv_heads, self.spec.head_dim)
         if self.device.type == "cpu":
+            # Fresh memory reads as zeros; zero_() faults every page in now rather than
+            # during the first steps.
             self.kv_cache = hugepages.empty(shape, self.dtype).zero_()
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
