@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 import platform
 
 import torch
+
+from engine.process_tuning import switched_off
 
 log = logging.getLogger("engine.hugepages")
 
@@ -30,7 +31,7 @@ ENV_VAR = "PAGEDSERVE_HUGEPAGES"
 
 
 def enabled() -> bool:
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(ENV_VAR):
         return False
     return platform.system() == "Linux" and hasattr(mmap, "MADV_HUGEPAGE")
 

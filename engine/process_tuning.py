@@ -39,6 +39,11 @@ ENV_VAR = "PAGEDSERVE_MALLOC_TUNING"
 SPIN_COUNT = "1000"
 
 
+def switched_off(env_var: str) -> bool:
+    """Whether the user turned a default-on setting off (``0``, ``false``, ``no``, ``off``)."""
+    return os.environ.get(env_var, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def set_omp_spin() -> None:
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
@@ -46,7 +51,7 @@ def set_omp_spin() -> None:
 
 def tune_malloc() -> bool:
     """Apply the malloc settings above on glibc; returns whether they were applied."""
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(ENV_VAR):
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
