@@ -15,16 +15,14 @@ import argparse
 import gc
 import json
 import logging
-import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from loadtest.bench_common import (
     EngineRun,
-    StepRecord,
     add_engine_args,
     apply_threads,
     command_line,
@@ -36,6 +34,7 @@ from loadtest.bench_common import (
     vocab_token_ids,
     warm_up,
 )
+from loadtest.linear_floor import linear_floor, step_breakdown
 from loadtest.op_times import OpTimes, format_report
 from loadtest.workloads import Workload, random_workload
 
@@ -72,153 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --compare-hf: N pagedserve / HF static pairs in all, run "
                         "alternately, and the median ratio (the host's speed drifts)")
     r.add_argument("--save-result", metavar="FILE.json", default=None)
-
-
-# -- the matrix-product floor --------------------------------------------------------------
-def _grid(values: Sequence[int]) -> list[int]:
-    """Token counts at which to time: every distinct value when few, else a geometric grid
-    (ratio ~sqrt 2 up to 256, 2 above) spanning them."""
-    distinct = sorted(set(values))
-    if len(distinct) <= 12:
-        return distinct
-    lo, hi = distinct[0], distinct[-1]
-    pts = {lo, hi}
-    x = 1.0
-    while x < hi:
-        if x > lo:
-            pts.add(int(round(x)))
-        x *= math.sqrt(2) if x < 256 else 2.0
-    return sorted(pts)
-
-
-def _interp(x: float, xs: list[int], ys: list[float]) -> float:
-    """Piecewise-linear interpolation, linear extrapolation through the origin past the end."""
-    if x <= xs[0]:
-        return ys[0]
-    if x >= xs[-1]:
-        return ys[-1] * x / xs[-1]
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return ys[-1]
-
-
-def _best_time(fn: Callable[[], None], warm: Callable[[], None], budget_s: float = 0.25,
-               max_reps: int = 5) -> float:
-    """Minimum wall time of ``fn`` over a few repetitions after one ``warm`` call."""
-    warm()
-    best = math.inf
-    spent = 0.0
-    for _ in range(max_reps):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        best = min(best, dt)
-        spent += dt
-        if spent >= budget_s:
-            break
-    return best
-
-
-def linear_floor(model, steps: Sequence[StepRecord]) -> dict[str, Any]:
-    """Time of the model's linear layers alone at the token counts of ``steps``.
-
-    For each step with T tokens and S sampled rows: every layer's fused qkv, o, gate_up
-    and down projections at T rows, and the lm_head at S rows, with the model's own
-    weights (``F.linear``). Timed on a grid of T and S and interpolated per step.
-    """
-    import torch
-
-    with torch.inference_mode():
-        return _linear_floor(model, steps)
-
-
-def _linear_floor(model, steps: Sequence[StepRecord]) -> dict[str, Any]:
-    import torch
-    import torch.nn.functional as F
-
-    spec = model.spec
-    layers = list(model.layers)
-    dtype = layers[0].qkv_proj.weight.dtype
-    device = layers[0].qkv_proj.weight.device
-    head_w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    q_size = spec.num_heads * spec.head_dim
-
-    def stack(t: int, num_layers: int | None = None) -> Callable[[], None]:
-        x = torch.randn(t, spec.hidden_size, dtype=dtype, device=device)
-        xo = torch.randn(t, q_size, dtype=dtype, device=device)
-        xd = torch.randn(t, spec.intermediate_size, dtype=dtype, device=device)
-
-        def run() -> None:
-            for layer in layers[:num_layers]:
-                F.linear(x, layer.qkv_proj.weight, layer.qkv_proj.bias)
-                F.linear(xo, layer.o_proj.weight, layer.o_proj.bias)
-                F.linear(x, layer.gate_up_proj.weight, layer.gate_up_proj.bias)
-                F.linear(xd, layer.down_proj.weight, layer.down_proj.bias)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-        return run
-
-    def head(s: int) -> Callable[[], None]:
-        h = torch.randn(s, spec.hidden_size, dtype=dtype, device=device)
-
-        def run() -> None:
-            F.linear(h, head_w)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-        return run
-
-    t0 = time.perf_counter()
-    ts = [s.num_tokens for s in steps if s.num_tokens > 0]
-    ss = [s.num_sampled for s in steps if s.num_sampled > 0]
-    grid_t = _grid(ts)
-    grid_s = _grid(ss)
-    layer_times = [_best_time(stack(t), stack(t, None if t <= 256 else 1)) for t in grid_t]
-    head_times = [_best_time(head(s), head(s)) for s in grid_s]
-    layers_s = sum(_interp(t, grid_t, layer_times) for t in ts) if ts else 0.0
-    head_s = sum(_interp(s, grid_s, head_times) for s in ss) if ss else 0.0
-    return {
-        "floor_s": layers_s + head_s,
-        "layers_s": layers_s,
-        "lm_head_s": head_s,
-        "grid_tokens": grid_t,
-        "grid_layer_times_s": layer_times,
-        "grid_sampled": grid_s,
-        "grid_lm_head_times_s": head_times,
-        "timing_cost_s": time.perf_counter() - t0,
-        "_interp": (grid_t, layer_times, grid_s, head_times),
-    }
-
-
-def step_breakdown(steps: Sequence[StepRecord], floor: dict[str, Any] | None) -> dict[str, Any]:
-    """Time of pure-decode steps vs steps with prefill, each against its floor."""
-    dec = [s for s in steps if s.num_tokens > 0 and s.num_decodes == s.num_tokens]
-    pre = [s for s in steps if s.num_tokens > 0 and s.num_decodes != s.num_tokens]
-    out: dict[str, Any] = {
-        "decode_steps": len(dec),
-        "decode_time_s": sum(s.seconds for s in dec),
-        "prefill_steps": len(pre),
-        "prefill_time_s": sum(s.seconds for s in pre),
-    }
-    if dec:
-        full = max(s.num_tokens for s in dec)
-        at_full = [s.seconds for s in dec if s.num_tokens == full]
-        out["decode_batch_max"] = full
-        out["decode_step_median_s_at_max"] = statistics.median(at_full)
-    if floor is not None:
-        gt, lt, gs, hs = floor["_interp"]
-
-        def f(group: list[StepRecord]) -> float:
-            return sum(_interp(s.num_tokens, gt, lt)
-                       + (_interp(s.num_sampled, gs, hs) if s.num_sampled else 0.0)
-                       for s in group)
-        out["decode_floor_s"] = f(dec)
-        out["prefill_floor_s"] = f(pre)
-        if dec:
-            out["decode_step_floor_s_at_max"] = (
-                _interp(full, gt, lt) + _interp(full, gs, hs))
-    return out
 
 
 # -- the run -------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from loadtest import prefix_bench, throughput
+from loadtest import linear_floor, prefix_bench, throughput
 from loadtest.bench_common import StepRecord
 from loadtest.workloads import (
     allowed_token_ids,
@@ -46,13 +46,13 @@ def test_workloads_are_seeded_and_in_range():
 
 
 def test_floor_grid_and_interpolation():
-    assert throughput._grid([3, 1, 3, 2]) == [1, 2, 3]
-    g = throughput._grid(list(range(1, 2001)))
+    assert linear_floor._grid([3, 1, 3, 2]) == [1, 2, 3]
+    g = linear_floor._grid(list(range(1, 2001)))
     assert g[0] == 1 and g[-1] == 2000 and len(g) < 30 and g == sorted(set(g))
-    assert throughput._interp(15, [10, 20], [1.0, 3.0]) == pytest.approx(2.0)
-    assert throughput._interp(40, [10, 20], [1.0, 3.0]) == pytest.approx(6.0)
+    assert linear_floor._interp(15, [10, 20], [1.0, 3.0]) == pytest.approx(2.0)
+    assert linear_floor._interp(40, [10, 20], [1.0, 3.0]) == pytest.approx(6.0)
     steps = [StepRecord(4, 2, 2, 0.1), StepRecord(4, 4, 4, 0.1), StepRecord(9, 1, 0, 0.3)]
-    bd = throughput.step_breakdown(steps, None)
+    bd = linear_floor.step_breakdown(steps, None)
     assert bd["decode_steps"] == 1 and bd["prefill_steps"] == 2
     assert bd["decode_batch_max"] == 4
 
