@@ -1,11 +1,12 @@
 """Where a benchmark run's time goes: ``pagedserve bench throughput --op-times``.
 
 :class:`OpTimes` wraps the attention backend's ``forward`` and each of its layer ops
-(``ops.linear`` per weight, ``rms_norm``, ``add_rms_norm``, ``rope``, ``silu_mul``,
-``argmax``) with a wall-clock timer, and sorts the time into decode-only steps and
+(``ops.linear`` per weight, ``rms_norm``, ``add_rms_norm``, ``rope``, ``silu_mul``)
+with a wall-clock timer, and sorts the time into decode-only steps and
 steps with prefill (told apart by the scheduler's output, as the step breakdown does).
 What a phase's steps took beyond its timed ops is the rest: the layers' Python, the
-embedding, sampling, scheduling and detokenization. Each call costs the timer about a
+embedding, sampling (its argmax is bound when the engine is built, so it stays
+untimed), scheduling and detokenization. Each call costs the timer about a
 microsecond, so a run with ``--op-times`` is slightly slower than one without.
 """
 
@@ -16,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-LAYER_OPS = ("rms_norm", "add_rms_norm", "rope", "silu_mul", "argmax")
+LAYER_OPS = ("rms_norm", "add_rms_norm", "rope", "silu_mul")
 PHASES = ("decode", "prefill")
 
 
@@ -51,8 +52,7 @@ class OpTimes:
         self._wrap(attn, "forward", lambda a, k: "attention")
         self._wrap(attn.ops, "linear", linear_key)
         for name in LAYER_OPS:
-            if hasattr(attn.ops, name):
-                self._wrap(attn.ops, name, lambda a, k, name=name: name)
+            self._wrap(attn.ops, name, lambda a, k, name=name: name)
         scheduler = engine.scheduler
         schedule = scheduler.schedule
 
