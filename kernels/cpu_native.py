@@ -2,12 +2,16 @@
 
 ``csrc/`` holds plain C with OpenMP (no torch headers): the paged attention kernel
 (decode rows and prefill chunks), fused element-wise layer ops and a float32 linear
-layer for decode-sized batches. It compiles in about a second with the system C
-compiler (``$CC``, else ``cc``) and ``-O3 -march=native``. The shared library
-is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``),
-keyed by the sources, the flags, the compiler's version and the CPU's feature flags,
-and written atomically, so concurrent processes can build it at once. ctypes releases
-the GIL for the duration of each call.
+layer for decode-sized batches. Each kernel is written once against ``csrc/simd.h``,
+whose vector width is chosen at compile time, so one source builds at three levels
+(:data:`LEVELS`): ``portable`` (``-march=x86-64``, or the compiler's default off x86:
+plain C loops), ``avx2`` (``-march=x86-64-v3``: AVX2, FMA, F16C) and ``avx512``
+(``-march=x86-64-v4``). The engine builds the best level this CPU runs
+(``PAGEDSERVE_CPU_ISA`` picks a lower one) in about a second with the system C compiler
+(``$CC``, else ``cc``). The shared library is cached under ``$PAGEDSERVE_CACHE/kernels``
+(default ``~/.cache/pagedserve/kernels``), keyed by the sources, the flags, the
+compiler's version and the CPU's feature flags, and written atomically, so concurrent
+processes can build it at once. ctypes releases the GIL for the duration of each call.
 
 When there is no compiler or the build fails, :func:`load` returns ``None`` and says
 why once in the log; the caller falls back to the pure torch path.
@@ -34,10 +38,20 @@ log = logging.getLogger("kernels.cpu_native")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "fused_ops_cpu.c", CSRC / "gemm_cpu.c")
-HEADERS = (CSRC / "simd_math.h",)
+HEADERS = (CSRC / "simd.h",)
 # -std=c11 keeps floating-point contraction off: a * b + c rounds twice, as in torch.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared",
-          "-std=c11")
+BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
+LEVELS = ("portable", "avx2", "avx512")
+"""Build levels of the native library, slowest first; each names its vector path."""
+ISA_ENV_VAR = "PAGEDSERVE_CPU_ISA"
+_X86_MARCH = {"portable": "x86-64", "avx2": "x86-64-v3", "avx512": "x86-64-v4"}
+# What each x86-64 micro-architecture level promises (the CPU flags Linux reports).
+_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
+_LEVEL_FEATURES = {
+    "portable": frozenset(),
+    "avx2": _V3,
+    "avx512": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_DIM = 512
 _ERRORS = {
@@ -62,6 +76,49 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (``avx2``, ``avx512f``, ``amx_bf16``,
+    ``asimd``, ...); empty where there is no ``/proc/cpuinfo``."""
+    line = _cpu_flags()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386", "x86")
+
+
+def runnable_levels(features: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The build levels this CPU can run (``portable`` always), slowest first."""
+    if not is_x86():
+        return ("portable",)
+    have = cpu_features() if features is None else features
+    return tuple(lv for lv in LEVELS if _LEVEL_FEATURES[lv] <= have)
+
+
+def level_cflags(level: str) -> tuple[str, ...]:
+    """The compiler flags of a build level (no ``-march`` off x86: the compiler's own
+    baseline, where only the portable loops exist)."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown CPU build level {level!r}; expected one of {LEVELS}")
+    if not is_x86():
+        return BASE_CFLAGS
+    return (*BASE_CFLAGS, f"-march={_X86_MARCH[level]}", "-mtune=native")
+
+
+def engine_level() -> str:
+    """The level the engine builds: ``$PAGEDSERVE_CPU_ISA`` if set (it must be one this
+    CPU runs), else the best this CPU runs."""
+    runnable = runnable_levels()
+    wanted = os.environ.get(ISA_ENV_VAR, "").strip().lower()
+    if not wanted:
+        return runnable[-1]
+    if wanted not in LEVELS:
+        raise ValueError(f"{ISA_ENV_VAR}={wanted!r}: expected one of {LEVELS}")
+    if wanted not in runnable:
+        raise ValueError(f"{ISA_ENV_VAR}={wanted!r}: this CPU runs only {runnable}")
+    return wanted
 
 
 def _compiler() -> str | None:
@@ -110,37 +167,54 @@ def _declare(lib: ctypes.CDLL) -> None:
         "gemm_f32_packed_size": (i64, [i64, i64]),
         "gemm_f32_pack": (None, [ptr, i64, i64, ptr]),
         "gemm_f32": (None, [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32]),
+        "simd_isa": (ctypes.c_char_p, []),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
 
 
-def build_library(cflags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL:
-    """Build (or find cached) and open the library with ``cflags``; raises on failure.
+def build_library(level: str) -> ctypes.CDLL:
+    """Build (or find cached) and open the library at build ``level``; raises on failure.
 
-    :func:`load` is the engine's entry point; other flags serve tests (the portable C
-    path is what a CPU without AVX-512 runs).
+    :func:`load` is the engine's entry point; tests build every level this CPU runs.
     """
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC or install gcc)")
-    lib = ctypes.CDLL(str(_build(cc, cflags)))
+    lib = ctypes.CDLL(str(_build(cc, level_cflags(level))))
     _declare(lib)
     return lib
 
 
+def isa(lib: ctypes.CDLL) -> str:
+    """The vector path a built library runs: ``avx512``, ``avx2`` or ``portable``."""
+    return lib.simd_isa().decode()
+
+
 def load() -> ctypes.CDLL | None:
-    """The kernel library, built if needed; ``None`` (reason logged once) if unavailable."""
+    """The kernel library, built if needed; ``None`` (reason logged once) if unavailable.
+
+    A compiler too old for the chosen level's ``-march`` falls back to the next lower
+    level (and says so)."""
     with _lock:
         if "lib" in _state:
             return _state["lib"]  # type: ignore[return-value]
-        try:
-            lib = build_library()
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _state["error"] = str(exc)
-            log.warning("native CPU kernels unavailable, using torch ops: %s", exc)
-            lib = None
+        lib, errors = None, []
+        level = engine_level()  # a bad PAGEDSERVE_CPU_ISA is the user's error: raise it
+        for lv in reversed(LEVELS[: LEVELS.index(level) + 1]):
+            try:
+                lib = build_library(lv)
+                break
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                errors.append(f"{lv}: {exc}")
+                if _compiler() is None:
+                    break
+        if lib is not None and errors:
+            log.warning("native CPU kernels built at a lower level: %s", "; ".join(errors))
+        if lib is None:
+            _state["error"] = "; ".join(errors)
+            log.warning("native CPU kernels unavailable, using torch ops: %s", _state["error"])
         _state["lib"] = lib
         return lib
 

@@ -11,14 +11,16 @@ arithmetic: RMSNorm alone is six ops.
 
 Linear layers go through ``ops.linear`` too, with weights packed once at load. In
 float32 with up to 256 rows (decode steps), the native library's own linear
-(``csrc/gemm_cpu.c``) runs: in a decode forward of the default model its linears take
-10-35% less time than oneDNN's packed linear or ``F.linear`` (oneDNN ran three of the
-four layer shapes at one core's speed on two cores); each output is one multiply-add
-chain in k order, so a row's result does not depend on the other rows in the batch.
-Larger float32 batches use ``F.linear``. bfloat16 uses weights pre-packed for oneDNN
-at every size (15-50% faster than ``F.linear``), as does float32 on CPUs without
-AVX-512 (2 to 1024 rows). The packed copy lives beside the weight (the linear weights'
-memory twice); ``PAGEDSERVE_PACK_WEIGHTS=0`` turns packing off.
+(``csrc/gemm_cpu.c``, AVX-512 or AVX2) runs: in a decode forward of the default model
+its linears take 10-35% less time than oneDNN's packed linear or ``F.linear`` (oneDNN
+ran three of the four layer shapes at one core's speed on two cores); each output is
+one multiply-add chain in k order, so a row's result does not depend on the other rows
+in the batch. Larger float32 batches use ``F.linear``. bfloat16 uses weights pre-packed
+for oneDNN at every size (15-50% faster than ``F.linear``) where oneDNN has a bfloat16
+path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere ``F.linear``), as does float32 on
+builds without a vector path (2 to 1024 rows). The packed copy lives beside the weight
+(the linear weights' memory twice); ``PAGEDSERVE_PACK_WEIGHTS=0`` turns packing off.
+:meth:`NativeLayerOps.paths` says which linear each dtype takes.
 
 The residual stream follows the usual fused form: ``add_rms_norm(residual, delta)``
 returns ``(residual + delta, rms_norm(residual + delta))``; the native version
@@ -124,10 +126,26 @@ class NativeLayerOps(TorchLayerOps):
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
+        self.isa = lib.simd_isa().decode()
         flag = os.environ.get(PACK_ENV_VAR, "1").strip().lower()
         packing = flag not in ("0", "false", "no", "off")
         self._gemm = packing and bool(lib.gemm_f32_available())
         self._packing = packing and torch.backends.mkldnn.is_available()
+        # oneDNN refuses bfloat16 weights on CPUs without AVX-512 BW/VL/DQ or
+        # AVX-NE-CONVERT ("bf16 path needs the cpu support ...").
+        self._packing_bf16 = self._packing and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+    def paths(self) -> dict[str, str]:
+        """What each op runs here: ``layer_ops`` (the library's vector level),
+        ``linear_f32`` and ``linear_bf16``."""
+        if self._gemm:
+            f32 = (f"native-{self.isa} (1-{NATIVE_LINEAR_MAX_ROWS} rows), torch above")
+        elif self._packing:
+            f32 = f"onednn-packed ({PACKED_F32_ROWS[0]}-{PACKED_F32_ROWS[1]} rows), torch else"
+        else:
+            f32 = "torch"
+        return {"layer_ops": self.isa, "linear_f32": f32,
+                "linear_bf16": "onednn-packed" if self._packing_bf16 else "torch"}
 
     def prepare_weights(self, weights: Iterable[torch.Tensor]) -> None:
         """Pack every CPU float32/bfloat16 weight now rather than on the first step."""
@@ -136,7 +154,8 @@ class NativeLayerOps(TorchLayerOps):
                 continue
             if w.dtype == torch.float32 and self._gemm:
                 self._native_packed(w)
-            elif self._packing and w.dtype in (torch.float32, torch.bfloat16):
+            elif (w.dtype == torch.float32 and self._packing
+                  or w.dtype == torch.bfloat16 and self._packing_bf16):  # fmt: skip
                 try:
                     self._packed(w)
                 except (RuntimeError, AttributeError) as exc:
@@ -194,7 +213,7 @@ class NativeLayerOps(TorchLayerOps):
         if not (self._packing and x.dim() == 2 and x.is_cpu and x.dtype == weight.dtype):
             return False
         if x.dtype == torch.bfloat16:
-            return True
+            return self._packing_bf16
         return (x.dtype == torch.float32 and not self._gemm
                 and PACKED_F32_ROWS[0] <= x.shape[0] <= PACKED_F32_ROWS[1])  # fmt: skip
 

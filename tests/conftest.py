@@ -26,6 +26,23 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+def _native_levels() -> tuple[str, ...]:
+    from kernels import cpu_native
+
+    return cpu_native.runnable_levels()
+
+
+@pytest.fixture(scope="session", params=_native_levels())
+def native_lib(request):
+    """The native CPU library at each build level this CPU runs (portable, and AVX2 and
+    AVX-512 where the CPU has them); each build reports the vector path it runs."""
+    from kernels import cpu_native
+
+    lib = cpu_native.build_library(request.param)
+    assert cpu_native.isa(lib) == request.param
+    return lib
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The converted default model (converted once into the user cache)."""

@@ -31,16 +31,11 @@ TOL = {
 LENS = [1, 2, 15, 16, 17, 31, 33, 100, 257, 700]
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
-def lib(request):
-    """The engine's library, and one built without ``-march=native``: the portable C
-    loops that a CPU without AVX-512 runs for every head dim."""
-    if request.param == "portable":
-        return cpu_native.build_library(tuple(f for f in cpu_native.CFLAGS
-                                              if f != "-march=native"))  # fmt: skip
-    lib = cpu_native.load()
-    assert lib is not None, cpu_native.unavailable_reason()
-    return lib
+@pytest.fixture
+def lib(native_lib):
+    """Every build level this CPU runs (conftest's ``native_lib``): the engine's own
+    library is one of them."""
+    return native_lib
 
 
 def decode_step(lens, heads, head_dim, block_size, dtype, seed=0):
@@ -67,7 +62,8 @@ def reference(step):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1), (12, 2)])
 @pytest.mark.parametrize("block_size", [16, 32])
-# 64 and 128 are the specialised AVX-512 paths, 96 the general one, 40 the scalar loop.
+# 64 and 128 are the specialised vector paths, 96 the general one; 40 is the scalar loop
+# on AVX-512 (not a multiple of 16) and the general vector path on AVX2.
 @pytest.mark.parametrize("head_dim", [64, 128, 96, 40])
 def test_matches_reference(lib, head_dim, block_size, heads, dtype) -> None:
     # Unused blocks (including block 0, the table padding) hold NaN: any read past a
@@ -339,18 +335,52 @@ def test_explicit_backend_env_var_selects_torch(monkeypatch: pytest.MonkeyPatch)
     assert get_attention_backend("auto", "cpu").name == "cpu"
 
 
-def test_attention_code_prefetches_the_next_block() -> None:
+def test_attention_code_prefetches_the_next_block(lib) -> None:
     """The sweeps over a block fetch the next block ahead. A compiler once deleted every
     prefetch of the kernel (it judged the helper free of side effects); outputs stay
     the same without them, so only the built code shows it."""
-    lib = cpu_native.load()
-    assert lib is not None, cpu_native.unavailable_reason()
-    if not lib.gemm_f32_available():
-        pytest.skip("this CPU has no AVX-512: the vector attention path is not built")
+    if cpu_native.isa(lib) == "portable":
+        assert not lib.gemm_f32_available()
+        return  # the portable loops rely on the hardware prefetcher
     objdump = shutil.which("objdump")
     assert objdump, "objdump (binutils, installed with gcc) is needed to read the library"
-    for fn in ("attend512_f32", "attend512_bf16"):
+    for fn in ("attend_vec_f32", "attend_vec_bf16"):
         asm = subprocess.run([objdump, "-d", f"--disassemble={fn}", lib._name],
                              capture_output=True, text=True, check=True).stdout  # fmt: skip
         assert "vfmadd" in asm, f"{fn} not found in {lib._name}"
         assert "prefetcht1" in asm, f"{fn} has no prefetch instruction"
+        width = "zmm" if cpu_native.isa(lib) == "avx512" else "ymm"
+        assert f"%{width}" in asm and ("%zmm" in asm) == (width == "zmm"), fn
+
+
+def test_engine_builds_the_best_level_this_cpu_runs(monkeypatch) -> None:
+    """The engine's library is the best runnable level; PAGEDSERVE_CPU_ISA picks another
+    and a level this CPU cannot run is refused by name."""
+    lib = cpu_native.load()
+    assert lib is not None, cpu_native.unavailable_reason()
+    assert cpu_native.isa(lib) == cpu_native.runnable_levels()[-1]
+    monkeypatch.setenv(cpu_native.ISA_ENV_VAR, "portable")
+    assert cpu_native.engine_level() == "portable"
+    missing = [lv for lv in cpu_native.LEVELS if lv not in cpu_native.runnable_levels()]
+    for level in missing:
+        monkeypatch.setenv(cpu_native.ISA_ENV_VAR, level)
+        with pytest.raises(ValueError, match=f"PAGEDSERVE_CPU_ISA='{level}'"):
+            cpu_native.engine_level()
+    monkeypatch.setenv(cpu_native.ISA_ENV_VAR, "sse9")
+    with pytest.raises(ValueError, match="expected one of"):
+        cpu_native.engine_level()
+
+
+def test_levels_follow_the_cpu_flags() -> None:
+    """Which levels a CPU runs is read from its flags, not from this host."""
+    v3 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
+    v4 = v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    if cpu_native.is_x86():
+        assert cpu_native.runnable_levels(frozenset({"sse2"})) == ("portable",)
+        assert cpu_native.runnable_levels(frozenset(v3 - {"fma"})) == ("portable",)
+        assert cpu_native.runnable_levels(frozenset(v3)) == ("portable", "avx2")
+        assert cpu_native.runnable_levels(frozenset(v4 | {"amx_bf16"})) == cpu_native.LEVELS
+        assert "-march=x86-64-v3" in cpu_native.level_cflags("avx2")
+    else:
+        assert cpu_native.runnable_levels(frozenset(v4)) == ("portable",)
+        assert not any(f.startswith("-march") for f in cpu_native.level_cflags("portable"))

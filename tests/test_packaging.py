@@ -19,7 +19,7 @@ def test_wheel_contains_kernel_sources_and_loadtest_data(tmp_path: Path) -> None
     expected = {
         "kernels/csrc/paged_attention_cpu.c",
         "kernels/csrc/fused_ops_cpu.c",
-        "kernels/csrc/simd_math.h",
+        "kernels/csrc/simd.h",
         "loadtest/data/conversations.jsonl",
         "loadtest/run_locust.sh",
     }

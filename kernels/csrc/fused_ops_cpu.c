@@ -12,9 +12,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "simd_math.h"
+#include "simd.h"
 
 #define PARALLEL_MIN_ELEMS (1 << 18)
+
+/* The vector path this build runs (simd.h): "avx512", "avx2" or "portable". */
+const char *simd_isa(void) { return SIMD_NAME; }
 
 static inline int threads_for(int64_t elems, int num_threads) {
     return elems >= PARALLEL_MIN_ELEMS && num_threads > 1 ? num_threads : 1;
@@ -146,22 +149,18 @@ void silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int num
         const float *u = g + inter;
         float *o = out + (int64_t)r * inter;
         int i = 0;
-#if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; i < inter; i += 16) {
-            const __mmask16 k = tail_mask(inter - i);
-            const __m512 x = _mm512_maskz_loadu_ps(k, g + i);
+#if SIMD_VW
+        const vf one = vf_set1(1.0f);
+        for (; i < inter; i += SIMD_VW) {
+            const int n = inter - i;
+            const vf x = vf_load_first(g + i, n);
             /* exp(-x) capped below overflow, so that 1 + e stays finite for the
              * reciprocal (silu(x) is then x / 1.6e38, i.e. zero, for x < -88). */
-            const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x),
-                                                  _mm512_set1_ps(88.0f)));
+            const vf e = vf_exp(vf_min(vf_sub(vf_zero(), x), vf_set1(88.0f)));
             /* x / d by a reciprocal estimate refined with one Newton step (a division
-             * costs several times more; the result is within an ulp or two). */
-            const __m512 d = _mm512_add_ps(one, e);
-            __m512 r = _mm512_rcp14_ps(d);
-            r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
-            const __m512 silu = _mm512_mul_ps(x, r);
-            _mm512_mask_storeu_ps(o + i, k, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(k, u + i)));
+             * costs several times more; the result is within a few ulps). */
+            const vf silu = vf_mul(x, vf_rcp(vf_add(one, e)));
+            vf_store_first(o + i, n, vf_mul(silu, vf_load_first(u + i, n)));
         }
 #endif
         for (; i < inter; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
@@ -177,17 +176,15 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
         const uint16_t *u = g + inter;
         uint16_t *o = out + (int64_t)r * inter;
         int i = 0;
-#if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f);
-        float silu[16] __attribute__((aligned(64)));
-        for (; i + 16 <= inter; i += 16) {
-            const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i))), 16));
-            const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x),
-                                                  _mm512_set1_ps(88.0f)));
-            _mm512_store_ps(silu, _mm512_div_ps(x, _mm512_add_ps(one, e)));
+#if SIMD_VW
+        const vf one = vf_set1(1.0f);
+        float silu[SIMD_VW] __attribute__((aligned(64)));
+        for (; i + SIMD_VW <= inter; i += SIMD_VW) {
+            const vf x = vf_load_bf16(g + i);
+            const vf e = vf_exp(vf_min(vf_sub(vf_zero(), x), vf_set1(88.0f)));
+            vf_store_aligned(silu, vf_div(x, vf_add(one, e)));
 #pragma omp simd
-            for (int j = 0; j < 16; ++j)
+            for (int j = 0; j < SIMD_VW; ++j)
                 o[i + j] = f32_bf16(round_bf16(silu[j]) * bf16_f32(u[i + j]));
         }
 #endif
@@ -202,32 +199,53 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
  * larger than anything (the first NaN wins); a row of -inf gives 0. */
 static int64_t argmax_row(const float *x, int cols) {
     int i = 0;
-#if defined(__AVX512F__)
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    __m512i best_idx = _mm512_setzero_si512();
-    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i step = _mm512_set1_epi32(16);
-    __mmask16 nan = 0;
-    for (; i < cols; i += 16) {
-        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(cols - i), x + i);
-        const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        best = _mm512_mask_mov_ps(best, gt, v);
-        best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
-        idx = _mm512_add_epi32(idx, step);
-    }
-    if (!nan) {
-        const float m = _mm512_reduce_max_ps(best);
-        const __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-        /* Lanes holding the maximum: the smallest index among them. */
-        return _mm512_mask_reduce_min_epi32(at, best_idx);
-    }
-    i = 0;
-#endif
     int64_t arg = 0;
-    float m = x[0];
-    if (m != m) return 0;
-    for (i = 1; i < cols; ++i) {
+    float m = -INFINITY;
+#if SIMD_VW
+    /* Lane l keeps the first largest value among columns l, l + VW, ... and its column
+     * (as a float: exact below 2^24 columns). */
+    if (cols >= SIMD_VW && cols < (1 << 24)) {
+        vf best = vf_set1(-INFINITY), best_idx = vf_zero(), idx;
+        {
+            float lanes[SIMD_VW];
+            for (int l = 0; l < SIMD_VW; ++l) lanes[l] = (float)l;
+            idx = vf_load(lanes);
+        }
+        const vf step = vf_set1((float)SIMD_VW);
+        vmask nan = vm_nan(vf_zero());
+        for (; i + SIMD_VW <= cols; i += SIMD_VW) {
+            const vf v = vf_load(x + i);
+            const vmask gt = vm_gt(v, best);
+            nan = vm_or(nan, vm_nan(v));
+            best = vf_select(gt, v, best);
+            best_idx = vf_select(gt, idx, best_idx);
+            idx = vf_add(idx, step);
+        }
+        if (vm_any(nan)) {
+            i = 0; /* the scalar loop below finds the first NaN */
+        } else {
+            float vals[SIMD_VW], cols_of[SIMD_VW];
+            vf_store(vals, best);
+            vf_store(cols_of, best_idx);
+            m = vals[0];
+            arg = (int64_t)cols_of[0];
+            for (int l = 1; l < SIMD_VW; ++l)
+                if (vals[l] > m || (vals[l] == m && (int64_t)cols_of[l] < arg)) {
+                    m = vals[l];
+                    arg = (int64_t)cols_of[l];
+                }
+        }
+    }
+#endif
+    /* The columns from i on (all of them without a vector pass): later than any column
+     * seen, so only a strictly larger value moves the answer. */
+    if (i == 0) {
+        m = x[0];
+        arg = 0;
+        if (m != m) return 0;
+        i = 1;
+    }
+    for (; i < cols; ++i) {
         if (x[i] != x[i]) return i;
         if (x[i] > m) {
             m = x[i];

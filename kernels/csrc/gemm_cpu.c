@@ -4,22 +4,33 @@
  * A decode step multiplies a few dozen rows by each weight matrix. At such sizes the
  * BLAS paths torch calls split the work poorly across two cores (some shapes run at one
  * core's speed), and F.linear repacks W on every call. Here W ``[n, k]`` is
- * packed at load into panels of NR = 48 output columns, each stored k-major
+ * packed at load into panels of NR output columns, each stored k-major
  * (``panel[kk * NR + j] = W[n0 + j, kk]``, zero-padded past n), so a panel is read
  * once per call as one stream. Threads take contiguous ranges of panels; within a
- * panel, tiles of MR = 8 rows keep 8 x 48 sums in 24 AVX-512 registers over the whole
- * of k, so each output is one fused multiply-add chain in k order, plus the bias.
+ * panel, tiles of MR rows keep MR x NR sums in registers over the whole of k, so each
+ * output is one fused multiply-add chain in k order, plus the bias. The tile fills the
+ * register file: 8 x 48 in 24 of AVX-512's 32 registers, 6 x 16 in 12 of AVX2's 16.
  *
- * Only built with AVX-512 (``gemm_f32_available`` says so); elsewhere the caller keeps
- * torch's linear.
+ * Built with a vector unit (simd.h; ``gemm_f32_available`` says so, and
+ * ``gemm_f32_packed_size`` gives the packed size for this build's NR); elsewhere the
+ * caller keeps torch's linear.
  */
 #include <omp.h>
 #include <stdint.h>
 
-#include "simd_math.h"
+#include "simd.h"
 
-#define NR 48
+#if SIMD_VW == 16
+#define NV 3 /* vectors across a panel */
 #define MR 8
+#elif SIMD_VW == 8
+#define NV 2
+#define MR 6
+#else
+#define NV 1
+#define MR 1
+#endif
+#define NR (NV * (SIMD_VW ? SIMD_VW : 16))
 /* Rows of x per pass over the panels (x stays in L2). */
 #define MC 128
 /* Weights smaller than this many floats stay on the calling thread (even for one row,
@@ -46,7 +57,7 @@ void gemm_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
     }
 }
 
-#if defined(__AVX512F__)
+#if SIMD_VW
 
 int gemm_f32_available(void) { return 1; }
 
@@ -56,9 +67,9 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
                                                        const float *bias, float *y,
                                                        int64_t ldy, int cols, const char *pf,
                                                        int64_t pf_lines, const int mr) {
-    __m512 acc[MR][3];
+    vf acc[MR][NV];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < 3; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < NV; j++) acc[i][j] = vf_zero();
     /* ``pf_lines`` cache lines from ``pf`` are prefetched evenly over the k loop: in a
      * burst, the prefetches fill the core's line-fill buffers and stall the arithmetic
      * (evenly spread: 12-18% less time for a decode step's linears at 24-64 rows). */
@@ -67,27 +78,27 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         const float *b = panel + kk * NR;
         due += pf_lines;
         while (due >= k && line < pf_lines) {
-            _mm_prefetch(pf + 64 * line, _MM_HINT_T1);
+            prefetch_l2(pf + 64 * line);
             line++;
             due -= k;
         }
-        const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16),
-                     b2 = _mm512_load_ps(b + 32);
+        vf bv[NV];
+        for (int j = 0; j < NV; j++) bv[j] = vf_load_aligned(b + SIMD_VW * j);
         for (int i = 0; i < mr; i++) {
-            const __m512 a = _mm512_set1_ps(x[i * ldx + kk]);
-            acc[i][0] = _mm512_fmadd_ps(a, b0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(a, b1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(a, b2, acc[i][2]);
+            const vf a = vf_set1(x[i * ldx + kk]);
+            for (int j = 0; j < NV; j++) acc[i][j] = vf_fmadd(a, bv[j], acc[i][j]);
         }
     }
-    for (int j = 0; j < 3; j++) {
-        const int left = cols - 16 * j;
+    for (int j = 0; j < NV; j++) {
+        const int left = cols - SIMD_VW * j;
         if (left <= 0) break;
-        const __mmask16 m = tail_mask(left);
-        const __m512 bj = bias ? _mm512_maskz_loadu_ps(m, bias + 16 * j) : _mm512_setzero_ps();
+        const vf bj = bias ? vf_load_first(bias + SIMD_VW * j, left) : vf_zero();
         for (int i = 0; i < mr; i++) {
-            const __m512 v = bias ? _mm512_add_ps(acc[i][j], bj) : acc[i][j];
-            _mm512_mask_storeu_ps(y + i * ldy + 16 * j, m, v);
+            const vf v = bias ? vf_add(acc[i][j], bj) : acc[i][j];
+            if (left >= SIMD_VW)
+                vf_store(y + i * ldy + SIMD_VW * j, v);
+            else
+                vf_store_first(y + i * ldy + SIMD_VW * j, left, v);
         }
     }
 }
@@ -104,13 +115,18 @@ TILE_FN(3)
 TILE_FN(4)
 TILE_FN(5)
 TILE_FN(6)
+#if MR > 6
 TILE_FN(7)
 TILE_FN(8)
+#endif
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const float *,
                         float *, int64_t, int, const char *, int64_t);
-static const tile_fn TILES[MR + 1] = {0,      tile_1, tile_2, tile_3, tile_4,
-                                      tile_5, tile_6, tile_7, tile_8};
+static const tile_fn TILES[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6,
+#if MR > 6
+                                      tile_7, tile_8
+#endif
+};
 
 static void panels_range(const float *x, int64_t ldx, int64_t m, int64_t k,
                          const float *packed, int64_t n, const float *bias, float *y,

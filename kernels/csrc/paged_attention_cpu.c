@@ -25,9 +25,10 @@
  * every token of the tile from L1. A token sees the first ``pos + 1`` rows of the
  * context, so causality is the row count of each run, never a mask. The G = num_heads
  * / num_kv_heads query heads sharing a KV head are computed together, all in float32.
- * The AVX-512 path makes one pass with an online softmax (K and V of each run of rows
- * together); the portable path keeps the scores of the whole context (two passes: q.K,
- * then softmax-weighted V), one token at a time.
+ * The vector path (AVX-512 or AVX2, one source over simd.h's ``vf``) makes one pass
+ * with an online softmax (K and V of each run of rows together); the portable path
+ * keeps the scores of the whole context (two passes: q.K, then softmax-weighted V),
+ * one token at a time.
  */
 #include <math.h>
 #include <stdint.h>
@@ -156,118 +157,94 @@ static void attend_portable(const item_t *it, const shape_t *sh, int dtype, floa
 }
 
 /* ------------------------------------------------------------------------- */
-/* AVX-512 path (head_dim a multiple of 16, up to 256).                       */
+/* Vector path (simd.h: AVX-512 or AVX2; head_dim a multiple of VW, up to 256).  */
 /* ------------------------------------------------------------------------- */
-#if defined(__AVX512F__)
-#include "simd_math.h"
+#include "simd.h"
+#if SIMD_VW
+#define VW SIMD_VW
+#define MAX_NV (256 / VW)
 
-#define MAX_NV 16
-
-static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t idx,
-                                                           const int dtype) {
-    if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + idx);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
-    if (dtype == DTYPE_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
+static inline __attribute__((always_inline)) vf load_vec(const void *base, int64_t idx,
+                                                         const int dtype) {
+    if (dtype == DTYPE_F32) return vf_load((const float *)base + idx);
+    if (dtype == DTYPE_BF16) return vf_load_bf16((const uint16_t *)base + idx);
+    return vf_load_f16((const uint16_t *)base + idx);
 }
 
 /* Prefetch ``bytes`` starting at ``p`` into L2 (one instruction per cache line). Always
  * inlined: as an ordinary function GCC finds it free of side effects and deletes the
  * calls, prefetches and all. */
 static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, int bytes) {
-    for (int i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
-}
-
-/* Sixteen horizontal sums at once: lane r of the result is the sum of the 16 lanes of
- * ``p[SUM16_SLOT(r)]``. Each step adds pairs of lanes that come from the same input
- * vector, so a lane of the result never mixes two inputs (unused slots may hold
- * anything finite or not). 15 shuffle pairs and adds instead of 16 reductions. */
-#define SUM16_SLOT(r) (4 * ((r) & 3) + ((r) >> 2))
-
-static inline __attribute__((always_inline)) __m512 sum16(const __m512 *p) {
-    __m512 c[8], d[4], e[2];
-    for (int i = 0; i < 8; ++i)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; ++i)
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; ++i)
-        e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
-                         _mm512_shuffle_ps(e[0], e[1], 0xDD));
+    for (int i = 0; i < bytes; i += 64) prefetch_l2(p + i);
 }
 
 /* Query heads handled together in one sweep over a run of rows. */
 #define GCHUNK 4
 
-/* One run of ``m <= 16`` consecutive cache rows starting at row ``first``, for the
+/* One run of ``m <= VW`` consecutive cache rows starting at row ``first``, for the
  * ``GN`` query heads at ``q`` that share the KV head at element offset ``head``:
- * scores (the 16 dot products of a head reduced together by ``sum16``), then the
- * online-softmax update of each head's running maximum ``mx``, denominator ``den``
- * and unnormalised output ``acc`` (rows of ``16 * nv``), with V's rows accumulated in
+ * scores (the VW dot products of a head reduced together by ``vf_sum_lanes``), then
+ * the online-softmax update of each head's running maximum ``mx``, denominator ``den``
+ * and unnormalised output ``acc`` (rows of ``VW * nv``), with V's rows accumulated in
  * registers. ``next_k``/``next_v`` (or NULL): rows to prefetch, ``next_stride`` apart. */
 static inline __attribute__((always_inline)) void attend_run(
         const shape_t *sh, const float *q, const int dtype, const int nv, const int GN,
         int64_t first, int64_t head, int m, float *mx, float *den, float *acc,
         const char *next_k, const char *next_v, int64_t next_stride, int pf_bytes) {
-    const int D = 16 * nv;
+    const int D = VW * nv;
     const int64_t stride = (int64_t)sh->num_kv_heads * D;
-    const __mmask16 mask = tail_mask(m);
-    float p[GCHUNK][16] __attribute__((aligned(64)));
+    const vmask mask = vm_first(m);
+    float p[GCHUNK][VW] __attribute__((aligned(64)));
     float corr[GCHUNK];
     {
-        __m512 part[GCHUNK][16];
-        __m512 qv[GCHUNK][MAX_NV];
+        vf part[GCHUNK][VW];
+        vf qv[GCHUNK][MAX_NV];
         for (int g = 0; g < GN; ++g)
-            for (int j = 0; j < nv; ++j) qv[g][j] = _mm512_loadu_ps(q + (int64_t)g * D + 16 * j);
+            for (int j = 0; j < nv; ++j) qv[g][j] = vf_load(q + (int64_t)g * D + VW * j);
         for (int r = 0; r < m; ++r) {
             const int64_t row = (first + r) * stride + head;
             if (next_k != NULL) prefetch_bytes(next_k + r * next_stride, pf_bytes);
-            __m512 k[MAX_NV];
-            for (int j = 0; j < nv; ++j) k[j] = load16(sh->k_cache, row + 16 * j, dtype);
+            vf k[MAX_NV];
+            for (int j = 0; j < nv; ++j) k[j] = load_vec(sh->k_cache, row + VW * j, dtype);
             for (int g = 0; g < GN; ++g) {
-                __m512 d = _mm512_mul_ps(qv[g][0], k[0]);
-                for (int j = 1; j < nv; ++j) d = _mm512_fmadd_ps(qv[g][j], k[j], d);
-                part[g][SUM16_SLOT(r)] = d;
+                vf d = vf_mul(qv[g][0], k[0]);
+                for (int j = 1; j < nv; ++j) d = vf_fmadd(qv[g][j], k[j], d);
+                part[g][VF_SUM_SLOT(r)] = d;
             }
         }
-        for (int r = m; r < 16; ++r)
-            for (int g = 0; g < GN; ++g) part[g][SUM16_SLOT(r)] = _mm512_setzero_ps();
-        const __m512 scale = _mm512_set1_ps(sh->scale);
+        for (int r = m; r < VW; ++r)
+            for (int g = 0; g < GN; ++g) part[g][VF_SUM_SLOT(r)] = vf_zero();
+        const vf scale = vf_set1(sh->scale);
         for (int g = 0; g < GN; ++g) {
-            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask,
-                                                _mm512_mul_ps(sum16(part[g]), scale));
-            const float run_max = _mm512_reduce_max_ps(s);
+            const vf s = vf_select(mask, vf_mul(vf_sum_lanes(part[g]), scale),
+                                   vf_set1(-INFINITY));
+            const float run_max = vf_reduce_max(s);
             const float m_new = run_max > mx[g] ? run_max : mx[g];
-            const __m512 e = _mm512_maskz_mov_ps(
-                mask, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+            const vf e = vf_select(mask, vf_exp(vf_sub(s, vf_set1(m_new))), vf_zero());
             corr[g] = mx[g] == -INFINITY ? 0.0f : expf(mx[g] - m_new);
-            den[g] = den[g] * corr[g] + _mm512_reduce_add_ps(e);
+            den[g] = den[g] * corr[g] + vf_reduce_add(e);
             mx[g] = m_new;
-            _mm512_store_ps(p[g], e);
+            vf_store_aligned(p[g], e);
         }
     }
-    __m512 a[GCHUNK][MAX_NV];
+    vf a[GCHUNK][MAX_NV];
     for (int g = 0; g < GN; ++g) {
-        const __m512 c = _mm512_set1_ps(corr[g]);
+        const vf c = vf_set1(corr[g]);
         for (int j = 0; j < nv; ++j)
-            a[g][j] = _mm512_mul_ps(c, _mm512_loadu_ps(acc + (int64_t)g * D + 16 * j));
+            a[g][j] = vf_mul(c, vf_load(acc + (int64_t)g * D + VW * j));
     }
     for (int r = 0; r < m; ++r) {
         const int64_t row = (first + r) * stride + head;
         if (next_v != NULL) prefetch_bytes(next_v + r * next_stride, pf_bytes);
-        __m512 v[MAX_NV];
-        for (int j = 0; j < nv; ++j) v[j] = load16(sh->v_cache, row + 16 * j, dtype);
+        vf v[MAX_NV];
+        for (int j = 0; j < nv; ++j) v[j] = load_vec(sh->v_cache, row + VW * j, dtype);
         for (int g = 0; g < GN; ++g) {
-            const __m512 w = _mm512_set1_ps(p[g][r]);
-            for (int j = 0; j < nv; ++j) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
+            const vf w = vf_set1(p[g][r]);
+            for (int j = 0; j < nv; ++j) a[g][j] = vf_fmadd(w, v[j], a[g][j]);
         }
     }
     for (int g = 0; g < GN; ++g)
-        for (int j = 0; j < nv; ++j) _mm512_storeu_ps(acc + (int64_t)g * D + 16 * j, a[g][j]);
+        for (int j = 0; j < nv; ++j) vf_store(acc + (int64_t)g * D + VW * j, a[g][j]);
 }
 
 /* Dispatch on the number of query heads left in a chunk, so that each body has a
@@ -286,18 +263,18 @@ static inline const char *block_rows(const void *cache, const shape_t *sh, const
     return (const char *)cache + (block * sh->block_size * sh->num_kv_heads + it->h0) * D * elem;
 }
 
-/* ``nv`` (head_dim / 16) and ``dtype`` are compile-time constants in each caller.
+/* ``nv`` (head_dim / VW) and ``dtype`` are compile-time constants in each caller.
  *
- * One pass over the context in runs of at most 16 rows of one block: each run's K rows,
- * then its V rows, so both streams are in flight together and no score buffer is
+ * One pass over the context in runs of at most VW rows of one block: each run's K
+ * rows, then its V rows, so both streams are in flight together and no score buffer is
  * needed. Every token of the tile that sees part of a run takes it (its first rows, up
  * to the token's own position) while the run is in L1. ``state`` holds ``ntok * nq *
  * (head_dim + 2)`` floats. */
-static inline __attribute__((always_inline)) void attend512(const item_t *it,
-                                                            const shape_t *sh,
-                                                            const int dtype, const int nv,
-                                                            float *state) {
-    const int D = 16 * nv, G = sh->group, nq = it->nh * G, T = it->ntok;
+static inline __attribute__((always_inline)) void attend_vec(const item_t *it,
+                                                             const shape_t *sh,
+                                                             const int dtype, const int nv,
+                                                             float *state) {
+    const int D = VW * nv, G = sh->group, nq = it->nh * G, T = it->ntok;
     const int L0 = it->seq_len, L = L0 + T - 1;
     const int bs = sh->block_size, nblocks = (L + bs - 1) / bs;
     const int elem = dtype == DTYPE_F32 ? 4 : 2;
@@ -314,8 +291,8 @@ static inline __attribute__((always_inline)) void attend512(const item_t *it,
      * reading row r of a block, fetch row r of the next one. The first token's sweep of
      * each KV head fetches that head's slice, so that requests to memory go out through
      * all the sweeps over a run, not in one burst: decode attention then overlaps its
-     * arithmetic with the stream of K/V rows (30 layers of a 64-request decode step:
-     * 41 ms against 54 ms without prefetching). */
+     * arithmetic with the stream of K/V rows (30 layers of a 64-request decode step on
+     * AVX-512: 41 ms against 54 ms without prefetching). */
     const int64_t row_bytes = (int64_t)sh->num_kv_heads * D * elem;
     const int pf_bytes = D * elem;
     for (int b = 0, t = 0; t < L; ++b) {
@@ -324,9 +301,9 @@ static inline __attribute__((always_inline)) void attend512(const item_t *it,
         const int last = b + 1 >= nblocks;
         const char *next_k = last ? NULL : block_rows(sh->k_cache, sh, it, it->table[b + 1], D, elem);
         const char *next_v = last ? NULL : block_rows(sh->v_cache, sh, it, it->table[b + 1], D, elem);
-        for (int r0 = 0; r0 < n; r0 += 16) {
+        for (int r0 = 0; r0 < n; r0 += VW) {
             const int pos = t + r0; /* the run's first row */
-            const int run = n - r0 < 16 ? n - r0 : 16;
+            const int run = n - r0 < VW ? n - r0 : VW;
             const int64_t first = block * bs + r0;
             /* Token j sees rows before L0 + j: the first that sees this run is j0. */
             const int j0 = pos - L0 + 1 > 0 ? pos - L0 + 1 : 0;
@@ -357,28 +334,27 @@ static inline __attribute__((always_inline)) void attend512(const item_t *it,
         const float *acc = state + j * per_tok, *den = acc + (int64_t)nq * D + nq;
         float *out = it->out + j * it->out_stride;
         for (int qh = 0; qh < nq; ++qh) {
-            const __m512 inv = _mm512_set1_ps(1.0f / den[qh]);
+            const vf inv = vf_set1(1.0f / den[qh]);
             const float *a = acc + (int64_t)qh * D;
             for (int v = 0; v < nv; ++v)
-                _mm512_storeu_ps(out + (int64_t)qh * D + 16 * v,
-                                 _mm512_mul_ps(inv, _mm512_loadu_ps(a + 16 * v)));
+                vf_store(out + (int64_t)qh * D + VW * v, vf_mul(inv, vf_load(a + VW * v)));
         }
     }
 }
 
-/* Specialised for head_dim 64 and 128, where the loops over 16-float vectors unroll. */
-#define ATTEND512_FOR(name, code)                                                     \
+/* Specialised for head_dim 64 and 128, where the loops over vectors unroll. */
+#define ATTEND_VEC_FOR(name, code)                                                    \
     static void name(const item_t *it, const shape_t *sh, float *state) {             \
         if (sh->head_dim == 64)                                                        \
-            attend512(it, sh, code, 4, state);                                         \
+            attend_vec(it, sh, code, 64 / VW, state);                                  \
         else if (sh->head_dim == 128)                                                  \
-            attend512(it, sh, code, 8, state);                                         \
+            attend_vec(it, sh, code, 128 / VW, state);                                 \
         else                                                                           \
-            attend512(it, sh, code, sh->head_dim / 16, state);                         \
+            attend_vec(it, sh, code, sh->head_dim / VW, state);                        \
     }
-ATTEND512_FOR(attend512_f32, DTYPE_F32)
-ATTEND512_FOR(attend512_bf16, DTYPE_BF16)
-ATTEND512_FOR(attend512_f16, DTYPE_F16)
+ATTEND_VEC_FOR(attend_vec_f32, DTYPE_F32)
+ATTEND_VEC_FOR(attend_vec_bf16, DTYPE_BF16)
+ATTEND_VEC_FOR(attend_vec_f16, DTYPE_F16)
 #endif
 
 /* ------------------------------------------------------------------------- */
@@ -456,8 +432,8 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     const int splits = num_kv_heads / per_item;
     const int64_t items = num_tiles * splits;
     if (items < num_threads) num_threads = items > 0 ? (int)items : 1;
-#if defined(__AVX512F__)
-    const int vector_path = head_dim % 16 == 0 && head_dim <= 16 * MAX_NV;
+#if SIMD_VW
+    const int vector_path = head_dim % VW == 0 && head_dim <= VW * MAX_NV;
 #else
     const int vector_path = 0;
 #endif
@@ -467,7 +443,7 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     {
         const size_t nq = (size_t)per_item * sh.group;
         /* The portable path keeps the scores of a whole context (one token at a time);
-         * the AVX-512 path only the online-softmax state (acc, running max, denominator)
+         * the vector path only the online-softmax state (acc, running max, denominator)
          * of each token of a tile, in ``acc``. */
         float *scores =
             vector_path ? NULL : malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
@@ -500,14 +476,14 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
                 const item_t it = {query + (int64_t)tl.tok0 * q_stride + head_off,
                                    out + (int64_t)tl.tok0 * out_stride + head_off, table,
                                    q_stride, out_stride, tl.len0, tl.ntok, h0, per_item};
-#if defined(__AVX512F__)
+#if SIMD_VW
                 if (vector_path) {
                     if (dtype == DTYPE_F32)
-                        attend512_f32(&it, &sh, acc);
+                        attend_vec_f32(&it, &sh, acc);
                     else if (dtype == DTYPE_BF16)
-                        attend512_bf16(&it, &sh, acc);
+                        attend_vec_bf16(&it, &sh, acc);
                     else
-                        attend512_f16(&it, &sh, acc);
+                        attend_vec_f16(&it, &sh, acc);
                     continue;
                 }
 #endif

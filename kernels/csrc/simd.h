@@ -1,0 +1,214 @@
+/*
+ * One vector type for the CPU kernels, its width chosen at compile time:
+ *
+ *   AVX-512F              SIMD_VW 16  (``-march=x86-64-v4`` and newer)
+ *   AVX2 + FMA + F16C     SIMD_VW 8   (``-march=x86-64-v3``: Haswell and Zen onwards)
+ *   anything else         SIMD_VW 0   (the kernels' portable loops; aarch64 included)
+ *
+ * Each kernel is written once against ``vf`` (VW float32 lanes) and ``vmask`` (a
+ * subset of the lanes); only this header names intrinsics. Every operation rounds as
+ * its scalar form does, and ``vf_exp`` gives the same bits at both widths.
+ */
+#ifndef PAGEDSERVE_SIMD_H
+#define PAGEDSERVE_SIMD_H
+
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SIMD_VW 16
+#define SIMD_NAME "avx512"
+typedef __m512 vf;
+typedef __mmask16 vmask;
+
+#define vf_load _mm512_loadu_ps
+#define vf_load_aligned _mm512_load_ps
+#define vf_store _mm512_storeu_ps
+#define vf_store_aligned _mm512_store_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_zero _mm512_setzero_ps
+#define vf_add _mm512_add_ps
+#define vf_sub _mm512_sub_ps
+#define vf_mul _mm512_mul_ps
+#define vf_div _mm512_div_ps
+#define vf_min _mm512_min_ps
+#define vf_max _mm512_max_ps
+/* a * b + c and c - a * b, each rounded once. */
+#define vf_fmadd _mm512_fmadd_ps
+#define vf_fnmadd _mm512_fnmadd_ps
+#define vf_reduce_add _mm512_reduce_add_ps
+#define vf_reduce_max _mm512_reduce_max_ps
+
+static inline vf vf_round(vf x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* p * 2^n for integral n in [-126, 128]. */
+static inline vf vf_scale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+
+/* The first ``n`` lanes (all of them for n >= VW). */
+static inline vmask vm_first(int n) {
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+}
+static inline vmask vm_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+static inline vmask vm_nan(vf a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+static inline vmask vm_or(vmask a, vmask b) { return a | b; }
+static inline int vm_any(vmask m) { return m != 0; }
+/* m ? a : b, lane by lane. */
+static inline vf vf_select(vmask m, vf a, vf b) { return _mm512_mask_mov_ps(b, m, a); }
+/* The first ``n`` floats at ``p`` (lanes past them are zero and never read). */
+static inline vf vf_load_first(const float *p, int n) {
+    return _mm512_maskz_loadu_ps(vm_first(n), p);
+}
+static inline void vf_store_first(float *p, int n, vf v) {
+    _mm512_mask_storeu_ps(p, vm_first(n), v);
+}
+/* VW bfloat16 / float16 values widened to float32 (exact). */
+static inline vf vf_load_bf16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline vf vf_load_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+/* 1 / d: the hardware estimate refined by one Newton step (within an ulp or two). */
+static inline vf vf_rcp(vf d) {
+    const vf r = _mm512_rcp14_ps(d);
+    return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+}
+
+/* VW horizontal sums at once: lane r of the result is the sum of the lanes of
+ * ``p[VF_SUM_SLOT(r)]``. Each step adds pairs of lanes that come from the same input
+ * vector, so a lane of the result never mixes two inputs (unused slots may hold
+ * anything finite). 15 shuffle pairs and adds instead of 16 reductions. */
+#define VF_SUM_SLOT(r) (4 * ((r) & 3) + ((r) >> 2))
+static inline __attribute__((always_inline)) vf vf_sum_lanes(const vf *p) {
+    __m512 c[8], d[4], e[2];
+    for (int i = 0; i < 8; ++i)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)
+        e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
+                         _mm512_shuffle_ps(e[0], e[1], 0xDD));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SIMD_VW 8
+#define SIMD_NAME "avx2"
+typedef __m256 vf;
+typedef __m256 vmask; /* all-ones lanes */
+
+#define vf_load _mm256_loadu_ps
+#define vf_load_aligned _mm256_load_ps
+#define vf_store _mm256_storeu_ps
+#define vf_store_aligned _mm256_store_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_zero _mm256_setzero_ps
+#define vf_add _mm256_add_ps
+#define vf_sub _mm256_sub_ps
+#define vf_mul _mm256_mul_ps
+#define vf_div _mm256_div_ps
+#define vf_min _mm256_min_ps
+#define vf_max _mm256_max_ps
+#define vf_fmadd _mm256_fmadd_ps
+#define vf_fnmadd _mm256_fnmadd_ps
+
+static inline float vf_reduce_add(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline float vf_reduce_max(vf v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+static inline vf vf_round(vf x) {
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+/* p * 2^n for integral n in [-126, 128], as two exact power-of-two products (2^n
+ * alone is not a float at n = 128), so the result rounds once, as scalef's. */
+static inline vf vf_scale2(vf p, vf n) {
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i half = _mm256_srai_epi32(ni, 1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    const __m256 s2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+static inline vmask vm_first(int n) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+}
+static inline vmask vm_gt(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+static inline vmask vm_nan(vf a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }
+static inline vmask vm_or(vmask a, vmask b) { return _mm256_or_ps(a, b); }
+static inline int vm_any(vmask m) { return _mm256_movemask_ps(m) != 0; }
+static inline vf vf_select(vmask m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); }
+static inline vf vf_load_first(const float *p, int n) {
+    return _mm256_maskload_ps(p, _mm256_castps_si256(vm_first(n)));
+}
+static inline void vf_store_first(float *p, int n, vf v) {
+    _mm256_maskstore_ps(p, _mm256_castps_si256(vm_first(n)), v);
+}
+static inline vf vf_load_bf16(const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline vf vf_load_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+/* The 12-bit estimate and one Newton step: about 22 bits. */
+static inline vf vf_rcp(vf d) {
+    const vf r = _mm256_rcp_ps(d);
+    return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.0f)));
+}
+
+/* Lane r of the result is the sum of the lanes of ``p[r]`` (three rounds of pairwise
+ * adds within each input, then the two halves). */
+#define VF_SUM_SLOT(r) (r)
+static inline __attribute__((always_inline)) vf vf_sum_lanes(const vf *p) {
+    const __m256 t0 = _mm256_hadd_ps(p[0], p[1]), t1 = _mm256_hadd_ps(p[2], p[3]);
+    const __m256 t2 = _mm256_hadd_ps(p[4], p[5]), t3 = _mm256_hadd_ps(p[6], p[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+#else
+#define SIMD_VW 0
+#define SIMD_NAME "portable"
+#endif
+
+#if SIMD_VW
+/* exp(x) (Cephes' polynomial after n*ln2 range reduction; ~1 ulp). Inputs below -87
+ * give about 1e-38 and above 88.7 overflow to +inf, as expf. */
+static inline vf vf_exp(vf x) {
+    x = vf_min(vf_max(x, vf_set1(-87.0f)), vf_set1(89.0f));
+    const vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnmadd(n, vf_set1(0.693359375f), x);
+    r = vf_fnmadd(n, vf_set1(-2.12194440e-4f), r);
+    vf p = vf_set1(1.9875691500e-4f);
+    p = vf_fmadd(p, r, vf_set1(1.3981999507e-3f));
+    p = vf_fmadd(p, r, vf_set1(8.3334519073e-3f));
+    p = vf_fmadd(p, r, vf_set1(4.1665795894e-2f));
+    p = vf_fmadd(p, r, vf_set1(1.6666665459e-1f));
+    p = vf_fmadd(p, r, vf_set1(5.0000001201e-1f));
+    p = vf_fmadd(vf_mul(p, r), r, vf_add(r, vf_set1(1.0f)));
+    return vf_scale2(p, n);
+}
+
+/* Fetch the cache line at ``p`` into L2. */
+#define prefetch_l2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
+#endif
+
+#endif
