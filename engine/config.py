@@ -27,7 +27,8 @@ class EngineConfig:
     tokenizer: str | None = None
     revision: str | None = None
     dtype: str = "auto"
-    """auto = checkpoint dtype on CUDA, float32 on the CPU."""
+    """auto = checkpoint dtype on CUDA; on the CPU bfloat16 where it computes in bfloat16
+    natively (AVX512-BF16, AMX-BF16), float32 elsewhere."""
     max_model_len: int | None = None
     seed: int = 0
     # KV cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -14,6 +15,7 @@ from engine.loader import iter_weights, load_config, load_tokenizer, resolve_mod
 from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.scheduler import SchedulerOutput
+from kernels import cpu_paths
 from kernels.registry import get_attention_backend
 
 logger = logging.getLogger("engine")
@@ -30,15 +32,32 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, hf_config, device: torch.device,
+                  cpu_native_bf16: bool | None = None) -> torch.dtype:
+    """``auto``: the checkpoint's 16-bit dtype (else bfloat16) on CUDA; on the CPU,
+    bfloat16 where the CPU computes in it natively (AVX512-BF16, AMX), else float32.
+    ``cpu_native_bf16`` overrides the CPU's own answer (tests)."""
+    if device.type == "cpu":
+        native = cpu_paths.native_bf16() if cpu_native_bf16 is None else cpu_native_bf16
+        if name == "auto":
+            return torch.bfloat16 if native else torch.float32
+        if name == "bfloat16" and not native:
+            _warn_slow_bf16()
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(ckpt, str):
         ckpt = _DTYPES.get(ckpt)
     return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@functools.cache
+def _warn_slow_bf16() -> None:
+    logger.warning(
+        "dtype bfloat16 on a CPU without native bfloat16 arithmetic (no AVX512-BF16 or "
+        "AMX-BF16): every matrix product widens to float32 and rounds back, so prefill "
+        "and batched decode run several times slower than float32 (dtype='auto' picks "
+        "float32 here)")
 
 
 class Worker:
@@ -77,6 +96,12 @@ class Worker:
         self.eos_token_ids = self._eos_ids()
 
         self.attn = get_attention_backend(config.attention_backend, self.device)
+        if self.device.type == "cpu":
+            self.cpu_paths = cpu_paths.describe(self.attn)
+            logger.info("%s", cpu_paths.summary(self.cpu_paths,
+                                                str(self.dtype).removeprefix("torch.")))
+        else:
+            self.cpu_paths = None
         self.attn.ops.prepare_weights(model.linear_weights())
         num_blocks = self._num_blocks()
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,

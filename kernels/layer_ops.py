@@ -15,7 +15,9 @@ float32 with up to 256 rows (decode steps), the native library's own linear
 its linears take 10-35% less time than oneDNN's packed linear or ``F.linear`` (oneDNN
 ran three of the four layer shapes at one core's speed on two cores); each output is
 one multiply-add chain in k order, so a row's result does not depend on the other rows
-in the batch. Larger float32 batches use ``F.linear``. bfloat16 uses weights pre-packed
+in the batch. Larger float32 batches use ``F.linear`` on AVX-512 builds (oneDNN's packed
+weights measured 1.02-1.04x its time there) and oneDNN's packed weights on AVX2 builds
+(0.78-0.91x ``F.linear``'s time at 300-2048 rows on an AMD EPYC). bfloat16 uses weights pre-packed
 for oneDNN at every size (15-50% faster than ``F.linear``) where oneDNN has a bfloat16
 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere ``F.linear``), as does float32 on
 builds without a vector path (2 to 1024 rows). The packed copy lives beside the weight
@@ -134,12 +136,16 @@ class NativeLayerOps(TorchLayerOps):
         # oneDNN refuses bfloat16 weights on CPUs without AVX-512 BW/VL/DQ or
         # AVX-NE-CONVERT ("bf16 path needs the cpu support ...").
         self._packing_bf16 = self._packing and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        # Float32 batches past the native linear's rows: oneDNN's packed weights where
+        # they beat F.linear (AVX2 builds; see the module docstring).
+        self._packed_above_native = self._gemm and self._packing and self.isa == "avx2"
 
     def paths(self) -> dict[str, str]:
         """What each op runs here: ``layer_ops`` (the library's vector level),
         ``linear_f32`` and ``linear_bf16``."""
         if self._gemm:
-            f32 = (f"native-{self.isa} (1-{NATIVE_LINEAR_MAX_ROWS} rows), torch above")
+            above = "onednn-packed" if self._packed_above_native else "torch"
+            f32 = f"native-{self.isa} (1-{NATIVE_LINEAR_MAX_ROWS} rows), {above} above"
         elif self._packing:
             f32 = f"onednn-packed ({PACKED_F32_ROWS[0]}-{PACKED_F32_ROWS[1]} rows), torch else"
         else:
@@ -154,8 +160,9 @@ class NativeLayerOps(TorchLayerOps):
                 continue
             if w.dtype == torch.float32 and self._gemm:
                 self._native_packed(w)
-            elif (w.dtype == torch.float32 and self._packing
-                  or w.dtype == torch.bfloat16 and self._packing_bf16):  # fmt: skip
+            f32_packed = not self._gemm or self._packed_above_native
+            if (w.dtype == torch.float32 and self._packing and f32_packed
+                    or w.dtype == torch.bfloat16 and self._packing_bf16):  # fmt: skip
                 try:
                     self._packed(w)
                 except (RuntimeError, AttributeError) as exc:
@@ -214,8 +221,11 @@ class NativeLayerOps(TorchLayerOps):
             return False
         if x.dtype == torch.bfloat16:
             return self._packing_bf16
-        return (x.dtype == torch.float32 and not self._gemm
-                and PACKED_F32_ROWS[0] <= x.shape[0] <= PACKED_F32_ROWS[1])  # fmt: skip
+        if x.dtype != torch.float32:
+            return False
+        if self._gemm:
+            return self._packed_above_native and x.shape[0] > NATIVE_LINEAR_MAX_ROWS
+        return PACKED_F32_ROWS[0] <= x.shape[0] <= PACKED_F32_ROWS[1]
 
     @staticmethod
     def _packed(weight: torch.Tensor) -> torch.Tensor:

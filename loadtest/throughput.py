@@ -88,6 +88,7 @@ def _fmt_rate(d: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark, print its report, and return it (also saved with --save-result)."""
     from engine.llm import LLM
+    from kernels import cpu_paths
 
     apply_threads(args)
     env = environment_info()
@@ -98,6 +99,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     dtype = str(worker.dtype).removeprefix("torch.")
     token_ids = vocab_token_ids(llm)
     workload = _workload(args, token_ids)
+    if worker.cpu_paths is not None:
+        env["cpu_paths"] = worker.cpu_paths
     print_header("pagedserve bench throughput", env, {
         "model": f"{worker.model_name} ({worker.model_path})",
         "dtype": dtype,
@@ -107,6 +110,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                    f"{llm.config.block_size} kv_blocks={llm.engine.kv.num_blocks} "
                    f"prefix_caching={'on' if llm.config.enable_prefix_caching else 'off'} "
                    f"attention={worker.attn.name}"),
+        **({"cpu paths": cpu_paths.summary(worker.cpu_paths, dtype)}
+           if worker.cpu_paths is not None else {}),
         "workload": (f"{workload.num_requests} requests, input {args.input_len_min}-"
                      f"{args.input_len_max}, output {args.output_len_min}-"
                      f"{args.output_len_max} (ignore_eos, greedy): "

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from kernels import cpu_native
+
 from loadtest import linear_floor, prefix_bench, throughput
 from loadtest.bench_common import StepRecord
 from loadtest.workloads import (
@@ -89,6 +91,12 @@ def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
     env = rep["environment"]
     for key in ("cpu", "cpu_cores", "torch_threads", "torch", "transformers", "pagedserve"):
         assert key in env
+    # The chosen CPU paths, in the header and the JSON, as the engine reported them.
+    from kernels import cpu_paths
+
+    paths = env["cpu_paths"]
+    assert paths["attention"] == paths["layer_ops"] == cpu_native.runnable_levels()[-1]
+    assert f"cpu paths: {cpu_paths.summary(paths, rep['dtype'])}" in text
 
 
 def test_throughput_bench_repeated_pairs(tiny_llama, tmp_path, capsys):

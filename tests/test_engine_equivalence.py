@@ -67,7 +67,7 @@ def test_default_model_matches_hf_chunked_mixed_batch(backend, default_prompts,
                                                       default_reference):  # fmt: skip
     assert any(len(p) > 3 * 16 for p in default_prompts)
     # A small token budget chunks the long prompts and mixes decodes with prefill chunks.
-    llm = LLM(max_num_batched_tokens=24, enable_prefix_caching=False, attention_backend=backend)
+    llm = LLM(dtype="float32", max_num_batched_tokens=24, enable_prefix_caching=False, attention_backend=backend)
     # auto on the CPU is the native decode kernel; torch is the fallback without a compiler.
     assert llm.engine.worker.attn.name == ("cpu" if backend == "auto" else "torch")
     assert run(llm, default_prompts) == default_reference
@@ -76,14 +76,14 @@ def test_default_model_matches_hf_chunked_mixed_batch(backend, default_prompts,
 
 def test_default_model_matches_hf_under_preemption(default_prompts, default_reference):
     # 40 blocks of 16 tokens cannot hold 9 requests of ~90-130 tokens at once.
-    llm = LLM(num_gpu_blocks_override=40, max_num_batched_tokens=64, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", num_gpu_blocks_override=40, max_num_batched_tokens=64, enable_prefix_caching=False)
     assert run(llm, default_prompts) == default_reference
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv.stats().num_free_blocks == 40
 
 
 def test_default_model_unchunked_and_batch_size_one(default_prompts, default_reference):
-    llm = LLM(enable_chunked_prefill=False, max_num_seqs=1, max_model_len=2048)
+    llm = LLM(dtype="float32", enable_chunked_prefill=False, max_num_seqs=1, max_model_len=2048)
     assert run(llm, default_prompts) == default_reference
 
 
@@ -98,5 +98,5 @@ def test_tiny_models_match_hf(arch, tiny_model_factory, default_tokenizer):
     for kwargs in ({"max_num_batched_tokens": 16}, {"max_num_seqs": 16},
                    {"num_gpu_blocks_override": 12, "max_num_batched_tokens": 32},
                    {"enable_chunked_prefill": False, "max_num_seqs": 1}):
-        llm = LLM(model=str(path), enable_prefix_caching=False, **kwargs)
+        llm = LLM(model=str(path), dtype="float32", enable_prefix_caching=False, **kwargs)
         assert run(llm, prompts, 32) == ref, kwargs

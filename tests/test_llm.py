@@ -20,7 +20,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory_gb=0.25, max_num_batched_tokens=64)
+    return LLM(dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=64)
 
 
 def test_kv_cache_is_one_huge_page_aligned_pool(llm):
@@ -171,7 +171,7 @@ def test_n_gives_n_outputs(llm):
 
 
 def test_n_without_prefix_caching_forks_prompt_blocks():
-    llm = LLM(kv_cache_memory_gb=0.25, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", kv_cache_memory_gb=0.25, enable_prefix_caching=False)
     prompt = " ".join(["word"] * 60)
     out = llm.generate(prompt, SamplingParams(n=3, temperature=0, max_tokens=6), use_tqdm=False)
     one = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)

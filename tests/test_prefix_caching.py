@@ -36,8 +36,8 @@ def _tokens(outs):
 
 
 def test_outputs_identical_off_cold_warm(prompts):
-    off = _tokens(_gen(LLM(enable_prefix_caching=False, max_num_batched_tokens=32), prompts))
-    llm = LLM(enable_prefix_caching=True, max_num_batched_tokens=32)
+    off = _tokens(_gen(LLM(dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=32), prompts))
+    llm = LLM(dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=32)
     cold = _gen(llm, prompts)
     warm = _gen(llm, prompts)
     assert _tokens(cold) == off
@@ -56,7 +56,7 @@ def test_shared_prefix_shares_physical_blocks(prompts):
     shared = prompts[:3]  # same system prompt, different questions
 
     def peak_blocks(enable: bool) -> tuple[int, int]:
-        llm = LLM(enable_prefix_caching=enable)
+        llm = LLM(dtype="float32", enable_prefix_caching=enable)
         eng = llm.engine
         for p in shared:
             eng.add_request(None, p, GREEDY)
@@ -79,7 +79,7 @@ def test_shared_prefix_shares_physical_blocks(prompts):
 
 
 def test_cache_salt_never_shares(prompts):
-    llm = LLM(enable_prefix_caching=True)
+    llm = LLM(dtype="float32", enable_prefix_caching=True)
     a = _gen(llm, prompts[:1], cache_salt="tenant-a")
     b = _gen(llm, prompts[:1], cache_salt="tenant-b")
     again = _gen(llm, prompts[:1], cache_salt="tenant-a")
@@ -89,7 +89,7 @@ def test_cache_salt_never_shares(prompts):
 
 
 def test_reset_prefix_cache(prompts):
-    llm = LLM(enable_prefix_caching=True)
+    llm = LLM(dtype="float32", enable_prefix_caching=True)
     _gen(llm, prompts[:1])
     assert llm.reset_prefix_cache()
     assert _gen(llm, prompts[:1])[0].num_cached_tokens == 0

@@ -181,6 +181,12 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
 /* Query heads handled together in one sweep over a run of rows. */
 #define GCHUNK 4
 
+/* Vector registers: 32 with AVX-512, 16 with AVX2. */
+#define VREGS (VW == 16 ? 32 : 16)
+/* Whether ``GN`` heads' V accumulators of ``nv`` vectors each, a V row and the weights
+ * fit the register file (both are compile-time constants in every body). */
+#define V_IN_REGISTERS(GN, nv) ((GN) * (nv) + (nv) + (GN) <= VREGS)
+
 /* One run of ``m <= VW`` consecutive cache rows starting at row ``first``, for the
  * ``GN`` query heads at ``q`` that share the KV head at element offset ``head``:
  * scores (the VW dot products of a head reduced together by ``vf_sum_lanes``), then
@@ -227,24 +233,43 @@ static inline __attribute__((always_inline)) void attend_run(
             vf_store_aligned(p[g], e);
         }
     }
-    vf a[GCHUNK][MAX_NV];
-    for (int g = 0; g < GN; ++g) {
-        const vf c = vf_set1(corr[g]);
-        for (int j = 0; j < nv; ++j)
-            a[g][j] = vf_mul(c, vf_load(acc + (int64_t)g * D + VW * j));
-    }
-    for (int r = 0; r < m; ++r) {
-        const int64_t row = (first + r) * stride + head;
-        if (next_v != NULL) prefetch_bytes(next_v + r * next_stride, pf_bytes);
-        vf v[MAX_NV];
-        for (int j = 0; j < nv; ++j) v[j] = load_vec(sh->v_cache, row + VW * j, dtype);
+    if (V_IN_REGISTERS(GN, nv)) {
+        /* Row by row: each V row is loaded once and serves every head's accumulators. */
+        vf a[GCHUNK][MAX_NV];
         for (int g = 0; g < GN; ++g) {
-            const vf w = vf_set1(p[g][r]);
-            for (int j = 0; j < nv; ++j) a[g][j] = vf_fmadd(w, v[j], a[g][j]);
+            const vf c = vf_set1(corr[g]);
+            for (int j = 0; j < nv; ++j)
+                a[g][j] = vf_mul(c, vf_load(acc + (int64_t)g * D + VW * j));
         }
+        for (int r = 0; r < m; ++r) {
+            const int64_t row = (first + r) * stride + head;
+            if (next_v != NULL) prefetch_bytes(next_v + r * next_stride, pf_bytes);
+            vf v[MAX_NV];
+            for (int j = 0; j < nv; ++j) v[j] = load_vec(sh->v_cache, row + VW * j, dtype);
+            for (int g = 0; g < GN; ++g) {
+                const vf w = vf_set1(p[g][r]);
+                for (int j = 0; j < nv; ++j) a[g][j] = vf_fmadd(w, v[j], a[g][j]);
+            }
+        }
+        for (int g = 0; g < GN; ++g)
+            for (int j = 0; j < nv; ++j) vf_store(acc + (int64_t)g * D + VW * j, a[g][j]);
+        return;
     }
-    for (int g = 0; g < GN; ++g)
-        for (int j = 0; j < nv; ++j) vf_store(acc + (int64_t)g * D + VW * j, a[g][j]);
+    /* Too many accumulators for the register file (AVX2's 16 registers): one vector of
+     * the head dim at a time, over the run's rows (in L1 after the first), so that the
+     * accumulators never spill. The same sums in the same order. */
+    for (int j = 0; j < nv; ++j) {
+        vf a[GCHUNK];
+        for (int g = 0; g < GN; ++g)
+            a[g] = vf_mul(vf_set1(corr[g]), vf_load(acc + (int64_t)g * D + VW * j));
+        for (int r = 0; r < m; ++r) {
+            const int64_t row = (first + r) * stride + head;
+            if (j == 0 && next_v != NULL) prefetch_bytes(next_v + r * next_stride, pf_bytes);
+            const vf v = load_vec(sh->v_cache, row + VW * j, dtype);
+            for (int g = 0; g < GN; ++g) a[g] = vf_fmadd(vf_set1(p[g][r]), v, a[g]);
+        }
+        for (int g = 0; g < GN; ++g) vf_store(acc + (int64_t)g * D + VW * j, a[g]);
+    }
 }
 
 /* Dispatch on the number of query heads left in a chunk, so that each body has a

@@ -1,0 +1,65 @@
+"""Which CPU code paths this host gets, and why: one report for logs, benchmarks and tests.
+
+Tests ask :func:`describe` which path the code chose instead of assuming the host's
+instruction set; the engine logs :func:`summary` once at start-up and the throughput
+benchmark prints it in its header and JSON.
+"""
+
+from __future__ import annotations
+
+import platform
+
+from kernels import cpu_native
+from kernels.interface import AttentionBackend
+from kernels.layer_ops import NativeLayerOps
+
+# CPU flags worth naming in a report (x86 and aarch64 spellings as Linux reports them).
+_REPORTED = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16",
+             "amx_tile", "asimd", "bf16", "sve")  # fmt: skip
+# Flags of CPUs that compute in bfloat16 natively (AVX512-BF16 dot products, AMX tiles,
+# the Armv8.6 BF16 extension).
+_NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def native_bf16(features: frozenset[str] | None = None) -> bool:
+    """Whether the CPU computes in bfloat16 itself (AVX512-BF16, AMX-BF16 or Arm BF16);
+    elsewhere bfloat16 arithmetic is converted to float32 and back."""
+    have = cpu_native.cpu_features() if features is None else features
+    return any(flag in have for flag in _NATIVE_BF16)
+
+
+def describe(backend: AttentionBackend | None = None) -> dict[str, object]:
+    """The CPU's relevant features and the path each op takes with ``backend`` (default:
+    the backend ``"auto"`` picks on the CPU).
+
+    Keys: ``cpu`` (machine), ``features``, ``native_bf16``, ``levels`` (native build
+    levels this CPU runs), ``attention``, ``layer_ops``, ``linear_f32``, ``linear_bf16``.
+    """
+    if backend is None:
+        from kernels.registry import get_attention_backend
+
+        backend = get_attention_backend("auto", "cpu")
+    feats = cpu_native.cpu_features()
+    info: dict[str, object] = {
+        "cpu": platform.machine(),
+        "features": [f for f in _REPORTED if f in feats],
+        "native_bf16": native_bf16(feats),
+        "levels": list(cpu_native.runnable_levels()),
+    }
+    ops = backend.ops
+    if isinstance(ops, NativeLayerOps):
+        info["attention"] = ops.isa if backend.name == "cpu" else backend.name
+        info.update(ops.paths())
+    else:
+        info.update(attention=backend.name, layer_ops="torch", linear_f32="torch",
+                    linear_bf16="torch")  # fmt: skip
+    return info
+
+
+def summary(info: dict[str, object], dtype: str) -> str:
+    """One log line: ``cpu kernels: attention avx2, linear native-avx2 ..., layer ops avx2;
+    dtype float32 (no native bf16)``."""
+    linear = info["linear_bf16"] if dtype == "bfloat16" else info["linear_f32"]
+    bf16 = "native bf16" if info["native_bf16"] else "no native bf16"
+    return (f"cpu kernels: attention {info['attention']}, linear {linear}, layer ops "
+            f"{info['layer_ops']}; dtype {dtype} ({bf16})")  # fmt: skip
