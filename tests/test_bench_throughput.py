@@ -8,7 +8,6 @@ import json
 import pytest
 
 from kernels import cpu_native
-
 from loadtest import linear_floor, prefix_bench, throughput
 from loadtest.bench_common import StepRecord
 from loadtest.workloads import (
