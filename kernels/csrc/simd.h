@@ -13,6 +13,7 @@
 #define PAGEDSERVE_SIMD_H
 
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -154,11 +155,22 @@ static inline vmask vm_nan(vf a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }
 static inline vmask vm_or(vmask a, vmask b) { return _mm256_or_ps(a, b); }
 static inline int vm_any(vmask m) { return _mm256_movemask_ps(m) != 0; }
 static inline vf vf_select(vmask m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); }
+/* Through a stack copy for a partial vector: AMD cores microcode VMASKMOVPS stores
+ * (tens of cycles each). */
 static inline vf vf_load_first(const float *p, int n) {
-    return _mm256_maskload_ps(p, _mm256_castps_si256(vm_first(n)));
+    if (n >= 8) return _mm256_loadu_ps(p);
+    float tmp[8] = {0};
+    memcpy(tmp, p, sizeof(float) * (size_t)(n > 0 ? n : 0));
+    return _mm256_loadu_ps(tmp);
 }
 static inline void vf_store_first(float *p, int n, vf v) {
-    _mm256_maskstore_ps(p, _mm256_castps_si256(vm_first(n)), v);
+    if (n >= 8) {
+        _mm256_storeu_ps(p, v);
+        return;
+    }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    memcpy(p, tmp, sizeof(float) * (size_t)(n > 0 ? n : 0));
 }
 static inline vf vf_load_bf16(const uint16_t *p) {
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
