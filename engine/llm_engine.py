@@ -1,8 +1,9 @@
 """``LLMEngine``: the engine core shared by the offline ``LLM`` and the server.
 
-``add_request`` validates and queues; ``step`` runs one scheduler + model step and
-returns the outputs of the requests that progressed. The engine is single-threaded:
-the server drives it from its own engine thread, the offline API from the caller's.
+``add_request`` validates and queues; ``step`` runs one step as schedule -> execute ->
+update -> process outputs and returns the outputs of the requests that progressed. The
+engine is single-threaded: the server drives it from its own engine thread, the
+offline API from the caller's.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.output_processor import OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestGroup, RequestStatus
-from engine.sampler import check_token_ids, make_generator
+from engine.sampler import check_token_ids
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stop import StopChecker
@@ -26,8 +27,7 @@ from engine.worker import Worker
 
 logger = logging.getLogger("engine")
 
-OUTPUT_FINAL = "final"
-OUTPUT_DELTA = "delta"
+__all__ = ["OUTPUT_DELTA", "OUTPUT_FINAL", "EngineStats", "LLMEngine", "PromptTooLongError"]
 
 
 class PromptTooLongError(ValueError):
@@ -36,6 +36,24 @@ class PromptTooLongError(ValueError):
     def __init__(self, message: str, param: str = "messages") -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One step, as :meth:`LLMEngine.step` ran it."""
+
+    num_tokens: int
+    """Tokens computed (prompt chunks and decodes)."""
+    num_requests: int
+    num_decodes: int
+    """Requests that computed one token."""
+    num_sampled: int
+    """Requests that sampled a token."""
+    schedule_s: float
+    execute_s: float
+    """The forward pass and sampling."""
+    output_s: float
+    """Updating the requests and building the outputs."""
 
 
 @dataclass(slots=True)
@@ -57,23 +75,35 @@ class LLMEngine:
         self.token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
         """One token's text decoded alone (cached); logprobs show it."""
         self.max_model_len = w.max_model_len
-        self.kv = w.kv_manager
         self.block_size = config.block_size
         self.scheduler = Scheduler(
-            self.kv,
+            w.num_blocks, config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=w.max_num_batched_tokens,
+            max_model_len=w.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
-        )
+        )  # fmt: skip
+        self.output = OutputProcessor(self.scheduler, self.token_text)
         self.eos_token_ids = w.eos_token_ids
         self.vocab_size = w.vocab_size
-        self._groups: dict[str, RequestGroup] = {}
-        self._output_kind: dict[str, str] = {}
-        self._sent: dict[str, list[tuple[int, int]]] = {}
         self._counter = itertools.count()
         self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
-        self.finished_by_reason: dict[str, int] = {}
+        self.last_step: StepStats | None = None
+        """The statistics of the latest step that ran (benchmarks read them)."""
+
+    @property
+    def kv(self):
+        """The scheduler's :class:`blockmgr.KVCacheManager` (read-only use: stats)."""
+        return self.scheduler.kv
+
+    @property
+    def num_generation_tokens_total(self) -> int:
+        return self.output.num_generation_tokens_total
+
+    @property
+    def finished_by_reason(self) -> dict[str, int]:
+        return self.output.finished_by_reason
 
     # -- requests -----------------------------------------------------------
     def new_request_id(self) -> str:
@@ -140,7 +170,7 @@ class LLMEngine:
         param_name: str = "prompt",
     ) -> RequestGroup:
         request_id = request_id or self.new_request_id()
-        if request_id in self._groups:
+        if request_id in self.output.groups:
             raise ValueError(f"request_id={request_id!r} is already in use")
         for t in prompt_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
@@ -148,7 +178,6 @@ class LLMEngine:
                     f"prompt token id {t!r} is out of range [0, {self.vocab_size})", param_name)
         check_token_ids(params, self.vocab_size)
         max_tokens = self.check_length(len(prompt_token_ids), params, param_name)
-        params._eos_token_ids = self.eos_token_ids
         now = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), params, now)
         for i in range(params.n):
@@ -159,18 +188,16 @@ class LLMEngine:
                 params=params,
                 prompt_token_ids=group.prompt_token_ids,
                 max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt,
                 arrival_time=now,
             )
-            req.generator = make_generator(params, self.worker.device, i)
             req.detok = IncrementalDetokenizer(
                 self.tokenizer, group.prompt_token_ids, params.skip_special_tokens,
                 params.spaces_between_special_tokens)
             req.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
             group.members.append(req)
-        self._groups[request_id] = group
-        self._output_kind[request_id] = output_kind
-        self._sent[request_id] = [(0, 0)] * params.n
+        self.output.add(group, output_kind)
         for req in group.members:
             self.scheduler.add_request(req)
         self.num_prompt_tokens_total += len(prompt_token_ids)
@@ -178,152 +205,54 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request wherever it is; its blocks return to the pool at once."""
-        group = self._groups.get(request_id)
+        group = self.output.groups.get(request_id)
         if group is None:
             return None
-        for req in group.members:
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._make_output(group, force=True)
+        self._finish(group.members, RequestStatus.FINISHED_ABORTED)
+        return self.output.make_output(group, force=True)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _finish(self, reqs: list[Request], status: RequestStatus) -> None:
+        for req in reqs:
+            self.scheduler.finish_request(req, status)
+            self.output.count_finished(req)
+
     # -- one step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """schedule -> execute -> update -> process outputs."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        requests = self.scheduler.requests
         now = time.monotonic()
-        for req, _ in sched.scheduled:
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
+        for rid in sched.num_scheduled_tokens:
+            m = requests[rid].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        t1 = time.perf_counter()
         try:
-            reqs, out = self.worker.execute(sched)
+            result = self.worker.execute(sched)
         except Exception:
             logger.exception("model step failed; failing the %d requests in it",
-                             len(sched.scheduled))
-            failed = {r.group.request_id: r.group for r, _ in sched.scheduled}
-            for req, _ in sched.scheduled:
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-            # Blocks of this step were registered in the prefix cache but never written.
-            self.kv.drop_unreferenced_cache()
-            return [self._make_output(g, force=True) for g in failed.values()]
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-        touched: dict[str, RequestGroup] = {}
-        now = time.monotonic()
-        if out is not None:
-            for i, req in enumerate(reqs):
-                self._append_token(req, out.token_ids[i], out.logprobs[i], now)
-                touched[req.group.request_id] = req.group
-        return [o for g in touched.values() if (o := self._make_output(g)) is not None]
-
-    def _append_token(self, req: Request, token: int, logprob: Any, now: float) -> None:
-        req.all_token_ids.append(token)
-        self.num_generation_tokens_total += 1
-        m = req.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        m.last_token_time = now
-        if logprob is not None:
-            logprob.decoded = self.token_text(logprob.token_id)
-            for cand in logprob.top:
-                cand.decoded = self.token_text(cand.token_id)
-            req.logprobs.append(logprob)
-            req.cumulative_logprob += logprob.logprob
-        p = req.params
-        n_out = req.num_output_tokens
-        status = None
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif token in p.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-        by_token = status is not None  # EOS or a stop token: its text is not decoded
-        if status is None:
-            delta = req.detok.decode_next(token)
-            # Stop strings end the output only once min_tokens are out (one may begin
-            # before that).
-            emitted, matched = req.stop_checker.feed(delta, match=n_out >= p.min_tokens)
-            req.output_text += emitted
-            if matched is not None:
-                req.stop_reason = matched
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            if not isinstance(req.stop_reason, str):  # EOS, stop token or length
-                if by_token and p.include_stop_str_in_output:
-                    # The stop token's own text (empty for a special token skipped in
-                    # the output), after whatever the stop checker holds.
-                    req.output_text += (req.stop_checker.flush() + req.detok.decode_next(token)
-                                        + req.detok.flush())
-                else:
-                    # Text held back for a character the output ends inside of (U+FFFD,
-                    # as a full decode gives), still checked for stop strings.
-                    tail = req.detok.flush()
-                    if tail:
-                        emitted, matched = req.stop_checker.feed(
-                            tail, match=n_out >= p.min_tokens)
-                        req.output_text += emitted
-                        if matched is not None:
-                            req.stop_reason = matched
-                            status = RequestStatus.FINISHED_STOPPED
-                    if not isinstance(req.stop_reason, str):
-                        req.output_text += req.stop_checker.flush()
-            self._finish(req, status)
-
-    def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.status.finished:
-            return
-        self.scheduler.finish(req, status)
-        req.metrics.finished_time = time.monotonic()
-        reason = req.finish_reason or "error"
-        self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
-
-    def _make_output(self, group: RequestGroup, force: bool = False) -> RequestOutput | None:
-        rid = group.request_id
-        kind = self._output_kind.get(rid, OUTPUT_FINAL)
-        finished = group.finished
-        if kind == OUTPUT_FINAL and not finished and not force:
-            return None
-        sent = self._sent.get(rid)
-        outs = []
-        for req in group.members:
-            text, lps = req.output_text, req.logprobs
-            t0 = i0 = 0
-            if kind == OUTPUT_DELTA and sent is not None:
-                # Slice only what is new: a stream costs O(new tokens) per step, not O(all).
-                t0, i0 = sent[req.index]
-                sent[req.index] = (len(text), req.num_output_tokens)
-                text = text[t0:]
-                lps = lps[i0:] if lps is not None else None
-            ids = req.all_token_ids[req.num_prompt_tokens + i0:]
-            outs.append(CompletionOutput(
-                index=req.index,
-                text=text,
-                token_ids=ids,
-                cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-                logprobs=lps,
-                finish_reason=req.finish_reason,
-                stop_reason=req.stop_reason,
-            ))
-        first = group.members[0]
-        out = RequestOutput(
-            request_id=rid,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outs,
-            finished=finished,
-            metrics=first.metrics,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-        )
-        if finished:
-            self._groups.pop(rid, None)
-            self._output_kind.pop(rid, None)
-            self._sent.pop(rid, None)
-        return out
+                             len(sched.num_scheduled_tokens))
+            reqs = [requests[rid] for rid in sched.num_scheduled_tokens]
+            self.scheduler.fail_requests(sched.num_scheduled_tokens)
+            groups = {r.group.request_id: r.group for r in reqs}
+            for req in reqs:
+                self.output.count_finished(req)
+            return [self.output.make_output(g, force=True) for g in groups.values()]
+        t2 = time.perf_counter()
+        sampled = self.scheduler.update_from_output(sched, result)
+        outputs = self.output.process(sampled)
+        counts = sched.num_scheduled_tokens.values()
+        self.last_step = StepStats(
+            sched.total_num_scheduled_tokens, len(counts), sum(1 for n in counts if n == 1),
+            0 if result is None else len(result.req_ids), t1 - t0, t2 - t1,
+            time.perf_counter() - t2)  # fmt: skip
+        return outputs
 
     # -- introspection --------------------------------------------------------
     def stats(self) -> EngineStats:

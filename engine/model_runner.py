@@ -1,4 +1,10 @@
-"""Turns a scheduled step into one packed forward pass and samples the next tokens."""
+"""Turns a scheduled step into one packed forward pass and samples the next tokens.
+
+The runner keeps its own state of every request it runs (token ids, block table,
+sampling parameters, random generator), brought up to date from each step's
+:class:`~engine.scheduler_output.SchedulerOutput` diffs; it never sees the scheduler's
+objects or the block manager.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from blockmgr import KVCacheManager
 from engine.models import DecoderForCausalLM
-from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
-from engine.scheduler import SchedulerOutput
+from engine.sampler import Sampler, SamplingRow, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ModelRunnerOutput
+from engine.scheduler_output import SchedulerOutput
 from kernels.interface import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -22,13 +28,29 @@ logger = logging.getLogger("engine.model_runner")
 
 
 @dataclass(slots=True)
+class CachedRequestState:
+    """The runner's copy of one request."""
+
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sampling_reqs: list[Request]
-    order: list[tuple[Request, int]]
+    sampling_ids: list[str]
+    """Requests that caught up with their tokens this step: each samples one token."""
 
 
 class ModelRunner:
@@ -40,21 +62,46 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         vocab_size: int,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.attn = attn
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(vocab_size, argmax=attn.ops.argmax)
+        self.requests: dict[str, CachedRequestState] = {}
         self.decode_graphs: DecodeGraphRunner | None = None
         """Set on CUDA (``engine.cuda_graphs``): runs decode-only steps as CUDA graphs."""
 
-    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+    def update_states(self, sched: SchedulerOutput) -> None:
+        """Bring the per-request state up to date with the step's description."""
+        for rid in sched.finished_req_ids:
+            self.requests.pop(rid, None)
+        for rid in sched.preempted_req_ids:
+            # Its blocks are gone; when it is scheduled again its description carries the
+            # whole new table. Its generator stays: its random stream continues.
+            self.requests[rid].block_ids = []
+        for new in sched.new_requests:
+            self.requests[new.req_id] = CachedRequestState(
+                prompt_token_ids=new.prompt_token_ids,
+                all_token_ids=[*new.prompt_token_ids, *new.output_token_ids],
+                params=new.params,
+                generator=make_generator(new.params, self.device, new.sample_index),
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens)
+        for cached in sched.cached_requests:
+            state = self.requests[cached.req_id]
+            state.all_token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
         # Decodes (one query token) first, then prefill chunks: the kernels' contract.
-        order = [x for x in sched.scheduled if x[1] == 1]
+        items = list(sched.num_scheduled_tokens.items())
+        order = [x for x in items if x[1] == 1]
         num_decodes = len(order)
-        order += [x for x in sched.scheduled if x[1] != 1]
+        order += [x for x in items if x[1] != 1]
 
         bs = self.block_size
         input_ids: list[int] = []
@@ -64,19 +111,20 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         logits_idx: list[int] = []
-        sampling_reqs: list[Request] = []
-        for i, (req, n) in enumerate(order):
-            start = req.num_computed_tokens
+        sampling_ids: list[str] = []
+        for i, (rid, n) in enumerate(order):
+            state = self.requests[rid]
+            start = state.num_computed_tokens
             end = start + n
-            input_ids.extend(req.all_token_ids[start:end])
+            input_ids.extend(state.all_token_ids[start:end])
             positions.extend(range(start, end))
             req_index.extend([i] * n)
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
-            tables.append(kv.get_block_table(req.request_id))
-            if end == req.num_tokens:  # caught up: this step yields its next token
+            tables.append(state.block_ids)
+            if end == len(state.all_token_ids):  # caught up: this step yields its next token
                 logits_idx.append(qsl[-1] - 1)
-                sampling_reqs.append(req)
+                sampling_ids.append(rid)
 
         max_blocks = max(len(t) for t in tables)
         bt = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
@@ -92,29 +140,29 @@ class ModelRunner:
             positions=pos_t.to(dev),
             meta=meta,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
-            sampling_reqs=sampling_reqs,
-            order=order,
+            sampling_ids=sampling_ids,
         )
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one step. Returns the requests that sample and what they sampled."""
-        step = self.prepare(sched, kv)
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step: the requests that caught up with their tokens and what each
+        sampled (None when none did)."""
+        self.update_states(sched)
+        step = self.prepare(sched)
         hidden = None if self.decode_graphs is None else self.decode_graphs.run(step)
         if hidden is None:
             self.attn.prepare(step.meta, self.block_size)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
                                 self.attn)
-        if not step.sampling_reqs:
-            return [], None
+        if not step.sampling_ids:
+            return None
         logits = self.model.compute_logits(hidden[step.logits_indices], self.attn.ops)
-        rows = [
-            SamplingRow(
-                params=r.params,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
-                generator=r.generator,
-            )
-            for r in step.sampling_reqs
-        ]
-        return step.sampling_reqs, self.sampler(logits, rows)
+        rows = []
+        for rid in step.sampling_ids:
+            state = self.requests[rid]
+            rows.append(SamplingRow(params=state.params, prompt_token_ids=state.prompt_token_ids,
+                                    output_token_ids=state.output_token_ids,
+                                    generator=state.generator,
+                                    eos_token_ids=self.eos_token_ids))  # fmt: skip
+        out = self.sampler(logits, rows)
+        return ModelRunnerOutput(step.sampling_ids, out.token_ids, out.logprobs)

@@ -19,6 +19,7 @@ class RowLike(Protocol):
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    eos_token_ids: Sequence[int]
 
 
 def apply_all(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
@@ -56,7 +57,7 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
     )
 
 
-def min_tokens_banned(params: SamplingParams) -> list[int]:
+def min_tokens_banned(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
     """Token ids masked while fewer than ``min_tokens`` tokens have been generated.
 
     That is every token that would end the request: ``stop_token_ids`` and, unless
@@ -64,7 +65,7 @@ def min_tokens_banned(params: SamplingParams) -> list[int]:
     """
     banned = list(params.stop_token_ids or ())
     if not params.ignore_eos:
-        banned.extend(params._eos_token_ids)
+        banned.extend(eos_token_ids)
     return banned
 
 
@@ -76,7 +77,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
     for i, row in enumerate(rows):
         if len(row.output_token_ids) >= row.params.min_tokens:
             continue
-        for tid in min_tokens_banned(row.params):
+        for tid in min_tokens_banned(row.params, row.eos_token_ids):
             if 0 <= tid < vocab:
                 r_idx.append(i)
                 t_idx.append(tid)

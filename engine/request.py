@@ -62,6 +62,10 @@ class Request:
     params: SamplingParams
     prompt_token_ids: list[int]
     max_tokens: int
+    """Resolved limit on output tokens (``params.max_tokens``, or what the context and
+    the KV cache leave)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The model's EOS ids: the request stops on them unless ``params.ignore_eos``."""
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
@@ -72,14 +76,16 @@ class Request:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[TokenLogprobs] | None = None
-    generator: Any = None
     detok: Any = None
+    """The output processor's incremental detokenizer."""
     stop_checker: Any = None
+    """The output processor's stop-string checker."""
     output_text: str = ""
     metrics: RequestMetrics | None = None
-    num_preemptions: int = 0
-    admit_seq: int = 0
-    """Monotonic admission counter: the most recently admitted running request is preempted first."""
+    # What the model side was last sent (the scheduler's diffs are against these).
+    runner_knows: bool = False
+    num_sent_tokens: int = 0
+    num_sent_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -33,6 +33,8 @@ class SamplingRow:
     """Tokens generated so far, before this step."""
     generator: torch.Generator | None
     """Per-request generator seeded from ``params.seed``; None uses the global generator."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The model's EOS ids (masked, with the stop token ids, until ``min_tokens``)."""
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ turn it into a 400 that names ``param``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20
@@ -60,7 +60,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Filled by the engine, not the user.
-    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(
@@ -144,7 +143,4 @@ class SamplingParams:
     def clone(self, **changes: Any) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)
-        eos = values.pop("_eos_token_ids")
-        sp = SamplingParams(**values)
-        sp._eos_token_ids = eos
-        return sp
+        return SamplingParams(**values)

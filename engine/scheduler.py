@@ -10,56 +10,85 @@ later; it goes back to the head of the waiting queue). The oldest running reques
 never a victim, so every request eventually becomes the oldest and finishes: none is
 preempted forever.
 
-Imports no torch: the scheduler sees the KV cache only through ``KVCacheManager``.
+The step contract: the scheduler owns the :class:`KVCacheManager` and every request's
+state. :meth:`Scheduler.schedule` returns a :class:`SchedulerOutput` of plain data (what
+the model side needs, as diffs against what it was sent before);
+:meth:`Scheduler.update_from_output` applies a step's result: computed-token counts,
+sampled tokens, the stops that need no text (EOS, stop token ids, length), finishing
+and freeing blocks. Stop strings need the detokenized text: the output processor finds
+them and calls :meth:`Scheduler.finish_request`.
+
+Imports no torch.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from blockmgr import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger("engine.scheduler")
 
 
 @dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    """(request, number of tokens computed this step), in scheduling order."""
-    preempted: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
+class ModelRunnerOutput:
+    """What the model side returns for a step: one sampled token per request that caught
+    up with its tokens this step, in the order of ``req_ids``."""
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list
+    """Per request: its ``TokenLogprobs`` when it asked for logprobs, else None."""
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """A token appended by :meth:`Scheduler.update_from_output`, for the output processor."""
+
+    req: Request
+    token_id: int
+    logprobs: object
+    stopped_by_token: bool
+    """EOS or a stop token ended the request: the token's text is not part of the output
+    (unless ``include_stop_str_in_output``)."""
 
 
 class Scheduler:
     def __init__(
         self,
-        kv: KVCacheManager,
+        num_blocks: int,
+        block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
     ) -> None:
-        self.kv = kv
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         # Admitting a new request leaves this many blocks free, so that running
         # requests can grow a little before anyone is preempted.
-        self.num_watermark_blocks = int(watermark * kv.num_blocks)
+        self.num_watermark_blocks = int(watermark * num_blocks)
+        self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._admit_seq = 0
+        self._finished_ids: list[str] = []
+        """Finished since the last schedule(): the model side drops their state."""
 
     # -- queues ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.waiting.append(req)
 
     @property
@@ -73,30 +102,43 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Mark a request finished (or aborted) and return its blocks to the pool."""
         if req.status.finished:
             return
-        was_waiting = req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        queue = self.waiting if req.status in (RequestStatus.WAITING,
+                                               RequestStatus.PREEMPTED) else self.running
         req.status = status
-        if was_waiting:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
-        else:
-            try:
-                self.running.remove(req)
-            except ValueError:
-                pass
+        try:
+            queue.remove(req)
+        except ValueError:
+            pass
         self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        if req.runner_knows:
+            self._finished_ids.append(req.request_id)
+            req.runner_knows = False
 
     # -- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        kv = self.kv
+        scheduled: list[tuple[Request, int]] = []
+        budget = self._schedule_running(scheduled, out.preempted_req_ids)
+        if not out.preempted_req_ids:
+            self._admit_waiting(scheduled, budget)
+        for req, n in scheduled:
+            out.num_scheduled_tokens[req.request_id] = n
+            self._describe(req, out)
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        if scheduled:  # an empty step is not run: the finished ids wait for the next one
+            out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        return out
 
+    def _schedule_running(self, scheduled: list[tuple[Request, int]],
+                          preempted: list[str]) -> int:
+        """Running requests, oldest first, each its next token or chunk; returns the
+        token budget left. Preempts from the newest when blocks run out."""
+        budget = self.max_num_batched_tokens
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
@@ -104,31 +146,23 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute (should not happen); keep it running
                 idx += 1
                 continue
-            while not kv.allocate_slots(req, num_new):
+            while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
-                out.preempted.append(victim)
+                preempted.append(victim.request_id)
                 if victim is req:
-                    break
-            else:
-                out.scheduled.append((req, num_new))
-                budget -= num_new
-                idx += 1
-                continue
-            break  # req preempted itself: it was the last running request
+                    return budget  # req preempted itself: it was the last running request
+            scheduled.append((req, num_new))
+            budget -= num_new
+            idx += 1
+        return budget
 
-        if not out.preempted:
-            self._admit_waiting(out, budget)
-        out.num_batched_tokens = sum(n for _, n in out.scheduled)
-        return out
-
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         kv = self.kv
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             computed_blocks: list[int] = []
             num_cached = 0
-            forked = 0
             if req.num_computed_tokens == 0:
                 computed_blocks, num_cached = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_cached
@@ -138,12 +172,10 @@ class Scheduler:
             num_needed = -(-(num_cached + num_new) // kv.block_size) - len(computed_blocks)
             if kv.num_free_blocks - num_needed < self.num_watermark_blocks and self.running:
                 break
-            if not computed_blocks:
-                forked = self._fork_from_sibling(req, out)
-                if forked:
-                    num_cached = forked
-                    req.num_computed_tokens = forked
-                    num_new = min(req.num_tokens - forked, budget)
+            forked = 0 if computed_blocks else self._fork_from_sibling(req, scheduled)
+            if forked:
+                num_cached = req.num_computed_tokens = forked
+                num_new = min(req.num_tokens - forked, budget)
             if not kv.allocate_slots(req, num_new, computed_blocks or None):
                 if forked:
                     kv.free(req)
@@ -154,13 +186,11 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
-            self._admit_seq += 1
-            req.admit_seq = self._admit_seq
             self.running.append(req)
-            out.scheduled.append((req, num_new))
+            scheduled.append((req, num_new))
             budget -= num_new
 
-    def _fork_from_sibling(self, req: Request, out: SchedulerOutput) -> int:
+    def _fork_from_sibling(self, req: Request, scheduled: list[tuple[Request, int]]) -> int:
         """With prefix caching off, share a running sibling's full prompt blocks."""
         if self.kv.enable_prefix_caching or len(req.group.members) < 2:
             return 0
@@ -171,22 +201,90 @@ class Scheduler:
                 continue
             # Tokens the sibling has computed, or computes in this step: K/V of a step is
             # written before any attention in that step reads it.
-            filled = sib.num_computed_tokens + next(
-                (n for r, n in out.scheduled if r is sib), 0)
+            filled = sib.num_computed_tokens + next((n for r, n in scheduled if r is sib), 0)
             limit = min(filled, req.num_prompt_tokens - 1)
             if limit >= self.kv.block_size:
                 return self.kv.fork(sib, req, limit)
         return 0
+
+    def _describe(self, req: Request, out: SchedulerOutput) -> None:
+        """What the model side needs of a scheduled request: all of it the first time,
+        else the tokens and blocks added since it was last sent."""
+        table = self.kv.get_block_table(req.request_id)
+        if not req.runner_knows:
+            out.new_requests.append(NewRequestData(
+                req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids, params=req.params,
+                sample_index=req.index, block_ids=list(table),
+                num_computed_tokens=req.num_computed_tokens))  # fmt: skip
+            req.runner_knows = True
+        else:
+            out.cached_requests.append(CachedRequestData(
+                req_id=req.request_id, new_token_ids=req.all_token_ids[req.num_sent_tokens:],
+                new_block_ids=table[req.num_sent_blocks:],
+                num_computed_tokens=req.num_computed_tokens))  # fmt: skip
+        req.num_sent_tokens = req.num_tokens
+        req.num_sent_blocks = len(table)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
+        req.num_sent_blocks = 0  # its next description carries the whole new table
+        req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         logger.info(
             "preempted request %s (%d tokens, preemption #%d); it will be recomputed",
-            req.request_id, req.num_tokens, req.num_preemptions,
+            req.request_id, req.num_tokens, req.metrics.num_preemptions,
         )
+
+    # -- after the forward ----------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput,
+                           output: ModelRunnerOutput | None) -> list[SampledToken]:
+        """Apply a step's result: computed tokens, then each sampled token with the
+        stops that need no text (EOS and stop token ids once ``min_tokens`` are out,
+        ``max_tokens``, the context length), finishing and freeing blocks."""
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                req.num_computed_tokens += n
+        if output is None:
+            return []
+        appended = []
+        for rid, token, logprobs in zip(output.req_ids, output.sampled_token_ids,
+                                        output.logprobs, strict=True):  # fmt: skip
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            req.all_token_ids.append(token)
+            status = self._check_stop_token(req, token)
+            appended.append(SampledToken(req, token, logprobs, status is not None))
+            if status is None and (req.num_output_tokens >= req.max_tokens
+                                   or req.num_tokens >= self.max_model_len):
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self.finish_request(req, status)
+        return appended
+
+    @staticmethod
+    def _check_stop_token(req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens < p.min_tokens:
+            return None
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def fail_requests(self, req_ids: Iterable[str]) -> None:
+        """A failed forward: its requests end with an error; blocks the step registered
+        in the prefix cache were never written and are dropped."""
+        for rid in list(req_ids):
+            req = self.requests.get(rid)
+            if req is not None:
+                self.finish_request(req, RequestStatus.FINISHED_ERROR)
+        self.kv.drop_unreferenced_cache()

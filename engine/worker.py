@@ -8,13 +8,13 @@ import time
 
 import torch
 
-from blockmgr import KVCacheManager
 from engine import hugepages
 from engine.config import EngineConfig
 from engine.loader import iter_weights, load_config, load_tokenizer, resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.models import build_model
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ModelRunnerOutput
+from engine.scheduler_output import SchedulerOutput
 from kernels import cpu_paths
 from kernels.registry import get_attention_backend
 
@@ -103,9 +103,7 @@ class Worker:
         else:
             self.cpu_paths = None
         self.attn.ops.prepare_weights(model.linear_weights())
-        num_blocks = self._num_blocks()
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size,
-                                         config.enable_prefix_caching)
+        self.num_blocks = num_blocks = self._num_blocks()
         shape = (self.spec.num_layers, 2, num_blocks, config.block_size,
                  self.spec.num_kv_heads, self.spec.head_dim)
         if self.device.type == "cpu":
@@ -116,7 +114,7 @@ class Worker:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.runner = ModelRunner(self.model, self.attn, kv_caches, config.block_size,
-                                  self.device, self.vocab_size)
+                                  self.device, self.vocab_size, self.eos_token_ids)
         if self.device.type == "cuda" and not config.enforce_eager:
             from engine.cuda_graphs import capture_decode_graphs
 
@@ -175,5 +173,5 @@ class Worker:
                 f"{self.block_bytes()} bytes; raise kv_cache_memory_gb or gpu_memory_utilization")
         return num_blocks
 
-    def execute(self, sched: SchedulerOutput):
-        return self.runner.execute(sched, self.kv_manager)
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute(sched)

@@ -250,18 +250,6 @@ def run_engine(llm, workload: Workload, sample_stats: bool = True) -> EngineRun:
     sched = eng.scheduler
     base = kv.stats()
     base_preempt = sched.num_preemptions
-    scheduled: list[tuple[int, int, int]] = []
-    orig_schedule = sched.schedule
-
-    def recording_schedule():
-        out = orig_schedule()
-        # Before the step runs: a row samples when its chunk reaches the end of its tokens.
-        sampled = sum(1 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens)
-        decodes = sum(1 for _, n in out.scheduled if n == 1)
-        scheduled.append((out.num_batched_tokens, sampled, decodes))
-        return out
-
-    sched.schedule = recording_schedule
     steps: list[StepRecord] = []
     peak_waste = 0.0
     waste_sum = 0.0
@@ -269,33 +257,29 @@ def run_engine(llm, workload: Workload, sample_stats: bool = True) -> EngineRun:
     waste_at_peak = 0.0
     stats_time = 0.0
     results = {}
-    try:
-        t0 = time.perf_counter()
-        ids = []
-        for r in workload.requests:
-            sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
-            ids.append(eng.add_request(None, r.prompt_token_ids, sp).request_id)
-        while eng.has_unfinished_requests():
-            ts = time.perf_counter()
-            outs = eng.step()
-            te = time.perf_counter()
-            for out in outs:
-                if out.finished:
-                    results[out.request_id] = out
-            if scheduled:
-                n, s, d = scheduled.pop()
-                scheduled.clear()
-                steps.append(StepRecord(n, s, d, te - ts))
-            if sample_stats:
-                st = kv.stats()
-                peak_waste = max(peak_waste, st.waste)
-                waste_sum += st.waste
-                if st.num_used_blocks >= peak_blocks:
-                    peak_blocks, waste_at_peak = st.num_used_blocks, st.waste
-                stats_time += time.perf_counter() - te
-        elapsed = time.perf_counter() - t0 - stats_time
-    finally:
-        del sched.schedule  # back to the class method
+    t0 = time.perf_counter()
+    ids = []
+    for r in workload.requests:
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
+        ids.append(eng.add_request(None, r.prompt_token_ids, sp).request_id)
+    while eng.has_unfinished_requests():
+        ts = time.perf_counter()
+        eng.last_step = None
+        outs = eng.step()
+        te = time.perf_counter()
+        for out in outs:
+            if out.finished:
+                results[out.request_id] = out
+        if (ran := eng.last_step) is not None:
+            steps.append(StepRecord(ran.num_tokens, ran.num_sampled, ran.num_decodes, te - ts))
+        if sample_stats:
+            st = kv.stats()
+            peak_waste = max(peak_waste, st.waste)
+            waste_sum += st.waste
+            if st.num_used_blocks >= peak_blocks:
+                peak_blocks, waste_at_peak = st.num_used_blocks, st.waste
+            stats_time += time.perf_counter() - te
+    elapsed = time.perf_counter() - t0 - stats_time
     end = kv.stats()
     outs = [results[rid] for rid in ids]
     out_ids = [list(o.outputs[0].token_ids) for o in outs]

@@ -58,7 +58,8 @@ class OpTimes:
 
         def timed_schedule(*args: Any, **kwargs: Any) -> Any:
             out = schedule(*args, **kwargs)
-            self._phase = "decode" if all(n == 1 for _, n in out.scheduled) else "prefill"
+            counts = out.num_scheduled_tokens.values()
+            self._phase = "decode" if all(n == 1 for n in counts) else "prefill"
             return out
 
         scheduler.schedule = timed_schedule

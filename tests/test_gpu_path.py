@@ -175,7 +175,7 @@ def _decode_step(seq_lens: list[int], block_size: int, num_blocks: int) -> StepI
         query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=list(seq_lens),
     )  # fmt: skip
     ids = torch.randint(0, 97, (n,), generator=gen)
-    return StepInputs(ids, torch.tensor(pos), meta, torch.arange(n), [], [])
+    return StepInputs(ids, torch.tensor(pos), meta, torch.arange(n), [])
 
 
 def _random_caches(model, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, ...]]:

@@ -172,7 +172,7 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
 
     def pick(output: list[int], **kw) -> int:
         r = row(output=output, temperature=0.0, min_tokens=3, stop_token_ids=[9], **kw)
-        r.params._eos_token_ids = (2,)
+        r.eos_token_ids = (2,)
         return Sampler(V)(logits, [r]).token_ids[0]
 
     assert pick([5]) == 4

@@ -1,0 +1,147 @@
+"""From sampled tokens to what callers see: detokenization, stop strings, logprobs and
+``RequestOutput`` building, apart from the scheduling loop.
+
+Per request it keeps the incremental detokenizer and the stop-string checker (on the
+:class:`Request`), per user request what was already streamed. A stop string ends a
+request through :meth:`Scheduler.finish_request`, in the same step that produced it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, RequestGroup, RequestStatus
+from engine.scheduler import SampledToken, Scheduler
+
+OUTPUT_FINAL = "final"
+OUTPUT_DELTA = "delta"
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, token_text: Callable[[int], str]) -> None:
+        self.scheduler = scheduler
+        self.token_text = token_text
+        """One token's text decoded alone (cached); logprobs show it."""
+        self.groups: dict[str, RequestGroup] = {}
+        self._kind: dict[str, str] = {}
+        self._sent: dict[str, list[tuple[int, int]]] = {}
+        """Per user request and choice: (characters, tokens) already streamed."""
+        self.num_generation_tokens_total = 0
+        self.finished_by_reason: dict[str, int] = {}
+
+    def add(self, group: RequestGroup, output_kind: str) -> None:
+        rid = group.request_id
+        self.groups[rid] = group
+        self._kind[rid] = output_kind
+        self._sent[rid] = [(0, 0)] * len(group.members)
+
+    def process(self, sampled: Iterable[SampledToken]) -> list[RequestOutput]:
+        """Text, stop strings and logprobs of each sampled token; the outputs of the user
+        requests that progressed (streams every step, final ones once finished)."""
+        touched: dict[str, RequestGroup] = {}
+        now = time.monotonic()
+        for s in sampled:
+            self._process_token(s, now)
+            touched[s.req.group.request_id] = s.req.group
+        return [o for g in touched.values() if (o := self.make_output(g)) is not None]
+
+    def _process_token(self, s: SampledToken, now: float) -> None:
+        req, token = s.req, s.token_id
+        self.num_generation_tokens_total += 1
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        if s.logprobs is not None:
+            lp = s.logprobs
+            lp.decoded = self.token_text(lp.token_id)
+            for cand in lp.top:
+                cand.decoded = self.token_text(cand.token_id)
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp.logprob
+        match = req.num_output_tokens >= req.params.min_tokens
+        if not s.stopped_by_token:
+            # Stop strings end the output only once min_tokens are out (one may begin
+            # before that).
+            self._feed(req, req.detok.decode_next(token), match)
+        if req.status.finished:
+            self._finish_text(req, token, s.stopped_by_token, match)
+        self.count_finished(req)
+
+    def _feed(self, req: Request, text: str, match: bool) -> None:
+        emitted, matched = req.stop_checker.feed(text, match=match)
+        req.output_text += emitted
+        if matched is not None:
+            req.stop_reason = matched
+            self._stop(req)
+
+    def _stop(self, req: Request) -> None:
+        """A stop string ends the request (also one the scheduler just ended by length:
+        the stop string, completed by the same token, wins)."""
+        if req.status.finished:
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+
+    def _finish_text(self, req: Request, token: int, by_token: bool, match: bool) -> None:
+        """The end of a finished request's text: what the detokenizer and the stop checker
+        still hold."""
+        if isinstance(req.stop_reason, str):
+            return
+        if by_token and req.params.include_stop_str_in_output:
+            # The stop token's own text (empty for a special token skipped in the
+            # output), after whatever the stop checker holds.
+            req.output_text += (req.stop_checker.flush() + req.detok.decode_next(token)
+                                + req.detok.flush())
+            return
+        # Text held back for a character the output ends inside of (U+FFFD, as a full
+        # decode gives), still checked for stop strings.
+        tail = req.detok.flush()
+        if tail:
+            self._feed(req, tail, match)
+        if not isinstance(req.stop_reason, str):
+            req.output_text += req.stop_checker.flush()
+
+    def count_finished(self, req: Request) -> None:
+        """Record a finished request once (time and reason)."""
+        if req.status.finished and req.metrics.finished_time is None:
+            req.metrics.finished_time = time.monotonic()
+            reason = req.finish_reason or "error"
+            self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+
+    def make_output(self, group: RequestGroup, force: bool = False) -> RequestOutput | None:
+        rid = group.request_id
+        kind = self._kind.get(rid, OUTPUT_FINAL)
+        finished = group.finished
+        if kind == OUTPUT_FINAL and not finished and not force:
+            return None
+        sent = self._sent.get(rid)
+        outs = []
+        for req in group.members:
+            text, lps = req.output_text, req.logprobs
+            t0 = i0 = 0
+            if kind == OUTPUT_DELTA and sent is not None:
+                # Slice only what is new: a stream costs O(new tokens) per step, not O(all).
+                t0, i0 = sent[req.index]
+                sent[req.index] = (len(text), req.num_output_tokens)
+                text = text[t0:]
+                lps = lps[i0:] if lps is not None else None
+            outs.append(CompletionOutput(
+                index=req.index, text=text,
+                token_ids=req.all_token_ids[req.num_prompt_tokens + i0:],
+                cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+                logprobs=lps, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            ))  # fmt: skip
+        first = group.members[0]
+        out = RequestOutput(
+            request_id=rid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+            outputs=outs, finished=finished, metrics=first.metrics,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+        )  # fmt: skip
+        if finished:
+            self.groups.pop(rid, None)
+            self._kind.pop(rid, None)
+            self._sent.pop(rid, None)
+        return out

@@ -1,0 +1,59 @@
+"""What the scheduler hands the model side each step: plain data, no scheduler objects.
+
+The model runner keeps its own per-request state (token ids, block table, sampling
+parameters, generator) and brings it up to date from these diffs, so the same
+description can drive a runner in this process or in a worker process (tensor
+parallelism): new requests come whole, running ones as the tokens and blocks added
+since they were last scheduled. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens generated before this admission (a preempted request recomputes them)."""
+    params: SamplingParams
+    sample_index: int
+    """Which of the ``n`` choices: seeds the request's own random stream."""
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner knows, as what changed since it was last scheduled."""
+
+    req_id: str
+    new_token_ids: list[int]
+    """Tokens sampled since (appended to the runner's copy)."""
+    new_block_ids: list[int]
+    """Blocks appended to the request's table since."""
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens computed this step per request, in scheduling order."""
+    total_num_scheduled_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
+    """Preempted this step: their blocks are gone. When scheduled again, their
+    ``new_block_ids`` are the whole new table."""
+    finished_req_ids: list[str] = field(default_factory=list)
+    """Finished or aborted since the previous step: the runner drops their state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens

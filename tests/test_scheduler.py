@@ -1,0 +1,206 @@
+"""The scheduler on a fake model side: budgets, chunking, preemption order, prefix hits,
+and the step contract (plain-data diffs that rebuild the runner's view exactly)."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+import pytest
+
+from engine.request import Request, RequestGroup, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ModelRunnerOutput, Scheduler
+from engine.scheduler_output import SchedulerOutput
+
+BS = 4
+EOS = 2
+
+
+@dataclass
+class FakeState:
+    tokens: list[int]
+    blocks: list[int]
+    computed: int
+
+
+@dataclass
+class FakeRunner:
+    """The model side: keeps its own copy of each request from the diffs alone and
+    "samples" a fixed token per request (``next_token``)."""
+
+    next_token: dict[str, int] = field(default_factory=dict)
+    requests: dict[str, FakeState] = field(default_factory=dict)
+    seen_finished: list[str] = field(default_factory=list)
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        # What crosses the boundary is plain data: it survives a pickle round trip.
+        sched = pickle.loads(pickle.dumps(sched))
+        for rid in sched.finished_req_ids:
+            self.seen_finished.append(rid)
+            del self.requests[rid]
+        for rid in sched.preempted_req_ids:
+            self.requests[rid].blocks = []
+        for new in sched.new_requests:
+            assert new.req_id not in self.requests
+            self.requests[new.req_id] = FakeState(
+                [*new.prompt_token_ids, *new.output_token_ids], list(new.block_ids),
+                new.num_computed_tokens)  # fmt: skip
+        for c in sched.cached_requests:
+            st = self.requests[c.req_id]
+            st.tokens += c.new_token_ids
+            st.blocks += c.new_block_ids
+            st.computed = c.num_computed_tokens
+        ids, toks = [], []
+        for rid, n in sched.num_scheduled_tokens.items():
+            st = self.requests[rid]
+            assert st.computed + n <= len(st.tokens)
+            assert len(st.blocks) * BS >= st.computed + n  # the table covers the step
+            if st.computed + n == len(st.tokens):
+                ids.append(rid)
+                toks.append(self.next_token.get(rid, 7))
+        return ModelRunnerOutput(ids, toks, [None] * len(ids)) if ids else None
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int = 4, **params) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens, **params)
+    group = RequestGroup(rid, None, list(prompt), sp, 0.0)
+    req = Request(rid, group, 0, sp, group.prompt_token_ids, max_tokens, eos_token_ids=(EOS,))
+    group.members.append(req)
+    return req
+
+
+def make_scheduler(num_blocks=16, max_num_seqs=8, budget=16, prefix=True, **kw) -> Scheduler:
+    return Scheduler(num_blocks, BS, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                     max_model_len=256, enable_prefix_caching=prefix, **kw)  # fmt: skip
+
+
+def run_step(s: Scheduler, runner: FakeRunner) -> SchedulerOutput:
+    out = s.schedule()
+    if not out.is_empty:
+        s.update_from_output(out, runner.execute(out))
+        for rid, st in runner.requests.items():  # the runner's view equals the scheduler's
+            req = s.requests.get(rid)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                assert st.tokens == req.all_token_ids[: len(st.tokens)]
+                assert st.blocks == s.kv.get_block_table(rid)
+    s.kv.check_invariants()
+    return out
+
+
+def test_budget_chunks_prompts_and_decodes_go_first() -> None:
+    s, runner = make_scheduler(budget=10), FakeRunner()
+    a, b = make_request("a", list(range(10, 22))), make_request("b", list(range(30, 36)))
+    s.add_request(a)
+    s.add_request(b)
+    out = run_step(s, runner)
+    assert out.num_scheduled_tokens == {"a": 10}  # a's first chunk takes the whole budget
+    assert [n.req_id for n in out.new_requests] == ["a"]
+    out = run_step(s, runner)
+    assert out.num_scheduled_tokens == {"a": 2, "b": 6}
+    assert out.total_num_scheduled_tokens == 8
+    assert a.output_token_ids == [7] and b.output_token_ids == [7]
+    out = run_step(s, runner)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}  # decodes, oldest first
+    assert [c.new_token_ids for c in out.cached_requests] == [[7], [7]]
+
+
+def test_chunked_prefill_off_waits_for_room() -> None:
+    s, runner = make_scheduler(budget=8, enable_chunked_prefill=False), FakeRunner()
+    s.add_request(make_request("a", list(range(6))))
+    s.add_request(make_request("b", list(range(20, 26))))
+    assert run_step(s, runner).num_scheduled_tokens == {"a": 6}  # b's 6 do not fit the 2 left
+    assert run_step(s, runner).num_scheduled_tokens == {"a": 1, "b": 6}
+
+
+def test_max_num_seqs_caps_running() -> None:
+    s, runner = make_scheduler(max_num_seqs=2, budget=64), FakeRunner()
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", [1, 3, 4]))
+    out = run_step(s, runner)
+    assert list(out.num_scheduled_tokens) == ["r0", "r1"] and s.num_waiting == 1
+
+
+def test_preempts_newest_first_and_never_the_oldest() -> None:
+    # 8 blocks of 4: three requests of 8 prompt tokens take 6; growth runs out.
+    s, runner = make_scheduler(num_blocks=8, budget=64, watermark=0.0), FakeRunner()
+    reqs = [make_request(f"r{i}", list(range(i * 10, i * 10 + 8)), max_tokens=12)
+            for i in range(3)]  # fmt: skip
+    for r in reqs:
+        s.add_request(r)
+    order = []
+    for _ in range(60):
+        if not s.has_unfinished():
+            break
+        out = run_step(s, runner)
+        order += out.preempted_req_ids
+        # The oldest running request is never the victim.
+        if out.preempted_req_ids:
+            assert s.running[0].request_id not in out.preempted_req_ids
+    assert order and order[0] == "r2"
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert all(r.num_output_tokens == 12 for r in reqs)
+    assert sum(r.metrics.num_preemptions for r in reqs) == s.num_preemptions == len(order)
+    assert s.kv.stats().num_used_blocks == 0
+
+
+def test_prefix_hit_is_sent_as_computed_tokens() -> None:
+    s, runner = make_scheduler(budget=64), FakeRunner()
+    first = make_request("a", list(range(100, 113)))  # 3 full blocks + 1 token
+    s.add_request(first)
+    run_step(s, runner)
+    s.add_request(make_request("b", list(range(100, 113))))
+    out = run_step(s, runner)
+    (new,) = out.new_requests
+    assert new.num_computed_tokens == 12  # three cached blocks
+    assert new.block_ids[:3] == s.kv.get_block_table("a")[:3]
+    assert out.num_scheduled_tokens["b"] == 1
+
+
+def test_stops_and_finished_ids_reach_the_runner_once() -> None:
+    s = make_scheduler(budget=64)
+    runner = FakeRunner(next_token={"eos": EOS, "min": EOS, "ign": EOS, "stop": 9})
+    s.add_request(make_request("eos", [1, 3, 4]))
+    s.add_request(make_request("min", [1, 3, 4], min_tokens=2))
+    s.add_request(make_request("ign", [1, 3, 4], max_tokens=3, ignore_eos=True))
+    s.add_request(make_request("stop", [1, 3, 4], stop_token_ids=[9]))
+    run_step(s, runner)
+    assert s.requests.keys() == {"min", "ign"}  # eos and stop finished on their first token
+    out = run_step(s, runner)
+    assert sorted(out.finished_req_ids) == ["eos", "stop"]
+    assert "min" not in s.requests  # EOS counts once min_tokens are out
+    assert run_step(s, runner).finished_req_ids == ["min"]
+    assert not s.has_unfinished()  # ign ignored three EOS and reached max_tokens=3
+    assert s.schedule().finished_req_ids == []  # an empty step keeps them for the next
+    s.add_request(make_request("next", [5]))
+    assert run_step(s, runner).finished_req_ids == ["ign"]
+    assert sorted(runner.seen_finished) == ["eos", "ign", "min", "stop"]
+
+
+def test_aborted_waiting_request_frees_nothing_and_is_not_sent() -> None:
+    s = make_scheduler()
+    req = make_request("a", [1, 3])
+    s.add_request(req)
+    s.finish_request(req, RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished() and s.schedule().finished_req_ids == []
+
+
+def test_failed_step_errors_its_requests_and_frees_blocks() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", list(range(9))))
+    out = s.schedule()
+    s.fail_requests(out.num_scheduled_tokens)
+    assert s.kv.stats().num_used_blocks == 0 and s.kv.stats().num_cached_blocks == 0
+    assert not s.has_unfinished()
+
+
+@pytest.mark.parametrize("budget", [1, 3, 16])
+def test_tokens_match_whatever_the_budget(budget) -> None:
+    """The tokens a request ends with do not depend on how its prompt was chunked."""
+    s, runner = make_scheduler(budget=budget), FakeRunner()
+    reqs = [make_request(f"r{i}", list(range(i, i + 7 + i)), max_tokens=3) for i in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    while s.has_unfinished():
+        run_step(s, runner)
+    assert [r.output_token_ids for r in reqs] == [[7, 7, 7]] * 3
