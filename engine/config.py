@@ -1,22 +1,23 @@
 """Engine configuration: one frozen dataclass.
 
 CLI flags and ``LLM(**kwargs)`` map onto these fields by name; an unknown name is an
-error. Fields that depend on the model (``max_model_len``) or on the device
-(``dtype``, ``max_num_batched_tokens``) are resolved by :meth:`EngineConfig.resolve`
-once the model's config is known.
+error. Fields whose default depends on the model or the device (``max_model_len``,
+``dtype``, ``max_num_batched_tokens``, the KV cache size) keep ``None``/``"auto"`` here;
+the worker resolves them once the model's config and the device are known.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kernels.registry import BACKENDS as ATTENTION_BACKENDS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("gguf", "int8")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class EngineConfig:
     dtype: str = "auto"
     """auto = checkpoint dtype on CUDA; on the CPU bfloat16 where it computes in bfloat16
     natively (AVX512-BF16, AMX-BF16), float32 elsewhere."""
+    quantization: str | None = None
+    """Weight-only quantized linears: gguf (the weights of a GGUF file as it stores them:
+    Q8_0, Q4_0, Q4_1; the embedded default model's own file when no model is given) or
+    int8 (per-output-row int8 made at load from a float checkpoint). Activations stay
+    float32."""
     max_model_len: int | None = None
     seed: int = 0
     # KV cache
@@ -47,8 +53,6 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
-    # Derived, filled by resolve()
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, limit: str) -> ValueError:
@@ -70,6 +74,11 @@ class EngineConfig:
                 raise bad(name, getattr(self, name), "must be True or False")
         if self.dtype not in DTYPES:
             raise bad("dtype", self.dtype, f"must be one of {DTYPES}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", self.quantization, f"must be one of {QUANTIZATIONS} or None")
+        if self.quantization is not None and self.dtype in ("float16", "bfloat16"):
+            raise bad("dtype", self.dtype,
+                      f"quantization={self.quantization!r} computes in float32 (dtype auto or float32)")
         if self.device not in DEVICES:
             raise bad("device", self.device, f"must be one of {DEVICES}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -94,7 +103,7 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword arguments; an unknown name is a TypeError naming it."""
-        known = {f.name for f in fields(cls) if f.name != "extra"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(
@@ -108,4 +117,4 @@ class EngineConfig:
 
     @staticmethod
     def field_names() -> list[str]:
-        return [f.name for f in fields(EngineConfig) if f.name != "extra"]
+        return [f.name for f in fields(EngineConfig)]

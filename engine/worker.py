@@ -8,9 +8,16 @@ import time
 
 import torch
 
-from engine import hugepages
+from engine import gguf_weights, hugepages
 from engine.config import EngineConfig
-from engine.loader import iter_weights, load_config, load_tokenizer, resolve_model_path
+from engine.loader import (
+    DEFAULT_MODEL_NAME,
+    default_gguf_path,
+    iter_weights,
+    load_config,
+    load_tokenizer,
+    resolve_model_path,
+)
 from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.scheduler import ModelRunnerOutput
@@ -69,7 +76,8 @@ class Worker:
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.dtype = torch.float32 if config.quantization else \
+            resolve_dtype(config.dtype, self.hf_config, self.device)  # fmt: skip
         hf_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if config.max_model_len is not None and config.max_model_len > hf_max:
             raise ValueError(
@@ -84,13 +92,7 @@ class Worker:
             self.max_num_batched_tokens = max(self.max_model_len, 2048)
 
         torch.manual_seed(config.seed)
-        with torch.device("meta"):
-            model = build_model(self.hf_config)
-        model = model.to_empty(device=self.device)
-        model.load_weights(iter_weights(self.model_path))
-        model = model.to(self.dtype).eval()
-        model.set_rope(self.hf_config, self.max_model_len)  # float32 tables, not in the checkpoint
-        self.model = model
+        self.model = model = self._load_model()
         self.spec = model.spec
         self.vocab_size = self.spec.vocab_size
         self.eos_token_ids = self._eos_ids()
@@ -99,7 +101,8 @@ class Worker:
         if self.device.type == "cpu":
             self.cpu_paths = cpu_paths.describe(self.attn)
             logger.info("%s", cpu_paths.summary(self.cpu_paths,
-                                                str(self.dtype).removeprefix("torch.")))
+                                                str(self.dtype).removeprefix("torch."),
+                                                self.quant_desc))  # fmt: skip
         else:
             self.cpu_paths = None
         self.attn.ops.prepare_weights(model.linear_weights())
@@ -133,6 +136,42 @@ class Worker:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
             self.max_model_len, capacity / self.max_model_len,
             "on" if config.enable_prefix_caching else "off")
+
+    def _load_model(self):
+        """Build the model on ``meta``, lay out quantized weights, load the checkpoint."""
+        quant = self.config.quantization
+        with torch.device("meta"):
+            model = build_model(self.hf_config)
+        if quant == "gguf":
+            path = self._gguf_file()
+            formats = gguf_weights.tensor_formats(path)
+            model.quantize_layout(formats)
+            model = model.to_empty(device=self.device)
+            model.load_weights(gguf_weights.iter_gguf_weights(
+                path, self.hf_config.num_attention_heads,
+                getattr(self.hf_config, "num_key_value_heads", None)
+                or self.hf_config.num_attention_heads, formats))  # fmt: skip
+            kinds = sorted(set(formats.values()))
+            self.quant_desc = f"gguf ({', '.join(kinds) or 'no quantized tensors'})"
+        else:
+            model = model.to_empty(device=self.device)
+            model.load_weights(iter_weights(self.model_path))
+            self.quant_desc = None
+        model = model.to(self.dtype).eval()
+        if quant == "int8":
+            model.quantize_int8()
+            self.quant_desc = "int8"
+        model.set_rope(self.hf_config, self.max_model_len)  # float32 tables, not in the checkpoint
+        return model
+
+    def _gguf_file(self):
+        model = self.config.model
+        if model is None or model == DEFAULT_MODEL_NAME:
+            return default_gguf_path()
+        raise ValueError(
+            f"quantization='gguf' serves the weights of a GGUF file, and model={model!r} is "
+            "not one; only the embedded default model's GGUF is supported (omit model), "
+            "or use quantization='int8' for a float checkpoint")
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()

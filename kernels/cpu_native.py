@@ -37,7 +37,8 @@ from kernels.cache import cache_root
 log = logging.getLogger("kernels.cpu_native")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "fused_ops_cpu.c", CSRC / "gemm_cpu.c")
+SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "gemm_cpu.c",
+                                   "qgemm_cpu.c"))
 HEADERS = (CSRC / "simd.h",)
 # -std=c11 keeps floating-point contraction off: a * b + c rounds twice, as in torch.
 BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
@@ -167,6 +168,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "gemm_f32_packed_size": (i64, [i64, i64]),
         "gemm_f32_pack": (None, [ptr, i64, i64, ptr]),
         "gemm_f32": (None, [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32]),
+        "qgemm": (i32, [i32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i32]),
+        "qdequant": (i32, [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]),
         "simd_isa": (ctypes.c_char_p, []),
     }
     for name, (restype, argtypes) in signatures.items():

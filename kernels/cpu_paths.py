@@ -33,7 +33,8 @@ def describe(backend: AttentionBackend | None = None) -> dict[str, object]:
     the backend ``"auto"`` picks on the CPU).
 
     Keys: ``cpu`` (machine), ``features``, ``native_bf16``, ``levels`` (native build
-    levels this CPU runs), ``attention``, ``layer_ops``, ``linear_f32``, ``linear_bf16``.
+    levels this CPU runs), ``attention``, ``layer_ops``, ``linear_f32``, ``linear_bf16``,
+    ``linear_quant`` (weight-only quantized linears).
     """
     if backend is None:
         from kernels.registry import get_attention_backend
@@ -52,14 +53,16 @@ def describe(backend: AttentionBackend | None = None) -> dict[str, object]:
         info.update(ops.paths())
     else:
         info.update(attention=backend.name, layer_ops="torch", linear_f32="torch",
-                    linear_bf16="torch")  # fmt: skip
+                    linear_bf16="torch", linear_quant="torch (dequantized per call)")  # fmt: skip
     return info
 
 
-def summary(info: dict[str, object], dtype: str) -> str:
+def summary(info: dict[str, object], dtype: str, quantization: str | None = None) -> str:
     """One log line: ``cpu kernels: attention avx2, linear native-avx2 ..., layer ops avx2;
-    dtype float32 (no native bf16)``."""
+    dtype float32 (no native bf16)``; with ``quantization`` the quantized linears' path."""
     linear = info["linear_bf16"] if dtype == "bfloat16" else info["linear_f32"]
+    if quantization:
+        linear = f"{quantization} {info['linear_quant']}"
     bf16 = "native bf16" if info["native_bf16"] else "no native bf16"
     return (f"cpu kernels: attention {info['attention']}, linear {linear}, layer ops "
             f"{info['layer_ops']}; dtype {dtype} ({bf16})")  # fmt: skip

@@ -39,7 +39,9 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from kernels import quant
 from kernels.cpu_native import MAX_HEAD_DIM
+from kernels.quant import QuantizedWeight
 
 log = logging.getLogger("kernels.layer_ops")
 
@@ -49,6 +51,9 @@ PACKED_F32_ROWS = (2, 1024)
 """Without the native linear: row counts for which float32 uses oneDNN's packed weights
 (bfloat16: every count)."""
 PACK_ENV_VAR = "PAGEDSERVE_PACK_WEIGHTS"
+QUANT_DIRECT_MAX_ROWS = 32
+"""Quantized weights: row counts up to which the native kernel multiplies in registers;
+larger batches dequantize the weight once and take a float product (see BENCHMARKS.md)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,9 +95,18 @@ class TorchLayerOps:
         """Once at load: prepare the linear weights for :meth:`linear` (nothing here)."""
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return quant.linear_reference(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        """Rows ``ids`` of the embedding table (a quantized one dequantized to float32)."""
+        if isinstance(weight, QuantizedWeight):
+            return weight.dequantize(ids)
+        return F.embedding(ids, weight)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
@@ -129,6 +143,8 @@ class NativeLayerOps(TorchLayerOps):
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
         self.isa = lib.simd_isa().decode()
+        # Reused float32 copy of a quantized weight for prefill-sized products.
+        self._dequant_scratch = torch.empty(0, dtype=torch.float32)
         flag = os.environ.get(PACK_ENV_VAR, "1").strip().lower()
         packing = flag not in ("0", "false", "no", "off")
         self._gemm = packing and bool(lib.gemm_f32_available())
@@ -142,7 +158,7 @@ class NativeLayerOps(TorchLayerOps):
 
     def paths(self) -> dict[str, str]:
         """What each op runs here: ``layer_ops`` (the library's vector level),
-        ``linear_f32`` and ``linear_bf16``."""
+        ``linear_f32``, ``linear_bf16`` and ``linear_quant`` (weight-only quantized)."""
         if self._gemm:
             above = "onednn-packed" if self._packed_above_native else "torch"
             f32 = f"native-{self.isa} (1-{NATIVE_LINEAR_MAX_ROWS} rows), {above} above"
@@ -151,12 +167,14 @@ class NativeLayerOps(TorchLayerOps):
         else:
             f32 = "torch"
         return {"layer_ops": self.isa, "linear_f32": f32,
-                "linear_bf16": "onednn-packed" if self._packing_bf16 else "torch"}
+                "linear_bf16": "onednn-packed" if self._packing_bf16 else "torch",
+                "linear_quant": f"native-{self.isa} (1-{QUANT_DIRECT_MAX_ROWS} rows), "
+                                "dequantize + torch above"}
 
     def prepare_weights(self, weights: Iterable[torch.Tensor]) -> None:
         """Pack every CPU float32/bfloat16 weight now rather than on the first step."""
         for w in weights:
-            if w.device.type != "cpu":
+            if isinstance(w, QuantizedWeight) or w.device.type != "cpu":
                 continue
             if w.dtype == torch.float32 and self._gemm:
                 self._native_packed(w)
@@ -170,8 +188,11 @@ class NativeLayerOps(TorchLayerOps):
                     log.warning("oneDNN weight packing unavailable, using F.linear: %s", exc)
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return self._quant_linear(x, weight, bias)
         if self._use_native(x, weight, bias):
             return self._gemm_linear(x, weight, bias)
         if not self._use_packed(x, weight):
@@ -183,6 +204,27 @@ class NativeLayerOps(TorchLayerOps):
             self._packing = False
             log.warning("oneDNN packed linear unavailable, using F.linear: %s", exc)
             return F.linear(x, weight, bias)
+
+    def _quant_linear(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if not (x.dim() == 2 and x.shape[1] == weight.k and x.stride(1) == 1
+                and weight.device.type == "cpu" and _native_dtype(x) == "f32"
+                and (bias is None or _native_dtype(bias) == "f32" and bias.is_contiguous())):  # fmt: skip
+            return super().linear(x, weight, bias)
+        if x.shape[0] <= QUANT_DIRECT_MAX_ROWS:
+            return quant.native_linear(self._lib, x, weight, bias, torch.get_num_threads())
+        need = weight.n * weight.k
+        if self._dequant_scratch.numel() < need:
+            self._dequant_scratch = torch.empty(need, dtype=torch.float32)
+        w = self._dequant_scratch[:need].view(weight.n, weight.k)
+        return F.linear(x, quant.native_dequantize(self._lib, weight, torch.get_num_threads(),
+                                                   out=w), bias)  # fmt: skip
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight) and weight.device.type == "cpu" and ids.is_cpu:
+            return quant.native_dequantize(self._lib, weight, torch.get_num_threads(), rows=ids)
+        return super().embedding(ids, weight)
 
     def _use_native(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         if not (self._gemm and x.dim() == 2 and weight.dim() == 2

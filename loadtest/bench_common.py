@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, QUANTIZATIONS
 from loadtest.workloads import Workload, allowed_token_ids
 
 logger = logging.getLogger("loadtest")
@@ -38,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="local HF folder or hub id (default: the embedded default model)")
     g.add_argument("--dtype", default="float32", choices=DTYPES)
+    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="weight-only quantized linears (default: none)")
     g.add_argument("--seed", type=int, default=0, help="workload and engine seed")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -60,6 +62,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     """``LLM(**kwargs)`` from the shared flags."""
     kw: dict[str, Any] = {
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "seed": args.seed,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -2,8 +2,9 @@
 
 The engine records each step's token count T and sampled rows S; the floor is the time
 of the model's own linear layers alone at those shapes (every layer's fused qkv, o,
-gate_up and down at T rows, the lm_head at S rows, ``F.linear``), timed on a grid of T
-and S and interpolated per step. :func:`step_breakdown` splits a run's steps into
+gate_up and down at T rows, the lm_head at S rows, ``F.linear``; weight-only quantized
+weights through the engine's own quantized linear), timed on a grid of T and S and
+interpolated per step. :func:`step_breakdown` splits a run's steps into
 decode-only steps and steps with prefill, each against its share of the floor.
 """
 
@@ -64,27 +65,31 @@ def _best_time(fn: Callable[[], None], warm: Callable[[], None], budget_s: float
     return best
 
 
-def linear_floor(model, steps: Sequence[StepRecord]) -> dict[str, Any]:
+def linear_floor(model, steps: Sequence[StepRecord],
+                 linear: Callable[..., Any] | None = None) -> dict[str, Any]:
     """Time of the model's linear layers alone at the token counts of ``steps``.
 
     For each step with T tokens and S sampled rows: every layer's fused qkv, o, gate_up
     and down projections at T rows, and the lm_head at S rows, with the model's own
-    weights (``F.linear``). Timed on a grid of T and S and interpolated per step.
+    weights (``linear``, default ``F.linear``; pass the engine's ``ops.linear`` for
+    quantized weights). Timed on a grid of T and S and interpolated per step.
     """
     import torch
 
     with torch.inference_mode():
-        return _linear_floor(model, steps)
+        return _linear_floor(model, steps, linear)
 
 
-def _linear_floor(model, steps: Sequence[StepRecord]) -> dict[str, Any]:
+def _linear_floor(model, steps: Sequence[StepRecord], linear) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
     spec = model.spec
     layers = list(model.layers)
-    dtype = layers[0].qkv_proj.weight.dtype
-    device = layers[0].qkv_proj.weight.device
+    w0 = layers[0].qkv_proj.weight
+    dtype = w0.dtype if isinstance(w0, torch.Tensor) else torch.float32
+    device = w0.device
+    lin = linear or F.linear
     head_w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     q_size = spec.num_heads * spec.head_dim
 
@@ -95,10 +100,10 @@ def _linear_floor(model, steps: Sequence[StepRecord]) -> dict[str, Any]:
 
         def run() -> None:
             for layer in layers[:num_layers]:
-                F.linear(x, layer.qkv_proj.weight, layer.qkv_proj.bias)
-                F.linear(xo, layer.o_proj.weight, layer.o_proj.bias)
-                F.linear(x, layer.gate_up_proj.weight, layer.gate_up_proj.bias)
-                F.linear(xd, layer.down_proj.weight, layer.down_proj.bias)
+                lin(x, layer.qkv_proj.weight, layer.qkv_proj.bias)
+                lin(xo, layer.o_proj.weight, layer.o_proj.bias)
+                lin(x, layer.gate_up_proj.weight, layer.gate_up_proj.bias)
+                lin(xd, layer.down_proj.weight, layer.down_proj.bias)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         return run
@@ -107,7 +112,7 @@ def _linear_floor(model, steps: Sequence[StepRecord]) -> dict[str, Any]:
         h = torch.randn(s, spec.hidden_size, dtype=dtype, device=device)
 
         def run() -> None:
-            F.linear(h, head_w)
+            lin(h, head_w)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         return run

@@ -103,14 +103,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         env["cpu_paths"] = worker.cpu_paths
     print_header("pagedserve bench throughput", env, {
         "model": f"{worker.model_name} ({worker.model_path})",
-        "dtype": dtype,
+        "dtype": dtype + (f", weights {worker.quant_desc}" if worker.quant_desc else ""),
         "seed": args.seed,
         "engine": (f"max_num_seqs={llm.config.max_num_seqs} max_num_batched_tokens="
                    f"{llm.engine.scheduler.max_num_batched_tokens} block_size="
                    f"{llm.config.block_size} kv_blocks={llm.engine.kv.num_blocks} "
                    f"prefix_caching={'on' if llm.config.enable_prefix_caching else 'off'} "
                    f"attention={worker.attn.name}"),
-        **({"cpu paths": cpu_paths.summary(worker.cpu_paths, dtype)}
+        **({"cpu paths": cpu_paths.summary(worker.cpu_paths, dtype, worker.quant_desc)}
            if worker.cpu_paths is not None else {}),
         "workload": (f"{workload.num_requests} requests, input {args.input_len_min}-"
                      f"{args.input_len_max}, output {args.output_len_min}-"
@@ -129,7 +129,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if run.num_output_tokens != workload.num_output_tokens:
         logger.warning("generated %d tokens but the workload requested %d",
                        run.num_output_tokens, workload.num_output_tokens)
-    floor = linear_floor(worker.model, run.steps) if args.floor else None
+    floor = linear_floor(worker.model, run.steps,
+                         worker.attn.ops.linear if llm.config.quantization else None) \
+        if args.floor else None  # fmt: skip
     ps = run.summary()
     ps["load_s"] = load_s
     breakdown = step_breakdown(run.steps, floor)
@@ -156,6 +158,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "environment": env,
         "model": str(model_path),
         "dtype": dtype,
+        "quantization": args.quantization,
         "seed": args.seed,
         "workload": workload.summary(),
         "pagedserve": ps,
@@ -207,7 +210,7 @@ def _repeat_pairs(args, workload: Workload, model_path, dtype: str,
     from engine.llm import LLM
     from loadtest import hf_baseline as hf
 
-    llm = LLM(model=str(model_path), **engine_kwargs(args))
+    llm = LLM(model=args.model, **engine_kwargs(args))
     model = hf.load_hf_model(model_path, dtype)
     bs = args.hf_batch_size or workload.num_requests
     if args.warmup:

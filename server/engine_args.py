@@ -32,7 +32,10 @@ HELP: dict[str, str] = {
     "max_num_batched_tokens": "Token budget of one step (default: 2048 with chunked prefill).",
     "enable_chunked_prefill": "Split long prompts across steps.",
     "device": "Device: auto, cpu or cuda.",
-    "attention_backend": "Attention kernels: auto, cpu (native decode kernel), torch or triton.",
+    "attention_backend": "Attention kernels: auto (cpu on the CPU when the native library "
+                         "builds, else torch; triton on CUDA), cpu (the native library), torch "
+                         "(the reference) or triton.",
+    "quantization": "Weight-only quantized linears: gguf or int8 (default: none).",
     "enforce_eager": "Disable CUDA graphs.",
     "tensor_parallel_size": "Tensor-parallel degree (only 1 is supported).",
 }

@@ -100,3 +100,16 @@ def test_tiny_models_match_hf(arch, tiny_model_factory, default_tokenizer):
                    {"enable_chunked_prefill": False, "max_num_seqs": 1}):
         llm = LLM(model=str(path), dtype="float32", enable_prefix_caching=False, **kwargs)
         assert run(llm, prompts, 32) == ref, kwargs
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_gguf_quantized_default_model_matches_hf_on_the_gguf(backend, default_prompts,
+                                                             default_reference):  # fmt: skip
+    """The default model served from its GGUF's own Q4_1/Q8_0 weights (never expanded)
+    equals HF transformers on the same GGUF (which dequantizes it to float32: the
+    converted folder) token for token, chunked and batched."""
+    llm = LLM(quantization="gguf", max_num_batched_tokens=24, enable_prefix_caching=False,
+              attention_backend=backend)
+    assert llm.engine.worker.quant_desc == "gguf (q4_1, q8_0)"
+    assert run(llm, default_prompts) == default_reference
+    assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks

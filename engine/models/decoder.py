@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kernels.interface import AttentionBackend, AttentionMetadata
+from kernels.quant import QuantizedWeight, quantize_int8
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,35 @@ def rope_tables(cfg, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.T
     freqs = pos[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * attn_scale, emb.sin() * attn_scale
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight stays quantized (``ops.linear`` multiplies it)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.k
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.n
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept quantized (``ops.embedding`` dequantizes the rows it reads)."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.weight = weight
+
+
+LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""The projections of a layer, as :meth:`DecoderForCausalLM.quantize_layout` names them."""
 
 
 class DecoderLayer(nn.Module):
@@ -175,7 +205,7 @@ class DecoderForCausalLM(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = attn.ops.embedding(input_ids, self.embed_tokens.weight)
         dtype = hidden.dtype
         cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
@@ -186,7 +216,7 @@ class DecoderForCausalLM(nn.Module):
             return attn.ops.rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
         return attn.ops.add_rms_norm(residual, hidden, self.norm, self.spec.rms_norm_eps)[1]
 
-    def linear_weights(self) -> Iterator[torch.Tensor]:
+    def linear_weights(self) -> Iterator[torch.Tensor | QuantizedWeight]:
         """Every weight that goes through ``ops.linear``, the logits' included."""
         for layer in self.layers:
             for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
@@ -197,6 +227,39 @@ class DecoderForCausalLM(nn.Module):
         """float32 logits of ``hidden`` through the backend's layer ops."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ops.linear(hidden, weight).float()
+
+    # -- quantized weights --------------------------------------------------
+    def quantize_layout(self, formats: dict[str, str]) -> None:
+        """Before loading: keep the weights named in ``formats`` quantized. Keys are
+        ``layers.{i}.{projection}`` (see :data:`LINEAR_NAMES`), ``embed_tokens`` and
+        ``lm_head``; values are :data:`kernels.quant.FORMATS` names. Their planes are
+        allocated on the CPU; the checkpoint must then supply them in that format."""
+        for name, fmt in formats.items():
+            if name == "embed_tokens":
+                s = self.spec
+                self.embed_tokens = QuantEmbedding(
+                    QuantizedWeight.empty(fmt, s.vocab_size, s.hidden_size))
+                continue
+            parent, attr = (self, name) if name == "lm_head" else \
+                (self.layers[int(name.split(".")[1])], name.split(".")[2])  # fmt: skip
+            old = getattr(parent, attr)
+            if old is None:  # a tied lm_head
+                continue
+            bias = None if old.bias is None else torch.empty(old.bias.shape, dtype=torch.float32)
+            setattr(parent, attr, QuantLinear(
+                QuantizedWeight.empty(fmt, old.out_features, old.in_features), bias))
+
+    def quantize_int8(self) -> None:
+        """After loading: every linear weight to per-row int8 (the logits' too; a tied
+        embedding table stays float for lookups and gets an int8 copy for the logits)."""
+        for layer in self.layers:
+            for attr in LINEAR_NAMES:
+                old = getattr(layer, attr)
+                if isinstance(old, nn.Linear):
+                    setattr(layer, attr, QuantLinear(quantize_int8(old.weight), old.bias))
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if isinstance(head, torch.Tensor):
+            self.lm_head = QuantLinear(quantize_int8(head), None)
 
     # -- weights ------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -215,10 +278,11 @@ class DecoderForCausalLM(nn.Module):
                 if name == "lm_head.weight":
                     if self.lm_head is None:
                         continue
-                    self.lm_head.weight.copy_(tensor)
-                elif name in ("embed_tokens.weight", "norm.weight"):
-                    target = self.embed_tokens.weight if name.startswith("embed") else self.norm
-                    target.copy_(tensor)
+                    _put_rows(self.lm_head, "weight", 0, tensor)
+                elif name == "embed_tokens.weight":
+                    _put_rows(self.embed_tokens, "weight", 0, tensor)
+                elif name == "norm.weight":
+                    self.norm.copy_(tensor)
                 else:
                     self._load_layer_tensor(name, tensor, qkv_off, gu_off)
             loaded.add(name)
@@ -254,18 +318,32 @@ class DecoderForCausalLM(nn.Module):
         proj = parts[-2]
         kind = parts[-1]  # weight | bias
         if proj in qkv_off:
-            target = getattr(layer.qkv_proj, kind)
-            target[qkv_off[proj]: qkv_off[proj] + tensor.shape[0]].copy_(tensor)
+            _put_rows(layer.qkv_proj, kind, qkv_off[proj], tensor)
         elif proj in gu_off:
-            target = getattr(layer.gate_up_proj, kind)
-            target[gu_off[proj]: gu_off[proj] + tensor.shape[0]].copy_(tensor)
+            _put_rows(layer.gate_up_proj, kind, gu_off[proj], tensor)
         elif proj == "o_proj":
-            getattr(layer.o_proj, kind).copy_(tensor)
+            _put_rows(layer.o_proj, kind, 0, tensor)
         elif proj == "down_proj":
-            getattr(layer.down_proj, kind).copy_(tensor)
+            _put_rows(layer.down_proj, kind, 0, tensor)
         elif leaf in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             getattr(layer, leaf.split(".")[0]).copy_(tensor)
         elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
             getattr(layer, proj).copy_(tensor)
         else:
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
+
+
+def _put_rows(module: nn.Module, kind: str, offset: int,
+              tensor: torch.Tensor | QuantizedWeight) -> None:
+    """Rows ``offset ..`` of ``module``'s weight or bias := ``tensor``. A quantized tensor
+    goes into a quantized weight of its format, or is dequantized into a float one."""
+    target = getattr(module, kind)
+    if isinstance(target, QuantizedWeight):
+        if not isinstance(tensor, QuantizedWeight) or tensor.fmt != target.fmt:
+            got = tensor.fmt if isinstance(tensor, QuantizedWeight) else str(tensor.dtype)
+            raise ValueError(f"a {target.fmt} weight was laid out but the checkpoint has {got}")
+        target.copy_rows_(offset, tensor)
+        return
+    if isinstance(tensor, QuantizedWeight):
+        tensor = tensor.dequantize()
+    target[offset: offset + tensor.shape[0]].copy_(tensor)

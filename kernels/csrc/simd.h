@@ -72,6 +72,19 @@ static inline vf vf_load_bf16(const uint16_t *p) {
 static inline vf vf_load_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
+/* VW int8 values widened to float32. */
+static inline vf vf_load_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* A GGML 4-bit block (16 bytes: elements 0-15 in the low nibbles, 16-31 in the high)
+ * as 32 / VW vectors of its codes 0-15, in element order. Each byte is widened to a
+ * lane first and split there (fewer operations than splitting bytes, then widening). */
+static inline void vf_load_nibbles32(const uint8_t *p, vf *out) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+    out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+static inline float f16_to_f32_fast(uint16_t h) { return _cvtsh_ss(h); }
 /* 1 / d: the hardware estimate refined by one Newton step (within an ulp or two). */
 static inline vf vf_rcp(vf d) {
     const vf r = _mm512_rcp14_ps(d);
@@ -179,6 +192,19 @@ static inline vf vf_load_bf16(const uint16_t *p) {
 static inline vf vf_load_f16(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
+static inline vf vf_load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline void vf_load_nibbles32(const uint8_t *p, vf *out) {
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low));
+    out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));
+    out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+    out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+}
+static inline float f16_to_f32_fast(uint16_t h) { return _cvtsh_ss(h); }
 /* The 12-bit estimate and one Newton step: about 22 bits. */
 static inline vf vf_rcp(vf d) {
     const vf r = _mm256_rcp_ps(d);

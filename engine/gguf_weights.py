@@ -1,0 +1,171 @@
+"""Weights read from a GGUF file as it stores them (``quantization="gguf"``).
+
+Tensors in ``Q8_0``, ``Q4_0`` and ``Q4_1`` become :class:`~kernels.quant.QuantizedWeight`
+planes (the bytes of the file, split into codes, scales and offsets; nothing is
+expanded); ``F32``/``F16``/``BF16`` tensors load as they are; any other GGML type (the
+K-quants, I-quants, ...) is dequantized to float32 by the ``gguf`` package and runs as a
+float weight. Names are mapped to the Hugging Face checkpoint's, and the rows of Llama's
+``attn_q``/``attn_k`` are put back in Hugging Face order (llama.cpp's converter
+interleaves the two halves of each head for its RoPE), so the model loads these tensors
+exactly as it loads a safetensors checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels.quant import QK, QuantizedWeight
+
+NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+"""GGML types kept quantized, and their :data:`kernels.quant.FORMATS` names."""
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+"""``general.architecture`` values this loader maps (Llama's q/k rows are permuted)."""
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLK = re.compile(r"blk\.(\d+)\.(.+)")
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+          "down_proj": "down_proj"}  # fmt: skip
+
+
+def _reader(path: Path):
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
+def _field_str(reader, key: str) -> str | None:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face checkpoint name of a GGUF tensor (None: not a model weight)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLK.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+
+
+def _quantized(fmt: str, raw: np.ndarray, k: int) -> QuantizedWeight:
+    """Split GGML blocks ``raw`` (uint8 ``[n, k / 32 * block bytes]``) into planes."""
+    n = raw.shape[0]
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(n, k // QK, _BLOCK_BYTES[fmt])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).view(n, k // QK)
+    m = None
+    if fmt == "q4_1":
+        m = blocks[..., 2:4].contiguous().view(torch.float16).view(n, k // QK)
+        qs = blocks[..., 4:].reshape(n, k // 2)
+    elif fmt == "q4_0":
+        qs = blocks[..., 2:].reshape(n, k // 2)
+    else:
+        qs = blocks[..., 2:].reshape(n, k).view(torch.int8)
+    return QuantizedWeight(fmt, n, k, qs.contiguous(), d.contiguous(), m)
+
+
+def _unpermute_index(rows: int, heads: int) -> torch.Tensor:
+    """For each Hugging Face row of a Llama q/k weight, the GGUF row that holds it."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def architecture(path: Path) -> str:
+    return _field_str(_reader(path), "general.architecture") or "?"
+
+
+def tensor_formats(path: Path) -> dict[str, str]:
+    """Per model weight (``layers.{i}.{projection}``, ``embed_tokens``, ``lm_head``) the
+    quantized format it loads in; weights that load as float are absent. A fused
+    projection is quantized only when all its parts share one format."""
+    parts: dict[str, set[str | None]] = {}
+    for t in _reader(path).tensors:
+        name = hf_name(t.name)
+        if name is None or not name.endswith(".weight"):
+            continue
+        fmt = NATIVE_TYPES.get(t.tensor_type.name)
+        if name == "model.embed_tokens.weight":
+            key = "embed_tokens"
+        elif name == "lm_head.weight":
+            key = "lm_head"
+        else:
+            leaf = name.split(".")[-2]
+            if leaf not in _FUSED:
+                continue
+            key = f"layers.{name.split('.')[2]}.{_FUSED[leaf]}"
+        parts.setdefault(key, set()).add(fmt)
+    return {k: next(iter(f)) for k, f in parts.items() if len(f) == 1 and None not in f}
+
+
+def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
+                      formats: dict[str, str]) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """``(hf_name, tensor)`` for every model weight of the GGUF file at ``path``; weights
+    whose key is in ``formats`` (see :func:`tensor_formats`) come quantized."""
+    import gguf
+
+    reader = _reader(path)
+    arch = _field_str(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF general.architecture={arch!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")  # fmt: skip
+    quantized_keys = set(formats)
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        type_name = t.tensor_type.name
+        fmt = NATIVE_TYPES.get(type_name)
+        k = int(t.shape[0])
+        keep = fmt is not None and _weight_key(name) in quantized_keys
+        if keep:
+            value: torch.Tensor | QuantizedWeight = _quantized(fmt, t.data, k)
+        elif type_name in ("F32", "F16"):
+            value = torch.from_numpy(np.array(t.data)).float()
+        else:
+            value = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        if isinstance(value, torch.Tensor):
+            value = value.reshape([int(s) for s in reversed(t.shape)]) if value.dim() else value
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = num_heads if ".q_proj." in name else num_kv_heads
+            index = _unpermute_index(value.shape[0], heads)
+            value = value.select_rows(index) if isinstance(value, QuantizedWeight) \
+                else value[index]  # fmt: skip
+        yield name, value
+
+
+def _weight_key(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "embed_tokens"
+    if hf == "lm_head.weight":
+        return "lm_head"
+    parts = hf.split(".")
+    return f"layers.{parts[2]}.{_FUSED.get(parts[-2], parts[-2])}"

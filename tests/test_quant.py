@@ -1,0 +1,170 @@
+"""Weight-only quantized linears: formats, native kernels at every build level, GGUF loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import quant
+from kernels.layer_ops import QUANT_DIRECT_MAX_ROWS, NativeLayerOps, TorchLayerOps
+from kernels.quant import FORMATS, QuantizedWeight, quantize_int8
+
+
+def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    """Codes over their whole range, scales of either sign, offsets where the format has them."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "int8":
+        return quantize_int8(torch.randn(n, k, generator=g))
+    w = QuantizedWeight.empty(fmt, n, k)
+    if fmt == "q8_0":
+        w.qs.copy_(torch.randint(-128, 128, w.qs.shape, generator=g).to(torch.int8))
+    else:
+        w.qs.copy_(torch.randint(0, 256, w.qs.shape, generator=g).to(torch.uint8))
+    w.d.copy_((torch.randn(w.d.shape, generator=g) * 0.02).half())
+    if w.m is not None:
+        w.m.copy_((torch.randn(w.m.shape, generator=g) * 0.05).half())
+    return w
+
+
+def assert_product_close(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight,
+                         bias: torch.Tensor | None) -> None:
+    """Equal to the dequantize-then-matmul reference up to float32 summation order."""
+    ref = F.linear(x.double(), w.dequantize().double(), None if bias is None else bias.double())
+    scale = F.linear(x.abs().double(), w.dequantize().abs().double()) + 1.0
+    err = ((out.double() - ref).abs() / scale).max().item()
+    assert err < 1e-5, err
+
+
+def test_reference_dequantizes_as_ggml() -> None:
+    w = QuantizedWeight.empty("q4_1", 1, 32)
+    w.qs.copy_(torch.tensor([[0x21] + [0xF0] * 15], dtype=torch.uint8))
+    w.d.fill_(0.5)
+    w.m.fill_(-1.0)
+    v = w.dequantize()[0]
+    # byte 0: low nibble 1 is element 0, high nibble 2 is element 16.
+    assert v[0].item() == 0.5 * 1 - 1.0 and v[16].item() == 0.5 * 2 - 1.0
+    assert v[1].item() == -1.0 and v[17].item() == 0.5 * 15 - 1.0
+    w0 = QuantizedWeight("q4_0", 1, 32, w.qs.clone(), w.d.clone())
+    assert w0.dequantize()[0, 0].item() == 0.5 * (1 - 8)
+    w8 = QuantizedWeight.empty("q8_0", 1, 32)
+    w8.qs.copy_(torch.arange(-16, 16, dtype=torch.int8)[None])
+    w8.d.fill_(0.25)
+    assert torch.equal(w8.dequantize()[0], torch.arange(-16, 16).float() * 0.25)
+
+
+def test_int8_quantization_is_per_row_symmetric() -> None:
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [3.0, 3.0, -3.0]])
+    q = quantize_int8(w)
+    assert q.qs.dtype == torch.int8 and q.qs[0].tolist() == [64, -127, 32]
+    assert q.d.tolist() == pytest.approx([2 / 127, 1.0, 3 / 127])
+    assert (q.dequantize() - w).abs().max().item() <= 3 / 127 / 2 + 1e-7
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantizedWeight.empty("q4_0", 4, 48)
+    with pytest.raises(ValueError, match="quantization format"):
+        QuantizedWeight.empty("q3_k", 4, 64)
+    a, b = QuantizedWeight.empty("q4_1", 8, 64), QuantizedWeight.empty("q8_0", 2, 64)
+    with pytest.raises(ValueError, match="cannot put"):
+        a.copy_rows_(0, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (70, 96), (33, 320)])
+def test_native_kernel_matches_reference(native_lib, fmt, n, k) -> None:
+    w = random_weight(fmt, n, k, seed=n + k)
+    g = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=g)
+    for rows in (1, 2, 3, 4, 5, 9, 40):
+        x = torch.randn(rows, k, generator=g)
+        for b in (None, bias):
+            assert_product_close(quant.native_linear(native_lib, x, w, b, 2), x, w, b)
+    # Strided rows (a column slice of a wider activation).
+    wide = torch.randn(6, k + 16, generator=g)
+    assert_product_close(quant.native_linear(native_lib, wide[:, :k], w, None, 2), wide[:, :k], w, None)
+
+
+@pytest.mark.parametrize("fmt", ["int8"])
+@pytest.mark.parametrize("k", [1, 31, 45])
+def test_native_int8_takes_any_k(native_lib, fmt, k) -> None:
+    w = random_weight(fmt, 5, k)
+    x = torch.randn(3, k)
+    assert_product_close(quant.native_linear(native_lib, x, w, None, 1), x, w, None)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_native_dequantize_is_exact(native_lib, fmt) -> None:
+    w = random_weight(fmt, 37, 128, seed=3)
+    assert torch.equal(quant.native_dequantize(native_lib, w, 2), w.dequantize())
+    rows = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(quant.native_dequantize(native_lib, w, 2, rows=rows), w.dequantize(rows))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
+def test_layer_ops_route_quantized_weights(native_lib, fmt) -> None:
+    ops, ref_ops = NativeLayerOps(native_lib), TorchLayerOps()
+    w = random_weight(fmt, 96, 64, seed=5)
+    bias = torch.randn(96)
+    for rows in (1, QUANT_DIRECT_MAX_ROWS, QUANT_DIRECT_MAX_ROWS + 1, 100):
+        x = torch.randn(rows, 64)
+        assert_product_close(ops.linear(x, w, bias), x, w, bias)
+        assert_product_close(ref_ops.linear(x, w, bias), x, w, bias)
+    ids = torch.tensor([3, 95, 3])
+    assert torch.equal(ops.embedding(ids, w), w.dequantize(ids))
+    assert torch.equal(ref_ops.embedding(ids, w), w.dequantize(ids))
+    assert ops.paths()["linear_quant"].startswith(f"native-{ops.isa}")
+
+
+def test_gguf_tensors_equal_the_hf_conversion(default_model_path) -> None:
+    """Each tensor of the default model's GGUF, as loaded quantized and dequantized by the
+    reference, equals what transformers' GGUF loader made of it (the converted folder),
+    Llama's q/k rows back in Hugging Face order."""
+    from engine import gguf_weights
+    from engine.loader import default_gguf_path, iter_weights
+
+    path = default_gguf_path()
+    formats = gguf_weights.tensor_formats(path)
+    assert formats["embed_tokens"] == "q8_0" and formats["layers.0.qkv_proj"] == "q4_1"
+    reference = dict(iter_weights(default_model_path))
+    seen = set()
+    for name, value in gguf_weights.iter_gguf_weights(path, 9, 3, formats):
+        if isinstance(value, QuantizedWeight):
+            assert value.fmt in ("q4_1", "q8_0")
+            value = value.dequantize()
+        assert torch.equal(value, reference[name].float()), name
+        seen.add(name)
+    assert seen == set(reference)
+
+
+def test_gguf_model_keeps_its_weights_quantized() -> None:
+    from engine import LLM
+
+    llm = LLM(quantization="gguf", kv_cache_memory_gb=0.05)
+    worker = llm.engine.worker
+    model = worker.model
+    assert worker.dtype == torch.float32 and worker.quant_desc == "gguf (q4_1, q8_0)"
+    qkv = model.layers[0].qkv_proj.weight
+    assert isinstance(qkv, QuantizedWeight) and qkv.fmt == "q4_1"
+    assert qkv.shape == (9 * 64 + 2 * 3 * 64, 576)
+    assert isinstance(model.embed_tokens.weight, QuantizedWeight)
+    assert model.embed_tokens.weight.fmt == "q8_0"
+    assert not any(p.dim() == 2 for p in model.parameters())  # no float matrix anywhere
+    quant_bytes = sum(w.nbytes for w in model.linear_weights())
+    # No larger than the file itself (its float32 expansion is ~540 MB).
+    from engine.loader import default_gguf_path
+
+    assert quant_bytes <= default_gguf_path().stat().st_size
+
+
+def test_quantization_arguments_are_checked(default_model_path) -> None:
+    from engine import LLM
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization='fp4'"):
+        EngineConfig(quantization="fp4")
+    with pytest.raises(ValueError, match="dtype='bfloat16'.*float32"):
+        EngineConfig(quantization="int8", dtype="bfloat16")
+    with pytest.raises(ValueError, match="quantization='gguf'.*model="):
+        LLM(model=str(default_model_path), quantization="gguf")
