@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.config import EngineConfig
+from engine.engine_info import EngineInfo
 from engine.llm_engine import OUTPUT_DELTA, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -73,7 +75,6 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     arrival_time: float
-    param_name: str
 
 
 class AsyncEngine:
@@ -99,6 +100,16 @@ class AsyncEngine:
         """Called on the loop with each new snapshot (metrics hook)."""
         self.last_progress = time.monotonic()
         self.stall_timeout = STALL_TIMEOUT_S
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model and build the engine (slow: call it off the event loop)."""
+        return cls(LLMEngine(config))
+
+    @property
+    def info(self) -> EngineInfo:
+        """Names, limits and the tokenizer: all a front end reads of the engine."""
+        return self.engine.info
 
     # -- lifecycle (any thread) ---------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -138,7 +149,6 @@ class AsyncEngine:
         queue: asyncio.Queue,
         prompt: str | None = None,
         arrival_time: float | None = None,
-        param_name: str = "prompt",
     ) -> None:
         """Post a request; its :class:`StepItem`s (delta outputs) arrive on ``queue``.
 
@@ -150,8 +160,7 @@ class AsyncEngine:
         self._queues[request_id] = queue
         self._adds_posted += 1
         self._commands.append(_Add(request_id, prompt_token_ids, params, prompt,
-                                   arrival_time if arrival_time is not None else time.monotonic(),
-                                   param_name))
+                                   arrival_time if arrival_time is not None else time.monotonic()))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -176,7 +185,7 @@ class AsyncEngine:
         """Waiting requests now: the last snapshot's plus adds posted since, beyond free slots."""
         snap = self.snapshot
         pending = self._adds_posted - snap.adds_drained
-        free = max(0, self.engine.config.max_num_seqs - snap.num_running - snap.num_waiting)
+        free = max(0, self.info.max_num_seqs - snap.num_running - snap.num_waiting)
         return snap.num_waiting + max(0, pending - free)
 
     def _deliver(self, items: list[RequestOutput], step_time: float,
@@ -251,7 +260,7 @@ class AsyncEngine:
                 try:
                     eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                     prompt=cmd.prompt, arrival_time=cmd.arrival_time,
-                                    output_kind=OUTPUT_DELTA, param_name=cmd.param_name)
+                                    output_kind=OUTPUT_DELTA)
                 except Exception as exc:  # a bad request harms no one else
                     self._loop.call_soon_threadsafe(self._deliver_error, cmd.request_id, exc)
             else:

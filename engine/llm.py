@@ -119,7 +119,7 @@ class LLM:
         eng = self.engine
         ids = []
         for ids_, _text, sp, _salt in requests:  # validate all before queuing any
-            eng.check_length(len(ids_), sp, "prompt")
+            eng.check_length(len(ids_), sp)
         try:
             for ids_, text, sp, salt in requests:
                 ids.append(eng.add_request(None, ids_, sp, prompt=text, cache_salt=salt).request_id)

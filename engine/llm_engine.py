@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_info import EngineInfo, InputLimits
+from engine.errors import EngineInputError, InputField
 from engine.output_processor import OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestGroup, RequestStatus
-from engine.sampler import check_token_ids
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stop import StopChecker
@@ -27,15 +28,7 @@ from engine.worker import Worker
 
 logger = logging.getLogger("engine")
 
-__all__ = ["OUTPUT_DELTA", "OUTPUT_FINAL", "EngineStats", "LLMEngine", "PromptTooLongError"]
-
-
-class PromptTooLongError(ValueError):
-    """Prompt plus requested tokens do not fit the context (or the whole KV cache)."""
-
-    def __init__(self, message: str, param: str = "messages") -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["OUTPUT_DELTA", "OUTPUT_FINAL", "EngineStats", "LLMEngine", "StepStats"]
 
 
 @dataclass(slots=True)
@@ -84,6 +77,16 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )  # fmt: skip
+        self.limits = InputLimits(
+            vocab_size=w.vocab_size, max_model_len=w.max_model_len,
+            num_kv_blocks=w.num_blocks, block_size=config.block_size,
+            max_num_batched_tokens=w.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill)  # fmt: skip
+        self.info = EngineInfo(
+            model_name=w.model_name, model_path=str(w.model_path), tokenizer=w.tokenizer,
+            eos_token_ids=tuple(w.eos_token_ids), max_num_seqs=config.max_num_seqs,
+            limits=self.limits)  # fmt: skip
+        """What front ends read of the engine."""
         self.output = OutputProcessor(self.scheduler, self.token_text)
         self.eos_token_ids = w.eos_token_ids
         self.vocab_size = w.vocab_size
@@ -112,51 +115,10 @@ class LLMEngine:
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def check_length(self, num_prompt_tokens: int, params: SamplingParams, param: str) -> int:
-        """Validate lengths; return the effective max_tokens. Raises PromptTooLongError."""
-        if num_prompt_tokens == 0:
-            raise PromptTooLongError("the prompt is empty: at least one token is required", param)
-        room = self.max_model_len - num_prompt_tokens
-        capacity = self.kv.num_blocks * self.block_size  # tokens the whole cache holds
-        if params.max_tokens is None:
-            if room < 1:
-                raise PromptTooLongError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, your prompt has {num_prompt_tokens} tokens, which leaves no room "
-                    f"for a completion.", param)
-            # Up to the end of the context, or of what the whole KV cache (and, with
-            # chunked prefill off, one step) can hold.
-            limit = capacity
-            if not self.config.enable_chunked_prefill:
-                limit = min(limit, self.scheduler.max_num_batched_tokens)
-            max_tokens = min(room, limit - num_prompt_tokens)
-            if max_tokens < 1:
-                raise PromptTooLongError(
-                    f"the prompt has {num_prompt_tokens} tokens, which leaves no room for a "
-                    f"completion in the {limit} tokens one request can hold (the KV cache "
-                    f"has {self.kv.num_blocks} blocks of {self.block_size} tokens)", param)
-        else:
-            max_tokens = params.max_tokens
-            if num_prompt_tokens + max_tokens > self.max_model_len:
-                raise PromptTooLongError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, you requested {num_prompt_tokens + max_tokens} tokens "
-                    f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion). "
-                    f"Please reduce the length of the prompt or the completion.",
-                    param if room < 1 else "max_tokens")
-        need = -(-(num_prompt_tokens + max_tokens) // self.block_size)
-        if need > self.kv.num_blocks:
-            raise PromptTooLongError(
-                f"the request needs {need} KV cache blocks ({num_prompt_tokens} prompt + "
-                f"{max_tokens} completion tokens) but the whole cache has {self.kv.num_blocks} "
-                f"blocks of {self.block_size} tokens",
-                "max_tokens" if num_prompt_tokens < capacity else param)
-        if not self.config.enable_chunked_prefill and \
-                num_prompt_tokens + max_tokens > self.scheduler.max_num_batched_tokens:
-            raise PromptTooLongError(
-                f"with chunked prefill off, prompt + completion ({num_prompt_tokens + max_tokens}) "
-                f"must fit max_num_batched_tokens={self.scheduler.max_num_batched_tokens}", param)
-        return max_tokens
+    def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The request's resolved token limit (see :meth:`InputLimits.resolve_max_tokens`);
+        raises :class:`~engine.errors.PromptTooLongError`."""
+        return self.limits.resolve_max_tokens(num_prompt_tokens, params)
 
     def add_request(
         self,
@@ -167,17 +129,17 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         output_kind: str = OUTPUT_FINAL,
-        param_name: str = "prompt",
     ) -> RequestGroup:
+        """Validate and queue a request (its ``n`` sequences). Raises an
+        :class:`~engine.errors.EngineInputError` naming the field at fault."""
         request_id = request_id or self.new_request_id()
         if request_id in self.output.groups:
-            raise ValueError(f"request_id={request_id!r} is already in use")
-        for t in prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise PromptTooLongError(
-                    f"prompt token id {t!r} is out of range [0, {self.vocab_size})", param_name)
-        check_token_ids(params, self.vocab_size)
-        max_tokens = self.check_length(len(prompt_token_ids), params, param_name)
+            raise EngineInputError(f"request_id={request_id!r} is already in use",
+                                   InputField.REQUEST_ID)  # fmt: skip
+        limits = self.limits
+        limits.check_token_ids(prompt_token_ids)
+        limits.check_sampling_token_ids(params)
+        max_tokens = limits.resolve_max_tokens(len(prompt_token_ids), params)
         now = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), params, now)
         for i in range(params.n):

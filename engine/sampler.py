@@ -18,7 +18,7 @@ import torch
 
 from engine import penalties
 from engine.outputs import Logprob, TokenLogprobs
-from engine.sampling_params import SamplingParamError, SamplingParams
+from engine.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5
 
@@ -57,20 +57,6 @@ def make_generator(
     g = torch.Generator(device=device)
     g.manual_seed((params.seed + index * 1_000_003) % 2**63)
     return g
-
-
-def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Reject logit_bias keys and stop_token_ids outside ``[0, vocab_size)`` (at admission)."""
-    for tid in params.logit_bias or {}:
-        if not 0 <= tid < vocab_size:
-            raise SamplingParamError(
-                "logit_bias", f"logit_bias token id {tid} is outside [0, {vocab_size})"
-            )
-    for tid in params.stop_token_ids or ():
-        if not 0 <= tid < vocab_size:
-            raise SamplingParamError(
-                "stop_token_ids", f"stop_token_ids entry {tid} is outside [0, {vocab_size})"
-            )
 
 
 def is_greedy(params: SamplingParams) -> bool:

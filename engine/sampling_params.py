@@ -1,23 +1,24 @@
 """Sampling parameters, validated on construction.
 
-Every error names the parameter, the value and the allowed range, so the server can
-turn it into a 400 that names ``param``.
+Every error is a :class:`~engine.errors.SamplingParamError` naming the field, the value
+and the allowed range. A ``SamplingParams`` is never changed after construction: what
+the engine resolves for a request (its token limit, the model's EOS ids) lives on the
+request.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import SamplingParamError
+
+__all__ = ["MAX_LOGPROBS", "SamplingParamError", "SamplingParams"]
+
 MAX_LOGPROBS = 20
-
-
-class SamplingParamError(ValueError):
-    """A bad sampling parameter; ``param`` names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")
+"""A ``logit_bias`` key given as text: the ASCII decimal of a token id."""
 
 
 def _err(param: str, value: Any, limit: str) -> SamplingParamError:
@@ -59,7 +60,6 @@ class SamplingParams:
     """Not supported: anything but None is refused."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Filled by the engine, not the user.
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(
@@ -103,7 +103,7 @@ class SamplingParams:
                 # An int, or the decimal string of one (JSON object keys are strings).
                 if is_int(k):
                     tid = k
-                elif isinstance(k, str) and k.strip().lstrip("-").isdigit():
+                elif isinstance(k, str) and _TOKEN_ID_KEY.fullmatch(k.strip()):
                     tid = int(k)
                 else:
                     raise _err("logit_bias", k, "keys must be integer token ids")

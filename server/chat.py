@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from engine.outputs import TokenLogprobs
+from engine import TokenLogprobs
 from server.errors import APIError
 from server.generation import (
     ChoiceTally,
@@ -41,16 +41,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     req = decode_body(await read_json(request), ChatCompletionRequest)
     model = state.check_model(req.model)
-    params, limit_name = chat_params(req)
-    state.check_sampling_token_ids(params)
+    params, route = chat_params(req)
+    state.check_sampling_token_ids(params, route)
     state.admit()
     prompt = await chat_prompt(state, req.messages, req.add_generation_prompt is not False)
-    state.fit(len(prompt.token_ids), params, "messages", limit_name, fill_context=True)
+    state.fit(len(prompt.token_ids), params, route)
     ctx = _Ctx(
         id=f"chatcmpl-{random_id()}", created=int(time.time()), model=model, n=params.n,
         prompt_tokens=len(prompt.token_ids), want_logprobs=bool(req.logprobs),
         include_usage=bool(req.stream_options and req.stream_options.include_usage))
-    async with Generation(state, [prompt], params, "messages", arrival) as gen:
+    async with Generation(state, [prompt], params, route, arrival) as gen:
         if req.stream:
             return await _stream(request, state, gen, ctx)
         return await _whole(state, gen, ctx)

@@ -21,6 +21,7 @@ from server.generation import (
     with_finish,
 )
 from server.logprobs import CompletionLogprobs, merge_completion_logprobs
+from server.param_names import COMPLETIONS
 from server.params import completion_params
 from server.prompts import completion_prompts
 from server.protocol import CompletionRequest, decode_body
@@ -50,11 +51,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = decode_body(await read_json(request), CompletionRequest)
     model = state.check_model(req.model)
     params = completion_params(req)
-    state.check_sampling_token_ids(params)
+    state.check_sampling_token_ids(params, COMPLETIONS)
     state.admit()
     prompts = await completion_prompts(state, req.prompt)
     for p in prompts:
-        state.fit(len(p.token_ids), params, "prompt", "max_tokens")
+        state.fit(len(p.token_ids), params, COMPLETIONS)
     echo = None
     if req.echo:
         echo = [p.text if p.text is not None else state.tokenizer.decode(p.token_ids)
@@ -63,7 +64,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         id=f"cmpl-{random_id()}", created=int(time.time()), model=model, n=params.n,
         prompts=prompts, echo_texts=echo, want_logprobs=req.logprobs is not None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage))
-    async with Generation(state, prompts, params, "prompt", arrival) as gen:
+    async with Generation(state, prompts, params, COMPLETIONS, arrival) as gen:
         if req.stream:
             return await _stream(request, state, gen, ctx)
         return await _whole(state, gen, ctx)

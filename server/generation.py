@@ -7,11 +7,16 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.async_engine import EngineDeadError, StepItem
-from engine.llm_engine import PromptTooLongError
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParamError, SamplingParams
-from server.errors import APIError, bad_request, internal, unavailable
+from engine import (
+    CompletionOutput,
+    EngineDeadError,
+    EngineInputError,
+    RequestOutput,
+    SamplingParams,
+    StepItem,
+)
+from server.errors import APIError, internal, unavailable
+from server.param_names import Route, input_error
 from server.state import ServerState
 
 
@@ -29,18 +34,17 @@ def random_id() -> str:
     return uuid.uuid4().hex
 
 
-def to_api_error(exc: BaseException, param: str) -> APIError:
-    """The client-facing error for an exception delivered by the engine."""
+def to_api_error(exc: BaseException, route: Route) -> APIError:
+    """The client-facing error for an exception delivered by the engine (input errors
+    name the parameter as ``route`` does)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ServerShutdown):
         return unavailable("the server is shutting down; the request was aborted")
     if isinstance(exc, EngineDeadError):
         return internal(str(exc))
-    if isinstance(exc, (PromptTooLongError, SamplingParamError)):
-        return bad_request(str(exc), exc.param)
-    if isinstance(exc, ValueError):
-        return bad_request(str(exc), param)
+    if isinstance(exc, EngineInputError):
+        return input_error(exc, route)
     return internal(f"internal error: {exc!r}")
 
 
@@ -52,9 +56,9 @@ class Generation:
     """
 
     def __init__(self, state: ServerState, prompts: list[Prompt], params: SamplingParams,
-                 param_name: str, arrival_time: float) -> None:
+                 route: Route, arrival_time: float) -> None:
         self.state = state
-        self.param_name = param_name
+        self.route = route
         self.queue: asyncio.Queue = asyncio.Queue()
         base = random_id()
         self.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
@@ -65,11 +69,11 @@ class Generation:
         try:
             for rid, p in zip(self.request_ids, prompts, strict=True):
                 engine.add_request(rid, p.token_ids, params, self.queue, prompt=p.text,
-                                   arrival_time=arrival_time, param_name=param_name)
+                                   arrival_time=arrival_time)
                 self._unfinished.add(rid)
         except BaseException as exc:
             self.close()
-            raise to_api_error(exc, param_name) from None
+            raise to_api_error(exc, route) from None
 
     async def __aenter__(self) -> Generation:
         return self
@@ -89,7 +93,7 @@ class Generation:
             item = await self.queue.get()
             if not isinstance(item, StepItem):
                 self.close()
-                raise to_api_error(item, self.param_name)
+                raise to_api_error(item, self.route)
             out = item.output
             rid = out.request_id
             if rid not in self._unfinished:

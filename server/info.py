@@ -7,6 +7,7 @@ from aiohttp import web
 from engine import __version__
 from server.errors import bad_request
 from server.metrics import CONTENT_TYPE
+from server.param_names import DETOKENIZE
 from server.prompts import chat_prompt
 from server.protocol import DetokenizeRequest, TokenizeRequest, decode_body
 from server.sse import json_response, read_json
@@ -17,7 +18,7 @@ async def models(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     return json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
-         "root": state.llm.worker.model_name, "max_model_len": state.max_model_len}
+         "root": state.info.model_name, "max_model_len": state.max_model_len}
         for name in state.model_names]})
 
 
@@ -60,6 +61,6 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     req = decode_body(await read_json(request), DetokenizeRequest)
     state.check_model(req.model)
-    state.check_token_ids(req.tokens, "tokens")
+    state.check_token_ids(req.tokens, DETOKENIZE)
     text = await state.run_tokenizer(len(req.tokens) * 4, state.tokenizer.decode, req.tokens)
     return json_response({"prompt": text})

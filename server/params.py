@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams
+from engine import MAX_LOGPROBS, SamplingParamError, SamplingParams
 from server.errors import bad_request
+from server.param_names import CHAT, CHAT_MAX_COMPLETION_TOKENS, COMPLETIONS, Route, input_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -37,17 +38,13 @@ def _common(req: _Sampling) -> dict[str, Any]:
     return kw
 
 
-def _build(kw: dict[str, Any], rename: dict[str, str]) -> SamplingParams:
+def _build(kw: dict[str, Any], route: Route) -> SamplingParams:
     try:
         return SamplingParams(
             **{k: v for k, v in kw.items() if v is not None or k == "max_tokens"})
     except SamplingParamError as e:
-        # Name the field as the client sent it (``max_completion_tokens``, ``top_logprobs``).
-        name = rename.get(e.param, e.param)
-        message = str(e)
-        if name != e.param and message.startswith(f"{e.param}="):
-            message = name + message[len(e.param):]
-        raise bad_request(message, name) from None
+        # Named as the client sent it (``max_completion_tokens``, ``top_logprobs``).
+        raise input_error(e, route) from None
 
 
 def _unsupported(value: Any, allowed: tuple, param: str, what: str) -> None:
@@ -55,8 +52,9 @@ def _unsupported(value: Any, allowed: tuple, param: str, what: str) -> None:
         raise bad_request(f"{param} is not supported by this server: {what}", param)
 
 
-def chat_params(req: ChatCompletionRequest) -> tuple[SamplingParams, str]:
-    """Sampling parameters of a chat request and the name of its token-limit field.
+def chat_params(req: ChatCompletionRequest) -> tuple[SamplingParams, Route]:
+    """Sampling parameters of a chat request and how the request names its fields (its
+    token limit is ``max_completion_tokens`` or ``max_tokens``).
 
     ``max_tokens`` of the result is None when the request sets no limit.
     """
@@ -81,13 +79,12 @@ def chat_params(req: ChatCompletionRequest) -> tuple[SamplingParams, str]:
         if req.top_logprobs > 0 and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     kw = _common(req)
-    limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    route = CHAT_MAX_COMPLETION_TOKENS if req.max_completion_tokens is not None else CHAT
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     kw["max_tokens"] = limit
-    rename = {"max_tokens": limit_name, "logprobs": "top_logprobs"}
     if req.logprobs:
         kw["logprobs"] = req.top_logprobs or 0
-    return _build(kw, rename), limit_name
+    return _build(kw, route), route
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:
@@ -105,4 +102,4 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     kw["max_tokens"] = (req.max_tokens if req.max_tokens is not None
                         else COMPLETION_DEFAULT_MAX_TOKENS)
     kw["logprobs"] = req.logprobs
-    return _build(kw, {})
+    return _build(kw, COMPLETIONS)

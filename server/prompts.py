@@ -6,6 +6,7 @@ from typing import Any
 
 from server.errors import bad_request
 from server.generation import Prompt
+from server.param_names import COMPLETIONS
 from server.protocol import ChatMessage
 from server.state import ServerState
 
@@ -97,7 +98,7 @@ def _encode_all(state: ServerState, items: list[str | list[int]]) -> list[Prompt
         if isinstance(p, str):
             out.append(Prompt(tok.encode(p), p))
         else:
-            state.check_token_ids(p, "prompt")
+            state.check_token_ids(p, COMPLETIONS)
             out.append(Prompt(p, None))
     return out
 

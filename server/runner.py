@@ -16,9 +16,7 @@ import socket
 
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine import AsyncEngine, EngineConfig
 from server.app import build_app
 from server.generation import ServerShutdown
 from server.state import ServeOptions, ServerState
@@ -51,8 +49,7 @@ def url_of(sock: socket.socket) -> str:
 async def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Load the model, serve until a signal, shut down gracefully; the exit status."""
     loop = asyncio.get_running_loop()
-    llm = await loop.run_in_executor(None, LLMEngine, config)
-    engine = AsyncEngine(llm)
+    engine = await loop.run_in_executor(None, AsyncEngine.from_config, config)
     engine.start(loop)
     state = ServerState(engine, options)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,

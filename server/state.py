@@ -12,13 +12,11 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import PromptTooLongError
-from engine.sampler import check_token_ids
-from engine.sampling_params import SamplingParamError, SamplingParams
-from server.errors import bad_request, not_found, overloaded, unavailable
+from engine import AsyncEngine, EngineInputError, SamplingParams
+from server.errors import not_found, overloaded, unavailable
 from server.logprobs import TokenPiece, token_piece
 from server.metrics import ServerMetrics
+from server.param_names import Route, input_error
 
 T = TypeVar("T")
 
@@ -41,15 +39,12 @@ class ServeOptions:
 class ServerState:
     def __init__(self, engine: AsyncEngine, options: ServeOptions) -> None:
         self.engine = engine
-        llm = engine.engine
-        self.llm = llm
-        self.tokenizer = llm.tokenizer
+        info = engine.info
+        self.info = info
+        self.tokenizer = info.tokenizer
         self.options = options
-        default_name = llm.worker.model_name
-        self.model_names = options.served_model_names or (default_name,)
-        self.max_model_len = llm.max_model_len
-        self.vocab_size = llm.vocab_size
-        self.kv_capacity_tokens = llm.kv.num_blocks * llm.block_size
+        self.model_names = options.served_model_names or (info.model_name,)
+        self.max_model_len = info.max_model_len
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model_names[0], lambda: self.engine.snapshot)
         self.shutting_down = False
@@ -57,8 +52,9 @@ class ServerState:
         self.idle = asyncio.Event()
         self.idle.set()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        tok = self.tokenizer
         self._token_piece = functools.lru_cache(maxsize=65536)(
-            lambda t: token_piece(self.tokenizer, llm.token_text(t), t))
+            lambda t: token_piece(tok, tok.decode([t], skip_special_tokens=False), t))
 
     # -- naming -------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -81,39 +77,27 @@ class ServerState:
             raise overloaded(
                 f"too many requests waiting ({limit} allowed); retry later", retry_after=1)
 
-    def fit(self, num_prompt_tokens: int, params: SamplingParams, prompt_param: str,
-            limit_param: str, fill_context: bool = False) -> SamplingParams:
-        """Validate the lengths (the engine's ``check_length``) and resolve the token limit.
-
-        With ``fill_context`` and no limit, the limit is the room left in the context,
-        capped by what the whole KV cache can hold.
-        """
-        if params.max_tokens is None and fill_context:
-            room = min(self.max_model_len, self.kv_capacity_tokens) - num_prompt_tokens
-            if room >= 1:
-                params.max_tokens = room
+    def fit(self, num_prompt_tokens: int, params: SamplingParams, route: Route) -> None:
+        """Check the lengths and token ids before answering (the engine's own checks, which
+        it repeats at admission), so that a bad request is a 400 before any stream opens."""
         try:
-            self.llm.check_length(num_prompt_tokens, params, prompt_param)
-        except PromptTooLongError as e:
-            param = limit_param if e.param == "max_tokens" else e.param
-            raise bad_request(str(e), param) from None
-        if params.max_tokens is not None and params.min_tokens > params.max_tokens:
-            raise bad_request(
-                f"min_tokens={params.min_tokens} is larger than the token limit "
-                f"{params.max_tokens}", "min_tokens")
-        return params
+            self.info.limits.resolve_max_tokens(num_prompt_tokens, params)
+        except EngineInputError as e:
+            raise input_error(e, route) from None
 
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.vocab_size
-        for t in ids:
-            if not 0 <= t < vocab:
-                raise bad_request(f"token id {t} is out of range [0, {vocab})", param)
-
-    def check_sampling_token_ids(self, params: SamplingParams) -> None:
+    def check_sampling_token_ids(self, params: SamplingParams, route: Route) -> None:
+        """``logit_bias`` keys and ``stop_token_ids`` inside the vocabulary."""
         try:
-            check_token_ids(params, self.vocab_size)
-        except SamplingParamError as e:
-            raise bad_request(str(e), e.param) from None
+            self.info.limits.check_sampling_token_ids(params)
+        except EngineInputError as e:
+            raise input_error(e, route) from None
+
+    def check_token_ids(self, ids: list[int], route: Route) -> None:
+        """Token ids inside the vocabulary; else a 400 naming ``route``'s prompt field."""
+        try:
+            self.info.limits.check_token_ids(ids)
+        except EngineInputError as e:
+            raise input_error(e, route) from None
 
     # -- tokenizer ------------------------------------------------------------------------
     async def run_tokenizer(self, size: int, fn: Callable[..., T], *args: Any,

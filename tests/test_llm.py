@@ -7,7 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams, hugepages
 from engine.config import EngineConfig
-from engine.llm_engine import PromptTooLongError
+from engine.errors import InputField, PromptTooLongError, TokenIdError
 from engine.sampling_params import SamplingParamError
 
 PROMPTS = [
@@ -130,10 +130,10 @@ def test_unbounded_max_tokens_fits_the_cache(llm):
     eng = llm.engine
     capacity = eng.kv.num_blocks * eng.block_size
     assert capacity < eng.max_model_len  # the fixture's 0.25 GiB cache
-    assert eng.check_length(10, SamplingParams(max_tokens=None), "prompt") == capacity - 10
+    assert eng.check_length(10, SamplingParams(max_tokens=None)) == capacity - 10
     with pytest.raises(PromptTooLongError, match="leaves no room") as e:
-        eng.check_length(capacity, SamplingParams(max_tokens=None), "prompt")
-    assert e.value.param == "prompt"
+        eng.check_length(capacity, SamplingParams(max_tokens=None))
+    assert e.value.field is InputField.PROMPT
 
 
 def test_prompt_dicts_and_chat_content_parts(llm):
@@ -257,7 +257,7 @@ def test_bad_inputs_name_the_parameter(llm):
         SamplingParams(logprobs=21)
     with pytest.raises(PromptTooLongError, match="maximum context length is 8192"):
         llm.generate("hi", SamplingParams(max_tokens=9000), use_tqdm=False)
-    with pytest.raises(PromptTooLongError, match="out of range"):
+    with pytest.raises(TokenIdError, match="out of range"):
         llm.generate({"prompt_token_ids": [1, 10**9]}, SamplingParams(), use_tqdm=False)
     # A rejected batch queues nothing.
     assert not llm.engine.has_unfinished_requests()

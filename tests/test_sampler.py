@@ -13,10 +13,9 @@ from engine import penalties
 from engine.sampler import (
     Sampler,
     SamplingRow,
-    check_token_ids,
     make_generator,
 )
-from engine.sampling_params import SamplingParamError, SamplingParams
+from engine.sampling_params import SamplingParams
 
 V = 64
 
@@ -226,12 +225,3 @@ def test_logprobs_come_from_raw_distribution() -> None:
     assert out.logprobs[1] is None
     assert out.logprobs[2] is not None and out.logprobs[2].top == []
     assert out.token_ids[2] == logits[2].argmax().item()
-
-
-def test_check_token_ids_rejects_out_of_vocab() -> None:
-    check_token_ids(SamplingParams(logit_bias={5: 1.0}, stop_token_ids=[3]), V)
-    with pytest.raises(SamplingParamError) as e:
-        check_token_ids(SamplingParams(logit_bias={V: 1.0}), V)
-    assert e.value.param == "logit_bias"
-    with pytest.raises(SamplingParamError):
-        check_token_ids(SamplingParams(stop_token_ids=[V + 1]), V)

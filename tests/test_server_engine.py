@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from engine.async_engine import AsyncEngine, EngineDeadError, StepItem
+from engine.engine_info import EngineInfo, InputLimits
+from engine.errors import EngineInputError, InputField
 from engine.llm_engine import EngineStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.app import build_app
@@ -24,12 +25,12 @@ class ScriptedEngine:
     def __init__(self, tokenizer, tokens_per_request: int = 3,
                  fail_at_step: int | None = None) -> None:
         self.tokenizer = tokenizer
-        self.config = SimpleNamespace(max_num_seqs=8)
-        self.worker = SimpleNamespace(model_name="scripted")
-        self.max_model_len = 512
-        self.vocab_size = 49152
-        self.block_size = 16
-        self.kv = SimpleNamespace(num_blocks=64)
+        self.info = EngineInfo(
+            model_name="scripted", model_path="scripted", tokenizer=tokenizer,
+            eos_token_ids=(), max_num_seqs=8,
+            limits=InputLimits(vocab_size=49152, max_model_len=512, num_kv_blocks=64,
+                               block_size=16, max_num_batched_tokens=512,
+                               enable_chunked_prefill=True))
         self.tokens_per_request = tokens_per_request
         self.fail_at_step = fail_at_step
         self.live: dict[str, int] = {}
@@ -39,12 +40,9 @@ class ScriptedEngine:
         self.num_generation_tokens_total = 0
         self.finished_by_reason: dict[str, int] = {}
 
-    def check_length(self, num_prompt_tokens, params, param):
-        return params.max_tokens or self.max_model_len - num_prompt_tokens
-
     def add_request(self, request_id, prompt_token_ids, params, **kw):
         if prompt_token_ids == [13]:
-            raise ValueError("scripted rejection")
+            raise EngineInputError("scripted rejection", InputField.PROMPT)
         self.live[request_id] = 0
 
     def abort_request(self, request_id):

@@ -1,0 +1,134 @@
+"""What a front end may know of a running engine: :class:`EngineInfo`, and the input
+checks of :class:`InputLimits` (the one implementation of the length and token-id
+checks, which the engine applies at admission and a server may apply before it answers).
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import EngineInputError, InputField, PromptTooLongError, TokenIdError
+from engine.sampling_params import SamplingParams
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ``b``."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    """The limits every request is checked against."""
+
+    vocab_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds."""
+        return self.num_kv_blocks * self.block_size
+
+    def check_token_ids(self, ids: list[int], field: InputField = InputField.PROMPT) -> None:
+        """Every id an integer in ``[0, vocab_size)``; else a :class:`TokenIdError`."""
+        vocab = self.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise TokenIdError(f"token id {t!r} is out of range [0, {vocab})", field)
+
+    def check_sampling_token_ids(self, params: SamplingParams) -> None:
+        """``logit_bias`` keys and ``stop_token_ids`` inside the vocabulary."""
+        vocab = self.vocab_size
+        for tid in params.logit_bias or {}:
+            if not 0 <= tid < vocab:
+                raise TokenIdError(f"logit_bias token id {tid} is outside [0, {vocab})",
+                                   InputField.LOGIT_BIAS)  # fmt: skip
+        for tid in params.stop_token_ids or ():
+            if not 0 <= tid < vocab:
+                raise TokenIdError(f"stop_token_ids entry {tid} is outside [0, {vocab})",
+                                   InputField.STOP_TOKEN_IDS)  # fmt: skip
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The request's limit on output tokens: ``params.max_tokens``, or with None what
+        the context and the KV cache leave. Raises :class:`PromptTooLongError` naming the
+        prompt or ``max_tokens``."""
+        prompt = InputField.PROMPT
+        if num_prompt_tokens == 0:
+            raise PromptTooLongError("the prompt is empty: at least one token is required",
+                                     prompt)  # fmt: skip
+        room = self.max_model_len - num_prompt_tokens
+        capacity = self.kv_capacity_tokens
+        if params.max_tokens is None:
+            max_tokens = self._fill(num_prompt_tokens, room, capacity)
+        else:
+            max_tokens = params.max_tokens
+            if num_prompt_tokens + max_tokens > self.max_model_len:
+                raise PromptTooLongError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+                    f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion). "
+                    f"Please reduce the length of the prompt or the completion.",
+                    prompt if room < 1 else InputField.MAX_TOKENS)
+        need = cdiv(num_prompt_tokens + max_tokens, self.block_size)
+        if need > self.num_kv_blocks:
+            raise PromptTooLongError(
+                f"the request needs {need} KV cache blocks ({num_prompt_tokens} prompt + "
+                f"{max_tokens} completion tokens) but the whole cache has "
+                f"{self.num_kv_blocks} blocks of {self.block_size} tokens",
+                InputField.MAX_TOKENS if num_prompt_tokens < capacity else prompt)
+        if not self.enable_chunked_prefill and \
+                num_prompt_tokens + max_tokens > self.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"with chunked prefill off, prompt + completion ({num_prompt_tokens + max_tokens}) "
+                f"must fit max_num_batched_tokens={self.max_num_batched_tokens}", prompt)
+        if params.min_tokens > max_tokens:
+            raise EngineInputError(
+                f"min_tokens={params.min_tokens} is larger than the token limit {max_tokens}",
+                InputField.MIN_TOKENS)
+        return max_tokens
+
+    def _fill(self, num_prompt_tokens: int, room: int, capacity: int) -> int:
+        """No limit given: up to the end of the context, or of what the whole KV cache
+        (and, with chunked prefill off, one step) can hold."""
+        if room < 1:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {num_prompt_tokens} tokens, which leaves no room "
+                f"for a completion.", InputField.PROMPT)
+        limit = capacity if self.enable_chunked_prefill else \
+            min(capacity, self.max_num_batched_tokens)  # fmt: skip
+        max_tokens = min(room, limit - num_prompt_tokens)
+        if max_tokens < 1:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens, which leaves no room for a "
+                f"completion in the {limit} tokens one request can hold (the KV cache "
+                f"has {self.num_kv_blocks} blocks of {self.block_size} tokens)",
+                InputField.PROMPT)
+        return max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """All a front end reads of the engine: names, limits and the tokenizer."""
+
+    model_name: str
+    model_path: str
+    tokenizer: Any
+    """The Hugging Face tokenizer (chat template, encode, decode)."""
+    eos_token_ids: tuple[int, ...]
+    max_num_seqs: int
+    limits: InputLimits
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size

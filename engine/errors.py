@@ -1,0 +1,69 @@
+"""The engine's input errors: each names the engine field it is about.
+
+The engine speaks of its own fields (:class:`InputField`: the prompt, and each
+``SamplingParams`` field); a front end maps them to its own names (the OpenAI server's
+table is ``server/param_names.py``). Torch-free.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class InputField(str, enum.Enum):
+    """What an input error is about: the prompt, the request id, or a sampling field
+    (its ``SamplingParams`` attribute name is the value)."""
+
+    PROMPT = "prompt"
+    """The prompt: text, token ids or a rendered conversation."""
+    REQUEST_ID = "request_id"
+    N = "n"
+    TEMPERATURE = "temperature"
+    TOP_P = "top_p"
+    TOP_K = "top_k"
+    MIN_P = "min_p"
+    SEED = "seed"
+    PRESENCE_PENALTY = "presence_penalty"
+    FREQUENCY_PENALTY = "frequency_penalty"
+    REPETITION_PENALTY = "repetition_penalty"
+    LOGIT_BIAS = "logit_bias"
+    STOP = "stop"
+    STOP_TOKEN_IDS = "stop_token_ids"
+    INCLUDE_STOP_STR_IN_OUTPUT = "include_stop_str_in_output"
+    IGNORE_EOS = "ignore_eos"
+    MAX_TOKENS = "max_tokens"
+    MIN_TOKENS = "min_tokens"
+    LOGPROBS = "logprobs"
+    PROMPT_LOGPROBS = "prompt_logprobs"
+    SKIP_SPECIAL_TOKENS = "skip_special_tokens"
+    SPACES_BETWEEN_SPECIAL_TOKENS = "spaces_between_special_tokens"
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot take; ``field`` names what is wrong with it."""
+
+    def __init__(self, message: str, field: InputField) -> None:
+        super().__init__(message)
+        self.field = InputField(field)
+
+    @property
+    def param(self) -> str:
+        """The engine's name of the field (``field.value``)."""
+        return self.field.value
+
+
+class SamplingParamError(EngineInputError):
+    """A ``SamplingParams`` field out of its range or of the wrong type."""
+
+    def __init__(self, param: str | InputField, message: str) -> None:
+        super().__init__(message, InputField(param))
+
+
+class PromptTooLongError(EngineInputError):
+    """Prompt plus requested tokens do not fit the context (or the whole KV cache); the
+    field is the prompt, or ``max_tokens`` when the limit alone is too large."""
+
+
+class TokenIdError(EngineInputError):
+    """A token id outside the model's vocabulary (in a prompt, ``logit_bias`` or
+    ``stop_token_ids``)."""
