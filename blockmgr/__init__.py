@@ -7,5 +7,6 @@ from blockmgr.hashing import BlockHash, hash_block_tokens
 from blockmgr.manager import KVCacheManager
 from blockmgr.protocol import KVRequest
 from blockmgr.stats import KVCacheStats
+from blockmgr.util import cdiv
 
-__all__ = ["BlockHash", "KVCacheManager", "KVCacheStats", "KVRequest", "hash_block_tokens"]
+__all__ = ["BlockHash", "KVCacheManager", "KVCacheStats", "KVRequest", "cdiv", "hash_block_tokens"]

@@ -19,6 +19,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from blockmgr.hashing import hash_block_tokens
+from blockmgr.util import cdiv
 
 if TYPE_CHECKING:
     from blockmgr.manager import KVCacheManager
@@ -87,7 +88,7 @@ def check_manager(mgr: KVCacheManager) -> None:
             key = pool.block_hash[blocks[i]]
             assert key is None or key == state.block_hashes[i], (
                 f"request {rid}: block {blocks[i]} at position {i} is cached under another chain")
-        assert len(blocks) == -(-state.num_tokens // bs), (
+        assert len(blocks) == cdiv(state.num_tokens, bs), (
             f"request {rid}: {len(blocks)} blocks for {state.num_tokens} tokens")
         allocated += len(blocks) * bs
         filled += state.num_tokens

@@ -20,6 +20,7 @@ from blockmgr.invariants import check_manager
 from blockmgr.protocol import KVRequest
 from blockmgr.request_state import RequestBlocks
 from blockmgr.stats import KVCacheStats
+from blockmgr.util import cdiv
 
 logger = logging.getLogger("blockmgr")
 
@@ -150,7 +151,7 @@ class KVCacheManager:
                 raise ValueError(f"request {rid} already has blocks; computed blocks are for "
                                  "its first allocation")
         num_tokens = req.num_computed_tokens + len(computed) * bs + num_new_tokens
-        num_new_blocks = max(0, -(-num_tokens // bs) - num_before - len(computed))
+        num_new_blocks = max(0, cdiv(num_tokens, bs) - num_before - len(computed))
         ref_counts = pool.ref_counts
         num_revived = sum(1 for b in computed if ref_counts[b] == 0) if computed else 0
         if num_new_blocks + num_revived > pool.num_free_blocks:

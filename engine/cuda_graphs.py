@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from blockmgr import cdiv
 from kernels.interface import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def padded_batch_size(num_reqs: int, sizes: Sequence[int]) -> int | None:
 
 def max_blocks_per_seq(max_model_len: int, block_size: int) -> int:
     """Block-table columns that cover a context of ``max_model_len`` tokens."""
-    return -(-max_model_len // block_size)
+    return cdiv(max_model_len, block_size)
 
 
 def graphs_wanted(device: torch.device, enforce_eager: bool, attn: AttentionBackend) -> bool:
@@ -79,7 +80,7 @@ def graphs_wanted(device: torch.device, enforce_eager: bool, attn: AttentionBack
 
 @dataclass(slots=True)
 class DecodeBuffers:
-    """Static inputs of the captured decode graphs; graph ``bs`` reads rows ``[:bs]``."""
+    """Static inputs of the captured decode graphs; graph ``batch`` reads rows ``[:batch]``."""
 
     input_ids: torch.Tensor
     """[N] int64."""
@@ -204,7 +205,7 @@ class DecodeGraphRunner:
         self.graphs: dict[int, Any] = {}
         """Batch size -> ``torch.cuda.CUDAGraph``."""
         self.outputs: dict[int, torch.Tensor] = {}
-        """Batch size -> the graph's static output ``[bs, hidden]``."""
+        """Batch size -> the graph's static output ``[batch, hidden]``."""
         self.num_replays = 0
         self.num_eager_fallbacks = 0
 
@@ -226,15 +227,15 @@ class DecodeGraphRunner:
             raise RuntimeError("this runner was built with use_graphs=False")
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.sizes):
-            self.buffers.pad(0, bs)
-            self._forward(bs)
+        for batch in reversed(self.sizes):
+            self.buffers.pad(0, batch)
+            self._forward(batch)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(bs)
-            self.graphs[bs] = graph
-            self.outputs[bs] = out
+                out = self._forward(batch)
+            self.graphs[batch] = graph
+            self.outputs[batch] = out
         torch.cuda.synchronize(self.device)
         self.buffers.pad(0, self.sizes[-1])
         return time.perf_counter() - t0

@@ -10,13 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from blockmgr import cdiv
 from engine.errors import EngineInputError, InputField, PromptTooLongError, TokenIdError
 from engine.sampling_params import SamplingParams
-
-
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for positive ``b``."""
-    return -(-a // b)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from blockmgr import cdiv
 from kernels.interface import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger("engine.gpu_memory")
@@ -151,7 +152,7 @@ def build_dummy_step(
         num_decodes += 1
     if any(q == 1 for q, _ in layout[num_decodes:]):
         raise ValueError("one-token requests must come first")
-    width = -(-max(seq_lens) // block_size)
+    width = cdiv(max(seq_lens), block_size)
     row = torch.arange(width, dtype=torch.int32) % num_cache_blocks
     tables = row.repeat(len(layout), 1)
     pos = torch.tensor(positions, dtype=torch.int64)
@@ -236,30 +237,30 @@ def profile_kv_budget(worker: Any) -> float:
     cfg = worker.config
     device = worker.device
     spec = worker.spec
-    bs = cfg.block_size
+    block_size = cfg.block_size
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize(device)
     weights = torch.cuda.memory_allocated(device)
 
-    kv_caches = dummy_kv_caches(spec.num_layers, DUMMY_CACHE_BLOCKS, bs, spec.num_kv_heads,
+    kv_caches = dummy_kv_caches(spec.num_layers, DUMMY_CACHE_BLOCKS, block_size, spec.num_kv_heads,
                                 spec.head_dim, worker.dtype, device)  # fmt: skip
     num_tokens = worker.max_num_batched_tokens
-    step = build_dummy_step(dummy_step_layout(num_tokens, worker.max_model_len), bs,
+    step = build_dummy_step(dummy_step_layout(num_tokens, worker.max_model_len), block_size,
                             DUMMY_CACHE_BLOCKS, device)  # fmt: skip
     sample_rows = cfg.max_num_seqs
     activation = _peak_above_current(
-        partial(run_dummy_step, worker.model, worker.attn, kv_caches, step, bs, sample_rows,
+        partial(run_dummy_step, worker.model, worker.attn, kv_caches, step, block_size, sample_rows,
                 worker.vocab_size), device)  # fmt: skip
     del step
     graph_reserve = 0
     graph_batch = 0
     if graphs_wanted(device, cfg.enforce_eager, worker.attn):
         graph_batch = capture_sizes(cfg.max_num_seqs)[-1]
-        decode = build_dummy_step([(1, worker.max_model_len)] * graph_batch, bs,
+        decode = build_dummy_step([(1, worker.max_model_len)] * graph_batch, block_size,
                                   DUMMY_CACHE_BLOCKS, device)  # fmt: skip
         graph_reserve = _peak_above_current(
-            partial(run_dummy_step, worker.model, worker.attn, kv_caches, decode, bs), device
+            partial(run_dummy_step, worker.model, worker.attn, kv_caches, decode, block_size), device
         )
         del decode
     del kv_caches

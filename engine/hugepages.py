@@ -22,6 +22,7 @@ import platform
 
 import torch
 
+from blockmgr import cdiv
 from engine.process_tuning import switched_off
 
 log = logging.getLogger("engine.hugepages")
@@ -46,7 +47,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not enabled():
         return torch.empty(shape, dtype=dtype)
-    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    length = cdiv(nbytes, HUGE_PAGE) * HUGE_PAGE
     # One huge page more than needed, so that the tensor can start on a 2 MiB boundary;
     # the tensor keeps the mapping alive, and unmapping it frees the memory.
     mm = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -103,7 +103,7 @@ class ModelRunner:
         num_decodes = len(order)
         order += [x for x in items if x[1] != 1]
 
-        bs = self.block_size
+        block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         req_index: list[int] = []
@@ -132,7 +132,7 @@ class ModelRunner:
             bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         pos_t = torch.tensor(positions, dtype=torch.int64)
         ridx = torch.tensor(req_index, dtype=torch.int64)
-        slots = bt[ridx, pos_t // bs].to(torch.int64) * bs + pos_t % bs
+        slots = bt[ridx, pos_t // block_size].to(torch.int64) * block_size + pos_t % block_size
         dev = self.device
         meta = AttentionMetadata.from_host(slots, qsl, seq_lens, bt, num_decodes, dev)
         return StepInputs(

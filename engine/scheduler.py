@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from blockmgr import KVCacheManager
+from blockmgr import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -169,7 +169,7 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            num_needed = -(-(num_cached + num_new) // kv.block_size) - len(computed_blocks)
+            num_needed = cdiv(num_cached + num_new, kv.block_size) - len(computed_blocks)
             if kv.num_free_blocks - num_needed < self.num_watermark_blocks and self.running:
                 break
             forked = 0 if computed_blocks else self._fork_from_sibling(req, scheduled)

@@ -87,15 +87,15 @@ class ServerMetrics:
 
     def observe_first_token(self, m: RequestMetrics | None) -> None:
         """Record the time to first token of a request that just produced it."""
-        if m is not None and m.first_token_time is not None:
-            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m is not None and m.time_to_first_token is not None:
+            self.ttft.observe(max(0.0, m.time_to_first_token))
 
     def observe_finished(self, m: RequestMetrics | None) -> None:
         """Record the queue time and end-to-end latency of a finished request."""
         if m is None:
             return
-        if m.first_scheduled_time is not None:
-            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.queue_time is not None:
+            self.queue_time.observe(max(0.0, m.queue_time))
         if m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
 
