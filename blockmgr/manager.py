@@ -137,9 +137,11 @@ class KVCacheManager:
                 if num_tokens > state.num_tokens:
                     self.num_slots_filled += num_tokens - state.num_tokens
                     state.num_tokens = num_tokens
-                    if (self.enable_prefix_caching and min(num_tokens, len(req.all_token_ids))
-                            // bs > state.num_hashed_blocks):
-                        self._hash_full_blocks(req, state)
+                # Also when the table does not grow: a request whose speculative tokens
+                # were rejected fills again slots it had asked for.
+                if (self.enable_prefix_caching and min(num_tokens, len(req.all_token_ids))
+                        // bs > state.num_hashed_blocks):
+                    self._hash_full_blocks(req, state, num_tokens)
                 return True
         pool = self.pool
         computed = new_computed_blocks or []
@@ -186,7 +188,7 @@ class KVCacheManager:
             self.num_slots_filled += num_tokens - state.num_tokens
             state.num_tokens = num_tokens
         if self.enable_prefix_caching:
-            self._hash_full_blocks(req, state)
+            self._hash_full_blocks(req, state, num_tokens)
         if (computed or new_blocks) and logger.isEnabledFor(logging.DEBUG):
             logger.debug("allocate %s: computed=%s new=%s -> %d blocks, %d tokens",
                          rid, computed, new_blocks, len(state.block_ids), state.num_tokens)
@@ -213,15 +215,17 @@ class KVCacheManager:
                 raise ValueError(f"request {rid}: computed block {b} (position {i}) is no longer "
                                  "cached under the looked-up key")
 
-    def _hash_full_blocks(self, req: KVRequest, state: RequestBlocks) -> None:
-        """Key and register the table's blocks that are full once its tokens are computed.
+    def _hash_full_blocks(self, req: KVRequest, state: RequestBlocks, num_tokens: int) -> None:
+        """Key and register the table's blocks that are full once its first
+        ``num_tokens`` slots are computed (only the request's own tokens: speculative
+        ones are not in ``all_token_ids`` and never enter the cache).
 
         Incremental: starts after ``state.num_hashed_blocks``; reuses keys already in
         ``state.block_hashes``.
         """
         bs = self.block_size
         tokens = req.all_token_ids
-        num_full = min(state.num_tokens, len(tokens)) // bs
+        num_full = min(num_tokens, len(tokens)) // bs
         first = state.num_hashed_blocks
         if first >= num_full:
             return

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.spec_config import SpeculativeConfig
 from kernels.registry import BACKENDS as ATTENTION_BACKENDS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -53,8 +54,13 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    speculative_config: SpeculativeConfig | dict | str | None = None
+    """N-gram speculative decoding (:class:`engine.spec_config.SpeculativeConfig`; a dict
+    or a JSON string of its fields is converted); None = off."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         def bad(name: str, value: Any, limit: str) -> ValueError:
             return ValueError(f"{name}={value!r} is invalid: {limit}")
 

@@ -76,6 +76,7 @@ class LLMEngine:
             max_model_len=w.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            speculative_config=config.speculative_config,
         )  # fmt: skip
         self.limits = InputLimits(
             vocab_size=w.vocab_size, max_model_len=w.max_model_len,

@@ -14,11 +14,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import rejection_sampler
 from engine.models import DecoderForCausalLM
+from engine.ngram_proposer import NgramProposer
+from engine.rejection_sampler import Span
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
+from engine.spec_config import SpeculativeConfig
 from kernels.interface import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -50,7 +54,10 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_ids: list[str]
-    """Requests that caught up with their tokens this step: each samples one token."""
+    """Requests that caught up with their tokens this step: each samples one token (or,
+    verifying drafts, one logit row per draft and one more)."""
+    drafts: list[list[int]]
+    """Per sampling request, the drafts it verifies (most often none)."""
 
 
 class ModelRunner:
@@ -63,6 +70,7 @@ class ModelRunner:
         device: torch.device,
         vocab_size: int,
         eos_token_ids: tuple[int, ...] = (),
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.model = model
         self.attn = attn
@@ -70,7 +78,12 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
         self.sampler = Sampler(vocab_size, argmax=attn.ops.argmax)
+        self.spec = speculative_config
+        self.proposer = None if speculative_config is None else NgramProposer(
+            speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
+            speculative_config.prompt_lookup_max)  # fmt: skip
         self.requests: dict[str, CachedRequestState] = {}
         self.decode_graphs: DecodeGraphRunner | None = None
         """Set on CUDA (``engine.cuda_graphs``): runs decode-only steps as CUDA graphs."""
@@ -112,19 +125,26 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_idx: list[int] = []
         sampling_ids: list[str] = []
+        drafts_of: list[list[int]] = []
+        spec = sched.scheduled_spec_decode_tokens
         for i, (rid, n) in enumerate(order):
             state = self.requests[rid]
             start = state.num_computed_tokens
             end = start + n
-            input_ids.extend(state.all_token_ids[start:end])
+            drafts = spec.get(rid, ())
+            input_ids.extend(state.all_token_ids[start:end - len(drafts)])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             req_index.extend([i] * n)
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             tables.append(state.block_ids)
-            if end == len(state.all_token_ids):  # caught up: this step yields its next token
-                logits_idx.append(qsl[-1] - 1)
+            if end == len(state.all_token_ids) + len(drafts):
+                # Caught up: this step yields its next token (verifying drafts: a row
+                # for each and one more).
+                logits_idx.extend(range(qsl[-1] - 1 - len(drafts), qsl[-1]))
                 sampling_ids.append(rid)
+                drafts_of.append(list(drafts))
 
         max_blocks = max(len(t) for t in tables)
         bt = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
@@ -141,6 +161,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
             sampling_ids=sampling_ids,
+            drafts=drafts_of,
         )
 
     @torch.inference_mode()
@@ -157,12 +178,41 @@ class ModelRunner:
         if not step.sampling_ids:
             return None
         logits = self.model.compute_logits(hidden[step.logits_indices], self.attn.ops)
-        rows = []
-        for rid in step.sampling_ids:
-            state = self.requests[rid]
-            rows.append(SamplingRow(params=state.params, prompt_token_ids=state.prompt_token_ids,
-                                    output_token_ids=state.output_token_ids,
-                                    generator=state.generator,
-                                    eos_token_ids=self.eos_token_ids))  # fmt: skip
-        out = self.sampler(logits, rows)
-        return ModelRunnerOutput(step.sampling_ids, out.token_ids, out.logprobs)
+        if any(step.drafts):
+            tokens, logprobs = self._verify(logits, step)
+        else:
+            rows = [self._row(rid) for rid in step.sampling_ids]
+            out = self.sampler(logits, rows)
+            tokens = [[t] for t in out.token_ids]
+            logprobs = [None if lp is None else [lp] for lp in out.logprobs]
+        return ModelRunnerOutput(step.sampling_ids, tokens, logprobs,
+                                 self._propose(step.sampling_ids, tokens))
+
+    def _row(self, rid: str, drafts: list[int] = ()) -> SamplingRow:
+        """A request's sampling state, with ``drafts`` taken as already output."""
+        state = self.requests[rid]
+        out = state.output_token_ids
+        return SamplingRow(params=state.params, prompt_token_ids=state.prompt_token_ids,
+                           output_token_ids=[*out, *drafts] if drafts else out,
+                           generator=state.generator, eos_token_ids=self.eos_token_ids)
+
+    def _verify(self, logits: torch.Tensor, step: StepInputs):
+        """Rows for every draft of the step's requests; the tokens each keeps."""
+        rows: list[SamplingRow] = []
+        spans: list[Span] = []
+        for rid, drafts in zip(step.sampling_ids, step.drafts, strict=True):
+            spans.append(Span(len(rows), drafts))
+            rows.extend(self._row(rid, drafts[:j]) for j in range(len(drafts) + 1))
+        return rejection_sampler.verify(logits, rows, spans, self.vocab_size)
+
+    def _propose(self, req_ids: list[str], tokens: list[list[int]]) -> dict[str, list[int]]:
+        """Draft tokens for each request's next step (none above the batch size at which
+        the scheduler stops speculating)."""
+        if self.proposer is None or len(req_ids) > self.spec.disable_by_batch_size:
+            return {}
+        out = {}
+        for rid, new in zip(req_ids, tokens, strict=True):
+            drafts = self.proposer.propose(self.requests[rid].all_token_ids + new)
+            if drafts:
+                out[rid] = drafts
+        return out

@@ -49,6 +49,8 @@ class OutputProcessor:
 
     def _process_token(self, s: SampledToken, now: float) -> None:
         req, token = s.req, s.token_id
+        if s.num_output > req.num_output_tokens:
+            return  # after a stop string that an earlier token of this step completed
         self.num_generation_tokens_total += 1
         m = req.metrics
         if m.first_token_time is None:
@@ -61,20 +63,22 @@ class OutputProcessor:
                 cand.decoded = self.token_text(cand.token_id)
             req.logprobs.append(lp)
             req.cumulative_logprob += lp.logprob
-        match = req.num_output_tokens >= req.params.min_tokens
+        match = s.num_output >= req.params.min_tokens
         if not s.stopped_by_token:
             # Stop strings end the output only once min_tokens are out (one may begin
             # before that).
-            self._feed(req, req.detok.decode_next(token), match)
-        if req.status.finished:
+            self._feed(req, req.detok.decode_next(token), match, s.num_output)
+        if req.status.finished and s.num_output == req.num_output_tokens:
             self._finish_text(req, token, s.stopped_by_token, match)
         self.count_finished(req)
 
-    def _feed(self, req: Request, text: str, match: bool) -> None:
+    def _feed(self, req: Request, text: str, match: bool, num_output: int) -> None:
         emitted, matched = req.stop_checker.feed(text, match=match)
         req.output_text += emitted
         if matched is not None:
             req.stop_reason = matched
+            # Tokens the step produced after this one (accepted drafts) are not output.
+            del req.all_token_ids[req.num_prompt_tokens + num_output:]
             self._stop(req)
 
     def _stop(self, req: Request) -> None:
@@ -100,7 +104,7 @@ class OutputProcessor:
         # decode gives), still checked for stop strings.
         tail = req.detok.flush()
         if tail:
-            self._feed(req, tail, match)
+            self._feed(req, tail, match, req.num_output_tokens)
         if not isinstance(req.stop_reason, str):
             req.output_text += req.stop_checker.flush()
 

@@ -33,7 +33,7 @@ def apply_all(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
     """Add ``params.logit_bias`` ({token_id: bias}); ids outside the vocabulary are ignored
-    (the engine rejects them at admission, see ``InputLimits.check_sampling_token_ids`` in ``engine.engine_info``)."""
+    (the engine rejects them at admission: ``InputLimits.check_sampling_token_ids``)."""
     vocab = logits.shape[1]
     r_idx: list[int] = []
     t_idx: list[int] = []

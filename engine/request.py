@@ -82,6 +82,9 @@ class Request:
     """The output processor's stop-string checker."""
     output_text: str = ""
     metrics: RequestMetrics | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens proposed for the next step (speculative decoding); not yet the
+    request's tokens."""
     # What the model side was last sent (the scheduler's diffs are against these).
     runner_knows: bool = False
     num_sent_tokens: int = 0

@@ -106,7 +106,7 @@ class Sampler:
         penalties.apply_all(x, sub_rows)
         tokens[sel] = _pick(x, sub_rows)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, _logprobs(raw, rows, token_list))
+        return SamplerOutput(token_list, logprobs_of(raw, rows, token_list))
 
 
 def _pick(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -115,17 +115,22 @@ def _pick(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     sampled = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
     if not sampled:
         return out
-    dev = x.device
-    idx = torch.tensor(sampled, device=dev)
+    idx = torch.tensor(sampled, device=x.device)
     s_rows = [rows[i] for i in sampled]
-    temps = torch.tensor([r.params.temperature for r in s_rows], dtype=x.dtype, device=dev)
-    xs = x.index_select(0, idx) / temps.unsqueeze(1)
-    _top_k(xs, [r.params.top_k for r in s_rows])
-    _top_p(xs, [r.params.top_p for r in s_rows])
-    _min_p(xs, [r.params.min_p for r in s_rows])
-    probs = torch.softmax(xs, dim=-1)
-    out[idx] = _race(probs, [r.generator for r in s_rows])
+    probs = sampling_probs(x.index_select(0, idx), s_rows)
+    out[idx] = race(probs, [r.generator for r in s_rows])
     return out
+
+
+def sampling_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution each sampled row draws from: processed logits ``x`` (bias and
+    penalties applied) over temperature, then top_k, top_p and min_p."""
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=x.device)
+    xs = x / temps.unsqueeze(1)
+    _top_k(xs, [r.params.top_k for r in rows])
+    _top_p(xs, [r.params.top_p for r in rows])
+    _min_p(xs, [r.params.min_p for r in rows])
+    return torch.softmax(xs, dim=-1)
 
 
 def _top_k(x: torch.Tensor, ks: list[int]) -> None:
@@ -164,7 +169,7 @@ def _min_p(x: torch.Tensor, ps: list[float]) -> None:
     x.masked_fill_(probs < thresh, float("-inf"))
 
 
-def _race(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
+def race(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
     """Sample one token per row: argmax(probs / q) with q ~ Exp(1) is a draw from probs."""
     n, vocab = probs.shape
     q = torch.empty_like(probs)
@@ -181,7 +186,7 @@ def _race(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tens
     return (probs / q).argmax(dim=-1)
 
 
-def _logprobs(
+def logprobs_of(
     raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int]
 ) -> list[TokenLogprobs | None]:
     """Logprobs of the raw model distribution (before bias, penalties and temperature)."""

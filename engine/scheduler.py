@@ -26,24 +26,29 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from blockmgr import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.spec_config import SpeculativeConfig
 
 logger = logging.getLogger("engine.scheduler")
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """What the model side returns for a step: one sampled token per request that caught
-    up with its tokens this step, in the order of ``req_ids``."""
+    """What the model side returns for a step, per request that caught up with its tokens
+    (in the order of ``req_ids``): the tokens it sampled (one, or with speculation the
+    accepted drafts and one more) and their logprobs."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
+    sampled_token_ids: list[list[int]]
     logprobs: list
-    """Per request: its ``TokenLogprobs`` when it asked for logprobs, else None."""
+    """Per request: a ``TokenLogprobs`` per sampled token when it asked for logprobs,
+    else None."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens proposed for each request's next step (speculative decoding)."""
 
 
 @dataclass(slots=True)
@@ -56,6 +61,20 @@ class SampledToken:
     stopped_by_token: bool
     """EOS or a stop token ended the request: the token's text is not part of the output
     (unless ``include_stop_str_in_output``)."""
+    num_output: int
+    """The request's output tokens up to and including this one."""
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding counters (cumulative)."""
+
+    num_drafts: int = 0
+    """Requests-steps that verified draft tokens."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_steps: int = 0
+    """Steps that verified drafts."""
 
 
 class Scheduler:
@@ -69,6 +88,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
@@ -83,6 +103,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.spec = speculative_config
+        self.spec_stats = SpecStats()
         self._finished_ids: list[str] = []
         """Finished since the last schedule(): the model side drops their state."""
 
@@ -123,22 +145,27 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int]] = []
-        budget = self._schedule_running(scheduled, out.preempted_req_ids)
+        budget = self._schedule_running(scheduled, out)
         if not out.preempted_req_ids:
             self._admit_waiting(scheduled, budget)
         for req, n in scheduled:
             out.num_scheduled_tokens[req.request_id] = n
             self._describe(req, out)
+        if out.scheduled_spec_decode_tokens:
+            self.spec_stats.num_steps += 1
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if scheduled:  # an empty step is not run: the finished ids wait for the next one
             out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
 
     def _schedule_running(self, scheduled: list[tuple[Request, int]],
-                          preempted: list[str]) -> int:
-        """Running requests, oldest first, each its next token or chunk; returns the
-        token budget left. Preempts from the newest when blocks run out."""
+                          out: SchedulerOutput) -> int:
+        """Running requests, oldest first, each its next token or chunk (a decode with
+        its draft tokens, when speculating); returns the token budget left. Preempts from
+        the newest when blocks run out."""
         budget = self.max_num_batched_tokens
+        preempted = out.preempted_req_ids
+        speculate = self.spec is not None and len(self.running) <= self.spec.disable_by_batch_size
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
@@ -146,6 +173,16 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute (should not happen); keep it running
                 idx += 1
                 continue
+            drafts, req.spec_token_ids = req.spec_token_ids, []
+            if speculate and drafts and num_new == 1:
+                drafts = drafts[:self._max_drafts(req, budget - 1)]
+                # Blocks for the drafts, or none: drafts never cost a preemption.
+                if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                    out.scheduled_spec_decode_tokens[req.request_id] = drafts
+                    scheduled.append((req, 1 + len(drafts)))
+                    budget -= 1 + len(drafts)
+                    idx += 1
+                    continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -156,6 +193,12 @@ class Scheduler:
             budget -= num_new
             idx += 1
         return budget
+
+    def _max_drafts(self, req: Request, budget: int) -> int:
+        """Drafts a decode may verify: within the step's budget, and so that accepting all
+        of them and one more token stays within ``max_tokens`` and the context."""
+        return max(0, min(budget, req.max_tokens - req.num_output_tokens - 1,
+                          self.max_model_len - req.num_tokens - 1))
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         kv = self.kv
@@ -229,6 +272,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_sent_blocks = 0  # its next description carries the whole new table
@@ -243,30 +287,54 @@ class Scheduler:
     # -- after the forward ----------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput,
                            output: ModelRunnerOutput | None) -> list[SampledToken]:
-        """Apply a step's result: computed tokens, then each sampled token with the
-        stops that need no text (EOS and stop token ids once ``min_tokens`` are out,
-        ``max_tokens``, the context length), finishing and freeing blocks."""
+        """Apply a step's result: computed tokens (less the rejected drafts), then each
+        sampled token in order with the stops that need no text (EOS and stop token ids
+        once ``min_tokens`` are out, ``max_tokens``, the context length), finishing and
+        freeing blocks; tokens after a stop are dropped."""
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is not None:
                 req.num_computed_tokens += n
         if output is None:
             return []
-        appended = []
-        for rid, token, logprobs in zip(output.req_ids, output.sampled_token_ids,
-                                        output.logprobs, strict=True):  # fmt: skip
+        appended: list[SampledToken] = []
+        spec = sched.scheduled_spec_decode_tokens
+        for rid, tokens, logprobs in zip(output.req_ids, output.sampled_token_ids,
+                                         output.logprobs, strict=True):  # fmt: skip
             req = self.requests.get(rid)
             if req is None or req.status.finished:
                 continue
+            drafts = spec.get(rid)
+            if drafts:
+                self._count_accepted(req, len(drafts), len(tokens) - 1)
+            self._append(req, tokens, logprobs, appended)
+            if not req.status.finished:
+                req.spec_token_ids = output.spec_token_ids.get(rid, [])
+        return appended
+
+    def _count_accepted(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Rejected drafts were computed but are not the request's: uncount them (their
+        slots are written again by the tokens that replace them)."""
+        req.num_computed_tokens -= num_drafts - num_accepted
+        st = self.spec_stats
+        st.num_drafts += 1
+        st.num_draft_tokens += num_drafts
+        st.num_accepted_tokens += num_accepted
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list | None,
+                appended: list[SampledToken]) -> None:
+        for j, token in enumerate(tokens):
             req.all_token_ids.append(token)
             status = self._check_stop_token(req, token)
-            appended.append(SampledToken(req, token, logprobs, status is not None))
+            stopped = status is not None
             if status is None and (req.num_output_tokens >= req.max_tokens
                                    or req.num_tokens >= self.max_model_len):
                 status = RequestStatus.FINISHED_LENGTH
+            appended.append(SampledToken(req, token, None if logprobs is None else logprobs[j],
+                                         stopped, req.num_output_tokens))  # fmt: skip
             if status is not None:
                 self.finish_request(req, status)
-        return appended
+                return
 
     @staticmethod
     def _check_stop_token(req: Request, token: int) -> RequestStatus | None:

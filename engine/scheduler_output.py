@@ -46,7 +46,10 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    """Tokens computed this step per request, in scheduling order."""
+    """Tokens computed this step per request, in scheduling order (a decode with drafts:
+    its last token and the drafts)."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens each speculating request verifies this step, after its last token."""
     total_num_scheduled_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
     """Preempted this step: their blocks are gone. When scheduled again, their

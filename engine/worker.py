@@ -117,7 +117,8 @@ class Worker:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.runner = ModelRunner(self.model, self.attn, kv_caches, config.block_size,
-                                  self.device, self.vocab_size, self.eos_token_ids)
+                                  self.device, self.vocab_size, self.eos_token_ids,
+                                  config.speculative_config)
         if self.device.type == "cuda" and not config.enforce_eager:
             from engine.cuda_graphs import capture_decode_graphs
 

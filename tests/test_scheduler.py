@@ -58,7 +58,7 @@ class FakeRunner:
             assert len(st.blocks) * BS >= st.computed + n  # the table covers the step
             if st.computed + n == len(st.tokens):
                 ids.append(rid)
-                toks.append(self.next_token.get(rid, 7))
+                toks.append([self.next_token.get(rid, 7)])
         return ModelRunnerOutput(ids, toks, [None] * len(ids)) if ids else None
 
 

@@ -1,0 +1,76 @@
+"""Speculative decoding settings (``speculative_config``), spelled as vLLM spells them.
+
+``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+"prompt_lookup_max": b, "disable_by_batch_size": m}``: each step, a request that is
+decoding proposes up to ``k`` draft tokens by prompt lookup (the longest n-gram,
+``a <= n <= b``, that ends its tokens and occurred before in them; the tokens that
+followed its latest occurrence) and verifies them as extra query tokens of the same
+step. With more than ``disable_by_batch_size`` requests running, a step does not
+speculate: verification costs little only while a step's weight reads dominate.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+"""Running requests above which a step does not speculate (measured on the CPU,
+``BENCHMARKS.md``, "Speculative decoding")."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: Any, limit: str) -> ValueError:
+            return ValueError(f"speculative_config {name}={value!r} is invalid: {limit}")
+
+        if self.method not in METHODS:
+            raise bad("method", self.method, f"must be one of {METHODS}")
+        for name, low, high in (("num_speculative_tokens", 1, 16), ("prompt_lookup_min", 1, 64),
+                                ("prompt_lookup_max", 1, 64),
+                                ("disable_by_batch_size", 1, 1 << 20)):  # fmt: skip
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+                raise bad(name, v, f"must be an integer in [{low}, {high}]")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise bad("prompt_lookup_min", self.prompt_lookup_min,
+                      f"must be <= prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a dict, a JSON object string (the CLI's ``--speculative-config``), an
+        instance or None. A lookup bound given alone keeps the other's default, moved
+        to it where the default would be out of order."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config={value!r} is invalid: must be a dict "
+                             "such as {\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        kw = dict(value)
+        if "prompt_lookup_min" in kw and "prompt_lookup_max" not in kw:
+            kw["prompt_lookup_max"] = max(kw["prompt_lookup_min"], cls.prompt_lookup_max) \
+                if isinstance(kw["prompt_lookup_min"], int) else kw["prompt_lookup_min"]
+        if "prompt_lookup_max" in kw and "prompt_lookup_min" not in kw:
+            kw["prompt_lookup_min"] = min(kw["prompt_lookup_max"], cls.prompt_lookup_min) \
+                if isinstance(kw["prompt_lookup_max"], int) else kw["prompt_lookup_max"]
+        return cls(**kw)
