@@ -55,6 +55,9 @@ class EngineSnapshot:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     adds_drained: int = 0
     """How many add commands the engine thread had drained when the snapshot was taken."""
     time: float = 0.0
@@ -281,6 +284,9 @@ class AsyncEngine:
             prompt_tokens_total=eng.num_prompt_tokens_total,
             generation_tokens_total=eng.num_generation_tokens_total,
             finished_by_reason=dict(eng.finished_by_reason),
+            spec_num_drafts=s.spec_num_drafts,
+            spec_num_draft_tokens=s.spec_num_draft_tokens,
+            spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             adds_drained=self._adds_drained,
             time=now,
         )

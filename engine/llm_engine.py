@@ -57,6 +57,10 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_num_drafts: int = 0
+    """Request-steps that verified draft tokens (speculative decoding)."""
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -220,6 +224,7 @@ class LLMEngine:
     # -- introspection --------------------------------------------------------
     def stats(self) -> EngineStats:
         s = self.kv.stats()
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -227,6 +232,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -67,10 +67,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(known))}")
         kw = dict(value)
-        if "prompt_lookup_min" in kw and "prompt_lookup_max" not in kw:
-            kw["prompt_lookup_max"] = max(kw["prompt_lookup_min"], cls.prompt_lookup_max) \
-                if isinstance(kw["prompt_lookup_min"], int) else kw["prompt_lookup_min"]
-        if "prompt_lookup_max" in kw and "prompt_lookup_min" not in kw:
-            kw["prompt_lookup_min"] = min(kw["prompt_lookup_max"], cls.prompt_lookup_min) \
-                if isinstance(kw["prompt_lookup_max"], int) else kw["prompt_lookup_max"]
+        lo, hi = kw.get("prompt_lookup_min"), kw.get("prompt_lookup_max")
+        defaults = {name: f.default for name, f in cls.__dataclass_fields__.items()}
+        if isinstance(lo, int) and hi is None:
+            kw["prompt_lookup_max"] = max(lo, defaults["prompt_lookup_max"])
+        if isinstance(hi, int) and lo is None:
+            kw["prompt_lookup_min"] = min(hi, defaults["prompt_lookup_min"])
         return cls(**kw)

@@ -52,6 +52,7 @@ from loadtest.server_metrics import (  # noqa: F401 - part of this module's inte
     histogram_mean,
     metric_total,
     server_idle_problems,
+    spec_decode_summary,
     wait_server_idle,
 )
 from loadtest.sse_check import StreamChecker  # noqa: F401
@@ -229,7 +230,7 @@ async def run_benchmark(
 
         for sample in list(samples)[:num_warmups]:
             await one(sample)
-        before = await fetch_metrics(session, base_url) if check_metrics else None
+        before = await _try_metrics(session, base_url)
 
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         gaps = arrival_gaps(len(samples), request_rate, burstiness, seed)
@@ -265,11 +266,24 @@ async def run_benchmark(
             "burstiness": burstiness, "max_concurrency": max_concurrency,
             "strict_streams": strict,
         })
+        after = await _try_metrics(session, base_url)
         if check_metrics:
-            after = await fetch_metrics(session, base_url)
+            if after is None:
+                raise RuntimeError(f"--check-metrics: {base_url}/metrics did not answer")
             report["server_metrics"] = compare_server_metrics(before or "", after, report)
+        spec = spec_decode_summary(before or "", after) if after is not None else None
+        if spec is not None:
+            report["spec_decode"] = spec
     report["requests"] = [asdict(r) | {"tpot": r.tpot} for r in results]
     return report
+
+
+async def _try_metrics(session: Any, base_url: str) -> str | None:
+    """``/metrics`` of the server, or None when it has none (another server)."""
+    try:
+        return await fetch_metrics(session, base_url)
+    except Exception:  # noqa: BLE001 - any server without pagedserve's metrics
+        return None
 
 
 async def fetch_model_name(session: Any, base_url: str) -> str:

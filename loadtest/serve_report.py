@@ -102,6 +102,13 @@ def format_report(r: dict[str, Any]) -> str:
             sm = m["server_mean_ms"]
             lines.append(f"{key.upper():<6} server {sm if sm is None else f'{sm:10.2f}'}"
                          f" (n={m['server_count']})   client {m['client_mean_ms']:10.2f}")
+    spec = r.get("spec_decode")
+    if spec is not None:
+        lines.append("{s:{c}^{n}}".format(s=" Speculative decoding ", n=w + 14, c="-"))
+        rate, per_step = spec["acceptance_rate"], spec["tokens_per_speculative_step"]
+        row("Draft tokens (accepted):", f"{spec['num_draft_tokens']} ({spec['num_accepted_tokens']})")
+        row("Acceptance rate:", "-" if rate is None else f"{rate:.3f}")
+        row("Tokens per speculative step:", "-" if per_step is None else f"{per_step:.2f}")
     lines.append("=" * (w + 14))
     return "\n".join(lines)
 

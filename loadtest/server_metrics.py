@@ -61,6 +61,28 @@ def compare_server_metrics(before: str, after: str, report: dict[str, Any]) -> d
     return out
 
 
+def spec_decode_summary(before: str, after: str) -> dict[str, Any] | None:
+    """Speculative decoding over the run from a pagedserve server's counters: drafts,
+    draft and accepted tokens, the acceptance rate and the tokens a speculating request
+    gained per step (None when the server does not count them or did not speculate)."""
+    def delta(name: str) -> float | None:
+        a = metric_total(after, f"pagedserve:spec_decode_{name}_total")
+        if a is None:
+            return None
+        return a - (metric_total(before, f"pagedserve:spec_decode_{name}_total") or 0.0)
+
+    drafts, proposed, accepted = delta("num_drafts"), delta("num_draft_tokens"), \
+        delta("num_accepted_tokens")  # fmt: skip
+    if drafts is None or proposed is None or accepted is None:
+        return None
+    return {
+        "num_drafts": int(drafts), "num_draft_tokens": int(proposed),
+        "num_accepted_tokens": int(accepted),
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "tokens_per_speculative_step": 1.0 + accepted / drafts if drafts else None,
+    }
+
+
 def server_idle_problems(metrics_text: str) -> list[str]:
     """Why the server is not idle with an empty KV cache (empty list: it is).
 

@@ -38,6 +38,9 @@ HELP: dict[str, str] = {
     "quantization": "Weight-only quantized linears: gguf or int8 (default: none).",
     "enforce_eager": "Disable CUDA graphs.",
     "tensor_parallel_size": "Tensor-parallel degree (only 1 is supported).",
+    "speculative_config": "Speculative decoding as a JSON object, e.g. '{\"method\": "
+                          "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": "
+                          "4, \"prompt_lookup_min\": 2}' (default: off).",
 }
 
 

@@ -57,6 +57,12 @@ class _EngineCollector(Collector):
                       s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       s.prefix_cache_hits)
+        yield counter("spec_decode_num_drafts", "Request-steps that verified draft tokens "
+                      "(speculative decoding).", s.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                      s.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      s.spec_num_accepted_tokens)
         done = CounterMetricFamily("pagedserve:request_success",
                                    "Finished sequences by finish reason.",
                                    labels=["model_name", "finished_reason"])

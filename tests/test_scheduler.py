@@ -12,6 +12,7 @@ from engine.request import Request, RequestGroup, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, Scheduler
 from engine.scheduler_output import SchedulerOutput
+from engine.spec_config import SpeculativeConfig
 
 BS = 4
 EOS = 2
@@ -32,6 +33,10 @@ class FakeRunner:
     next_token: dict[str, int] = field(default_factory=dict)
     requests: dict[str, FakeState] = field(default_factory=dict)
     seen_finished: list[str] = field(default_factory=list)
+    propose: dict[str, list[int]] = field(default_factory=dict)
+    """Speculation: the drafts a request proposes after each of its steps."""
+    accept: dict[str, int] = field(default_factory=dict)
+    """Speculation: how many of its drafts a request keeps (default: all)."""
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         # What crosses the boundary is plain data: it survives a pickle round trip.
@@ -54,12 +59,17 @@ class FakeRunner:
         ids, toks = [], []
         for rid, n in sched.num_scheduled_tokens.items():
             st = self.requests[rid]
-            assert st.computed + n <= len(st.tokens)
+            drafts = sched.scheduled_spec_decode_tokens.get(rid, [])
+            assert st.computed + n <= len(st.tokens) + len(drafts)
             assert len(st.blocks) * BS >= st.computed + n  # the table covers the step
-            if st.computed + n == len(st.tokens):
+            if st.computed + n == len(st.tokens) + len(drafts):
                 ids.append(rid)
-                toks.append([self.next_token.get(rid, 7)])
-        return ModelRunnerOutput(ids, toks, [None] * len(ids)) if ids else None
+                kept = drafts[:self.accept.get(rid, len(drafts))]
+                toks.append([*kept, self.next_token.get(rid, 7)])
+        if not ids:
+            return None
+        spec = {rid: self.propose[rid] for rid in ids if rid in self.propose}
+        return ModelRunnerOutput(ids, toks, [None] * len(ids), spec)
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 4, **params) -> Request:
@@ -204,3 +214,73 @@ def test_tokens_match_whatever_the_budget(budget) -> None:
     while s.has_unfinished():
         run_step(s, runner)
     assert [r.output_token_ids for r in reqs] == [[7, 7, 7]] * 3
+
+
+def test_speculative_drafts_are_scheduled_verified_and_uncounted_when_rejected() -> None:
+    spec = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2)
+    s = make_scheduler(num_blocks=16, budget=16, speculative_config=spec)
+    runner = FakeRunner(propose={"a": [40, 41, 42]}, accept={"a": 1})
+    a = make_request("a", [1, 3, 4, 5, 6], max_tokens=10)
+    s.add_request(a)
+    run_step(s, runner)  # prefill; samples 7 and proposes three drafts
+    assert a.spec_token_ids == [40, 41, 42]
+    out = run_step(s, runner)
+    assert out.scheduled_spec_decode_tokens == {"a": [40, 41, 42]}
+    assert out.num_scheduled_tokens == {"a": 4}
+    # One draft kept, then the verified token: two tokens, and only they are computed.
+    assert a.output_token_ids == [7, 40, 7]
+    assert a.num_computed_tokens == 5 + 1 + 1
+    st = s.spec_stats
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (1, 3, 1)
+    # The runner's view after the rejected drafts still equals the scheduler's.
+    out = run_step(s, runner)
+    assert out.cached_requests[0].new_token_ids == [40, 7]
+    assert out.cached_requests[0].num_computed_tokens == 7
+
+
+def test_drafts_respect_max_tokens_budget_and_batch_size() -> None:
+    spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=1)
+    s = make_scheduler(num_blocks=32, budget=16, speculative_config=spec)
+    runner = FakeRunner(propose={"a": [40, 41, 42, 43], "b": [50, 51, 52, 53]})
+    a = make_request("a", [1, 3, 4], max_tokens=3)
+    s.add_request(a)
+    run_step(s, runner)
+    out = run_step(s, runner)
+    # 1 output so far, max_tokens 3: at most 1 draft, so that draft + 1 stays within 3.
+    assert out.scheduled_spec_decode_tokens == {"a": [40]}
+    assert a.is_finished and a.output_token_ids == [7, 40, 7]
+    # Two running requests > disable_by_batch_size=1: nobody speculates.
+    b, c = make_request("b", [1, 3, 4], max_tokens=8), make_request("c", [5, 6], max_tokens=8)
+    s.add_request(b)
+    s.add_request(c)
+    run_step(s, runner)
+    out = run_step(s, runner)
+    assert out.scheduled_spec_decode_tokens == {} and out.num_scheduled_tokens == {"b": 1, "c": 1}
+
+
+def test_drafts_never_cause_a_preemption() -> None:
+    # 4 blocks of 4 tokens; the prompts fill 3. a's drafts take the last block; b's would
+    # need one more, so b decodes without them instead of preempting anyone.
+    spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=4)
+    s = make_scheduler(num_blocks=4, budget=32, speculative_config=spec, watermark=0.0)
+    runner = FakeRunner(propose={"a": [40, 41, 42, 43], "b": [50, 51, 52, 53]})
+    a, b = make_request("a", [1, 3, 4, 5, 6, 8, 9], max_tokens=8), make_request("b", [5, 6, 9])
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s, runner)
+    out = run_step(s, runner)
+    assert out.scheduled_spec_decode_tokens == {"a": [40, 41, 42, 43]}
+    assert out.num_scheduled_tokens == {"a": 5, "b": 1}
+    assert out.preempted_req_ids == [] and s.num_preemptions == 0
+
+
+def test_a_stop_token_inside_the_accepted_drafts_ends_the_request_there() -> None:
+    spec = SpeculativeConfig(num_speculative_tokens=3)
+    s = make_scheduler(speculative_config=spec)
+    runner = FakeRunner(propose={"a": [40, EOS, 42]})
+    a = make_request("a", [1, 3, 4], max_tokens=10)
+    s.add_request(a)
+    run_step(s, runner)
+    run_step(s, runner)
+    assert a.status is RequestStatus.FINISHED_STOPPED and a.output_token_ids == [7, 40, EOS]
+    assert s.kv.num_free_blocks == s.kv.num_blocks
