@@ -22,7 +22,7 @@ from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
-from kernels import cpu_paths
+from kernels.cpu import paths as cpu_paths
 from kernels.registry import get_attention_backend
 
 logger = logging.getLogger("engine")

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from kernels import (
-    cpu_native,
     get_attention_backend,
     paged_decode_attention,
     paged_prefill_attention,
     write_kv,
 )
+from kernels.cpu import native as cpu_native
 from kernels.testing import make_step
 
 TOL = {
@@ -288,7 +288,7 @@ def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
 
 def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
     """Processes building at once all load a kernel; one cached library remains."""
-    code = ("from kernels import cpu_native\n"
+    code = ("from kernels.cpu import native as cpu_native\n"
             "assert cpu_native.load() is not None, cpu_native.unavailable_reason()\n")  # fmt: skip
     full = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=full) for _ in range(3)]
@@ -319,7 +319,8 @@ def test_failed_build_falls_back_and_leaves_no_partial_file(tmp_path: Path) -> N
     cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\n"
                   "echo 'fatal: broken' >&2\nexit 3\n")  # fmt: skip
     cc.chmod(0o755)
-    code = ("from kernels import cpu_native, get_attention_backend\n"
+    code = ("from kernels import get_attention_backend\n"
+            "from kernels.cpu import native as cpu_native\n"
             "assert get_attention_backend('auto', 'cpu').name == 'torch'\n"
             "print(cpu_native.unavailable_reason())\n")  # fmt: skip
     proc = _run(code, tmp_path, CC=str(cc))
@@ -384,3 +385,19 @@ def test_levels_follow_the_cpu_flags() -> None:
     else:
         assert cpu_native.runnable_levels(frozenset(v4)) == ("portable",)
         assert not any(f.startswith("-march") for f in cpu_native.level_cflags("portable"))
+
+
+def test_the_abi_header_is_the_one_declaration(lib) -> None:
+    """Constants and signatures come from ``csrc/abi.h`` only: every prototype there is
+    exported by the library, and no source redefines one of its constants."""
+    from kernels.cpu import abi
+
+    assert abi.SIGNATURES and all(hasattr(lib, name) for name in abi.SIGNATURES)
+    assert list(cpu_native.DTYPE_CODES.values()) == [abi.DTYPE_F32, abi.DTYPE_BF16,
+                                                     abi.DTYPE_F16]  # fmt: skip
+    assert abi.ATTENTION_ERRORS[abi.CONSTANTS["PA_ERR_HEAD_DIM"]] == "head_dim outside 1..512"
+    for source in cpu_native.SOURCES:
+        text = source.read_text()
+        assert '#include "abi.h"' in text, source.name
+        for name in abi.CONSTANTS:
+            assert f"#define {name} " not in text and f"{name} =" not in text, (source.name, name)

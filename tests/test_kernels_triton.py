@@ -29,10 +29,10 @@ pytest.importorskip("triton")
 
 from kernels import get_attention_backend, torch_ref  # noqa: E402
 from kernels.testing import PagedStep, fused_qkv_views, make_step  # noqa: E402
-from kernels.triton_decode import _decode_kernel  # noqa: E402
-from kernels.triton_decode import paged_decode_attention as triton_decode  # noqa: E402
-from kernels.triton_prefill import paged_prefill_attention as triton_prefill  # noqa: E402
-from kernels.triton_write_kv import write_kv as triton_write_kv  # noqa: E402
+from kernels.triton.decode import _decode_kernel  # noqa: E402
+from kernels.triton.decode import paged_decode_attention as triton_decode  # noqa: E402
+from kernels.triton.prefill import paged_prefill_attention as triton_prefill  # noqa: E402
+from kernels.triton.write_kv import write_kv as triton_write_kv  # noqa: E402
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -194,3 +194,14 @@ def test_triton_backend_matches_reference(case, dtype, strided) -> None:
     torch.testing.assert_close(out, expected, **TOL[dtype])
     torch.testing.assert_close(step.k_cache, ref_k, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(step.v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
+
+
+def test_triton_in_kernels_triton_is_the_pypi_package() -> None:
+    """``kernels.triton`` does not shadow the real ``triton`` inside its own modules."""
+    from pathlib import Path
+
+    import kernels.triton.decode as decode
+
+    package = Path(decode.__file__).resolve().parent
+    assert Path(decode.triton.__file__).resolve().parent != package
+    assert hasattr(decode.triton, "jit") and decode.tl.__name__ == "triton.language"

@@ -3,7 +3,7 @@
  * context, reading K/V in place through the request's block table (no gather copy,
  * no padding to the longest context, no mask). Decode rows (one token per request)
  * and prefill chunks (the last ``q_len`` positions of a context whose K/V are already
- * in the cache) go through the same code. Built at first use by kernels/cpu_native.py
+ * in the cache) go through the same code. Built at first use by kernels/cpu/native.py
  * and called through ctypes.
  *
  * Layouts (all contiguous):
@@ -35,9 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
-
-#define MAX_HEAD_DIM 512
+#include "abi.h"
 
 /* Query tokens of one request handled by one work item. */
 #define TOKEN_TILE 16
@@ -416,16 +414,16 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
                     int max_blocks_per_seq, int max_seq_len, float scale, const void *key,
                     const void *value, int64_t kv_stride, const int64_t *slots, int num_rows,
                     int num_threads) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
-    if (head_dim <= 0 || head_dim > MAX_HEAD_DIM) return -2;
-    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16) return -3;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return PA_ERR_GQA;
+    if (head_dim <= 0 || head_dim > MAX_HEAD_DIM) return PA_ERR_HEAD_DIM;
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16) return PA_ERR_DTYPE;
 #ifndef __FLT16_MAX__
-    if (dtype == DTYPE_F16) return -3;
+    if (dtype == DTYPE_F16) return PA_ERR_DTYPE;
 #endif
     if (num_threads < 1) num_threads = 1;
     if (slots == NULL) num_rows = 0;
     for (int t = 0; t < num_rows; ++t)
-        if (slots[t] < -1 || slots[t] >= (int64_t)num_blocks * block_size) return -6;
+        if (slots[t] < -1 || slots[t] >= (int64_t)num_blocks * block_size) return PA_ERR_SLOT;
     const int elem = dtype == DTYPE_F32 ? 4 : 2;
     const size_t row_bytes = (size_t)num_kv_heads * head_dim * elem;
     if (num_seqs <= 0) {
@@ -438,11 +436,11 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     int64_t num_tiles = 0;
     for (int s = 0; s < num_seqs; ++s) {
         const int q_len = query_start_loc ? query_start_loc[s + 1] - query_start_loc[s] : 1;
-        if (q_len < 0 || q_len > seq_lens[s]) return -5;
+        if (q_len < 0 || q_len > seq_lens[s]) return PA_ERR_RANGE;
         num_tiles += (q_len + TOKEN_TILE - 1) / TOKEN_TILE;
     }
     tile_t *tiles = malloc(sizeof(tile_t) * (size_t)(num_tiles > 0 ? num_tiles : 1));
-    if (tiles == NULL) return -4;
+    if (tiles == NULL) return PA_ERR_NOMEM;
     for (int s = 0, i = 0; s < num_seqs; ++s) {
         const int tok = query_start_loc ? query_start_loc[s] : s;
         const int q_len = query_start_loc ? query_start_loc[s + 1] - tok : 1;

@@ -33,13 +33,14 @@ from pathlib import Path
 import torch
 
 from kernels.cache import cache_root
+from kernels.cpu import abi
 
-log = logging.getLogger("kernels.cpu_native")
+log = logging.getLogger("kernels.cpu.native")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "gemm_cpu.c",
                                    "qgemm_cpu.c"))
-HEADERS = (CSRC / "simd.h",)
+HEADERS = (CSRC / "abi.h", CSRC / "simd.h")
 # -std=c11 keeps floating-point contraction off: a * b + c rounds twice, as in torch.
 BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
 LEVELS = ("portable", "avx2", "avx512")
@@ -53,16 +54,9 @@ _LEVEL_FEATURES = {
     "avx2": _V3,
     "avx512": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
 }
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MAX_HEAD_DIM = 512
-_ERRORS = {
-    -1: "num_heads is not a multiple of num_kv_heads",
-    -2: f"head_dim outside 1..{MAX_HEAD_DIM}",
-    -3: "unsupported KV cache dtype",
-    -4: "out of memory for the kernel's buffers",
-    -5: "a context length, query length or block id is out of range",
-    -6: "a KV write slot is out of range",
-}
+DTYPE_CODES = {torch.float32: abi.DTYPE_F32, torch.bfloat16: abi.DTYPE_BF16,
+               torch.float16: abi.DTYPE_F16}  # fmt: skip
+"""KV cache dtypes the attention kernel takes, and their codes (``csrc/abi.h``)."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -154,29 +148,6 @@ def _build(cc: str, cflags: tuple[str, ...]) -> Path:
     return out
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    signatures = {
-        "paged_attention": (i32, [ptr] * 3 + [i32] + [ptr] * 3 + [i64, ptr] + [i32] * 8
-                            + [f32, ptr, ptr, i64, ptr, i32, i32]),
-        **{f"add_rms_norm_{d}": (None, [ptr, ptr, ptr, f32, ptr, i32, i32, i64, i32])
-           for d in ("f32", "bf16")},
-        **{f"rope_{d}": (None, [ptr, i64, i32, i32, i32, ptr, ptr, i32]) for d in ("f32", "bf16")},
-        **{f"silu_mul_{d}": (None, [ptr, ptr, i32, i32, i32]) for d in ("f32", "bf16")},
-        "argmax_f32": (None, [ptr, i64, i32, i32, ptr, i32]),
-        "gemm_f32_available": (i32, []),
-        "gemm_f32_packed_size": (i64, [i64, i64]),
-        "gemm_f32_pack": (None, [ptr, i64, i64, ptr]),
-        "gemm_f32": (None, [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32]),
-        "qgemm": (i32, [i32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i32]),
-        "qdequant": (i32, [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]),
-        "simd_isa": (ctypes.c_char_p, []),
-    }
-    for name, (restype, argtypes) in signatures.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-
-
 def build_library(level: str) -> ctypes.CDLL:
     """Build (or find cached) and open the library at build ``level``; raises on failure.
 
@@ -186,7 +157,7 @@ def build_library(level: str) -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC or install gcc)")
     lib = ctypes.CDLL(str(_build(cc, level_cflags(level))))
-    _declare(lib)
+    abi.declare(lib)
     return lib
 
 
@@ -319,7 +290,7 @@ def paged_attention(
         tables.shape[1], max_seq_len, scale, *write, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise ValueError(f"paged_attention: {_ERRORS.get(status, status)}")
+        raise ValueError(f"paged_attention: {abi.ATTENTION_ERRORS.get(status, status)}")
     if out is None:
         return result.to(query.dtype)
     if not direct:
