@@ -1,26 +1,39 @@
-"""pagedserve engine: ``from engine import LLM, SamplingParams``."""
+"""pagedserve engine: ``from engine import LLM, SamplingParams``.
 
-from engine.process_tuning import set_omp_spin, tune_malloc
+Importing ``engine`` changes nothing in the process (no environment variable, no
+allocator setting) and loads nothing heavy: each name below is imported from its
+module when first used, so light modules such as :mod:`engine.envs` and
+:mod:`engine.process_tuning` can be used before torch is loaded. The process tuning is
+applied when an engine starts (:func:`engine.process_tuning.apply`).
+"""
 
-# Before torch is imported: a short OpenMP spin, and a malloc that keeps its memory
-# (see engine/process_tuning.py for why and how to turn each off).
-set_omp_spin()
-tune_malloc()
+from __future__ import annotations
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "EngineConfig",
-    "LLMEngine",
-    "RequestOutput",
-    "SamplingParams",
-    "__version__",
-]
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "CompletionOutput": "engine.outputs",
+    "EngineConfig": "engine.config",
+    "LLMEngine": "engine.llm_engine",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
+"""Public name -> the module that defines it."""
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

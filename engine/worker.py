@@ -10,6 +10,7 @@ import torch
 
 from engine import gguf_weights, hugepages
 from engine.config import EngineConfig
+from engine.kernel_settings import kernel_settings
 from engine.loader import (
     DEFAULT_MODEL_NAME,
     default_gguf_path,
@@ -97,7 +98,7 @@ class Worker:
         self.vocab_size = self.spec.vocab_size
         self.eos_token_ids = self._eos_ids()
 
-        self.attn = get_attention_backend(config.attention_backend, self.device)
+        self.attn = get_attention_backend(config.attention_backend, self.device, kernel_settings())
         if self.device.type == "cpu":
             self.cpu_paths = cpu_paths.describe(self.attn)
             logger.info("%s", cpu_paths.summary(self.cpu_paths,

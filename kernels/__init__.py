@@ -9,11 +9,13 @@ torch backend sit here; the native CPU path is :mod:`kernels.cpu`, the CUDA path
 from kernels.interface import AttentionBackend, AttentionMetadata
 from kernels.layer_ops import LayerOps
 from kernels.registry import Kernels, get_attention_backend, select_kernels
+from kernels.settings import KernelSettings
 from kernels.torch_ref import paged_decode_attention, paged_prefill_attention, write_kv
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "KernelSettings",
     "Kernels",
     "LayerOps",
     "get_attention_backend",

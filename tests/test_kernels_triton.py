@@ -27,7 +27,7 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from kernels import get_attention_backend, torch_ref  # noqa: E402
+from kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E402
 from kernels.testing import PagedStep, fused_qkv_views, make_step  # noqa: E402
 from kernels.triton.decode import _decode_kernel  # noqa: E402
 from kernels.triton.decode import paged_decode_attention as triton_decode  # noqa: E402
@@ -187,7 +187,7 @@ def test_triton_backend_matches_reference(case, dtype, strided) -> None:
         expected[m.query_start_loc_cpu[nd] :] = pre[m.query_start_loc_cpu[nd] :]
 
     q, k, v = fused_qkv_views(step) if strided else (step.query, step.key, step.value)
-    backend = get_attention_backend("triton", DEVICE)
+    backend = get_attention_backend("triton", DEVICE, KernelSettings(triton_interpret=True))
     assert backend.name == "triton"
     backend.prepare(m, step.block_size)
     out = backend.forward(q, k, v, step.k_cache, step.v_cache, m, step.scale)

@@ -270,10 +270,12 @@ def test_native_linear_on_strided_rows_and_fallbacks(gemm) -> None:
 
 
 def test_packing_can_be_turned_off(monkeypatch) -> None:
-    from kernels.cpu.layer_ops import PACK_ENV_VAR
+    from engine.kernel_settings import kernel_settings
+    from kernels import select_kernels
 
-    monkeypatch.setenv(PACK_ENV_VAR, "0")
-    ops = NativeLayerOps(cpu_native.load())
+    monkeypatch.setenv("PAGEDSERVE_PACK_WEIGHTS", "0")
+    ops = select_kernels("cpu", "cpu", kernel_settings()).ops
+    assert isinstance(ops, NativeLayerOps)
     w = randn(8, 4)
     ops.prepare_weights([w])
     assert not hasattr(w, "_pagedserve_packed") and not hasattr(w, "_pagedserve_native_packed")

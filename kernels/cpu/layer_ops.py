@@ -21,7 +21,8 @@ weights measured 1.02-1.04x its time there) and oneDNN's packed weights on AVX2 
 for oneDNN at every size (15-50% faster than ``F.linear``) where oneDNN has a bfloat16
 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere ``F.linear``), as does float32 on
 builds without a vector path (2 to 1024 rows). The packed copy lives beside the weight
-(the linear weights' memory twice); ``PAGEDSERVE_PACK_WEIGHTS=0`` turns packing off.
+(the linear weights' memory twice); ``pack_weights=False`` (the engine's
+``PAGEDSERVE_PACK_WEIGHTS=0``) turns packing off.
 :meth:`NativeLayerOps.paths` says which linear each dtype takes. Weight-only quantized
 weights are multiplied by ``csrc/qgemm_cpu.c`` (:mod:`kernels.cpu.quant`).
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from collections.abc import Iterable
 
 import torch
@@ -48,7 +48,6 @@ NATIVE_LINEAR_MAX_ROWS = 256
 PACKED_F32_ROWS = (2, 1024)
 """Without the native linear: row counts for which float32 uses oneDNN's packed weights
 (bfloat16: every count)."""
-PACK_ENV_VAR = "PAGEDSERVE_PACK_WEIGHTS"
 QUANT_DIRECT_MAX_ROWS = 32
 """Quantized weights: row counts up to which the native kernel multiplies in registers;
 larger batches dequantize the weight once and take a float product (see BENCHMARKS.md)."""
@@ -76,13 +75,12 @@ class NativeLayerOps(TorchLayerOps):
 
     name = "native"
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, pack_weights: bool = True) -> None:
         self._lib = lib
         self.isa = lib.simd_isa().decode()
         # Reused float32 copy of a quantized weight for prefill-sized products.
         self._dequant_scratch = torch.empty(0, dtype=torch.float32)
-        flag = os.environ.get(PACK_ENV_VAR, "1").strip().lower()
-        packing = flag not in ("0", "false", "no", "off")
+        packing = pack_weights
         self._gemm = packing and bool(lib.gemm_f32_available())
         self._packing = packing and torch.backends.mkldnn.is_available()
         # oneDNN refuses bfloat16 weights on CPUs without AVX-512 BW/VL/DQ or
