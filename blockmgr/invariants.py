@@ -1,5 +1,8 @@
 """Consistency checks of a KVCacheManager (O(total blocks); for tests and debugging).
 
+:func:`check_manager` reads the manager through :class:`ManagerState` (what it looks
+at), so this module does not import the manager, which calls it.
+
 Checked:
 
 1. free + used == total, and the free queue's links are sound;
@@ -16,16 +19,27 @@ Checked:
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from blockmgr.block_pool import BlockPool
 from blockmgr.hashing import hash_block_tokens
+from blockmgr.request_state import RequestBlocks
 from blockmgr.util import cdiv
 
-if TYPE_CHECKING:
-    from blockmgr.manager import KVCacheManager
+
+class ManagerState(Protocol):
+    """The state of a :class:`blockmgr.KVCacheManager` the checks read."""
+
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool
+    pool: BlockPool
+    requests: dict[str, RequestBlocks]
+    num_slots_allocated: int
+    num_slots_filled: int
 
 
-def check_manager(mgr: KVCacheManager) -> None:
+def check_manager(mgr: ManagerState) -> None:
     """Raise AssertionError with a message naming the first broken invariant."""
     pool = mgr.pool
     n = mgr.num_blocks

@@ -1,56 +1,54 @@
-"""pagedserve engine: ``from engine import LLM, SamplingParams``."""
+"""pagedserve engine: ``from engine import LLM, SamplingParams``.
 
-from engine.process_tuning import set_omp_spin, tune_malloc
+Importing ``engine`` changes nothing in the process (no environment variable, no
+allocator setting) and loads nothing heavy: each name below is imported from its
+module when first used, so light modules such as :mod:`engine.envs` and
+:mod:`engine.process_tuning` can be used before torch is loaded. The process tuning is
+applied when an engine starts (:func:`engine.process_tuning.apply`).
+"""
 
-# Before torch is imported: a short OpenMP spin, and a malloc that keeps its memory
-# (see engine/process_tuning.py for why and how to turn each off).
-set_omp_spin()
-tune_malloc()
+from __future__ import annotations
 
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineSnapshot, StepItem  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine_info import EngineInfo, InputLimits  # noqa: E402
-from engine.errors import (  # noqa: E402
-    EngineInputError,
-    InputField,
-    PromptTooLongError,
-    SamplingParamError,
-    TokenIdError,
-)
-from engine.llm import LLM  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.outputs import (  # noqa: E402
-    CompletionOutput,
-    Logprob,
-    RequestMetrics,
-    RequestOutput,
-    TokenLogprobs,
-)
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams  # noqa: E402
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM",
-    "MAX_LOGPROBS",
-    "AsyncEngine",
-    "CompletionOutput",
-    "EngineConfig",
-    "EngineDeadError",
-    "EngineInfo",
-    "EngineInputError",
-    "EngineSnapshot",
-    "InputField",
-    "InputLimits",
-    "LLMEngine",
-    "Logprob",
-    "PromptTooLongError",
-    "RequestMetrics",
-    "RequestOutput",
-    "SamplingParamError",
-    "SamplingParams",
-    "StepItem",
-    "TokenIdError",
-    "TokenLogprobs",
-    "__version__",
-]
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "AsyncEngine": "engine.async_engine",
+    "EngineDeadError": "engine.async_engine",
+    "EngineSnapshot": "engine.async_engine",
+    "StepItem": "engine.async_engine",
+    "EngineConfig": "engine.config",
+    "EngineInfo": "engine.engine_info",
+    "InputLimits": "engine.engine_info",
+    "EngineInputError": "engine.errors",
+    "InputField": "engine.errors",
+    "PromptTooLongError": "engine.errors",
+    "SamplingParamError": "engine.errors",
+    "TokenIdError": "engine.errors",
+    "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
+    "RequestMetrics": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "TokenLogprobs": "engine.outputs",
+    "MAX_LOGPROBS": "engine.sampling_params",
+    "SamplingParams": "engine.sampling_params",
+}
+"""Public name -> the module that defines it."""
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -36,7 +36,7 @@ from blockmgr import cdiv
 from kernels.interface import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
-    from engine.model_runner import StepInputs
+    from engine.step_inputs import StepInputs
 
 logger = logging.getLogger("engine.cuda_graphs")
 

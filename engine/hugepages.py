@@ -9,8 +9,9 @@ asks: it maps fresh anonymous memory (never touched, so nothing is already on 4 
 pages; ``malloc`` may hand back reused heap memory), advises ``MADV_HUGEPAGE`` and starts
 the tensor on a 2 MiB boundary. 30 layers of decode attention at 64 requests took 2-8%
 less time (BENCHMARKS.md); the packed weights, read as long sequential panels, gained
-nothing, so they stay as they are. ``PAGEDSERVE_HUGEPAGES=0`` turns this off; elsewhere
-than Linux it does nothing.
+nothing, so they stay as they are. ``PAGEDSERVE_HUGEPAGES=0`` turns this off
+(:func:`enabled`, reported at engine start by :func:`engine.process_tuning.apply`);
+elsewhere than Linux it does nothing.
 """
 
 from __future__ import annotations
@@ -23,18 +24,16 @@ import platform
 import torch
 
 from blockmgr import cdiv
-from engine.process_tuning import switched_off
+from engine import envs
 
 log = logging.getLogger("engine.hugepages")
 
 HUGE_PAGE = 2 << 20
-ENV_VAR = "PAGEDSERVE_HUGEPAGES"
 
 
 def enabled() -> bool:
-    if switched_off(ENV_VAR):
-        return False
-    return platform.system() == "Linux" and hasattr(mmap, "MADV_HUGEPAGE")
+    """Whether the CPU KV cache asks for huge pages (``PAGEDSERVE_HUGEPAGES``, on Linux)."""
+    return envs.hugepages() and platform.system() == "Linux" and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def _advise(mm: mmap.mmap) -> None:

@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from engine import process_tuning
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_info import EngineInfo, InputLimits
@@ -66,6 +67,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.tuning = process_tuning.apply()
+        """The process tuning in effect (logged at start)."""
         self.worker = Worker(config)
         w = self.worker
         self.tokenizer = w.tokenizer

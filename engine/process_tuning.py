@@ -1,31 +1,42 @@
-"""Process-wide settings the engine makes when it is imported.
+"""Process-wide settings the engine applies explicitly (importing ``engine`` applies none).
 
-* ``GOMP_SPINCOUNT=1000``: an idle OpenMP thread (torch's and the native kernels' pool,
-  which is one libgomp) spins about 25 us for the next parallel region before it
-  sleeps. libgomp's default spins for milliseconds, which stalls every region whenever
-  another process or thread (the server's event loop, a load generator) holds a core;
-  ``OMP_WAIT_POLICY=PASSIVE`` (no spin) makes the next region wake a sleeping thread,
-  and a decode step runs ~150 regions a few to a hundred microseconds apart. Against
-  PASSIVE, prefill steps took ~10% less time and decode steps the same or less on an
-  idle 2-core machine, and the same with a busy loop on one of its cores (BENCHMARKS.md).
-  Set only if neither ``GOMP_SPINCOUNT`` nor ``OMP_WAIT_POLICY`` is set, and only
-  effective before torch is imported.
-* glibc ``malloc``: torch allocates every op's output with ``malloc``; glibc serves
-  blocks over its mmap threshold (128 KiB, adapting up to 32 MiB) with fresh ``mmap``
-  and returns freed heap tops to the kernel, so a prefill step of a few thousand tokens
-  page-faults its tens of MB of activations in again on every layer. Raising the mmap
-  threshold to its maximum and keeping freed memory (trim threshold 1 GiB) cut the
-  minor page faults of five 2048-token prefill steps from 685k to 31k and their time by
-  18% (BENCHMARKS.md). The process keeps its peak activation memory instead of
-  returning it. ``PAGEDSERVE_MALLOC_TUNING=0`` leaves malloc alone.
+* ``GOMP_SPINCOUNT=1000`` (:func:`set_omp_spin`): an idle OpenMP thread (torch's and
+  the native kernels' pool, which is one libgomp) spins about 25 us for the next
+  parallel region before it sleeps. libgomp's default spins for milliseconds, which
+  stalls every region whenever another process or thread (the server's event loop, a
+  load generator) holds a core; ``OMP_WAIT_POLICY=PASSIVE`` (no spin) makes the next
+  region wake a sleeping thread, and a decode step runs ~150 regions a few to a hundred
+  microseconds apart. Against PASSIVE, prefill steps took ~10% less time and decode
+  steps the same or less on an idle 2-core machine, and the same with a busy loop on
+  one of its cores (BENCHMARKS.md). libgomp reads the variable once, when torch loads
+  it, so it is set only before torch is imported: the ``pagedserve`` command does so
+  first thing (``pagedserve serve``, ``pagedserve bench ...``); a program of one's own
+  exports it itself. Never set when ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` is set.
+* glibc ``malloc`` (:func:`tune_malloc`): torch allocates every op's output with
+  ``malloc``; glibc serves blocks over its mmap threshold (128 KiB, adapting up to
+  32 MiB) with fresh ``mmap`` and returns freed heap tops to the kernel, so a prefill
+  step of a few thousand tokens page-faults its tens of MB of activations in again on
+  every layer. Raising the mmap threshold to its maximum and keeping freed memory (trim
+  threshold 1 GiB) cut the minor page faults of five 2048-token prefill steps from 685k
+  to 31k and their time by 18% (BENCHMARKS.md). The process keeps its peak activation
+  memory instead of returning it. ``PAGEDSERVE_MALLOC_TUNING=0`` leaves malloc alone.
+
+:func:`apply` runs when an engine starts (``LLMEngine``, so ``LLM`` and the server too):
+it tunes malloc and logs one line with what is in effect, the OpenMP spin (and whether
+it was set in time), malloc and the KV cache's huge pages (:mod:`engine.hugepages`).
+This module imports only the standard library, so the command line can use it before
+torch is loaded.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import platform
+import sys
+from dataclasses import dataclass
+
+from engine import envs
 
 log = logging.getLogger("engine.process_tuning")
 
@@ -35,23 +46,41 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20
-ENV_VAR = "PAGEDSERVE_MALLOC_TUNING"
 SPIN_COUNT = "1000"
 
-
-def switched_off(env_var: str) -> bool:
-    """Whether the user turned a default-on setting off (``0``, ``false``, ``no``, ``off``)."""
-    return os.environ.get(env_var, "1").strip().lower() in ("0", "false", "no", "off")
+_spin_set_in_time = False
+"""Whether :func:`set_omp_spin` set ``GOMP_SPINCOUNT`` before torch was loaded."""
 
 
-def set_omp_spin() -> None:
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+def set_omp_spin() -> bool:
+    """Set ``GOMP_SPINCOUNT=1000`` if neither it nor ``OMP_WAIT_POLICY`` is set and torch
+    (which loads libgomp) is not imported yet; returns whether it did."""
+    global _spin_set_in_time
+    if envs.omp_wait_policy() is not None or envs.gomp_spincount() is not None:
+        return False
+    if "torch" in sys.modules:
+        return False
+    envs.set_gomp_spincount(SPIN_COUNT)
+    _spin_set_in_time = True
+    return True
+
+
+def omp_spin() -> str:
+    """What decides the OpenMP threads' idle spin in this process, in words."""
+    policy, spin = envs.omp_wait_policy(), envs.gomp_spincount()
+    if _spin_set_in_time and spin == SPIN_COUNT:
+        return f"GOMP_SPINCOUNT={SPIN_COUNT} (set before torch was loaded)"
+    if policy is not None:
+        return f"OMP_WAIT_POLICY={policy} (from the environment)"
+    if spin is not None:
+        return f"GOMP_SPINCOUNT={spin} (from the environment)"
+    return (f"libgomp's default spin (torch was loaded before GOMP_SPINCOUNT={SPIN_COUNT} "
+            "could be set; export it before starting Python)")  # fmt: skip
 
 
 def tune_malloc() -> bool:
     """Apply the malloc settings above on glibc; returns whether they were applied."""
-    if switched_off(ENV_VAR):
+    if not envs.malloc_tuning():
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
@@ -65,3 +94,30 @@ def tune_malloc() -> bool:
     if not ok:
         log.debug("mallopt refused a setting; malloc partly tuned")
     return ok
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What :func:`apply` found and did."""
+
+    omp_spin: str
+    """:func:`omp_spin`."""
+    malloc_tuned: bool
+    """Whether malloc keeps freed memory (:func:`tune_malloc`)."""
+    hugepages: bool
+    """Whether the CPU KV cache asks for huge pages (:func:`engine.hugepages.enabled`)."""
+
+    def summary(self) -> str:
+        malloc = "tuned (keeps freed memory)" if self.malloc_tuned else "left alone"
+        huge = "on" if self.hugepages else "off"
+        return (f"process tuning: OpenMP spin {self.omp_spin}; malloc {malloc}; "
+                f"CPU KV cache huge pages {huge}")  # fmt: skip
+
+
+def apply() -> Tuning:
+    """At engine start: tune malloc; log and return what is in effect."""
+    from engine import hugepages
+
+    tuning = Tuning(omp_spin(), tune_malloc(), hugepages.enabled())
+    log.info("%s", tuning.summary())
+    return tuning

@@ -10,6 +10,7 @@ import torch
 
 from engine import gguf_weights, hugepages
 from engine.config import EngineConfig
+from engine.kernel_settings import kernel_settings
 from engine.loader import (
     DEFAULT_MODEL_NAME,
     default_gguf_path,
@@ -22,7 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
-from kernels import cpu_paths
+from kernels.cpu import paths as cpu_paths
 from kernels.registry import get_attention_backend
 
 logger = logging.getLogger("engine")
@@ -97,7 +98,7 @@ class Worker:
         self.vocab_size = self.spec.vocab_size
         self.eos_token_ids = self._eos_ids()
 
-        self.attn = get_attention_backend(config.attention_backend, self.device)
+        self.attn = get_attention_backend(config.attention_backend, self.device, kernel_settings())
         if self.device.type == "cpu":
             self.cpu_paths = cpu_paths.describe(self.attn)
             logger.info("%s", cpu_paths.summary(self.cpu_paths,

@@ -14,15 +14,22 @@ tokens ``query_start_loc[i]:query_start_loc[i+1]``; those are the *last*
 ``q_len`` positions of its context of ``seq_lens[i]`` tokens (earlier tokens are read
 from the cache through ``block_tables[i]``), and attention is causal.
 
-Backends are chosen in :mod:`kernels.registry`; this module imports torch only.
+Backends are chosen in :mod:`kernels.registry`, each with the
+:class:`~kernels.layer_ops.LayerOps` the model runs beside it. Each backend turns the
+step's metadata into its own typed per-step plan once per step (``prepare``), which
+every layer's ``forward`` reads back with :meth:`AttentionMetadata.plan`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 import torch
+
+from kernels.layer_ops import LayerOps
+
+PlanT = TypeVar("PlanT")
 
 
 @dataclass(slots=True)
@@ -43,13 +50,22 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
-    prepared: Any = None
-    """Backend-owned per-step state made by ``AttentionBackend.prepare`` (masks, gather
-    indices); shared by every layer of the step."""
+    prepared: object | None = None
+    """The backend's typed per-step plan made by ``AttentionBackend.prepare`` (gather
+    indices, masks, launch sizes); shared by every layer of the step."""
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def plan(self, kind: type[PlanT]) -> PlanT:
+        """The per-step plan of type ``kind`` that ``prepare`` made for this step."""
+        plan = self.prepared
+        if type(plan) is not kind:
+            made = "none" if plan is None else type(plan).__name__
+            raise RuntimeError(f"attention metadata holds plan {made}, not {kind.__name__}: "
+                               "call the backend's prepare() once per step first")  # fmt: skip
+        return plan
 
     @classmethod
     def from_host(
@@ -77,13 +93,16 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    """Paged attention over the KV cache; made by :func:`kernels.registry.select_kernels`."""
+
     name: str
-    ops: Any
-    """Element-wise layer ops (:class:`kernels.layer_ops.TorchLayerOps` or a faster
-    implementation of the same methods)."""
+    ops: LayerOps
+    """The layer ops chosen with this backend (the same object as
+    :attr:`kernels.registry.Kernels.ops`)."""
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Once per step, before the layers run: set ``meta.prepared``."""
+        """Once per step, before the layers run: set ``meta.prepared`` to this backend's
+        plan of the step."""
 
     def forward(
         self,

@@ -1,4 +1,4 @@
-"""Weight-only quantized matrices: the formats, their torch reference, their native linear.
+"""Weight-only quantized matrices: the formats and their torch reference.
 
 A :class:`QuantizedWeight` is a linear layer's ``[n, k]`` weight kept in a quantized
 form and dequantized only inside the product (``ops.linear`` takes it wherever it takes
@@ -13,21 +13,22 @@ a float weight). Formats:
 The planes are kept apart (``qs`` the codes, one row per output row; ``d`` the scales;
 ``m`` the offsets) so each native kernel reads rows as streams. :meth:`dequantize` is the
 reference: it computes each weight as GGML's dequantizer does (product rounded, then the
-offset added), which is also what transformers' GGUF loader produces.
+offset added), which is also what transformers' GGUF loader produces. The native
+products of these weights are in :mod:`kernels.cpu.quant`.
 """
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-QK = 32
-"""Weights per block of the GGUF formats."""
-FORMATS = ("q8_0", "q4_0", "q4_1", "int8")
-"""Format names, in the order of the native library's format codes."""
+from kernels.cpu.abi import QK, QUANT_FORMATS
+
+FORMATS = tuple(QUANT_FORMATS)
+"""Format names, in the order of the native library's format codes (``QK``, the weights
+per block of the GGUF formats, and the codes are declared in ``kernels/cpu/csrc/abi.h``)."""
 _BITS = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "int8": 8.0}
 
 
@@ -74,11 +75,6 @@ class QuantizedWeight:
     @property
     def device(self) -> torch.device:
         return self.qs.device
-
-    @property
-    def code(self) -> int:
-        """The native library's format code."""
-        return FORMATS.index(self.fmt)
 
     @property
     def nbytes(self) -> int:
@@ -146,43 +142,3 @@ def linear_reference(x: torch.Tensor, weight: QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight.dequantize(), bias)`` in x's dtype (the torch path)."""
     return F.linear(x, weight.dequantize().to(x.dtype), bias)
-
-
-def _planes(weight: QuantizedWeight) -> tuple[int | None, int | None, int | None]:
-    """Pointers to (d, m, scale) as the C functions take them."""
-    if weight.fmt == "int8":
-        return None, None, weight.d.data_ptr()
-    return weight.d.data_ptr(), None if weight.m is None else weight.m.data_ptr(), None
-
-
-def native_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeight,
-                  bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
-    """The native product of float32 CPU ``x`` ``[rows, k]`` (unit column stride) and
-    ``weight`` (contiguous planes), plus ``bias`` (float32 ``[n]``)."""
-    rows = x.shape[0]
-    out = x.new_empty(rows, weight.n)
-    d, m, scale = _planes(weight)
-    status = lib.qgemm(weight.code, x.data_ptr(), x.stride(0), rows, weight.k,
-                       weight.qs.data_ptr(), d, m, scale, weight.n,
-                       None if bias is None else bias.data_ptr(), out.data_ptr(), weight.n,
-                       num_threads)  # fmt: skip
-    if status != 0:
-        raise ValueError(f"qgemm refused a {weight.fmt} [{weight.n}, {weight.k}] weight")
-    return out
-
-
-def native_dequantize(lib: ctypes.CDLL, weight: QuantizedWeight, num_threads: int,
-                      rows: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 ``[n, k]`` (or rows ``rows``, int64) dequantized by the native library."""
-    index = None if rows is None else rows.to(torch.int64).contiguous()
-    count = weight.n if index is None else index.numel()
-    if out is None:
-        out = torch.empty(count, weight.k, dtype=torch.float32)
-    d, m, scale = _planes(weight)
-    status = lib.qdequant(weight.code, weight.qs.data_ptr(), d, m, scale, weight.k,
-                          None if index is None else index.data_ptr(), count, out.data_ptr(),
-                          num_threads)  # fmt: skip
-    if status != 0:
-        raise ValueError(f"qdequant refused a {weight.fmt} [{weight.n}, {weight.k}] weight")
-    return out

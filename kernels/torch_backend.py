@@ -11,7 +11,7 @@ sharing a KV head into query rows (``query[:n].view(n, Hkv, G, D)`` is a free vi
 prefill chunks use ``enable_gqa=True``, which on CPU measured about 2x faster than
 folding (the fold needs two permute copies and a G-times larger mask). Masks are
 additive (0 / -inf) in the compute dtype: SDPA converts boolean masks with a
-``where`` on every call. See ``kernels/bench_cpu.py``.
+``where`` on every call. See ``kernels/cpu/bench.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.interface import AttentionMetadata
-from kernels.layer_ops import TorchLayerOps
+from kernels.layer_ops import LayerOps, TorchLayerOps
 from kernels.paged_index import context_slots, padded_rows
 
 
@@ -117,7 +117,10 @@ def decode_buckets(seq_lens: list[int], shrink: float = 0.7) -> list[list[int]]:
 
 
 @dataclass(slots=True)
-class _Prepared:
+class TorchStepPlan:
+    """Gather indices, masks and scatter indices of one step, made once by
+    :meth:`TorchBackend.prepare` and read by every layer."""
+
     num_tokens: int
     write_slots: torch.Tensor
     write_tokens: torch.Tensor | None
@@ -161,9 +164,9 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, ops: LayerOps | None = None) -> None:
         self._workspace: torch.Tensor | None = None
-        self.ops: TorchLayerOps = TorchLayerOps()
+        self.ops: LayerOps = TorchLayerOps() if ops is None else ops
 
     def _gather_kv(
         self, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor
@@ -186,6 +189,10 @@ class TorchBackend:
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Build gather indices and masks for this step into ``meta.prepared``."""
+        meta.prepared = self.make_plan(meta, block_size)
+
+    def make_plan(self, meta: AttentionMetadata, block_size: int) -> TorchStepPlan:
+        """The step's :class:`TorchStepPlan`."""
         qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
         seq_lens_cpu = meta.seq_lens_cpu or meta.seq_lens.tolist()
         num_reqs = len(seq_lens_cpu)
@@ -204,7 +211,7 @@ class TorchBackend:
         prefill = self._prefill_group(meta, padded, qsl, seq_lens_cpu, block_size) \
             if padded else None  # fmt: skip
         causal = [(qsl[i], qsl[i + 1]) for i in fresh]
-        meta.prepared = _Prepared(num_tokens, write_slots, write_tokens, decode, prefill, causal)
+        return TorchStepPlan(num_tokens, write_slots, write_tokens, decode, prefill, causal)
 
     @staticmethod
     def _prefill_group(
@@ -268,7 +275,7 @@ class TorchBackend:
         scale: float,
     ) -> torch.Tensor:
         """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
-        st: _Prepared = meta.prepared
+        st = meta.plan(TorchStepPlan)
         total, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         write_planned_kv(key, value, k_cache, v_cache, st.write_slots, st.write_tokens)
@@ -330,7 +337,7 @@ class TorchBackend:
         group = num_heads // num_kv_heads
         k_flat = k_cache.view(-1, num_kv_heads * head_dim)
         v_flat = v_cache.view(-1, num_kv_heads * head_dim)
-        groups: list[_DecodeGroup] = meta.prepared.decode
+        groups = meta.plan(TorchStepPlan).decode
         for g in groups:
             n, length = g.num_reqs, g.max_len
             k, v = self._gather_kv(k_flat, v_flat, g.slots)

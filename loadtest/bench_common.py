@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engine import envs
 from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, QUANTIZATIONS
 from loadtest.workloads import Workload, allowed_token_ids
 
@@ -136,8 +137,8 @@ def environment_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg")
         else None,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
-        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "(unset)"),
+        "omp_wait_policy": envs.omp_wait_policy() or "(unset)",
+        "gomp_spincount": envs.gomp_spincount() or "(unset)",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": _version("transformers"),

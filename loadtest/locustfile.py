@@ -15,32 +15,13 @@ Run it with ``make loadtest`` (starts a server) or against a server of your own:
 
     locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 2 -t 60s
 
-Environment variables (all optional):
-
-``PAGEDSERVE_LOCUST_PROMPTS``
-    Prompt set: ``conversation`` (default, the shipped ``loadtest/data/conversations.jsonl``),
-    a ``.jsonl`` file of ``{"messages": [...]}`` conversations, or a text file with one
-    user prompt per line.
-``PAGEDSERVE_LOCUST_MAX_TOKENS``
-    Output length of every request (``max_tokens``; default 64).
-``PAGEDSERVE_LOCUST_IGNORE_EOS``
-    ``1`` (default) sends ``ignore_eos`` so every output has ``max_tokens`` tokens;
-    ``0`` lets the model stop (and drops the field, for servers that reject it).
-``PAGEDSERVE_LOCUST_STREAM_RATIO``
-    Fraction of requests that stream, 0 to 1 (default 1.0).
-``PAGEDSERVE_LOCUST_WAIT_MIN`` / ``PAGEDSERVE_LOCUST_WAIT_MAX``
-    Think time between a user's requests, uniform in [min, max] seconds (default 0.5 / 2).
-``PAGEDSERVE_LOCUST_TEMPERATURE``
-    Sampling temperature (default 0.7).
-``PAGEDSERVE_LOCUST_MODEL``
-    ``model`` of the requests (default: the first id of ``GET /v1/models``).
-``PAGEDSERVE_API_KEY``
-    Sent as ``Authorization: Bearer KEY`` when set.
+Settings: the ``PAGEDSERVE_LOCUST_*`` variables and ``PAGEDSERVE_API_KEY`` (sent as
+``Authorization: Bearer KEY`` when set), all optional, each documented once in
+:mod:`engine.envs` (README.md's table of environment variables).
 """
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 import time
@@ -51,22 +32,18 @@ from locust import FastHttpUser, between, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine import envs  # noqa: E402  (the standard library only: no torch here)
 from loadtest.datasets import CONVERSATIONS_FILE, load_conversations  # noqa: E402
 from loadtest.sse_check import StreamChecker  # noqa: E402
 
-
-def _env_float(name: str, default: float) -> float:
-    return float(os.environ.get(name, default))
-
-
-MAX_TOKENS = int(os.environ.get("PAGEDSERVE_LOCUST_MAX_TOKENS", "64"))
-IGNORE_EOS = os.environ.get("PAGEDSERVE_LOCUST_IGNORE_EOS", "1") not in ("0", "false", "no")
-STREAM_RATIO = _env_float("PAGEDSERVE_LOCUST_STREAM_RATIO", 1.0)
-WAIT_MIN = _env_float("PAGEDSERVE_LOCUST_WAIT_MIN", 0.5)
-WAIT_MAX = _env_float("PAGEDSERVE_LOCUST_WAIT_MAX", 2.0)
-TEMPERATURE = _env_float("PAGEDSERVE_LOCUST_TEMPERATURE", 0.7)
-MODEL = os.environ.get("PAGEDSERVE_LOCUST_MODEL")
-API_KEY = os.environ.get("PAGEDSERVE_API_KEY")
+MAX_TOKENS = envs.locust_max_tokens()
+IGNORE_EOS = envs.locust_ignore_eos()
+STREAM_RATIO = envs.locust_stream_ratio()
+WAIT_MIN = envs.locust_wait_min()
+WAIT_MAX = envs.locust_wait_max()
+TEMPERATURE = envs.locust_temperature()
+MODEL = envs.locust_model()
+API_KEY = envs.api_key()
 
 
 def load_prompts(spec: str) -> list[list[dict[str, str]]]:
@@ -93,7 +70,7 @@ def load_prompts(spec: str) -> list[list[dict[str, str]]]:
     return prompts
 
 
-PROMPTS = load_prompts(os.environ.get("PAGEDSERVE_LOCUST_PROMPTS", "conversation"))
+PROMPTS = load_prompts(envs.locust_prompts())
 
 
 def read_events(response: Any) -> Any:

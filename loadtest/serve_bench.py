@@ -34,12 +34,13 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from loadtest.datasets import DATASETS, SampleRequest
 from loadtest.serve_report import (  # noqa: F401 - part of this module's interface
+    RequestResult,
     format_report,
     plot_sweep,
     run_problems,
@@ -61,31 +62,6 @@ logger = logging.getLogger("loadtest.serve_bench")
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
-
-
-@dataclass(slots=True)
-class RequestResult:
-    """What the client measured for one request (times in seconds)."""
-
-    success: bool = False
-    error: str = ""
-    status: int = 0
-    start: float = 0.0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    usage_reported: bool = False
-    violations: list[str] = field(default_factory=list)
-    text: str = ""
-
-    @property
-    def tpot(self) -> float | None:
-        """(latency - TTFT) / (output tokens - 1); None for a one-token output."""
-        if self.output_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
 def build_payload(sample: SampleRequest, endpoint: str, model: str, *, temperature: float = 0.0,

@@ -1,15 +1,39 @@
-"""The report of a ``pagedserve bench serve`` run: the summary of its requests, why a run
-is not clean, the text report, and the concurrency sweep's plot."""
+"""The report of a ``pagedserve bench serve`` run: what was measured per request, the
+summary of the requests, why a run is not clean, the text report, and the concurrency
+sweep's plot."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from loadtest.serve_bench import RequestResult
+
+@dataclass(slots=True)
+class RequestResult:
+    """What the client measured for one request (times in seconds)."""
+
+    success: bool = False
+    error: str = ""
+    status: int = 0
+    start: float = 0.0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    usage_reported: bool = False
+    violations: list[str] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """(latency - TTFT) / (output tokens - 1); None for a one-token output."""
+        if self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
 def _stats(values: Sequence[float], scale: float = 1000.0) -> dict[str, float]:

@@ -88,7 +88,7 @@ def _fmt_rate(d: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark, print its report, and return it (also saved with --save-result)."""
     from engine.llm import LLM
-    from kernels import cpu_paths
+    from kernels.cpu import paths as cpu_paths
 
     apply_threads(args)
     env = environment_info()

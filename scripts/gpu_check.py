@@ -336,7 +336,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     import torch
 
     from kernels import torch_ref
-    from kernels.triton_decode import choose_partition, paged_decode_attention
+    from kernels.triton.decode import choose_partition, paged_decode_attention
 
     device = args.device
     dtype = getattr(torch, args.dtype if device == "cuda" else "float32")

@@ -1,7 +1,9 @@
 """``pagedserve``: the command-line entry point, a parser of subcommands.
 
 Each subcommand is a module exposing ``add_parser(subparsers) -> ArgumentParser`` and
-``run(args) -> int``; adding one is one line in :data:`SUBCOMMANDS`.
+``run(args) -> int``; adding one is one line in :data:`SUBCOMMANDS`. :func:`main` sets
+the OpenMP spin (:func:`engine.process_tuning.set_omp_spin`) before anything imports
+torch, since libgomp reads it only when torch loads it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns its exit status."""
+    from engine import process_tuning
+
+    process_tuning.set_omp_spin()  # first: the subcommands' modules import torch
     args = build_parser().parse_args(argv)
     return int(args._run(args) or 0)
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
+from engine import envs
 from server.engine_args import add_engine_args, config_from_args
 
 logger = logging.getLogger("server")
 
-API_KEY_ENV = "PAGEDSERVE_API_KEY"
+API_KEY_ENV = envs.API_KEY.name
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         served_model_names=tuple(args.served_model_name or ()),
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=args.api_key or envs.api_key(),
         max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout,
     )

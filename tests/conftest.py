@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _native_levels() -> tuple[str, ...]:
-    from kernels import cpu_native
+    from kernels.cpu import native as cpu_native
 
     return cpu_native.runnable_levels()
 
@@ -36,7 +36,7 @@ def _native_levels() -> tuple[str, ...]:
 def native_lib(request):
     """The native CPU library at each build level this CPU runs (portable, and AVX2 and
     AVX-512 where the CPU has them); each build reports the vector path it runs."""
-    from kernels import cpu_native
+    from kernels.cpu import native as cpu_native
 
     lib = cpu_native.build_library(request.param)
     assert cpu_native.isa(lib) == request.param

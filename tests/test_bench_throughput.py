@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kernels import cpu_native
+from kernels.cpu import native as cpu_native
 from loadtest import linear_floor, prefix_bench, throughput
 from loadtest.bench_common import StepRecord
 from loadtest.workloads import (
@@ -91,7 +91,7 @@ def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
     for key in ("cpu", "cpu_cores", "torch_threads", "torch", "transformers", "pagedserve"):
         assert key in env
     # The chosen CPU paths, in the header and the JSON, as the engine reported them.
-    from kernels import cpu_paths
+    from kernels.cpu import paths as cpu_paths
 
     paths = env["cpu_paths"]
     assert paths["attention"] == paths["layer_ops"] == cpu_native.runnable_levels()[-1]

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from engine import worker
-from kernels import cpu_native, cpu_paths, get_attention_backend
+from kernels import get_attention_backend
+from kernels.cpu import native as cpu_native
+from kernels.cpu import paths as cpu_paths
 
 
 def test_describe_reports_what_the_backend_runs() -> None:

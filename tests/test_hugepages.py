@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import hugepages
+from engine import envs, hugepages
 
 MIB = 1 << 20
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -30,7 +30,7 @@ def _huge_kb(t: torch.Tensor) -> int:
 @pytest.fixture
 def advised(monkeypatch) -> list:
     """Huge pages on; records each advised mapping's length."""
-    monkeypatch.delenv(hugepages.ENV_VAR, raising=False)
+    monkeypatch.delenv(envs.HUGEPAGES.name, raising=False)
     if not hugepages.enabled():
         pytest.skip("no madvise(MADV_HUGEPAGE) on this platform")
     calls: list[int] = []
@@ -52,7 +52,7 @@ def test_large_buffers_are_fresh_advised_and_start_on_a_huge_page(advised) -> No
 def test_small_buffers_or_the_switch_off_take_plain_memory(advised, monkeypatch) -> None:
     small = hugepages.empty((1000,), torch.bfloat16)
     assert small.shape == (1000,) and small.dtype == torch.bfloat16
-    monkeypatch.setenv(hugepages.ENV_VAR, "0")
+    monkeypatch.setenv(envs.HUGEPAGES.name, "0")
     big = hugepages.empty((4, MIB), torch.float32)
     assert big.shape == (4, MIB) and big.is_contiguous()
     assert advised == []
@@ -73,7 +73,7 @@ def test_a_refused_advice_still_gives_the_buffer(advised, monkeypatch, caplog) -
                     or not any(f"[{m}]" in THP_SETTING.read_text() for m in ("madvise", "always")),
                     reason="this kernel gives no transparent huge pages on request")  # fmt: skip
 def test_touched_pages_are_huge(monkeypatch) -> None:
-    monkeypatch.delenv(hugepages.ENV_VAR, raising=False)
+    monkeypatch.delenv(envs.HUGEPAGES.name, raising=False)
     # Reused heap memory (freed by earlier tests) would already sit on small pages.
     junk = [torch.ones(8 * MIB, dtype=torch.uint8) for _ in range(8)]
     del junk

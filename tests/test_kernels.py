@@ -9,11 +9,14 @@ import sys
 import pytest
 import torch
 
+from engine.kernel_settings import kernel_settings
 from kernels import (
     AttentionMetadata,
+    KernelSettings,
     get_attention_backend,
     paged_decode_attention,
     paged_prefill_attention,
+    select_kernels,
     write_kv,
 )
 from kernels.testing import PagedStep, fused_qkv_views, make_step
@@ -214,19 +217,27 @@ def test_torch_backend_without_host_lists(name) -> None:
 
 
 def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
     assert get_attention_backend().name == "cpu"  # this machine has a C compiler
     assert isinstance(get_attention_backend("torch"), TorchBackend)
     with pytest.raises(RuntimeError, match="runs on the CPU"):
         get_attention_backend("cpu", "cuda")
     assert get_attention_backend("torch", "cuda").name == "torch"
-    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
-    assert get_attention_backend("auto", "cuda").name == "torch"
+    assert get_attention_backend("auto", "cuda", KernelSettings(auto_backend="torch")).name == "torch"
     with pytest.raises(ValueError):
         get_attention_backend("flash")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        get_attention_backend("triton", "cpu")
+        get_attention_backend("triton", "cpu", KernelSettings(triton_interpret=False))
+    # The backend and its layer ops are one choice.
+    kernels = select_kernels("cpu", "cpu")
+    assert kernels.attention.ops is kernels.ops and kernels.ops.name == "native"
+    assert select_kernels("torch", "cpu").ops.name == "torch"
+    # The engine's settings come from its environment switches.
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    settings = kernel_settings()
+    assert get_attention_backend("auto", "cuda", settings).name == "torch"
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        get_attention_backend("triton", "cpu", settings)
 
 
 def test_cpu_path_does_not_import_triton() -> None:
@@ -259,9 +270,10 @@ def test_registry_rejects_triton_imported_before_interpret_flag() -> None:
     code = (
         "import os, triton\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from engine.kernel_settings import kernel_settings\n"
         "from kernels import get_attention_backend\n"
         "try:\n"
-        "    get_attention_backend('triton', 'cpu')\n"
+        "    get_attention_backend('triton', 'cpu', kernel_settings())\n"
         "except RuntimeError as exc:\n"
         "    assert 'TRITON_INTERPRET' in str(exc)\n"
         "else:\n"

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.kernel_settings import kernel_settings
 from kernels import (
-    cpu_native,
     get_attention_backend,
     paged_decode_attention,
     paged_prefill_attention,
     write_kv,
 )
+from kernels.cpu import native as cpu_native
 from kernels.testing import make_step
 
 TOL = {
@@ -288,8 +289,10 @@ def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
 
 def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
     """Processes building at once all load a kernel; one cached library remains."""
-    code = ("from kernels import cpu_native\n"
-            "assert cpu_native.load() is not None, cpu_native.unavailable_reason()\n")  # fmt: skip
+    code = ("from engine.kernel_settings import kernel_settings\n"
+            "from kernels.cpu import native as cpu_native\n"
+            "settings = kernel_settings()  # $PAGEDSERVE_CACHE/kernels\n"
+            "assert cpu_native.load(settings) is not None, cpu_native.unavailable_reason()\n")  # fmt: skip
     full = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=full) for _ in range(3)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
@@ -301,10 +304,11 @@ def test_without_a_compiler_auto_falls_back_to_torch(tmp_path: Path) -> None:
     code = (
         "import logging, pytest\n"
         "logging.basicConfig()\n"
+        "from engine.kernel_settings import kernel_settings\n"
         "from kernels import get_attention_backend\n"
-        "assert get_attention_backend('auto', 'cpu').name == 'torch'\n"
+        "assert get_attention_backend('auto', 'cpu', kernel_settings()).name == 'torch'\n"
         "with pytest.raises(RuntimeError, match='no C compiler'):\n"
-        "    get_attention_backend('cpu', 'cpu')\n"
+        "    get_attention_backend('cpu', 'cpu', kernel_settings())\n"
     )
     proc = _run(code, tmp_path, CC="/nonexistent/cc", PATH=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -319,9 +323,11 @@ def test_failed_build_falls_back_and_leaves_no_partial_file(tmp_path: Path) -> N
     cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\n"
                   "echo 'fatal: broken' >&2\nexit 3\n")  # fmt: skip
     cc.chmod(0o755)
-    code = ("from kernels import cpu_native, get_attention_backend\n"
-            "assert get_attention_backend('auto', 'cpu').name == 'torch'\n"
-            "print(cpu_native.unavailable_reason())\n")  # fmt: skip
+    code = ("from engine.kernel_settings import kernel_settings\n"
+            "from kernels import get_attention_backend\n"
+            "from kernels.cpu import native as cpu_native\n"
+            "assert get_attention_backend('auto', 'cpu', kernel_settings()).name == 'torch'\n"
+            "print(cpu_native.unavailable_reason(kernel_settings()))\n")  # fmt: skip
     proc = _run(code, tmp_path, CC=str(cc))
     assert proc.returncode == 0, proc.stderr
     assert "fatal: broken" in proc.stdout
@@ -329,10 +335,11 @@ def test_failed_build_falls_back_and_leaves_no_partial_file(tmp_path: Path) -> N
 
 
 def test_explicit_backend_env_var_selects_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PAGEDSERVE_ATTENTION_BACKEND`` reaches the registry through the engine's settings."""
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
-    assert get_attention_backend("auto", "cpu").name == "torch"
+    assert get_attention_backend("auto", "cpu", kernel_settings()).name == "torch"
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "cpu")
-    assert get_attention_backend("auto", "cpu").name == "cpu"
+    assert get_attention_backend("auto", "cpu", kernel_settings()).name == "cpu"
 
 
 def test_attention_code_prefetches_the_next_block(lib) -> None:
@@ -356,19 +363,20 @@ def test_attention_code_prefetches_the_next_block(lib) -> None:
 def test_engine_builds_the_best_level_this_cpu_runs(monkeypatch) -> None:
     """The engine's library is the best runnable level; PAGEDSERVE_CPU_ISA picks another
     and a level this CPU cannot run is refused by name."""
-    lib = cpu_native.load()
+    monkeypatch.delenv("PAGEDSERVE_CPU_ISA", raising=False)
+    lib = cpu_native.load(kernel_settings())
     assert lib is not None, cpu_native.unavailable_reason()
     assert cpu_native.isa(lib) == cpu_native.runnable_levels()[-1]
-    monkeypatch.setenv(cpu_native.ISA_ENV_VAR, "portable")
-    assert cpu_native.engine_level() == "portable"
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "portable")
+    assert cpu_native.engine_level(kernel_settings().cpu_isa) == "portable"
     missing = [lv for lv in cpu_native.LEVELS if lv not in cpu_native.runnable_levels()]
     for level in missing:
-        monkeypatch.setenv(cpu_native.ISA_ENV_VAR, level)
+        monkeypatch.setenv("PAGEDSERVE_CPU_ISA", level)
         with pytest.raises(ValueError, match=f"PAGEDSERVE_CPU_ISA='{level}'"):
-            cpu_native.engine_level()
-    monkeypatch.setenv(cpu_native.ISA_ENV_VAR, "sse9")
+            cpu_native.load(kernel_settings())
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "sse9")
     with pytest.raises(ValueError, match="expected one of"):
-        cpu_native.engine_level()
+        cpu_native.engine_level(kernel_settings().cpu_isa)
 
 
 def test_levels_follow_the_cpu_flags() -> None:
@@ -384,3 +392,19 @@ def test_levels_follow_the_cpu_flags() -> None:
     else:
         assert cpu_native.runnable_levels(frozenset(v4)) == ("portable",)
         assert not any(f.startswith("-march") for f in cpu_native.level_cflags("portable"))
+
+
+def test_the_abi_header_is_the_one_declaration(lib) -> None:
+    """Constants and signatures come from ``csrc/abi.h`` only: every prototype there is
+    exported by the library, and no source redefines one of its constants."""
+    from kernels.cpu import abi
+
+    assert abi.SIGNATURES and all(hasattr(lib, name) for name in abi.SIGNATURES)
+    assert list(cpu_native.DTYPE_CODES.values()) == [abi.DTYPE_F32, abi.DTYPE_BF16,
+                                                     abi.DTYPE_F16]  # fmt: skip
+    assert abi.ATTENTION_ERRORS[abi.CONSTANTS["PA_ERR_HEAD_DIM"]] == "head_dim outside 1..512"
+    for source in cpu_native.SOURCES:
+        text = source.read_text()
+        assert '#include "abi.h"' in text, source.name
+        for name in abi.CONSTANTS:
+            assert f"#define {name} " not in text and f"{name} =" not in text, (source.name, name)

@@ -27,12 +27,12 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from kernels import get_attention_backend, torch_ref  # noqa: E402
+from kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E402
 from kernels.testing import PagedStep, fused_qkv_views, make_step  # noqa: E402
-from kernels.triton_decode import _decode_kernel  # noqa: E402
-from kernels.triton_decode import paged_decode_attention as triton_decode  # noqa: E402
-from kernels.triton_prefill import paged_prefill_attention as triton_prefill  # noqa: E402
-from kernels.triton_write_kv import write_kv as triton_write_kv  # noqa: E402
+from kernels.triton.decode import _decode_kernel  # noqa: E402
+from kernels.triton.decode import paged_decode_attention as triton_decode  # noqa: E402
+from kernels.triton.prefill import paged_prefill_attention as triton_prefill  # noqa: E402
+from kernels.triton.write_kv import write_kv as triton_write_kv  # noqa: E402
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -187,10 +187,21 @@ def test_triton_backend_matches_reference(case, dtype, strided) -> None:
         expected[m.query_start_loc_cpu[nd] :] = pre[m.query_start_loc_cpu[nd] :]
 
     q, k, v = fused_qkv_views(step) if strided else (step.query, step.key, step.value)
-    backend = get_attention_backend("triton", DEVICE)
+    backend = get_attention_backend("triton", DEVICE, KernelSettings(triton_interpret=True))
     assert backend.name == "triton"
     backend.prepare(m, step.block_size)
     out = backend.forward(q, k, v, step.k_cache, step.v_cache, m, step.scale)
     torch.testing.assert_close(out, expected, **TOL[dtype])
     torch.testing.assert_close(step.k_cache, ref_k, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(step.v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
+
+
+def test_triton_in_kernels_triton_is_the_pypi_package() -> None:
+    """``kernels.triton`` does not shadow the real ``triton`` inside its own modules."""
+    from pathlib import Path
+
+    import kernels.triton.decode as decode
+
+    package = Path(decode.__file__).resolve().parent
+    assert Path(decode.triton.__file__).resolve().parent != package
+    assert hasattr(decode.triton, "jit") and decode.tl.__name__ == "triton.language"

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
-from kernels.layer_ops import NativeLayerOps, TorchLayerOps, apply_rope, rms_norm
+from kernels.cpu import native as cpu_native
+from kernels.cpu.layer_ops import NativeLayerOps
+from kernels.layer_ops import TorchLayerOps, apply_rope, rms_norm
 
 
 @pytest.fixture
@@ -170,7 +171,7 @@ def test_other_dtypes_and_layouts_fall_back_to_torch(native) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 64, 300, 1500])
 def test_linear_with_packed_weights(native, rows, dtype) -> None:
-    from kernels.layer_ops import NATIVE_LINEAR_MAX_ROWS
+    from kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS
 
     w, b = randn(96, 64).to(dtype), randn(96, seed=6).to(dtype)
     x = randn(rows, 64, seed=7).to(dtype)
@@ -269,10 +270,12 @@ def test_native_linear_on_strided_rows_and_fallbacks(gemm) -> None:
 
 
 def test_packing_can_be_turned_off(monkeypatch) -> None:
-    from kernels.layer_ops import PACK_ENV_VAR
+    from engine.kernel_settings import kernel_settings
+    from kernels import select_kernels
 
-    monkeypatch.setenv(PACK_ENV_VAR, "0")
-    ops = NativeLayerOps(cpu_native.load())
+    monkeypatch.setenv("PAGEDSERVE_PACK_WEIGHTS", "0")
+    ops = select_kernels("cpu", "cpu", kernel_settings()).ops
+    assert isinstance(ops, NativeLayerOps)
     w = randn(8, 4)
     ops.prepare_weights([w])
     assert not hasattr(w, "_pagedserve_packed") and not hasattr(w, "_pagedserve_native_packed")

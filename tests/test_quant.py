@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import quant
-from kernels.layer_ops import QUANT_DIRECT_MAX_ROWS, NativeLayerOps, TorchLayerOps
+from kernels.cpu import quant
+from kernels.cpu.layer_ops import QUANT_DIRECT_MAX_ROWS, NativeLayerOps
+from kernels.layer_ops import TorchLayerOps
 from kernels.quant import FORMATS, QuantizedWeight, quantize_int8
 
 

@@ -6,12 +6,15 @@ layer for decode-sized batches. Each kernel is written once against ``csrc/simd.
 whose vector width is chosen at compile time, so one source builds at three levels
 (:data:`LEVELS`): ``portable`` (``-march=x86-64``, or the compiler's default off x86:
 plain C loops), ``avx2`` (``-march=x86-64-v3``: AVX2, FMA, F16C) and ``avx512``
-(``-march=x86-64-v4``). The engine builds the best level this CPU runs
-(``PAGEDSERVE_CPU_ISA`` picks a lower one) in about a second with the system C compiler
-(``$CC``, else ``cc``). The shared library is cached under ``$PAGEDSERVE_CACHE/kernels``
-(default ``~/.cache/pagedserve/kernels``), keyed by the sources, the flags, the
-compiler's version and the CPU's feature flags, and written atomically, so concurrent
-processes can build it at once. ctypes releases the GIL for the duration of each call.
+(``-march=x86-64-v4``). The engine builds the best level this CPU runs (its
+:class:`~kernels.settings.KernelSettings` may name a lower one: ``PAGEDSERVE_CPU_ISA``)
+in about a second with the system C compiler (the settings' ``cc``, else ``cc``). The
+shared library is cached in the settings' kernel folder (the engine's
+``$PAGEDSERVE_CACHE/kernels``, default ``~/.cache/pagedserve/kernels``), keyed by the
+sources, the flags, the compiler's version and the CPU's feature flags, and written
+atomically, so concurrent processes can build it at once. The constants shared with C
+and the ctypes signatures come from ``csrc/abi.h`` (:mod:`kernels.cpu.abi`). ctypes
+releases the GIL for the duration of each call.
 
 When there is no compiler or the build fails, :func:`load` returns ``None`` and says
 why once in the log; the caller falls back to the pure torch path.
@@ -32,19 +35,21 @@ from pathlib import Path
 
 import torch
 
-from kernels.cache import cache_root
+from kernels.cpu import abi
+from kernels.settings import KernelSettings
 
-log = logging.getLogger("kernels.cpu_native")
+log = logging.getLogger("kernels.cpu.native")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "gemm_cpu.c",
                                    "qgemm_cpu.c"))
-HEADERS = (CSRC / "simd.h",)
+HEADERS = (CSRC / "abi.h", CSRC / "paged_attention_vec.h", CSRC / "simd.h")
 # -std=c11 keeps floating-point contraction off: a * b + c rounds twice, as in torch.
 BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
 LEVELS = ("portable", "avx2", "avx512")
 """Build levels of the native library, slowest first; each names its vector path."""
-ISA_ENV_VAR = "PAGEDSERVE_CPU_ISA"
+ISA_SETTING = "PAGEDSERVE_CPU_ISA"
+"""The name the user sets the build level by (the engine reads it), for messages."""
 _X86_MARCH = {"portable": "x86-64", "avx2": "x86-64-v3", "avx512": "x86-64-v4"}
 # What each x86-64 micro-architecture level promises (the CPU flags Linux reports).
 _V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
@@ -53,19 +58,15 @@ _LEVEL_FEATURES = {
     "avx2": _V3,
     "avx512": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
 }
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MAX_HEAD_DIM = 512
-_ERRORS = {
-    -1: "num_heads is not a multiple of num_kv_heads",
-    -2: f"head_dim outside 1..{MAX_HEAD_DIM}",
-    -3: "unsupported KV cache dtype",
-    -4: "out of memory for the kernel's buffers",
-    -5: "a context length, query length or block id is out of range",
-    -6: "a KV write slot is out of range",
-}
+DTYPE_CODES = {torch.float32: abi.DTYPE_F32, torch.bfloat16: abi.DTYPE_BF16,
+               torch.float16: abi.DTYPE_F16}  # fmt: skip
+"""KV cache dtypes the attention kernel takes, and their codes (``csrc/abi.h``)."""
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_libs: dict[tuple, ctypes.CDLL | None] = {}
+"""Loaded libraries by (level, kernel folder, compiler)."""
+_errors: dict[tuple | None, str] = {}
+"""Why a load failed, by the same key (None: the latest failure)."""
 
 
 def _cpu_flags() -> str:
@@ -108,26 +109,25 @@ def level_cflags(level: str) -> tuple[str, ...]:
     return (*BASE_CFLAGS, f"-march={_X86_MARCH[level]}", "-mtune=native")
 
 
-def engine_level() -> str:
-    """The level the engine builds: ``$PAGEDSERVE_CPU_ISA`` if set (it must be one this
-    CPU runs), else the best this CPU runs."""
+def engine_level(wanted: str | None = None) -> str:
+    """The level the engine builds: ``wanted`` if given (it must be one this CPU runs;
+    the engine passes ``PAGEDSERVE_CPU_ISA``), else the best this CPU runs."""
     runnable = runnable_levels()
-    wanted = os.environ.get(ISA_ENV_VAR, "").strip().lower()
+    wanted = (wanted or "").strip().lower()
     if not wanted:
         return runnable[-1]
     if wanted not in LEVELS:
-        raise ValueError(f"{ISA_ENV_VAR}={wanted!r}: expected one of {LEVELS}")
+        raise ValueError(f"{ISA_SETTING}={wanted!r}: expected one of {LEVELS}")
     if wanted not in runnable:
-        raise ValueError(f"{ISA_ENV_VAR}={wanted!r}: this CPU runs only {runnable}")
+        raise ValueError(f"{ISA_SETTING}={wanted!r}: this CPU runs only {runnable}")
     return wanted
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc) or shutil.which("gcc")
+def _compiler(cc: str | None) -> str | None:
+    return shutil.which(cc or "cc") or shutil.which("gcc")
 
 
-def _build(cc: str, cflags: tuple[str, ...]) -> Path:
+def _build(cc: str, cflags: tuple[str, ...], kernel_dir: Path) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     key = hashlib.sha256()
     parts = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
@@ -135,7 +135,7 @@ def _build(cc: str, cflags: tuple[str, ...]) -> Path:
                  platform.machine().encode(), _cpu_flags().encode()):  # fmt: skip
         key.update(part)
         key.update(b"\0")
-    out = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    out = kernel_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -154,39 +154,18 @@ def _build(cc: str, cflags: tuple[str, ...]) -> Path:
     return out
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    signatures = {
-        "paged_attention": (i32, [ptr] * 3 + [i32] + [ptr] * 3 + [i64, ptr] + [i32] * 8
-                            + [f32, ptr, ptr, i64, ptr, i32, i32]),
-        **{f"add_rms_norm_{d}": (None, [ptr, ptr, ptr, f32, ptr, i32, i32, i64, i32])
-           for d in ("f32", "bf16")},
-        **{f"rope_{d}": (None, [ptr, i64, i32, i32, i32, ptr, ptr, i32]) for d in ("f32", "bf16")},
-        **{f"silu_mul_{d}": (None, [ptr, ptr, i32, i32, i32]) for d in ("f32", "bf16")},
-        "argmax_f32": (None, [ptr, i64, i32, i32, ptr, i32]),
-        "gemm_f32_available": (i32, []),
-        "gemm_f32_packed_size": (i64, [i64, i64]),
-        "gemm_f32_pack": (None, [ptr, i64, i64, ptr]),
-        "gemm_f32": (None, [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32]),
-        "qgemm": (i32, [i32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i32]),
-        "qdequant": (i32, [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]),
-        "simd_isa": (ctypes.c_char_p, []),
-    }
-    for name, (restype, argtypes) in signatures.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-
-
-def build_library(level: str) -> ctypes.CDLL:
-    """Build (or find cached) and open the library at build ``level``; raises on failure.
+def build_library(level: str, settings: KernelSettings | None = None) -> ctypes.CDLL:
+    """Build (or find cached) and open the library at build ``level`` with the compiler
+    and kernel folder of ``settings``; raises on failure.
 
     :func:`load` is the engine's entry point; tests build every level this CPU runs.
     """
-    cc = _compiler()
+    settings = settings or KernelSettings()
+    cc = _compiler(settings.cc)
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC or install gcc)")
-    lib = ctypes.CDLL(str(_build(cc, level_cflags(level))))
-    _declare(lib)
+    lib = ctypes.CDLL(str(_build(cc, level_cflags(level), settings.kernel_dir)))
+    abi.declare(lib)
     return lib
 
 
@@ -195,36 +174,42 @@ def isa(lib: ctypes.CDLL) -> str:
     return lib.simd_isa().decode()
 
 
-def load() -> ctypes.CDLL | None:
-    """The kernel library, built if needed; ``None`` (reason logged once) if unavailable.
+def load(settings: KernelSettings | None = None) -> ctypes.CDLL | None:
+    """The kernel library for ``settings`` (its build level, compiler and kernel folder),
+    built if needed, once per process; ``None`` (reason logged once) if unavailable.
 
     A compiler too old for the chosen level's ``-march`` falls back to the next lower
     level (and says so)."""
+    settings = settings or KernelSettings()
+    level = engine_level(settings.cpu_isa)  # a bad PAGEDSERVE_CPU_ISA is the user's error
+    key = (level, settings.kernel_dir, settings.cc)
     with _lock:
-        if "lib" in _state:
-            return _state["lib"]  # type: ignore[return-value]
+        if key in _libs:
+            return _libs[key]
         lib, errors = None, []
-        level = engine_level()  # a bad PAGEDSERVE_CPU_ISA is the user's error: raise it
         for lv in reversed(LEVELS[: LEVELS.index(level) + 1]):
             try:
-                lib = build_library(lv)
+                lib = build_library(lv, settings)
                 break
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 errors.append(f"{lv}: {exc}")
-                if _compiler() is None:
+                if _compiler(settings.cc) is None:
                     break
         if lib is not None and errors:
             log.warning("native CPU kernels built at a lower level: %s", "; ".join(errors))
         if lib is None:
-            _state["error"] = "; ".join(errors)
-            log.warning("native CPU kernels unavailable, using torch ops: %s", _state["error"])
-        _state["lib"] = lib
+            _errors[key] = _errors[None] = "; ".join(errors)
+            log.warning("native CPU kernels unavailable, using torch ops: %s", _errors[key])
+        _libs[key] = lib
         return lib
 
 
-def unavailable_reason() -> str | None:
-    """Why :func:`load` returned ``None``, or ``None`` if it has not failed."""
-    return _state.get("error")  # type: ignore[return-value]
+def unavailable_reason(settings: KernelSettings | None = None) -> str | None:
+    """Why :func:`load` returned ``None`` for ``settings`` (without: its latest failure),
+    or ``None`` if it has not failed."""
+    if settings is None:
+        return _errors.get(None)
+    return _errors.get((engine_level(settings.cpu_isa), settings.kernel_dir, settings.cc))
 
 
 def _kv_rows(
@@ -319,7 +304,7 @@ def paged_attention(
         tables.shape[1], max_seq_len, scale, *write, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise ValueError(f"paged_attention: {_ERRORS.get(status, status)}")
+        raise ValueError(f"paged_attention: {abi.ATTENTION_ERRORS.get(status, status)}")
     if out is None:
         return result.to(query.dtype)
     if not direct:

@@ -1,6 +1,6 @@
 """CPU benchmark: TorchBackend vs a naive per-request loop on SmolLM2-135M shapes.
 
-Run with ``python -m kernels.bench_cpu``. Reports the best-of-N milliseconds per
+Run with ``python -m kernels.cpu.bench``. Reports the best-of-N milliseconds per
 layer forward (prepare runs once per step and is reported separately).
 """
 
@@ -14,11 +14,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu.synthetic import PagedStep, make_step
 from kernels.interface import AttentionMetadata
-from kernels.testing import PagedStep, make_step
 from kernels.torch_backend import TorchBackend
 
-log = logging.getLogger("kernels.bench_cpu")
+log = logging.getLogger("kernels.cpu.bench")
 
 
 def naive_forward(

@@ -18,6 +18,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "abi.h"
 #include "simd.h"
 
 #if SIMD_VW == 16

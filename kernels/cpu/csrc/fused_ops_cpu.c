@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "abi.h"
 #include "simd.h"
 
 #define PARALLEL_MIN_ELEMS (1 << 18)
@@ -100,10 +101,8 @@ void add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t
         add_rms_norm_row(residual, delta, weight, eps, out, r, dim, out_stride, 1);
 }
 
-#define ROPE_MAX_HEAD_DIM 512
-
 /* Rotate-half RoPE in place on the ``heads`` heads of ``head_dim`` (at most
- * ROPE_MAX_HEAD_DIM) at the start of row r (the query then key heads of a fused QKV
+ * MAX_HEAD_DIM) at the start of row r (the query then key heads of a fused QKV
  * row): x * cos + rotate_half(x) * sin, cos/sin rows [rows, head_dim]. Every product
  * and the sum are rounded to the dtype, as the torch expression does: bit-identical. */
 static inline __attribute__((always_inline)) void rope_row(
@@ -113,7 +112,7 @@ static inline __attribute__((always_inline)) void rope_row(
     const int64_t cs = (int64_t)r * head_dim;
     for (int h = 0; h < heads; ++h) {
         const int64_t v = (int64_t)r * row_stride + (int64_t)h * head_dim;
-        float tmp[ROPE_MAX_HEAD_DIM];
+        float tmp[MAX_HEAD_DIM];
 #pragma omp simd
         for (int i = 0; i < half; ++i) {
             const float a = ld(x, v + i, bf16), b = ld(x, v + i + half, bf16);

@@ -6,9 +6,10 @@ after this step's K/V are written: no gather copy, no padding to the longest con
 no mask. Decode rows read each K and V row from memory once per layer; a prefill chunk
 reads each row once per tile of 16 query tokens, which all take it from L1. Chunks
 that continue a cached prefix or an earlier chunk take the same path as whole prompts.
-Its ``ops`` are :class:`NativeLayerOps` (fused RMSNorm with the residual add, RoPE,
-SiLU-and-multiply, the float32 linear). The step's K/V rows are written by the same
-native call, just before it attends.
+The step's K/V rows are written by the same native call, just before it attends. Its
+layer ops are the :class:`~kernels.cpu.layer_ops.NativeLayerOps` of the same library
+(fused RMSNorm with the residual add, RoPE, SiLU-and-multiply, the float32 linear),
+chosen with it by :func:`kernels.registry.select_kernels`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_native
+from kernels.cpu import native
 from kernels.interface import AttentionMetadata
-from kernels.layer_ops import NativeLayerOps
+from kernels.layer_ops import LayerOps
 
 
 @dataclass(slots=True)
-class _NativePlan:
+class CpuStepPlan:
+    """The native kernel's arguments for one step, made once by :meth:`CpuBackend.prepare`."""
+
     num_tokens: int
     slot_mapping: torch.Tensor
     """[T] int64, contiguous (-1: padding, not written)."""
@@ -42,15 +45,20 @@ class CpuBackend:
 
     name = "cpu"
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, ops: LayerOps) -> None:
         self._lib = lib
-        self.ops = NativeLayerOps(lib)
+        self.ops = ops
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        meta.prepared = self.make_plan(meta)
+
+    @staticmethod
+    def make_plan(meta: AttentionMetadata) -> CpuStepPlan:
+        """The step's contiguous int tensors for the native call."""
         qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         decode_only = meta.num_decodes == len(seq_lens)
-        meta.prepared = _NativePlan(
+        return CpuStepPlan(
             qsl[-1] if qsl else 0, meta.slot_mapping.to(torch.int64).contiguous(),
             meta.block_tables.to(torch.int32).contiguous(),
             meta.seq_lens.to(torch.int32).contiguous(),
@@ -70,12 +78,12 @@ class CpuBackend:
     ) -> torch.Tensor:
         """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]`` (rows past
         the step's tokens, padding, are zero)."""
-        plan: _NativePlan = meta.prepared
+        plan = meta.plan(CpuStepPlan)
         n = plan.num_tokens
         if n == 0:
             return query.new_zeros(query.shape)
         out = None if query.shape[0] == n else query.new_zeros(query.shape)
-        attended = cpu_native.paged_attention(
+        attended = native.paged_attention(
             self._lib, query[:n], k_cache, v_cache, plan.block_tables, plan.seq_lens,
             plan.max_seq_len, scale, out=None if out is None else out[:n],
             query_start_loc=plan.query_start_loc, key=key, value=value,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import LOG2E, mma, needs_upcast
+from kernels.triton.common import LOG2E, mma, needs_upcast
 
 BLOCK_M = 64
 """Query rows (tokens x heads of a group) per program."""

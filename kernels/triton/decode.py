@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import LOG2E, mma, needs_upcast
+from kernels.triton.common import LOG2E, mma, needs_upcast
 
 BLOCK_N = 32
 """Context tokens per inner iteration (any block size works: addresses are per token)."""

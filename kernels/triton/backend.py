@@ -8,14 +8,16 @@ from dataclasses import dataclass
 import torch
 
 from kernels.interface import AttentionMetadata
-from kernels.layer_ops import TorchLayerOps
-from kernels.triton_decode import choose_partition, paged_decode_attention
-from kernels.triton_prefill import paged_prefill_attention
-from kernels.triton_write_kv import write_kv
+from kernels.layer_ops import LayerOps, TorchLayerOps
+from kernels.triton.decode import choose_partition, paged_decode_attention
+from kernels.triton.prefill import paged_prefill_attention
+from kernels.triton.write_kv import write_kv
 
 
 @dataclass(slots=True)
-class _Prepared:
+class TritonStepPlan:
+    """Host-side launch sizes of one step, made once by :meth:`TritonBackend.prepare`."""
+
     num_tokens: int
     num_decodes: int
     decode_max_len: int
@@ -31,17 +33,24 @@ class TritonBackend:
     """Paged attention with Triton kernels; the CUDA path of the engine."""
 
     name = "triton"
-    ops = TorchLayerOps()
-    """Element-wise layer ops: torch (CUDA graphs capture them)."""
+
+    def __init__(self, ops: LayerOps | None = None) -> None:
+        self.ops: LayerOps = TorchLayerOps() if ops is None else ops
+        """Layer ops: torch by default (CUDA graphs capture them)."""
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Host-side sizes for this step's launches (no device syncs when the host
         lists of the metadata are filled)."""
+        meta.prepared = self.make_plan(meta)
+
+    @staticmethod
+    def make_plan(meta: AttentionMetadata) -> TritonStepPlan:
+        """The step's :class:`TritonStepPlan`."""
         qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         nd = meta.num_decodes
         q_lens = [b - a for a, b in zip(qsl[nd:-1], qsl[nd + 1 :], strict=True)]
-        meta.prepared = _Prepared(
+        return TritonStepPlan(
             num_tokens=qsl[-1] if qsl else 0,
             num_decodes=nd,
             decode_max_len=max(seq_lens[:nd], default=0),
@@ -61,7 +70,7 @@ class TritonBackend:
         scale: float,
     ) -> torch.Tensor:
         """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
-        st: _Prepared = meta.prepared
+        st = meta.plan(TritonStepPlan)
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         if query.shape[0] > st.num_tokens:
             out = torch.zeros_like(query)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import platform
 
-from kernels import cpu_native
+from kernels.cpu import native
+from kernels.cpu.layer_ops import NativeLayerOps
 from kernels.interface import AttentionBackend
-from kernels.layer_ops import NativeLayerOps
 
 # CPU flags worth naming in a report (x86 and aarch64 spellings as Linux reports them).
 _REPORTED = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16",
@@ -24,7 +24,7 @@ _NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "bf16")
 def native_bf16(features: frozenset[str] | None = None) -> bool:
     """Whether the CPU computes in bfloat16 itself (AVX512-BF16, AMX-BF16 or Arm BF16);
     elsewhere bfloat16 arithmetic is converted to float32 and back."""
-    have = cpu_native.cpu_features() if features is None else features
+    have = native.cpu_features() if features is None else features
     return any(flag in have for flag in _NATIVE_BF16)
 
 
@@ -40,12 +40,12 @@ def describe(backend: AttentionBackend | None = None) -> dict[str, object]:
         from kernels.registry import get_attention_backend
 
         backend = get_attention_backend("auto", "cpu")
-    feats = cpu_native.cpu_features()
+    feats = native.cpu_features()
     info: dict[str, object] = {
         "cpu": platform.machine(),
         "features": [f for f in _REPORTED if f in feats],
         "native_bf16": native_bf16(feats),
-        "levels": list(cpu_native.runnable_levels()),
+        "levels": list(native.runnable_levels()),
     }
     ops = backend.ops
     if isinstance(ops, NativeLayerOps):

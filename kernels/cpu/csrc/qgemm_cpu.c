@@ -27,10 +27,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "abi.h"
 #include "simd.h"
 
-enum { QF_Q8_0 = 0, QF_Q4_0 = 1, QF_Q4_1 = 2, QF_INT8 = 3 };
-enum { QK = 32 };
 /* Work (weights x rows) below which a call stays on the calling thread. */
 #define PARALLEL_MIN_WORK (1 << 15)
 

@@ -1,0 +1,20 @@
+"""The kernels' settings, from the environment: the one place the engine hands its
+switches (:mod:`engine.envs`) to :mod:`kernels`, which reads none itself."""
+
+from __future__ import annotations
+
+from engine import envs
+from kernels.settings import KernelSettings
+
+
+def kernel_settings() -> KernelSettings:
+    """``PAGEDSERVE_ATTENTION_BACKEND``, ``PAGEDSERVE_CPU_ISA``, ``$PAGEDSERVE_CACHE/kernels``,
+    ``CC``, ``PAGEDSERVE_PACK_WEIGHTS`` and ``TRITON_INTERPRET`` as they are now."""
+    return KernelSettings(
+        auto_backend=envs.attention_backend(),
+        cpu_isa=envs.cpu_isa(),
+        cache_dir=envs.cache_root() / "kernels",
+        cc=envs.c_compiler(),
+        pack_weights=envs.pack_weights(),
+        triton_interpret=envs.triton_interpret(),
+    )

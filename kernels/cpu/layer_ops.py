@@ -1,0 +1,286 @@
+"""The layer ops in the native CPU library: :class:`NativeLayerOps`.
+
+:class:`NativeLayerOps` implements :class:`kernels.layer_ops.LayerOps` with one call
+into the native library per op for float32 and bfloat16 CPU tensors (bfloat16 rounded
+where the torch expression rounds: fused RMSNorm with the residual add, RoPE,
+SiLU-and-multiply, greedy sampling's argmax over float32 logits), and falls back to
+:class:`~kernels.layer_ops.TorchLayerOps` for anything else. On a decode step of a
+small model the torch versions cost more in dispatch and thread wake-ups than in
+arithmetic: RMSNorm alone is six ops. The native version of ``add_rms_norm`` updates
+``residual`` in place.
+
+Linear layers go through ``ops.linear`` too, with weights packed once at load. In
+float32 with up to 256 rows (decode steps), the native library's own linear
+(``csrc/gemm_cpu.c``, AVX-512 or AVX2) runs: in a decode forward of the default model
+its linears take 10-35% less time than oneDNN's packed linear or ``F.linear`` (oneDNN
+ran three of the four layer shapes at one core's speed on two cores); each output is
+one multiply-add chain in k order, so a row's result does not depend on the other rows
+in the batch. Larger float32 batches use ``F.linear`` on AVX-512 builds (oneDNN's packed
+weights measured 1.02-1.04x its time there) and oneDNN's packed weights on AVX2 builds
+(0.78-0.91x ``F.linear``'s time at 300-2048 rows on an AMD EPYC). bfloat16 uses weights pre-packed
+for oneDNN at every size (15-50% faster than ``F.linear``) where oneDNN has a bfloat16
+path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere ``F.linear``), as does float32 on
+builds without a vector path (2 to 1024 rows). The packed copy lives beside the weight
+(the linear weights' memory twice); ``pack_weights=False`` (the engine's
+``PAGEDSERVE_PACK_WEIGHTS=0``) turns packing off.
+:meth:`NativeLayerOps.paths` says which linear each dtype takes. Weight-only quantized
+weights are multiplied by ``csrc/qgemm_cpu.c`` (:mod:`kernels.cpu.quant`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu.abi import MAX_HEAD_DIM
+from kernels.cpu.quant import native_dequantize, native_linear
+from kernels.layer_ops import TorchLayerOps, rms_norm
+from kernels.quant import QuantizedWeight
+
+log = logging.getLogger("kernels.cpu.layer_ops")
+
+NATIVE_LINEAR_MAX_ROWS = 256
+"""Float32 row counts up to which the native linear runs (where the CPU has it)."""
+PACKED_F32_ROWS = (2, 1024)
+"""Without the native linear: row counts for which float32 uses oneDNN's packed weights
+(bfloat16: every count)."""
+QUANT_DIRECT_MAX_ROWS = 32
+"""Quantized weights: row counts up to which the native kernel multiplies in registers;
+larger batches dequantize the weight once and take a float product (see BENCHMARKS.md)."""
+
+
+_NATIVE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+"""Dtypes with native element-wise ops, and the suffix of their C functions."""
+
+
+def _native_dtype(*tensors: torch.Tensor) -> str | None:
+    """The C suffix when every tensor is on the CPU in one dtype that has native ops."""
+    dtype = tensors[0].dtype
+    suffix = _NATIVE_DTYPES.get(dtype)
+    if suffix is None:
+        return None
+    for t in tensors:
+        if t.dtype != dtype or not t.is_cpu:
+            return None
+    return suffix
+
+
+class NativeLayerOps(TorchLayerOps):
+    """:class:`~kernels.layer_ops.LayerOps` in one native call each (float32 and bfloat16
+    on the CPU), torch for the rest."""
+
+    name = "native"
+
+    def __init__(self, lib: ctypes.CDLL, pack_weights: bool = True) -> None:
+        self._lib = lib
+        self.isa = lib.simd_isa().decode()
+        # Reused float32 copy of a quantized weight for prefill-sized products.
+        self._dequant_scratch = torch.empty(0, dtype=torch.float32)
+        packing = pack_weights
+        self._gemm = packing and bool(lib.gemm_f32_available())
+        self._packing = packing and torch.backends.mkldnn.is_available()
+        # oneDNN refuses bfloat16 weights on CPUs without AVX-512 BW/VL/DQ or
+        # AVX-NE-CONVERT ("bf16 path needs the cpu support ...").
+        self._packing_bf16 = self._packing and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        # Float32 batches past the native linear's rows: oneDNN's packed weights where
+        # they beat F.linear (AVX2 builds; see the module docstring).
+        self._packed_above_native = self._gemm and self._packing and self.isa == "avx2"
+
+    def paths(self) -> dict[str, str]:
+        """What each op runs here: ``layer_ops`` (the library's vector level),
+        ``linear_f32``, ``linear_bf16`` and ``linear_quant`` (weight-only quantized)."""
+        if self._gemm:
+            above = "onednn-packed" if self._packed_above_native else "torch"
+            f32 = f"native-{self.isa} (1-{NATIVE_LINEAR_MAX_ROWS} rows), {above} above"
+        elif self._packing:
+            f32 = f"onednn-packed ({PACKED_F32_ROWS[0]}-{PACKED_F32_ROWS[1]} rows), torch else"
+        else:
+            f32 = "torch"
+        return {"layer_ops": self.isa, "linear_f32": f32,
+                "linear_bf16": "onednn-packed" if self._packing_bf16 else "torch",
+                "linear_quant": f"native-{self.isa} (1-{QUANT_DIRECT_MAX_ROWS} rows), "
+                                "dequantize + torch above"}
+
+    def prepare_weights(self, weights: Iterable[torch.Tensor | QuantizedWeight]) -> None:
+        """Pack every CPU float32/bfloat16 weight now rather than on the first step."""
+        for w in weights:
+            if isinstance(w, QuantizedWeight) or w.device.type != "cpu":
+                continue
+            if w.dtype == torch.float32 and self._gemm:
+                self._native_packed(w)
+            f32_packed = not self._gemm or self._packed_above_native
+            if (w.dtype == torch.float32 and self._packing and f32_packed
+                    or w.dtype == torch.bfloat16 and self._packing_bf16):  # fmt: skip
+                try:
+                    self._packed(w)
+                except (RuntimeError, AttributeError) as exc:
+                    self._packing = False
+                    log.warning("oneDNN weight packing unavailable, using F.linear: %s", exc)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return self._quant_linear(x, weight, bias)
+        if self._use_native(x, weight, bias):
+            return self._gemm_linear(x, weight, bias)
+        if not self._use_packed(x, weight):
+            return F.linear(x, weight, bias)
+        try:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight), bias, "none",
+                                                      [], "")  # fmt: skip
+        except (RuntimeError, AttributeError) as exc:
+            self._packing = False
+            log.warning("oneDNN packed linear unavailable, using F.linear: %s", exc)
+            return F.linear(x, weight, bias)
+
+    def _quant_linear(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if not (x.dim() == 2 and x.shape[1] == weight.k and x.stride(1) == 1
+                and weight.device.type == "cpu" and _native_dtype(x) == "f32"
+                and (bias is None or _native_dtype(bias) == "f32" and bias.is_contiguous())):  # fmt: skip
+            return super().linear(x, weight, bias)
+        if x.shape[0] <= QUANT_DIRECT_MAX_ROWS:
+            return native_linear(self._lib, x, weight, bias, torch.get_num_threads())
+        need = weight.n * weight.k
+        if self._dequant_scratch.numel() < need:
+            self._dequant_scratch = torch.empty(need, dtype=torch.float32)
+        w = self._dequant_scratch[:need].view(weight.n, weight.k)
+        return F.linear(x, native_dequantize(self._lib, weight, torch.get_num_threads(), out=w),
+                        bias)  # fmt: skip
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight) and weight.device.type == "cpu" and ids.is_cpu:
+            return native_dequantize(self._lib, weight, torch.get_num_threads(), rows=ids)
+        return super().embedding(ids, weight)
+
+    def _use_native(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        if not (self._gemm and x.dim() == 2 and weight.dim() == 2
+                and 1 <= x.shape[0] <= NATIVE_LINEAR_MAX_ROWS and x.shape[1] == weight.shape[1]
+                and x.stride(1) == 1 and _native_dtype(x, weight) == "f32"):  # fmt: skip
+            return False
+        return bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous()
+                                and _native_dtype(bias) == "f32")  # fmt: skip
+
+    def _gemm_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        (rows, k), n = x.shape, weight.shape[0]
+        out = x.new_empty(rows, n)
+        packed = self._native_packed(weight)
+        self._lib.gemm_f32(x.data_ptr(), x.stride(0), rows, k, packed.data_ptr(), n,
+                           None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                           torch.get_num_threads())  # fmt: skip
+        return out
+
+    def _native_packed(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` in the native linear's panels, cached on the tensor (re-packed if it
+        changes)."""
+        cached = getattr(weight, "_pagedserve_native_packed", None)
+        if cached is not None and cached[0] == weight._version:
+            return cached[1]
+        w = weight.detach().contiguous()
+        n, k = w.shape
+        packed = torch.empty(self._lib.gemm_f32_packed_size(n, k), dtype=torch.float32)
+        self._lib.gemm_f32_pack(w.data_ptr(), n, k, packed.data_ptr())
+        weight._pagedserve_native_packed = (weight._version, packed)
+        return packed
+
+    def _use_packed(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        if not (self._packing and x.dim() == 2 and x.is_cpu and x.dtype == weight.dtype):
+            return False
+        if x.dtype == torch.bfloat16:
+            return self._packing_bf16
+        if x.dtype != torch.float32:
+            return False
+        if self._gemm:
+            return self._packed_above_native and x.shape[0] > NATIVE_LINEAR_MAX_ROWS
+        return PACKED_F32_ROWS[0] <= x.shape[0] <= PACKED_F32_ROWS[1]
+
+    @staticmethod
+    def _packed(weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` packed for oneDNN, cached on the tensor (re-packed if it changes)."""
+        cached = getattr(weight, "_pagedserve_packed", None)
+        if cached is not None and cached[0] == weight._version:
+            return cached[1]
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        weight._pagedserve_packed = (weight._version, packed)
+        return packed
+
+    @staticmethod
+    def _rows(*xs: torch.Tensor) -> str | None:
+        """The C suffix when every x is a contiguous 2-D CPU tensor of one native dtype."""
+        if not all(x.dim() == 2 and x.is_contiguous() for x in xs):
+            return None
+        return _native_dtype(*xs)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        suffix = self._rows(x)
+        if suffix is None or _native_dtype(x, weight) is None:
+            return rms_norm(x, weight, eps)
+        # Without a delta the kernel only reads ``residual``.
+        out = torch.empty_like(x)
+        self._add_rms_norm(suffix, x, None, weight, eps, out)
+        return out
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        suffix = self._rows(residual, delta)
+        if suffix is None or delta.shape != residual.shape \
+                or _native_dtype(residual, weight) is None:  # fmt: skip
+            return super().add_rms_norm(residual, delta, weight, eps)
+        out = torch.empty_like(residual)
+        self._add_rms_norm(suffix, residual, delta, weight, eps, out)
+        return residual, out
+
+    def _add_rms_norm(self, suffix, residual, delta, weight, eps, out) -> None:
+        rows, dim = residual.shape
+        getattr(self._lib, f"add_rms_norm_{suffix}")(
+            residual.data_ptr(), None if delta is None else delta.data_ptr(),
+            weight.contiguous().data_ptr(), eps, out.data_ptr(), rows, dim, out.stride(0),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place on q and k (each with unit-stride heads of contiguous head_dim)."""
+        t, _, head_dim = q.shape
+        cos2, sin2 = cos.reshape(t, head_dim), sin.reshape(t, head_dim)
+        suffix = _native_dtype(q, k, cos2, sin2)
+        if not (suffix and head_dim <= MAX_HEAD_DIM
+                and cos2.is_contiguous() and sin2.is_contiguous()
+                and all(x.stride(2) == 1 and x.stride(1) == head_dim for x in (q, k))):  # fmt: skip
+            return super().rope(q, k, cos, sin)
+        fn, nt = getattr(self._lib, f"rope_{suffix}"), torch.get_num_threads()
+        for x in (q, k):
+            fn(x.data_ptr(), x.stride(0), t, x.shape[1], head_dim, cos2.data_ptr(),
+               sin2.data_ptr(), nt)  # fmt: skip
+        return q, k
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        suffix = self._rows(gate_up)
+        if suffix is None:
+            return super().silu_mul(gate_up)
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        getattr(self._lib, f"silu_mul_{suffix}")(gate_up.data_ptr(), out.data_ptr(), rows,
+                                                 width // 2, torch.get_num_threads())  # fmt: skip
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        # Rows may be a column slice of wider logits (vocabulary padding).
+        if not (x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0 and x.stride(1) == 1
+                and _native_dtype(x) == "f32"):  # fmt: skip
+            return super().argmax(x)
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._lib.argmax_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
+                             out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return out

@@ -1,0 +1,150 @@
+"""The package tree's rules: who imports whom, who reads the environment, file sizes.
+
+The import graph is built from the source (every import statement: at module level,
+inside functions and under ``TYPE_CHECKING`` alike), so a rule broken only by a lazy or
+a type-only import still fails.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("blockmgr", "engine", "kernels", "loadtest", "server")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_files(*packages: str) -> list[Path]:
+    return sorted(f for p in packages or PACKAGES for f in (ROOT / p).rglob("*.py"))
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports_of(path: Path) -> set[str]:
+    """First-party modules ``path`` imports (``from pkg import sub`` counts as ``pkg.sub``
+    when ``sub`` is a module, else as ``pkg``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}")
+                     else node.module for a in node.names]  # fmt: skip
+        found.update(n for n in names if n.split(".")[0] in PACKAGES)
+    return found
+
+
+def graph(*packages: str) -> dict[str, set[str]]:
+    return {module_name(f): imports_of(f) for f in source_files(*packages)}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module, or with a self-import."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in edges.get(v, ()):
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+ENV_READERS = {"engine/envs.py", "server/cli.py", "server/serve_cli.py", "loadtest/locustfile.py",
+               "server/testing.py"}  # fmt: skip
+"""Where ``os.environ`` may be used: engine/envs.py and the entry points (the test
+fixture server/testing.py until it moves to the tests tree)."""
+MAX_LINES = 400
+SIZE_CHECKED = ("blockmgr", "engine", "kernels", "server")
+
+
+def test_kernels_import_nothing_from_engine() -> None:
+    bad = {m: sorted(i for i in imps if i.split(".")[0] in ("engine", "server", "loadtest"))
+           for m, imps in graph("kernels").items()}  # fmt: skip
+    assert {m: v for m, v in bad.items() if v} == {}
+
+
+def test_blockmgr_imports_only_itself() -> None:
+    bad = {m: sorted(i for i in imps if not i.startswith("blockmgr"))
+           for m, imps in graph("blockmgr").items()}  # fmt: skip
+    assert {m: v for m, v in bad.items() if v} == {}
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(graph()) == []
+
+
+def test_cycle_finder_sees_type_only_imports(tmp_path: Path) -> None:
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(edges) == [["a", "b", "c"]]
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from engine.worker import Worker\n"
+                   "def f():\n    from kernels import registry\n")  # fmt: skip
+    assert imports_of(src) == {"engine.worker", "kernels.registry"}
+
+
+def _environ_users(path: Path) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv",
+                                                                  "unsetenv"):  # fmt: skip
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+                a.name in ("environ", "getenv") for a in node.names):  # fmt: skip
+            return True
+    return False
+
+
+def test_environment_is_read_only_in_envs_and_entry_points() -> None:
+    users = {str(f.relative_to(ROOT)) for f in source_files() if _environ_users(f)}
+    assert users - ENV_READERS == set()
+
+
+def test_no_file_over_400_lines() -> None:
+    long = {str(f.relative_to(ROOT)): n for p in SIZE_CHECKED for f in (ROOT / p).rglob("*")
+            if f.suffix in (".py", ".c", ".h")
+            and (n := len(f.read_text(encoding="utf-8").splitlines())) > MAX_LINES}  # fmt: skip
+    assert long == {}
+
+
+def test_design_doc_names_existing_files() -> None:
+    text = (ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`((?:blockmgr|engine|kernels|server|loadtest|scripts|tests)/[^`\s]*)`",
+                           text))  # fmt: skip
+    assert named and {p for p in named if not (ROOT / p).exists()} == set()
