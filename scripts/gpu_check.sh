@@ -3,9 +3,9 @@
 #
 # Parts (each under its own `timeout`, skipped when the overall budget is spent):
 #   env          nvidia-smi, python / torch / triton / transformers versions, CUDA visible
-#   kernels      tests/test_kernels_triton.py compiled on the GPU (no TRITON_INTERPRET)
-#   engine       tests/test_engine_triton.py (Triton engine + decode CUDA graphs vs the
-#                torch backend, float32) and tests/test_gpu_path.py
+#   kernels      tests/kernels/triton/test_kernels.py compiled on the GPU (no TRITON_INTERPRET)
+#   engine       tests/engine/test_triton_engine.py (Triton engine + decode CUDA graphs vs the
+#                torch backend, float32) and tests/engine/test_gpu_path.py
 #   hf-eq        engine vs HF transformers greedy tokens on tiny random Llama / Qwen2 /
 #                Qwen3 models on the GPU: float32 exact (graphs and eager), bf16 reported
 #   bandwidth    Triton paged decode attention: K/V bytes read / kernel time, against
@@ -178,9 +178,9 @@ if "$PY" -c "import xdist" 2>/dev/null; then
 fi
 
 part kernels 150 pytest_note -- "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
-    tests/test_kernels_triton.py
+    tests/kernels/triton/test_kernels.py
 part engine 100 pytest_note -- "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_engine_triton.py tests/test_gpu_path.py
+    tests/engine/test_triton_engine.py tests/engine/test_gpu_path.py
 part hf-eq 120 none -- "$PY" scripts/gpu_check.py hf-equivalence
 part bandwidth 60 none -- "$PY" scripts/gpu_check.py bandwidth --device cuda
 MODEL=$WORK/llama-1b-random

@@ -12,13 +12,17 @@ import argparse
 import asyncio
 import logging
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import aiohttp
 import requests
 
-from server.testing import ServerProcess
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.helpers
+
+from tests.helpers.server import ServerProcess  # noqa: E402
 
 logger = logging.getLogger("health_latency")
 

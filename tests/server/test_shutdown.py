@@ -8,7 +8,7 @@ import time
 
 import requests
 
-from server.testing import ServerProcess, sse_events
+from tests.helpers.server import ServerProcess, sse_events
 
 SERVER_ARGS = ["--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25",
                "--max-model-len", "2048", "--dtype", "float32", "--log-level", "info",

@@ -19,9 +19,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-logger = logging.getLogger("server.testing")
+logger = logging.getLogger("tests.helpers.server")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"pagedserve ready on (http://\S+)")
 
 

@@ -4,29 +4,11 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field
 
 import pytest
 
 from blockmgr import KVCacheManager
-
-BS = 4
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    all_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
-
-
-def step(mgr: KVCacheManager, req: FakeRequest, num_new: int) -> bool:
-    """Allocate for ``num_new`` tokens and, on success, mark them computed."""
-    ok = mgr.allocate_slots(req, num_new)
-    if ok:
-        req.num_computed_tokens += num_new
-    return ok
+from tests.helpers.blockmgr import BS, FakeRequest, step
 
 
 def test_no_torch_or_numpy_import() -> None:

@@ -22,9 +22,9 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from test_blockmgr import BS, FakeRequest
 
 from blockmgr import KVCacheManager
+from tests.helpers.blockmgr import BS, FakeRequest
 
 PREFIXES = [[], list(range(100, 112)), list(range(100, 106)) + [7] * 6, [1, 2, 3, 4, 5, 6, 7, 8]]
 SALTS = [None, None, "s"]

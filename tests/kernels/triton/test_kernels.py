@@ -28,11 +28,12 @@ if DEVICE == "cpu":
 pytest.importorskip("triton")
 
 from kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E402
-from kernels.testing import PagedStep, fused_qkv_views, make_step  # noqa: E402
+from kernels.cpu.synthetic import PagedStep, make_step  # noqa: E402
 from kernels.triton.decode import _decode_kernel  # noqa: E402
 from kernels.triton.decode import paged_decode_attention as triton_decode  # noqa: E402
 from kernels.triton.prefill import paged_prefill_attention as triton_prefill  # noqa: E402
 from kernels.triton.write_kv import write_kv as triton_write_kv  # noqa: E402
+from tests.helpers.kernels import fused_qkv_views  # noqa: E402
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from test_blockmgr import BS, FakeRequest, step
 
 from blockmgr import KVCacheManager, hash_block_tokens
 from blockmgr.hashing import ROOT_HASH
+from tests.helpers.blockmgr import BS, FakeRequest, step
 
 
 def admit(mgr: KVCacheManager, req: FakeRequest) -> tuple[list[int], int]:

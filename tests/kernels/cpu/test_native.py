@@ -20,7 +20,7 @@ from kernels import (
     write_kv,
 )
 from kernels.cpu import native as cpu_native
-from kernels.testing import make_step
+from kernels.cpu.synthetic import make_step
 
 TOL = {
     torch.float32: dict(atol=2e-6, rtol=2e-6),

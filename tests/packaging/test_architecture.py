@@ -11,7 +11,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("blockmgr", "engine", "kernels", "loadtest", "server")
 
 
@@ -85,10 +85,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-ENV_READERS = {"engine/envs.py", "server/cli.py", "server/serve_cli.py", "loadtest/locustfile.py",
-               "server/testing.py"}  # fmt: skip
-"""Where ``os.environ`` may be used: engine/envs.py and the entry points (the test
-fixture server/testing.py until it moves to the tests tree)."""
+ENV_READERS = {"engine/envs.py", "server/cli.py", "server/serve_cli.py", "loadtest/locustfile.py"}
+"""Where ``os.environ`` may be used: engine/envs.py and the entry points."""
 MAX_LINES = 400
 SIZE_CHECKED = ("blockmgr", "engine", "kernels", "server")
 
@@ -148,3 +146,31 @@ def test_design_doc_names_existing_files() -> None:
     named = set(re.findall(r"`((?:blockmgr|engine|kernels|server|loadtest|scripts|tests)/[^`\s]*)`",
                            text))  # fmt: skip
     assert named and {p for p in named if not (ROOT / p).exists()} == set()
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module name an import statement of ``path`` names (``from a import b``: both
+    ``a`` and ``a.b``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_no_test_module_imports_another_and_no_package_imports_the_tests() -> None:
+    bad = {}
+    for f in (ROOT / "tests").rglob("*.py"):
+        parts = (n.split(".") for n in _imported_names(f))
+        hits = {".".join(p) for p in parts if (p[0] == "tests" or len(p) == 1) and any(
+            q.startswith("test_") or q == "conftest" for q in p)}  # fmt: skip
+        if hits:
+            bad[str(f.relative_to(ROOT))] = sorted(hits)
+    for f in source_files():
+        hits = {n for n in _imported_names(f) if n.split(".")[0] == "tests"}
+        if hits:
+            bad[str(f.relative_to(ROOT))] = sorted(hits)
+    assert bad == {}

@@ -226,9 +226,8 @@ def test_decode_runner_declines_what_it_cannot_run() -> None:
 def test_model_runner_uses_decode_runner(tmp_path) -> None:
     """The runner hook: decode-only steps go through the padded runner, and the greedy
     tokens are those of the plain eager engine."""
-    from test_engine_triton import write_tiny_model
-
     from engine import LLM, SamplingParams
+    from tests.helpers.models import write_tiny_model
 
     path = write_tiny_model(tmp_path / "tiny")
     prompts = [{"prompt_token_ids": list(range(100, 100 + n))} for n in (7, 21, 30)]

@@ -11,7 +11,7 @@ import pytest
 
 from engine import envs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"PAGEDSERVE_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_]*\*)(?![A-Z0-9_])")
 """A variable's full name (``PAGEDSERVE_LOCUST_*``, a family, is not one)."""
 

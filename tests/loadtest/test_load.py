@@ -42,7 +42,7 @@ def load_test_problems(report: dict[str, Any], idle_problems: list[str]) -> list
 # -- the load test -----------------------------------------------------------------------
 @pytest.mark.slow
 def test_load_200_streams_at_concurrency_32(default_tokenizer) -> None:
-    from server.testing import ServerProcess
+    from tests.helpers.server import ServerProcess
 
     samples = random_dataset(vocabulary_ids(default_tokenizer), NUM_REQUESTS,
                              input_len=24, output_len=12, range_ratio=0.3, seed=0)

@@ -22,42 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.models import write_tiny_model
+
 CUDA = torch.cuda.is_available()
 NEW_TOKENS = 8
 BATCHED_TOKENS = 16
 PROMPT_LENS = (21, 38)
 KV_GB = 0.25
-
-
-def write_tiny_model(out: Path, vocab_size: int = 49152, seed: int = 0) -> Path:
-    """A tiny random Llama (float32; 2 layers, hidden 64, GQA 4/2) with a synthetic
-    word-level tokenizer, so that it needs no downloaded files."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.float32)
-    with torch.no_grad():  # large weights: peaked logits, no greedy near-ties
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.15)
-            else:
-                p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(out)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="</s>")  # fmt: skip
-    fast.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +92,7 @@ def test_triton_engine_matches_torch_backend(tiny_llama) -> None:
                                                                 enforce_eager=True)))  # fmt: skip
     else:
         env = dict(os.environ, TRITON_INTERPRET="1")
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
         proc = subprocess.run([sys.executable, __file__, path], env=env, capture_output=True,
                               text=True, timeout=600)  # fmt: skip

@@ -16,7 +16,7 @@ from engine.llm_engine import EngineStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.app import build_app
 from server.state import ServeOptions, ServerState
-from server.testing import sse_events
+from tests.helpers.server import sse_events
 
 
 class ScriptedEngine:

@@ -9,7 +9,7 @@ import openai
 import pytest
 import requests
 
-from server.testing import ServerProcess, metric_value, sse_events
+from tests.helpers.server import ServerProcess, metric_value, sse_events
 
 KEY = "test-key-123"
 SERVER_ARGS = ["--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25",

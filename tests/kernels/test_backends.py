@@ -19,8 +19,9 @@ from kernels import (
     select_kernels,
     write_kv,
 )
-from kernels.testing import PagedStep, fused_qkv_views, make_step
+from kernels.cpu.synthetic import PagedStep, make_step
 from kernels.torch_backend import TorchBackend
+from tests.helpers.kernels import fused_qkv_views
 
 # Both CPU backends: pure torch, and torch with the native decode kernel.
 CPU_BACKENDS = ["torch", "cpu"]
@@ -328,7 +329,7 @@ def test_torch_backend_many_decodes_in_length_buckets(name) -> None:
 def test_whole_prompt_chunks_use_causal_calls(name) -> None:
     """Whole-context chunks attend with their own causal call, others through the cache;
     past MAX_CAUSAL_CALLS every chunk goes into one padded call. All exact. (The cpu
-    backend attends every row natively: tests/test_kernels_cpu_native.py.)"""
+    backend attends every row natively: tests/kernels/cpu/test_native.py.)"""
     from kernels.torch_backend import MAX_CAUSAL_CALLS
 
     few = ([9, 30, 17, 64, 50], [1, 30, 17, 20, 50])  # a decode, 3 whole prompts, 1 later chunk
