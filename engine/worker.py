@@ -153,6 +153,7 @@ class Worker:
                 path, self.hf_config.num_attention_heads,
                 getattr(self.hf_config, "num_key_value_heads", None)
                 or self.hf_config.num_attention_heads, formats))  # fmt: skip
+            model.quantized_to(self.device)
             kinds = sorted(set(formats.values()))
             self.quant_desc = f"gguf ({', '.join(kinds) or 'no quantized tensors'})"
         else:

@@ -249,6 +249,13 @@ class DecoderForCausalLM(nn.Module):
             setattr(parent, attr, QuantLinear(
                 QuantizedWeight.empty(fmt, old.out_features, old.in_features), bias))
 
+    def quantized_to(self, device: torch.device) -> None:
+        """Move the quantized weights' planes to ``device`` (``Module.to`` does not:
+        they are not parameters)."""
+        for module in self.modules():
+            if isinstance(module, (QuantLinear, QuantEmbedding)):
+                module.weight = module.weight.to(device)
+
     def quantize_int8(self) -> None:
         """After loading: every linear weight to per-row int8 (the logits' too; a tied
         embedding table stays float for lookups and gets an int8 copy for the logits)."""

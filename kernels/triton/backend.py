@@ -9,9 +9,22 @@ import torch
 
 from kernels.interface import AttentionMetadata
 from kernels.layer_ops import LayerOps, TorchLayerOps
+from kernels.quant import QK, QuantizedWeight
 from kernels.triton.decode import choose_partition, paged_decode_attention
 from kernels.triton.prefill import paged_prefill_attention
+from kernels.triton.quant_matmul import quant_matmul
 from kernels.triton.write_kv import write_kv
+
+
+class TritonLayerOps(TorchLayerOps):
+    """Torch layer ops, with weight-only quantized linears through the Triton
+    dequantizing matmul (:mod:`kernels.triton.quant_matmul`)."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight) and weight.k % QK == 0 and x.dim() == 2:
+            return quant_matmul(x, weight, bias)
+        return super().linear(x, weight, bias)
 
 
 @dataclass(slots=True)
@@ -35,8 +48,8 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, ops: LayerOps | None = None) -> None:
-        self.ops: LayerOps = TorchLayerOps() if ops is None else ops
-        """Layer ops: torch by default (CUDA graphs capture them)."""
+        self.ops: LayerOps = TritonLayerOps() if ops is None else ops
+        """Layer ops: torch, quantized linears in Triton (CUDA graphs capture both)."""
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Host-side sizes for this step's launches (no device syncs when the host

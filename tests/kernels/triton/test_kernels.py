@@ -29,11 +29,15 @@ pytest.importorskip("triton")
 
 from kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E402
 from kernels.cpu.synthetic import PagedStep, make_step  # noqa: E402
+from kernels.quant import FORMATS  # noqa: E402
+from kernels.triton.backend import TritonLayerOps  # noqa: E402
 from kernels.triton.decode import _decode_kernel  # noqa: E402
 from kernels.triton.decode import paged_decode_attention as triton_decode  # noqa: E402
 from kernels.triton.prefill import paged_prefill_attention as triton_prefill  # noqa: E402
+from kernels.triton.quant_matmul import quant_matmul  # noqa: E402
 from kernels.triton.write_kv import write_kv as triton_write_kv  # noqa: E402
 from tests.helpers.kernels import fused_qkv_views  # noqa: E402
+from tests.helpers.quant import assert_product_close, random_weight  # noqa: E402
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -206,3 +210,32 @@ def test_triton_in_kernels_triton_is_the_pypi_package() -> None:
     package = Path(decode.__file__).resolve().parent
     assert Path(decode.triton.__file__).resolve().parent != package
     assert hasattr(decode.triton, "jit") and decode.tl.__name__ == "triton.language"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "k", "m"), [(70, 96, 5), (33, 64, 17), (128, 320, 1)])
+def test_quant_matmul_matches_reference(fmt, n, k, m) -> None:
+    """The dequantizing matmul against dequantize-then-matmul: every format, partial
+    tiles in M and N, with and without bias, strided rows."""
+    w = random_weight(fmt, n, k, seed=n + k).to(DEVICE)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).to(DEVICE)
+    bias = torch.randn(n, generator=g).to(DEVICE)
+    for b in (None, bias):
+        out = quant_matmul(x, w, b)
+        assert out.shape == (m, n) and out.dtype == x.dtype
+        assert_product_close(out.cpu(), x.cpu(), w.to("cpu"), None if b is None else b.cpu())
+    wide = torch.randn(m, k + 32, generator=g).to(DEVICE)[:, 16:16 + k]
+    assert_product_close(quant_matmul(wide, w).cpu(), wide.cpu(), w.to("cpu"), None)
+
+
+def test_triton_layer_ops_route_quantized_weights() -> None:
+    ops = TritonLayerOps()
+    w = random_weight("q4_1", 40, 64, seed=1).to(DEVICE)
+    x = torch.randn(3, 64).to(DEVICE)
+    assert_product_close(ops.linear(x, w).cpu(), x.cpu(), w.to("cpu"), None)
+    odd = random_weight("int8", 8, 45).to(DEVICE)  # K not a multiple of 32: the reference
+    xo = torch.randn(2, 45).to(DEVICE)
+    assert_product_close(ops.linear(xo, odd).cpu(), xo.cpu(), odd.to("cpu"), None)
+    with pytest.raises(ValueError, match="does not match"):
+        quant_matmul(torch.randn(2, 32).to(DEVICE), w)
