@@ -36,6 +36,14 @@
 #define PA_ERR_RANGE -5 /* a context length, query length or block id is out of range */
 #define PA_ERR_SLOT -6 /* a KV write slot is out of range */
 
+/* How long the kernels' idle worker threads spin for the next task before they sleep
+ * (microseconds; pool_set_spin_us changes it). */
+#define DEFAULT_SPIN_US 300
+
+/* pool.c: the kernels' thread pool. */
+int pool_size(void);
+void pool_set_spin_us(int spin_us);
+
 /* paged_attention_cpu.c */
 int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
                     const int32_t *block_tables, const int32_t *seq_lens,

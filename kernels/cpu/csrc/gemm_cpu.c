@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "abi.h"
+#include "pool.h"
 #include "simd.h"
 
 #if SIMD_VW == 16
@@ -161,23 +162,32 @@ static void blocks_range(const float *x, int64_t ldx, int64_t m, int64_t k,
                      y + r * ldy, ldy, p0, p1);
 }
 
+typedef struct {
+    const float *x;
+    int64_t ldx, m, k;
+    const float *packed;
+    int64_t n;
+    const float *bias;
+    float *y;
+    int64_t ldy;
+} gemm_task_t;
+
+static void gemm_panels(void *ctx, int64_t p0, int64_t p1, int worker) {
+    (void)worker;
+    const gemm_task_t *t = ctx;
+    blocks_range(t->x, t->ldx, t->m, t->k, t->packed, t->n, t->bias, t->y, t->ldy, p0, p1);
+}
+
 /* x ``[m, k]`` (row stride ldx), packed from ``gemm_f32_pack``, bias ``[n]`` or NULL,
  * y ``[m, n]`` (row stride ldy). */
 void gemm_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *packed,
               int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
-    int nt = n * k >= PARALLEL_MIN_WEIGHT && num_threads > 1 ? num_threads : 1;
-    if (nt > panels) nt = (int)panels;
-    if (nt <= 1) {
-        blocks_range(x, ldx, m, k, packed, n, bias, y, ldy, 0, panels);
-        return;
-    }
-#pragma omp parallel num_threads(nt)
-    {
-        const int t = omp_get_thread_num();
-        blocks_range(x, ldx, m, k, packed, n, bias, y, ldy, panels * t / nt,
-                     panels * (t + 1) / nt);
-    }
+    const int nt = n * k >= PARALLEL_MIN_WEIGHT && num_threads > 1 ? num_threads : 1;
+    gemm_task_t task = {x, ldx, m, k, packed, n, bias, y, ldy};
+    /* Chunks of panels, about four per thread: a thread that starts late or loses its
+     * core leaves its share to the others. */
+    pool_run(gemm_panels, &task, panels, (panels + 4 * nt - 1) / (4 * nt), nt);
 }
 
 #else

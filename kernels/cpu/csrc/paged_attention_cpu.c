@@ -31,11 +31,13 @@
  * one token at a time.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "abi.h"
+#include "pool.h"
 
 /* Query tokens of one request handled by one work item. */
 #define TOKEN_TILE 16
@@ -165,18 +167,80 @@ typedef struct {
     int s, tok0, ntok, len0;
 } tile_t;
 
-/* Row ``t`` of ``key``/``value`` (``num_kv_heads * head_dim`` elements of the cache
- * dtype, rows ``kv_stride`` elements apart) to cache slot ``slots[t]``; -1 is skipped. */
-static void write_rows(void *k_cache, void *v_cache, const void *key, const void *value,
-                       int64_t kv_stride, const int64_t *slots, int num_rows, size_t row_bytes,
-                       int elem) {
-#pragma omp for schedule(static)
-    for (int t = 0; t < num_rows; ++t) {
-        if (slots[t] < 0) continue;
-        memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)key + t * kv_stride * elem,
-               row_bytes);
-        memcpy((char *)v_cache + slots[t] * row_bytes,
-               (const char *)value + t * kv_stride * elem, row_bytes);
+/* Rows ``[t0, t1)`` of ``key``/``value`` (``num_kv_heads * head_dim`` elements of the
+ * cache dtype, rows ``kv_stride`` elements apart) to cache slots ``slots[t]``; -1 is
+ * skipped. */
+typedef struct {
+    void *k_cache, *v_cache;
+    const void *key, *value;
+    int64_t kv_stride;
+    const int64_t *slots;
+    size_t row_bytes;
+    int elem;
+} write_task_t;
+
+static void write_rows(void *ctx, int64_t t0, int64_t t1, int worker) {
+    (void)worker;
+    const write_task_t *w = ctx;
+    for (int64_t t = t0; t < t1; ++t) {
+        if (w->slots[t] < 0) continue;
+        memcpy((char *)w->k_cache + w->slots[t] * w->row_bytes,
+               (const char *)w->key + t * w->kv_stride * w->elem, w->row_bytes);
+        memcpy((char *)w->v_cache + w->slots[t] * w->row_bytes,
+               (const char *)w->value + t * w->kv_stride * w->elem, w->row_bytes);
+    }
+}
+
+/* The work items of one call: item ``i`` is tile ``i / splits``, KV heads
+ * ``(i % splits) * per_item ..``; each thread has its own scratch (``scores[worker]``,
+ * ``acc[worker]``). */
+typedef struct {
+    const tile_t *tiles;
+    const shape_t *sh;
+    const float *query;
+    float *out;
+    const int32_t *block_tables;
+    int64_t q_stride, out_stride;
+    int splits, per_item, dtype, vector_path, block_size, num_blocks, max_blocks_per_seq,
+        max_seq_len, head_dim;
+    float **scores, **acc;
+    _Atomic int status;
+} attend_task_t;
+
+static void attend_items(void *ctx, int64_t i0, int64_t i1, int worker) {
+    attend_task_t *a = ctx;
+    const shape_t *sh = a->sh;
+    float *scores = a->scores[worker], *acc = a->acc[worker];
+    float tmp[MAX_HEAD_DIM];
+    for (int64_t i = i0; i < i1; ++i) {
+        const tile_t tl = a->tiles[i / a->splits];
+        const int h0 = (int)(i % a->splits) * a->per_item;
+        const int last_len = tl.len0 + tl.ntok - 1;
+        const int32_t *table = a->block_tables + (int64_t)tl.s * a->max_blocks_per_seq;
+        const int nb = (last_len + a->block_size - 1) / a->block_size;
+        /* len0 >= 1: every request was checked for q_len <= seq_len. */
+        int bad = last_len > a->max_seq_len || nb > a->max_blocks_per_seq;
+        for (int b = 0; !bad && b < nb; ++b) bad = table[b] < 0 || table[b] >= a->num_blocks;
+        if (bad) {
+            atomic_store(&a->status, PA_ERR_RANGE);
+            continue;
+        }
+        const int64_t head_off = (int64_t)h0 * sh->group * a->head_dim;
+        const item_t it = {a->query + (int64_t)tl.tok0 * a->q_stride + head_off,
+                           a->out + (int64_t)tl.tok0 * a->out_stride + head_off, table,
+                           a->q_stride, a->out_stride, tl.len0, tl.ntok, h0, a->per_item};
+#if SIMD_VW
+        if (a->vector_path) {
+            if (a->dtype == DTYPE_F32)
+                attend_vec_f32(&it, sh, acc);
+            else if (a->dtype == DTYPE_BF16)
+                attend_vec_bf16(&it, sh, acc);
+            else
+                attend_vec_f16(&it, sh, acc);
+            continue;
+        }
+#endif
+        attend_portable(&it, sh, a->dtype, scores, acc, tmp);
     }
 }
 
@@ -203,12 +267,12 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
         if (slots[t] < -1 || slots[t] >= (int64_t)num_blocks * block_size) return PA_ERR_SLOT;
     const int elem = dtype == DTYPE_F32 ? 4 : 2;
     const size_t row_bytes = (size_t)num_kv_heads * head_dim * elem;
-    if (num_seqs <= 0) {
-        /* Nothing to attend; rows may still be written (a step of padding only has none). */
-#pragma omp parallel num_threads(num_rows >= 64 ? num_threads : 1)
-        write_rows(k_cache, v_cache, key, value, kv_stride, slots, num_rows, row_bytes, elem);
-        return 0;
-    }
+    write_task_t wt = {k_cache, v_cache, key, value, kv_stride, slots, row_bytes, elem};
+    /* This step's K/V rows first: a prefill tile reads rows that other threads write. */
+    const int write_threads = num_rows >= 64 ? num_threads : 1;
+    pool_run(write_rows, &wt, num_rows, (num_rows + 4 * write_threads - 1) / (4 * write_threads),
+             write_threads);
+    if (num_seqs <= 0) return 0; /* nothing to attend (a step of padding only) */
     /* Tiles of each request's query tokens; a request with no token this step has none. */
     int64_t num_tiles = 0;
     for (int s = 0; s < num_seqs; ++s) {
@@ -238,60 +302,28 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     const int vector_path = 0;
 #endif
     const int64_t out_stride = (int64_t)num_heads * head_dim;
+    /* The portable path keeps the scores of a whole context (one token at a time); the
+     * vector path only the online-softmax state (acc, running max, denominator) of
+     * each token of a tile, in ``acc``. */
+    const size_t nq = (size_t)per_item * sh.group;
+    float *scores[POOL_MAX_THREADS] = {0}, *acc[POOL_MAX_THREADS] = {0};
+    if (num_threads > POOL_MAX_THREADS) num_threads = POOL_MAX_THREADS;
     int status = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const size_t nq = (size_t)per_item * sh.group;
-        /* The portable path keeps the scores of a whole context (one token at a time);
-         * the vector path only the online-softmax state (acc, running max, denominator)
-         * of each token of a tile, in ``acc``. */
-        float *scores =
-            vector_path ? NULL : malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
-        float *acc = malloc(sizeof(float) * nq * ((size_t)head_dim + 2) * TOKEN_TILE);
-        float tmp[MAX_HEAD_DIM];
-        if ((scores == NULL && !vector_path) || acc == NULL) {
-#pragma omp atomic write
-            status = -4;
-        }
-        /* This step's K/V rows first: a prefill tile reads rows that other threads
-         * write (the omp for ends with a barrier). */
-        write_rows(k_cache, v_cache, key, value, kv_stride, slots, num_rows, row_bytes, elem);
-        if (status != -4) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < items; ++i) {
-                const tile_t tl = tiles[i / splits];
-                const int h0 = (int)(i % splits) * per_item;
-                const int last_len = tl.len0 + tl.ntok - 1;
-                const int32_t *table = block_tables + (int64_t)tl.s * max_blocks_per_seq;
-                const int nb = (last_len + block_size - 1) / block_size;
-                /* len0 >= 1: every request was checked for q_len <= seq_len above. */
-                int bad = last_len > max_seq_len || nb > max_blocks_per_seq;
-                for (int b = 0; !bad && b < nb; ++b) bad = table[b] < 0 || table[b] >= num_blocks;
-                if (bad) {
-#pragma omp atomic write
-                    status = -5;
-                    continue;
-                }
-                const int64_t head_off = (int64_t)h0 * sh.group * head_dim;
-                const item_t it = {query + (int64_t)tl.tok0 * q_stride + head_off,
-                                   out + (int64_t)tl.tok0 * out_stride + head_off, table,
-                                   q_stride, out_stride, tl.len0, tl.ntok, h0, per_item};
-#if SIMD_VW
-                if (vector_path) {
-                    if (dtype == DTYPE_F32)
-                        attend_vec_f32(&it, &sh, acc);
-                    else if (dtype == DTYPE_BF16)
-                        attend_vec_bf16(&it, &sh, acc);
-                    else
-                        attend_vec_f16(&it, &sh, acc);
-                    continue;
-                }
-#endif
-                attend_portable(&it, &sh, dtype, scores, acc, tmp);
-            }
-        }
-        free(scores);
-        free(acc);
+    for (int w = 0; w < num_threads && status == 0; ++w) {
+        scores[w] = vector_path ? NULL : malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
+        acc[w] = malloc(sizeof(float) * nq * ((size_t)head_dim + 2) * TOKEN_TILE);
+        if ((scores[w] == NULL && !vector_path) || acc[w] == NULL) status = PA_ERR_NOMEM;
+    }
+    if (status == 0) {
+        attend_task_t task = {tiles, &sh, query, out, block_tables, q_stride, out_stride,
+                              splits, per_item, dtype, vector_path, block_size, num_blocks,
+                              max_blocks_per_seq, max_seq_len, head_dim, scores, acc, 0};
+        pool_run(attend_items, &task, items, 1, num_threads);
+        status = atomic_load(&task.status);
+    }
+    for (int w = 0; w < num_threads; ++w) {
+        free(scores[w]);
+        free(acc[w]);
     }
     free(tiles);
     return status;

@@ -23,11 +23,11 @@
  * vector of a block, so the chains are independent). Every build level has this
  * kernel; the portable one is plain C.
  */
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "abi.h"
+#include "pool.h"
 #include "simd.h"
 
 /* Work (weights x rows) below which a call stays on the calling thread. */
@@ -252,6 +252,25 @@ static void cols_dispatch(int fmt, const float *x, int64_t ldx, int64_t m, int64
 #endif
 }
 
+typedef struct {
+    int fmt;
+    const float *x;
+    int64_t ldx, m, k;
+    const float *sx;
+    const void *qs;
+    const uint16_t *d, *mn;
+    const float *scale, *bias;
+    float *y;
+    int64_t ldy;
+} qgemm_task_t;
+
+static void qgemm_cols(void *ctx, int64_t j0, int64_t j1, int worker) {
+    (void)worker;
+    const qgemm_task_t *t = ctx;
+    cols_dispatch(t->fmt, t->x, t->ldx, t->m, t->k, t->sx, t->qs, t->d, t->mn, t->scale,
+                  t->bias, t->y, t->ldy, j0, j1);
+}
+
 /* x ``[m, k]`` (row stride ldx), W in format ``fmt`` as described above (``d``/``mn``
  * unused by INT8, ``scale`` used only by it), bias ``[n]`` or NULL, y ``[m, n]`` (row
  * stride ldy). The GGUF formats need k a multiple of 32. Returns 0, or -1 for a format
@@ -275,33 +294,36 @@ int qgemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, const void
             }
     }
 #endif
-    int nt = n * k * m >= PARALLEL_MIN_WORK && num_threads > 1 ? num_threads : 1;
-    if (nt > n) nt = (int)n;
-    if (nt <= 1) {
-        cols_dispatch(fmt, x, ldx, m, k, sx, qs, d, mn, scale, bias, y, ldy, 0, n);
-        free(sx);
-        return 0;
-    }
-#pragma omp parallel num_threads(nt)
-    {
-        const int t = omp_get_thread_num();
-        cols_dispatch(fmt, x, ldx, m, k, sx, qs, d, mn, scale, bias, y, ldy, n * t / nt,
-                      n * (t + 1) / nt);
-    }
+    const int nt = n * k * m >= PARALLEL_MIN_WORK && num_threads > 1 ? num_threads : 1;
+    qgemm_task_t task = {fmt, x, ldx, m, k, sx, qs, d, mn, scale, bias, y, ldy};
+    /* Chunks of columns: four per thread, so a thread that starts late or loses its core
+     * leaves its share to the others. */
+    pool_run(qgemm_cols, &task, n, (n + 4 * nt - 1) / (4 * nt), nt);
     free(sx);
     return 0;
 }
 
-/* Rows ``rows[0 .. count)`` of W dequantized to float32 into ``out`` ``[count, k]``
- * (embedding lookups and prefill-sized products; ``rows`` NULL: rows 0 .. count). */
-int qdequant(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
-             const float *scale, int64_t k, const int64_t *rows, int64_t count, float *out,
-             int num_threads) {
-    if (fmt < QF_Q8_0 || fmt > QF_INT8 || (fmt != QF_INT8 && k % QK)) return -1;
-    const int64_t rb = row_bytes(fmt, k), nb = k / QK;
-    const int nt = count * k >= (1 << 18) && num_threads > 1 ? num_threads : 1;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t i = 0; i < count; ++i) {
+typedef struct {
+    int fmt;
+    const void *qs;
+    const uint16_t *d, *mn;
+    const float *scale;
+    int64_t k;
+    const int64_t *rows;
+    float *out;
+} qdequant_task_t;
+
+static void qdequant_rows(void *ctx, int64_t i0, int64_t i1, int worker) {
+    (void)worker;
+    const qdequant_task_t *t = ctx;
+    const int fmt = t->fmt;
+    const int64_t k = t->k, rb = row_bytes(fmt, k), nb = k / QK;
+    const void *qs = t->qs;
+    const uint16_t *d = t->d, *mn = t->mn;
+    const float *scale = t->scale;
+    const int64_t *rows = t->rows;
+    float *out = t->out;
+    for (int64_t i = i0; i < i1; ++i) {
         const int64_t j = rows ? rows[i] : i;
         const uint8_t *q = (const uint8_t *)qs + j * rb;
         float *o = out + i * k;
@@ -328,5 +350,16 @@ int qdequant(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
         for (int64_t kk = 0; kk < k; ++kk) o[kk] = weight_at(fmt, q, dq, mq, kk);
 #endif
     }
+}
+
+/* Rows ``rows[0 .. count)`` of W dequantized to float32 into ``out`` ``[count, k]``
+ * (embedding lookups and prefill-sized products; ``rows`` NULL: rows 0 .. count). */
+int qdequant(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
+             const float *scale, int64_t k, const int64_t *rows, int64_t count, float *out,
+             int num_threads) {
+    if (fmt < QF_Q8_0 || fmt > QF_INT8 || (fmt != QF_INT8 && k % QK)) return -1;
+    const int nt = count * k >= (1 << 18) && num_threads > 1 ? num_threads : 1;
+    qdequant_task_t task = {fmt, qs, d, mn, scale, k, rows, out};
+    pool_run(qdequant_rows, &task, count, (count + 4 * nt - 1) / (4 * nt), nt);
     return 0;
 }
