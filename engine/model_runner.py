@@ -9,6 +9,7 @@ objects or the block manager.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.attn = attn
+        self._plain_attn = attn
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -75,6 +77,12 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.decode_graphs: DecodeGraphRunner | None = None
         """Set on CUDA (``engine.cuda_graphs``): runs decode-only steps as CUDA graphs."""
+
+    def instrument(self, wrap: Callable[[AttentionBackend], AttentionBackend] | None) -> None:
+        """Run the layers through ``wrap(backend)`` from the next step on (an object of the
+        same protocol, e.g. timers around each op), or through the plain backend again
+        with ``None``. Sampling keeps the plain backend's argmax."""
+        self.attn = self._plain_attn if wrap is None else wrap(self._plain_attn)
 
     def update_states(self, sched: SchedulerOutput) -> None:
         """Bring the per-request state up to date with the step's description."""

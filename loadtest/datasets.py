@@ -1,6 +1,6 @@
 """Request sets for the serving benchmark (``pagedserve bench serve``) and the Locust users.
 
-Two datasets:
+Three datasets:
 
 ``random``
     Prompts of random token ids, lengths uniform in ``[len * (1 - r), len * (1 + r)]``
@@ -14,6 +14,13 @@ Two datasets:
     system message). Every assistant turn becomes one request: the messages before it are
     the prompt and its length in tokens is the expected output length. Multi-turn
     conversations therefore share prefixes, like a real chat workload.
+
+``grounded``
+    Prompt-grounded edits of the same conversations' assistant replies: each request
+    gives one reply and asks for it back corrected, in the past tense or as plain prose
+    (:data:`GROUNDED_TASKS`); the expected output length is the reply's. Such outputs
+    copy long runs of their prompt, as summaries, edits and code changes do: the
+    workload where prompt-lookup speculation pays.
 """
 
 from __future__ import annotations
@@ -27,7 +34,12 @@ from typing import Any
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CONVERSATIONS_FILE = DATA_DIR / "conversations.jsonl"
-DATASETS = ("random", "conversation")
+DATASETS = ("random", "conversation", "grounded")
+GROUNDED_TASKS = (
+    "Repeat the following text exactly, fixing any spelling mistakes:",
+    "Rewrite the following text, keeping its wording but removing any list numbering:",
+    "Copy the following text, then stop:",
+)
 
 
 @dataclass(slots=True)
@@ -153,6 +165,40 @@ def conversation_dataset(
                                        expected_output_len=n_out, messages=history))
     if not turns:
         raise ValueError(f"{path} has no assistant turn")
+    return _cycled(turns, num_prompts, seed)
+
+
+def grounded_dataset(
+    tokenizer: Any,
+    num_prompts: int,
+    seed: int = 0,
+    output_len: int | None = None,
+    max_output_len: int = 256,
+    path: Path = CONVERSATIONS_FILE,
+) -> list[SampleRequest]:
+    """``num_prompts`` edit requests over the shipped conversations' assistant replies
+    (see the module docstring), shuffled with ``seed`` and cycled as needed."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts={num_prompts} must be >= 1")
+    replies = [m["content"] for msgs in load_conversations(path) for m in msgs
+               if m["role"] == "assistant"]  # fmt: skip
+    if not replies:
+        raise ValueError(f"{path} has no assistant turn")
+    turns: list[SampleRequest] = []
+    for i, reply in enumerate(replies):
+        history = [{"role": "user",
+                    "content": f"{GROUNDED_TASKS[i % len(GROUNDED_TASKS)]}\n\n{reply}"}]
+        text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        prompt_len = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ref_len = len(tokenizer(reply, add_special_tokens=False)["input_ids"])
+        n_out = output_len if output_len is not None else max(1, min(ref_len, max_output_len))
+        turns.append(SampleRequest(prompt=text, prompt_len=prompt_len,
+                                   expected_output_len=n_out, messages=history))
+    return _cycled(turns, num_prompts, seed)
+
+
+def _cycled(turns: list[SampleRequest], num_prompts: int, seed: int) -> list[SampleRequest]:
+    """``num_prompts`` of ``turns``: shuffled with ``seed``, reshuffled each time round."""
     rng = random.Random(seed)
     samples: list[SampleRequest] = []
     while len(samples) < num_prompts:

@@ -1,20 +1,21 @@
 """Where a benchmark run's time goes: ``pagedserve bench throughput --op-times``.
 
-:class:`OpTimes` wraps the attention backend's ``forward`` and each of its layer ops
-(``ops.linear`` per weight, ``rms_norm``, ``add_rms_norm``, ``rope``, ``silu_mul``)
-with a wall-clock timer, and sorts the time into decode-only steps and
-steps with prefill (told apart by the scheduler's output, as the step breakdown does).
+:class:`OpTimes` runs the engine's layers through :class:`TimedBackend` (the model
+runner's explicit :meth:`~engine.model_runner.ModelRunner.instrument` seam: nothing of
+the engine is patched): the same attention backend and layer ops, each call of
+``forward``, ``ops.linear`` (per weight), ``rms_norm``, ``add_rms_norm``, ``rope`` and
+``silu_mul`` under a wall-clock timer, sorted into decode-only steps and steps with
+prefill (told apart by the step's attention metadata: every request one query token).
 What a phase's steps took beyond its timed ops is the rest: the layers' Python, the
-embedding, sampling (its argmax is bound when the engine is built, so it stays
-untimed), scheduling and detokenization. Each call costs the timer about a
-microsecond, so a run with ``--op-times`` is slightly slower than one without.
+embedding, sampling (its argmax is the plain backend's, untimed), scheduling and
+detokenization. Each call costs the timer about a microsecond, so a run with
+``--op-times`` is slightly slower than one without.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 LAYER_OPS = ("rms_norm", "add_rms_norm", "rope", "silu_mul")
@@ -33,58 +34,82 @@ def _weight_names(model: Any) -> dict[int, str]:
     return names
 
 
-class OpTimes:
-    """Timers on one engine's attention backend, its ops and its scheduler, until
-    :meth:`remove`."""
+class _Clock:
+    """Seconds and calls per (phase, op)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self) -> None:
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
-        self._phase = "decode"
-        self._patched: list[tuple[Any, str]] = []
-        attn = engine.worker.attn
-        names = _weight_names(engine.worker.model)
+        self.phase = "decode"
 
-        def linear_key(args: tuple, kwargs: dict) -> str:
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            return f"linear {names.get(id(weight), tuple(weight.shape))}"
+    def add(self, op: str, t0: float) -> None:
+        key = (self.phase, op)
+        self.seconds[key] += time.perf_counter() - t0
+        self.calls[key] += 1
 
-        self._wrap(attn, "forward", lambda a, k: "attention")
-        self._wrap(attn.ops, "linear", linear_key)
-        for name in LAYER_OPS:
-            self._wrap(attn.ops, name, lambda a, k, name=name: name)
-        scheduler = engine.scheduler
-        schedule = scheduler.schedule
 
-        def timed_schedule(*args: Any, **kwargs: Any) -> Any:
-            out = schedule(*args, **kwargs)
-            counts = out.num_scheduled_tokens.values()
-            self._phase = "decode" if all(n == 1 for n in counts) else "prefill"
-            return out
+class TimedOps:
+    """A ``LayerOps`` that times each call of another."""
 
-        scheduler.schedule = timed_schedule
-        self._patched.append((scheduler, "schedule"))
+    def __init__(self, ops: Any, clock: _Clock, weight_names: dict[int, str]) -> None:
+        self._ops, self._clock, self._names = ops, clock, weight_names
 
-    def _wrap(self, obj: Any, name: str, key: Callable[[tuple, dict], str]) -> None:
-        fn = getattr(obj, name)
+    def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._ops.linear(x, weight, bias)
+        finally:
+            self._clock.add(f"linear {self._names.get(id(weight), tuple(weight.shape))}", t0)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._ops, name)
+        if name not in LAYER_OPS:
+            return fn  # embedding, argmax, prepare_weights: untimed
+        clock = self._clock
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                k = (self._phase, key(args, kwargs))
-                self.seconds[k] += time.perf_counter() - t0
-                self.calls[k] += 1
+                clock.add(name, t0)
 
-        setattr(obj, name, timed)
-        self._patched.append((obj, name))
+        return timed
+
+
+class TimedBackend:
+    """An ``AttentionBackend`` that times another's ``forward`` and its layer ops."""
+
+    def __init__(self, backend: Any, clock: _Clock, weight_names: dict[int, str]) -> None:
+        self._backend, self._clock = backend, clock
+        self.name = backend.name
+        self.ops = TimedOps(backend.ops, clock, weight_names)
+
+    def prepare(self, meta: Any, block_size: int) -> None:
+        self._clock.phase = "decode" if meta.num_decodes == meta.num_reqs else "prefill"
+        self._backend.prepare(meta, block_size)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._backend.forward(*args, **kwargs)
+        finally:
+            self._clock.add("attention", t0)
+
+
+class OpTimes:
+    """Timers on one engine's layers (through its model runner), until :meth:`remove`."""
+
+    def __init__(self, engine: Any) -> None:
+        self._clock = clock = _Clock()
+        self.seconds, self.calls = clock.seconds, clock.calls
+        self._runner = runner = engine.worker.runner
+        names = _weight_names(engine.worker.model)
+        runner.instrument(lambda backend: TimedBackend(backend, clock, names))
 
     def remove(self) -> None:
-        """Take every timer off (the instance attributes that shadow the methods)."""
-        for obj, name in reversed(self._patched):
-            obj.__dict__.pop(name, None)
-        self._patched.clear()
+        """Run the engine's layers through its plain backend again."""
+        self._runner.instrument(None)
 
     def report(self, phase_seconds: dict[str, float]) -> dict[str, Any]:
         """Per phase: each op's seconds and calls (largest first), their sum, and the

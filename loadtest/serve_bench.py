@@ -323,8 +323,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="send random prompts to /v1/completions as decoded text instead of "
                         "token ids (for servers that take only strings)")
     d.add_argument("--conversation-output-len", type=int, default=None,
-                   help="output length of every conversation request (default: the "
-                        "reference reply's length)")
+                   help="output length of every conversation or grounded request "
+                        "(default: the reference reply's length)")
     d.add_argument("--seed", type=int, default=0)
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=_rate, default=math.inf,
@@ -363,15 +363,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_samples(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
     """The request set named by the dataset flags."""
-    from loadtest.datasets import conversation_dataset, random_dataset, vocabulary_ids
+    from loadtest.datasets import (
+        conversation_dataset,
+        grounded_dataset,
+        random_dataset,
+        vocabulary_ids,
+    )
 
     if args.dataset == "random":
         return random_dataset(vocabulary_ids(tokenizer), args.num_prompts,
                               args.random_input_len, args.random_output_len,
                               args.random_range_ratio, args.random_prefix_len, args.seed,
                               tokenizer=tokenizer, as_text=args.prompt_as_text)
-    return conversation_dataset(tokenizer, args.num_prompts, args.seed,
-                                output_len=args.conversation_output_len)
+    build = grounded_dataset if args.dataset == "grounded" else conversation_dataset
+    return build(tokenizer, args.num_prompts, args.seed, output_len=args.conversation_output_len)
 
 
 def load_bench_tokenizer(name: str | None) -> Any:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from engine import SamplingParams
 from kernels.cpu import native as cpu_native
 from loadtest import linear_floor, prefix_bench, throughput
 from loadtest.bench_common import StepRecord
@@ -139,11 +140,18 @@ def test_op_timers_are_removed(tiny_llama):
 
     llm = LLM(model=tiny_llama, kv_cache_memory_gb=0.02, max_model_len=512)
     eng = llm.engine
+    runner, plain = eng.worker.runner, eng.worker.runner.attn
     timers = OpTimes(eng)
-    assert "forward" in vars(eng.worker.attn) and "linear" in vars(eng.worker.attn.ops)
+    assert runner.attn is not plain and runner.attn.ops is not plain.ops
+    eng.add_request(None, [1, 2, 3], SamplingParams(max_tokens=2))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert sum(timers.calls.values()) > 0
     timers.remove()
-    assert "forward" not in vars(eng.worker.attn) and "schedule" not in vars(eng.scheduler)
-    assert not {"linear", "rope", "silu_mul"} & set(vars(eng.worker.attn.ops))
+    assert runner.attn is plain
+    # Nothing of the engine was patched: no instance attribute shadows a method.
+    assert not {"forward", "prepare"} & set(vars(plain)) and "schedule" not in vars(eng.scheduler)
+    assert not {"linear", "rope", "silu_mul"} & set(vars(plain.ops))
 
 
 def test_prefix_bench(tiny_llama, tmp_path, capsys):

@@ -17,8 +17,10 @@ from aiohttp import web
 
 from loadtest import serve_bench as sb
 from loadtest.datasets import (
+    GROUNDED_TASKS,
     SampleRequest,
     conversation_dataset,
+    grounded_dataset,
     length_range,
     load_conversations,
     random_dataset,
@@ -70,6 +72,22 @@ def test_conversation_dataset(default_tokenizer) -> None:
         assert s.prompt_len > 0 and 1 <= s.expected_output_len <= 256
     fixed = conversation_dataset(default_tokenizer, 5, output_len=7)
     assert {s.expected_output_len for s in fixed} == {7}
+
+
+def test_grounded_dataset_asks_for_the_replies_back(default_tokenizer) -> None:
+    replies = [m["content"] for c in load_conversations() for m in c if m["role"] == "assistant"]
+    samples = grounded_dataset(default_tokenizer, len(replies) + 2, seed=3)
+    assert len(samples) == len(replies) + 2
+    for s in samples:
+        (msg,) = s.messages
+        task, text = msg["content"].split("\n\n", 1)
+        assert task in GROUNDED_TASKS and text in replies
+        assert s.prompt_len > len(default_tokenizer.encode(text))
+        assert s.expected_output_len == min(256, len(default_tokenizer(
+            text, add_special_tokens=False)["input_ids"]))
+    # Every reply appears once per pass.
+    first = {s.messages[0]["content"].split("\n\n", 1)[1] for s in samples[: len(replies)]}
+    assert first == set(replies)
 
 
 def test_conversation_file_validation(tmp_path: Path) -> None:
