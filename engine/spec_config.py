@@ -17,15 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram",)
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
-"""Running requests above which a step does not speculate (measured on the CPU,
-``BENCHMARKS.md``, "Speculative decoding")."""
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
+"""Running requests above which a step does not speculate: on the 2-core CPU host of
+``BENCHMARKS.md`` ("Speculative decoding") verification paid at 1 and 2 concurrent
+requests and cost 8-18% at 4 and more."""
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 2
+    """Drafts per step: 2 measured best for the default model on the CPU (``BENCHMARKS.md``)."""
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
