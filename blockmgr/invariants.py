@@ -43,11 +43,17 @@ def check_manager(mgr: ManagerState) -> None:
     """Raise AssertionError with a message naming the first broken invariant."""
     pool = mgr.pool
     n = mgr.num_blocks
-    bs = mgr.block_size
-    ref_counts = pool.ref_counts
-    assert len(ref_counts) == n, f"ref_counts has {len(ref_counts)} entries for {n} blocks"
+    assert len(pool.ref_counts) == n, (
+        f"ref_counts has {len(pool.ref_counts)} entries for {n} blocks")
+    _check_free_queue(pool, n)
+    _check_holders(mgr)
+    _check_cache(mgr)
+    _check_tables(mgr)
 
-    # 1, 2: free queue vs ref counts.
+
+def _check_free_queue(pool: BlockPool, n: int) -> None:
+    """1, 2: free queue vs ref counts."""
+    ref_counts = pool.ref_counts
     free = pool.free_queue.check()
     free_set = set(free)
     assert len(free_set) == len(free), "free list holds a block twice"
@@ -59,18 +65,23 @@ def check_manager(mgr: ManagerState) -> None:
         assert (rc == 0) == (b in free_set), (
             f"block {b}: ref count {rc} but {'in' if b in free_set else 'not in'} the free list")
 
-    # 3: ref counts vs tables.
+
+def _check_holders(mgr: ManagerState) -> None:
+    """3: ref counts vs tables."""
     holders: Counter[int] = Counter()
     for rid, state in mgr.requests.items():
         blocks = state.block_ids
         assert len(set(blocks)) == len(blocks), f"request {rid}: a block appears twice in {blocks}"
         holders.update(blocks)
-    for b, rc in enumerate(ref_counts):
+    for b, rc in enumerate(mgr.pool.ref_counts):
         assert rc == holders[b], f"block {b}: ref count {rc} but held by {holders[b]} tables"
 
-    # 4: cache map vs per-block keys and contents.
+
+def _check_cache(mgr: ManagerState) -> None:
+    """4: cache map vs per-block keys and contents."""
+    pool, bs = mgr.pool, mgr.block_size
     num_keyed = 0
-    for b in range(n):
+    for b in range(mgr.num_blocks):
         key = pool.block_hash[b]
         meta = pool.block_meta[b]
         if key is None:
@@ -90,7 +101,10 @@ def check_manager(mgr: ManagerState) -> None:
     if not mgr.enable_prefix_caching:
         assert not pool.cached, "blocks are cached with prefix caching off"
 
-    # 5, 6: per-request tables and slot counters.
+
+def _check_tables(mgr: ManagerState) -> None:
+    """5, 6: per-request tables and slot counters."""
+    pool, bs = mgr.pool, mgr.block_size
     allocated = filled = 0
     for rid, state in mgr.requests.items():
         blocks = state.block_ids

@@ -128,21 +128,11 @@ class KVCacheManager:
         that is full once these tokens are computed.
         """
         rid = req.request_id
-        bs = self.block_size
         state = self.requests.get(rid)
-        if state is not None and not new_computed_blocks:
-            # Decode fast path: the table already covers the new tokens.
-            num_tokens = req.num_computed_tokens + num_new_tokens
-            if num_tokens <= len(state.block_ids) * bs:
-                if num_tokens > state.num_tokens:
-                    self.num_slots_filled += num_tokens - state.num_tokens
-                    state.num_tokens = num_tokens
-                # Also when the table does not grow: a request whose speculative tokens
-                # were rejected fills again slots it had asked for.
-                if (self.enable_prefix_caching and min(num_tokens, len(req.all_token_ids))
-                        // bs > state.num_hashed_blocks):
-                    self._hash_full_blocks(req, state, num_tokens)
-                return True
+        if state is not None and not new_computed_blocks and \
+                self._fill_in_place(req, state, req.num_computed_tokens + num_new_tokens):
+            return True
+        bs = self.block_size
         pool = self.pool
         computed = new_computed_blocks or []
         num_before = len(state.block_ids) if state is not None else 0
@@ -159,16 +149,12 @@ class KVCacheManager:
         if num_new_blocks + num_revived > pool.num_free_blocks:
             return False
 
-        lookup = self._last_lookup
-        lookup_hashes = lookup[1] if lookup is not None and lookup[0] == rid else None
-        if lookup_hashes is not None:
-            self._last_lookup = None
+        lookup_hashes = self._take_lookup(rid)
         if computed:
             if lookup_hashes is None or len(lookup_hashes) < len(computed):
                 # Not from this request's latest lookup: rebuild the keys to validate.
                 lookup_hashes = self._chain_keys(req, len(computed))
             self._validate_computed(rid, computed, lookup_hashes)
-            state_hashes: list[BlockHash] = lookup_hashes
 
         if state is None:
             state = RequestBlocks()
@@ -177,22 +163,43 @@ class KVCacheManager:
             pool.touch(computed)
             state.block_ids.extend(computed)
             state.num_hashed_blocks = len(computed)
-            state.block_hashes = state_hashes
+            state.block_hashes = lookup_hashes
         elif lookup_hashes is not None and not state.block_hashes:
             state.block_hashes = lookup_hashes
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         state.block_ids.extend(new_blocks)
-
         self.num_slots_allocated += (len(computed) + num_new_blocks) * bs
-        if num_tokens > state.num_tokens:
-            self.num_slots_filled += num_tokens - state.num_tokens
-            state.num_tokens = num_tokens
-        if self.enable_prefix_caching:
-            self._hash_full_blocks(req, state, num_tokens)
+        self._filled(req, state, num_tokens)
         if (computed or new_blocks) and logger.isEnabledFor(logging.DEBUG):
             logger.debug("allocate %s: computed=%s new=%s -> %d blocks, %d tokens",
                          rid, computed, new_blocks, len(state.block_ids), state.num_tokens)
         return True
+
+    def _fill_in_place(self, req: KVRequest, state: RequestBlocks, num_tokens: int) -> bool:
+        """The decode fast path: True if the table already covers ``num_tokens``."""
+        if num_tokens > len(state.block_ids) * self.block_size:
+            return False
+        self._filled(req, state, num_tokens)
+        return True
+
+    def _filled(self, req: KVRequest, state: RequestBlocks, num_tokens: int) -> None:
+        """The table's first ``num_tokens`` slots are (about to be) computed: count them,
+        and key the blocks they fill. Also when the table does not grow: a request whose
+        speculative tokens were rejected fills again slots it had asked for."""
+        if num_tokens > state.num_tokens:
+            self.num_slots_filled += num_tokens - state.num_tokens
+            state.num_tokens = num_tokens
+        if (self.enable_prefix_caching and min(num_tokens, len(req.all_token_ids))
+                // self.block_size > state.num_hashed_blocks):
+            self._hash_full_blocks(req, state, num_tokens)
+
+    def _take_lookup(self, rid: str) -> list[BlockHash] | None:
+        """The keys of ``rid``'s latest prefix-cache lookup, once."""
+        lookup = self._last_lookup
+        if lookup is None or lookup[0] != rid:
+            return None
+        self._last_lookup = None
+        return lookup[1]
 
     def _chain_keys(self, req: KVRequest, num_blocks: int) -> list[BlockHash]:
         """Keys of the request's first ``num_blocks`` blocks, from its tokens."""

@@ -15,6 +15,8 @@ BENCHMARKS: list[tuple[str, str, str]] = [
      "offline throughput on a random workload, matrix-product floor, --compare-hf"),
     ("prefix", "loadtest.prefix_bench",
      "prefix caching on/off on a shared-prefix and a zero-reuse workload"),
+    ("decode", "loadtest.decode_bench",
+     "decode latency per step at a few batch sizes, bytes read against the read bandwidth"),
     ("serve", "loadtest.serve_bench",
      "online serving: streaming requests at a running server (TTFT, TPOT, ITL, throughput)"),
 ]

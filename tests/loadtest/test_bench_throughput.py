@@ -195,3 +195,25 @@ def test_bench_cli_registers_benchmarks():
         3, "bfloat16", False, True)
     args = parser.parse_args(["bench", "prefix", "--repeats", "2"])
     assert args._bench_main is prefix_bench.main and args.repeats == 2
+
+
+def test_decode_bench_times_each_batch_and_reads_the_weight_bytes(tiny_llama, tmp_path, capsys):
+    from loadtest import decode_bench
+
+    out = tmp_path / "d.json"
+    decode_bench.cli(["--model", tiny_llama, "--batch-sizes", "1,3", "--steps", "5",
+                      "--prompt-len", "8", "--op-times", *ENGINE, "--save-result", str(out)])
+    text = capsys.readouterr().out
+    assert "MB read per step" in text and "ms a step at least" in text
+    rep = json.loads(out.read_text())
+    # The tiny Llama: 2 layers of qkv (64 -> 128), o, gate_up (64 -> 256), down, and a
+    # 49152 x 64 lm_head, float32.
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 256 + 128 * 64
+    assert rep["weight_bytes"] == 4 * (2 * per_layer + 49152 * 64)
+    assert [b["batch"] for b in rep["batches"]] == [1, 3]
+    for b in rep["batches"]:
+        assert 0 < b["median_ms"] <= b["p90_ms"]
+        assert b["tokens_per_s"] == pytest.approx(b["batch"] / b["median_ms"] * 1e3)
+        assert b["floor_ratio"] == pytest.approx(rep["floor_ms"] / b["median_ms"])
+    calls = {op["op"]: op["calls"] for op in rep["op_times"]["decode"]["ops"]}
+    assert calls["attention"] == 2 * 5 and calls["linear lm_head"] == 5

@@ -141,6 +141,24 @@ def test_no_file_over_400_lines() -> None:
     assert long == {}
 
 
+CORE = ("blockmgr/*.py", "engine/scheduler.py", "engine/llm_engine.py",
+        "engine/output_processor.py", "engine/async_engine.py")
+"""The core: the block manager, the scheduler, the engine loop and the output processor."""
+
+
+def test_no_function_over_60_lines_in_the_core() -> None:
+    long = []
+    for pattern in CORE:
+        for path in sorted(ROOT.glob(pattern)):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > 60:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                    f"({lines} lines)")
+    assert not long, long
+
+
 def test_design_doc_names_existing_files() -> None:
     text = (ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8")
     named = set(re.findall(r"`((?:blockmgr|engine|kernels|server|loadtest|scripts|tests)/[^`\s]*)`",

@@ -1,0 +1,154 @@
+"""Decode latency: ``pagedserve bench decode``.
+
+For each batch size, that many greedy requests of ``--prompt-len`` random tokens are
+prefilled, then ``--steps`` decode steps are timed one by one (``LLMEngine.step()``):
+the median and p90 step, tokens per second, and the bytes of weights one step reads
+(every linear and the logits) against this machine's read bandwidth (a torch ``sum``
+over a buffer larger than the caches, on all threads): the floor a step cannot beat and
+the share of it the engine reaches. ``--op-times`` adds where one step's time goes
+(every layer op and attention call, timed through ``ModelRunner.instrument``).
+
+The latency a single chat user sees is the batch-1 step; compare weight formats with
+``--quantization`` and ``--dtype``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from loadtest.bench_common import (
+    add_engine_args,
+    apply_threads,
+    engine_kwargs,
+    environment_info,
+    module_cli,
+    print_header,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``bench decode``."""
+    w = parser.add_argument_group("workload")
+    w.add_argument("--batch-sizes", default="1,8", help="comma-separated request counts")
+    w.add_argument("--prompt-len", type=int, default=64)
+    w.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
+    add_engine_args(parser)
+    r = parser.add_argument_group("run")
+    r.add_argument("--op-times", action="store_true",
+                   help="also time every layer op and attention call of the batch-1 steps")
+    r.add_argument("--save-result", default=None, help="write the report as JSON")
+
+
+def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """GB/s of a torch ``sum`` over ``mib`` MiB (best of ``repeats``)."""
+    import torch
+
+    x = torch.ones(mib * 1024 * 1024 // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of the weights one decode step reads: every linear and the logits'."""
+    total = 0
+    for w in model.linear_weights():
+        total += w.nbytes if hasattr(w, "bits_per_weight") else w.numel() * w.element_size()
+    return total
+
+
+def time_decode(llm: Any, batch: int, prompt_len: int, steps: int,
+                seed: int) -> tuple[list[float], float]:
+    """Seconds of each of ``steps`` decode steps of ``batch`` greedy requests, and the
+    seconds of the other steps (prefill)."""
+    import random
+
+    from engine import SamplingParams
+
+    eng = llm.engine
+    rng = random.Random(seed + batch)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request(None, [rng.randrange(100, 10000) for _ in range(prompt_len)], params)
+    times: list[float] = []
+    other = 0.0
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        st = eng.last_step
+        if st is not None and st.num_decodes == st.num_requests == batch:
+            times.append(dt)
+        else:
+            other += dt
+    return times, other
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    from engine import LLM
+    from kernels.cpu import paths as cpu_paths
+    from loadtest.op_times import OpTimes, format_report
+
+    apply_threads(args)
+    env = environment_info()
+    llm = LLM(**engine_kwargs(args, enable_prefix_caching=False))
+    worker = llm.engine.worker
+    nbytes = weight_bytes(worker.model)
+    bandwidth = read_bandwidth_gbs()
+    floor_ms = nbytes / (bandwidth * 1e9) * 1e3
+    print_header("pagedserve bench decode", env, {
+        "model": f"{worker.model_name} ({worker.model_path})",
+        "weights": f"{str(worker.dtype).removeprefix('torch.')}"
+                   + (f", {worker.quant_desc}" if worker.quant_desc else "")
+                   + f": {nbytes / 1e6:.1f} MB read per step",
+        "memory": f"read bandwidth {bandwidth:.1f} GB/s: {floor_ms:.2f} ms a step at least",
+        **({"cpu paths": cpu_paths.summary(worker.cpu_paths,
+                                           str(worker.dtype).removeprefix("torch."),
+                                           worker.quant_desc)}
+           if worker.cpu_paths is not None else {}),
+    })
+    time_decode(llm, 1, args.prompt_len, 8, args.seed)  # warm-up
+    report: dict[str, Any] = {"env": env, "weight_bytes": nbytes, "read_gbs": bandwidth,
+                              "floor_ms": floor_ms, "batches": []}
+    print(f"{'batch':>5} {'median ms':>10} {'p90 ms':>8} {'tok/s':>8} {'floor/step':>10}")
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        times = sorted(time_decode(llm, batch, args.prompt_len, args.steps, args.seed)[0])
+        med, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
+        row = {"batch": batch, "median_ms": med * 1e3, "p90_ms": p90 * 1e3,
+               "tokens_per_s": batch / med, "floor_ratio": floor_ms / (med * 1e3)}
+        report["batches"].append(row)
+        print(f"{batch:>5} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} "
+              f"{row['tokens_per_s']:>8.1f} {row['floor_ratio']:>10.2f}")
+    if args.op_times:
+        timers = OpTimes(llm.engine)
+        try:
+            times, other = time_decode(llm, 1, args.prompt_len, args.steps, args.seed)
+        finally:
+            timers.remove()
+        report["op_times"] = timers.report({"decode": sum(times), "prefill": other})
+        print(format_report(report["op_times"]))
+    if args.save_result:
+        import json
+
+        with open(args.save_result, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    return module_cli("python -m loadtest.decode_bench", __doc__, add_arguments, main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
