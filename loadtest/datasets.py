@@ -155,14 +155,8 @@ def conversation_dataset(
         for i, m in enumerate(msgs):
             if m["role"] != "assistant" or i == 0:
                 continue
-            history = [dict(x) for x in msgs[:i]]
-            text = tokenizer.apply_chat_template(history, tokenize=False,
-                                                 add_generation_prompt=True)
-            prompt_len = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-            ref_len = len(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
-            n_out = output_len if output_len is not None else max(1, min(ref_len, max_output_len))
-            turns.append(SampleRequest(prompt=text, prompt_len=prompt_len,
-                                       expected_output_len=n_out, messages=history))
+            turns.append(_chat_sample(tokenizer, [dict(x) for x in msgs[:i]], m["content"],
+                                      output_len, max_output_len))
     if not turns:
         raise ValueError(f"{path} has no assistant turn")
     return _cycled(turns, num_prompts, seed)
@@ -188,13 +182,20 @@ def grounded_dataset(
     for i, reply in enumerate(replies):
         history = [{"role": "user",
                     "content": f"{GROUNDED_TASKS[i % len(GROUNDED_TASKS)]}\n\n{reply}"}]
-        text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-        prompt_len = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        ref_len = len(tokenizer(reply, add_special_tokens=False)["input_ids"])
-        n_out = output_len if output_len is not None else max(1, min(ref_len, max_output_len))
-        turns.append(SampleRequest(prompt=text, prompt_len=prompt_len,
-                                   expected_output_len=n_out, messages=history))
+        turns.append(_chat_sample(tokenizer, history, reply, output_len, max_output_len))
     return _cycled(turns, num_prompts, seed)
+
+
+def _chat_sample(tokenizer: Any, history: list[dict[str, str]], reference: str,
+                 output_len: int | None, max_output_len: int) -> SampleRequest:
+    """A chat request of ``history`` whose expected output is ``reference``'s length
+    (capped at ``max_output_len``), or ``output_len`` when given."""
+    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    prompt_len = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ref_len = len(tokenizer(reference, add_special_tokens=False)["input_ids"])
+    n_out = output_len if output_len is not None else max(1, min(ref_len, max_output_len))
+    return SampleRequest(prompt=text, prompt_len=prompt_len, expected_output_len=n_out,
+                         messages=history)
 
 
 def _cycled(turns: list[SampleRequest], num_prompts: int, seed: int) -> list[SampleRequest]:
