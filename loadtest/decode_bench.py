@@ -7,6 +7,9 @@ the median and p90 step, tokens per second, and the bytes of weights one step re
 over a buffer larger than the caches, on all threads): the floor a step cannot beat and
 the share of it the engine reaches. ``--op-times`` adds where one step's time goes
 (every layer op and attention call, timed through ``ModelRunner.instrument``).
+``--agreement N`` compares the greedy outputs (N tokens each, a fixed set of prompts)
+with those of the same model in float32: identical outputs, mean common prefix, and the
+largest difference of the chosen token's logprob along the common prefixes.
 
 The latency a single chat user sees is the batch-1 step; compare weight formats with
 ``--quantization`` and ``--dtype``.
@@ -41,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("run")
     r.add_argument("--op-times", action="store_true",
                    help="also time every layer op and attention call of the batch-1 steps")
+    r.add_argument("--agreement", type=int, default=0, metavar="N",
+                   help="compare N greedy tokens per prompt with the float32 model")
     r.add_argument("--save-result", default=None, help="write the report as JSON")
 
 
@@ -95,6 +100,49 @@ def time_decode(llm: Any, batch: int, prompt_len: int, steps: int,
     return times, other
 
 
+AGREEMENT_PROMPTS = (
+    "Explain the architectural differences between microservices and monoliths.",
+    "Write a Python script to implement a lock-free ring buffer.",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Translate to French: The weather is nice today.",
+    "Q: What is 12 times 7?\nA:",
+    "Give me three tips for writing readable Python code.",
+    "Once upon a time, in a small village by the sea,",
+)
+
+
+def agreement(args: argparse.Namespace, num_tokens: int) -> dict[str, Any]:
+    """Greedy outputs of the configured engine against the float32 model's."""
+    import gc
+
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, min_tokens=num_tokens,
+                            logprobs=0)
+    runs = []
+    for kwargs in (engine_kwargs(args), engine_kwargs(args, quantization=None,
+                                                      dtype="float32")):
+        llm = LLM(model=args.model, **kwargs)
+        runs.append([o.outputs[0] for o in llm.generate(list(AGREEMENT_PROMPTS), params,
+                                                         use_tqdm=False)])
+        del llm
+        gc.collect()
+    identical, prefix, max_diff = 0, 0.0, 0.0
+    for got, ref in zip(*runs, strict=True):
+        n = 0
+        while n < min(len(got.token_ids), len(ref.token_ids)) and \
+                got.token_ids[n] == ref.token_ids[n]:
+            n += 1
+        identical += got.token_ids == ref.token_ids
+        prefix += n / max(1, len(ref.token_ids))
+        for a, b in zip(got.logprobs[:n], ref.logprobs[:n], strict=True):
+            max_diff = max(max_diff, abs(a.logprob - b.logprob))
+    count = len(AGREEMENT_PROMPTS)
+    return {"prompts": count, "tokens": num_tokens, "identical": identical / count,
+            "mean_common_prefix": prefix / count, "max_logprob_diff": max_diff}
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     from engine import LLM
     from kernels.cpu import paths as cpu_paths
@@ -102,7 +150,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     apply_threads(args)
     env = environment_info()
-    llm = LLM(**engine_kwargs(args, enable_prefix_caching=False))
+    llm = LLM(model=args.model, **engine_kwargs(args, enable_prefix_caching=False))
     worker = llm.engine.worker
     nbytes = weight_bytes(worker.model)
     bandwidth = read_bandwidth_gbs()
@@ -138,6 +186,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             timers.remove()
         report["op_times"] = timers.report({"decode": sum(times), "prefill": other})
         print(format_report(report["op_times"]))
+    if args.agreement:
+        del llm
+        report["agreement"] = agreement(args, args.agreement)
+        a = report["agreement"]
+        print(f"greedy agreement with float32: {a['identical']:.0%} identical outputs, "
+              f"{a['mean_common_prefix']:.1%} mean common prefix, max |logprob difference| "
+              f"of the chosen token {a['max_logprob_diff']:.4f}")
     if args.save_result:
         import json
 

@@ -202,7 +202,8 @@ def test_decode_bench_times_each_batch_and_reads_the_weight_bytes(tiny_llama, tm
 
     out = tmp_path / "d.json"
     decode_bench.cli(["--model", tiny_llama, "--batch-sizes", "1,3", "--steps", "5",
-                      "--prompt-len", "8", "--op-times", *ENGINE, "--save-result", str(out)])
+                      "--prompt-len", "8", "--op-times", "--agreement", "4", *ENGINE,
+                      "--save-result", str(out)])
     text = capsys.readouterr().out
     assert "MB read per step" in text and "ms a step at least" in text
     rep = json.loads(out.read_text())
@@ -217,3 +218,7 @@ def test_decode_bench_times_each_batch_and_reads_the_weight_bytes(tiny_llama, tm
         assert b["floor_ratio"] == pytest.approx(rep["floor_ms"] / b["median_ms"])
     calls = {op["op"]: op["calls"] for op in rep["op_times"]["decode"]["ops"]}
     assert calls["attention"] == 2 * 5 and calls["linear lm_head"] == 5
+    # float32 against float32: the same outputs.
+    agree = rep["agreement"]
+    assert agree["identical"] == 1.0 and agree["mean_common_prefix"] == 1.0
+    assert agree["max_logprob_diff"] < 1e-5 and "greedy agreement with float32" in text
