@@ -62,6 +62,14 @@ def test_native_kernel_matches_reference(native_lib, fmt, n, k) -> None:
     assert_product_close(quant.native_linear(native_lib, wide[:, :k], w, None, 2), wide[:, :k], w, None)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_native_kernel_long_rows(native_lib, fmt) -> None:
+    """k of 301 blocks: the scales are converted in chunks of 256 blocks."""
+    w = random_weight(fmt, 5, 301 * 32, seed=11)
+    x = torch.randn(3, 301 * 32, generator=torch.Generator().manual_seed(2))
+    assert_product_close(quant.native_linear(native_lib, x, w, None, 2), x, w, None)
+
+
 @pytest.mark.parametrize("fmt", ["int8"])
 @pytest.mark.parametrize("k", [1, 31, 45])
 def test_native_int8_takes_any_k(native_lib, fmt, k) -> None:
