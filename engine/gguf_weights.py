@@ -99,10 +99,6 @@ def _unpermute_index(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
 
 
-def architecture(path: Path) -> str:
-    return _field_str(_reader(path), "general.architecture") or "?"
-
-
 def tensor_formats(path: Path) -> dict[str, str]:
     """Per model weight (``layers.{i}.{projection}``, ``embed_tokens``, ``lm_head``) the
     quantized format it loads in; weights that load as float are absent. A fused
@@ -110,19 +106,9 @@ def tensor_formats(path: Path) -> dict[str, str]:
     parts: dict[str, set[str | None]] = {}
     for t in _reader(path).tensors:
         name = hf_name(t.name)
-        if name is None or not name.endswith(".weight"):
-            continue
-        fmt = NATIVE_TYPES.get(t.tensor_type.name)
-        if name == "model.embed_tokens.weight":
-            key = "embed_tokens"
-        elif name == "lm_head.weight":
-            key = "lm_head"
-        else:
-            leaf = name.split(".")[-2]
-            if leaf not in _FUSED:
-                continue
-            key = f"layers.{name.split('.')[2]}.{_FUSED[leaf]}"
-        parts.setdefault(key, set()).add(fmt)
+        key = None if name is None else _weight_key(name)
+        if key is not None:
+            parts.setdefault(key, set()).add(NATIVE_TYPES.get(t.tensor_type.name))
     return {k: next(iter(f)) for k, f in parts.items() if len(f) == 1 and None not in f}
 
 
@@ -162,10 +148,15 @@ def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
         yield name, value
 
 
-def _weight_key(hf: str) -> str:
+def _weight_key(hf: str) -> str | None:
+    """The :meth:`~engine.models.decoder.DecoderForCausalLM.quantize_layout` key of a
+    checkpoint weight (``layers.{i}.{fused projection}``, ``embed_tokens``, ``lm_head``),
+    or None for a weight that is never quantized (norms, biases)."""
     if hf == "model.embed_tokens.weight":
         return "embed_tokens"
     if hf == "lm_head.weight":
         return "lm_head"
     parts = hf.split(".")
-    return f"layers.{parts[2]}.{_FUSED.get(parts[-2], parts[-2])}"
+    if parts[-1] != "weight" or parts[-2] not in _FUSED:
+        return None
+    return f"layers.{parts[2]}.{_FUSED[parts[-2]]}"

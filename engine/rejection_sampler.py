@@ -43,9 +43,8 @@ def verify(logits: torch.Tensor, rows: list[SamplingRow], spans: list[Span],
     raw = logits[:, :min(vocab_size, logits.shape[1])]
     x = raw.float().clone()
     penalties.apply_all(x, rows)
-    greedy_rows = [i for i, r in enumerate(rows) if is_greedy(r.params)]
-    targets = x.argmax(dim=-1).tolist() if greedy_rows else []
     sampled_rows = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
+    targets = x.argmax(dim=-1).tolist() if len(sampled_rows) < len(rows) else []
     probs_at: dict[int, int] = {}
     probs = None
     if sampled_rows:

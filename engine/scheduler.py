@@ -73,8 +73,6 @@ class SpecStats:
     """Requests-steps that verified draft tokens."""
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_steps: int = 0
-    """Steps that verified drafts."""
 
 
 class Scheduler:
@@ -151,8 +149,6 @@ class Scheduler:
         for req, n in scheduled:
             out.num_scheduled_tokens[req.request_id] = n
             self._describe(req, out)
-        if out.scheduled_spec_decode_tokens:
-            self.spec_stats.num_steps += 1
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if scheduled:  # an empty step is not run: the finished ids wait for the next one
             out.finished_req_ids, self._finished_ids = self._finished_ids, []

@@ -67,10 +67,7 @@ def _timed(fn) -> float:
 
 def weight_bytes(model: Any) -> int:
     """Bytes of the weights one decode step reads: every linear and the logits'."""
-    total = 0
-    for w in model.linear_weights():
-        total += w.nbytes if hasattr(w, "bits_per_weight") else w.numel() * w.element_size()
-    return total
+    return sum(w.nbytes for w in model.linear_weights())  # tensors and QuantizedWeight
 
 
 def time_decode(llm: Any, batch: int, prompt_len: int, steps: int,
