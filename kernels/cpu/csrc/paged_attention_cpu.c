@@ -267,12 +267,6 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
         if (slots[t] < -1 || slots[t] >= (int64_t)num_blocks * block_size) return PA_ERR_SLOT;
     const int elem = dtype == DTYPE_F32 ? 4 : 2;
     const size_t row_bytes = (size_t)num_kv_heads * head_dim * elem;
-    write_task_t wt = {k_cache, v_cache, key, value, kv_stride, slots, row_bytes, elem};
-    /* This step's K/V rows first: a prefill tile reads rows that other threads write. */
-    const int write_threads = num_rows >= 64 ? num_threads : 1;
-    pool_run(write_rows, &wt, num_rows, (num_rows + 4 * write_threads - 1) / (4 * write_threads),
-             write_threads);
-    if (num_seqs <= 0) return 0; /* nothing to attend (a step of padding only) */
     /* Tiles of each request's query tokens; a request with no token this step has none. */
     int64_t num_tiles = 0;
     for (int s = 0; s < num_seqs; ++s) {
@@ -280,8 +274,18 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
         if (q_len < 0 || q_len > seq_lens[s]) return PA_ERR_RANGE;
         num_tiles += (q_len + TOKEN_TILE - 1) / TOKEN_TILE;
     }
-    tile_t *tiles = malloc(sizeof(tile_t) * (size_t)(num_tiles > 0 ? num_tiles : 1));
-    if (tiles == NULL) return PA_ERR_NOMEM;
+    tile_t *tiles = NULL;
+    if (num_seqs > 0) {
+        tiles = malloc(sizeof(tile_t) * (size_t)(num_tiles > 0 ? num_tiles : 1));
+        if (tiles == NULL) return PA_ERR_NOMEM;
+    }
+    /* The arguments hold: this step's K/V rows first (a prefill tile reads rows that
+     * other threads write). */
+    write_task_t wt = {k_cache, v_cache, key, value, kv_stride, slots, row_bytes, elem};
+    const int write_threads = num_rows >= 64 ? num_threads : 1;
+    pool_run(write_rows, &wt, num_rows, (num_rows + 4 * write_threads - 1) / (4 * write_threads),
+             write_threads);
+    if (num_seqs <= 0) return 0; /* nothing to attend (a step of padding only) */
     for (int s = 0, i = 0; s < num_seqs; ++s) {
         const int tok = query_start_loc ? query_start_loc[s] : s;
         const int q_len = query_start_loc ? query_start_loc[s + 1] - tok : 1;

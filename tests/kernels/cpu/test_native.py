@@ -183,6 +183,13 @@ def test_rejects_bad_kv_rows(lib) -> None:
                                    value=step.value, slot_mapping=slots)  # fmt: skip
     assert_same(step.k_cache, k_before)
     assert_same(step.v_cache, v_before)
+    # A request with more query tokens than its context: refused, nothing written.
+    bad_qsl = torch.tensor([0, 0, 10], dtype=torch.int32)  # request 1: 10 tokens, context 9
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_native.paged_attention(*args, query_start_loc=bad_qsl, key=step.key,
+                                   value=step.value, slot_mapping=m.slot_mapping)  # fmt: skip
+    assert_same(step.k_cache, k_before)
+    assert_same(step.v_cache, v_before)
     with pytest.raises(ValueError, match="do not fit the cache rows"):
         cpu_native.paged_attention(*args, query_start_loc=m.query_start_loc,
                                    key=step.key[:, :1], value=step.value[:, :1],
