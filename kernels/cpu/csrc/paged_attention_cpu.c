@@ -30,6 +30,7 @@
  * keeps the scores of the whole context (two passes: q.K, then softmax-weighted V),
  * one token at a time.
  */
+#include <limits.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -41,6 +42,11 @@
 
 /* Query tokens of one request handled by one work item. */
 #define TOKEN_TILE 16
+/* Tokens per tile of the tiled path (vector builds), and the chunk length from which a
+ * request takes it: shorter chunks, speculative verification and decodes keep the
+ * vector path, so a token's result there never depends on how it was batched. */
+#define TILED_TILE 32
+#define TILED_MIN_Q 32
 
 /* One work item: ``ntok`` consecutive tokens of one request, KV heads ``h0 .. h0 + nh -
  * 1``. Token j sees the first ``seq_len + j`` rows of the context. */
@@ -50,6 +56,10 @@ typedef struct {
     const int32_t *table;
     int64_t q_stride, out_stride;
     int seq_len, ntok, h0, nh;
+    /* Context rows ``c0 .. c1 - 1`` only (a part of a split context; else 0, INT_MAX),
+     * and where such a part leaves its softmax state (NULL: normalised to ``out``). */
+    int c0, c1;
+    float *part;
 } item_t;
 
 typedef struct {
@@ -158,14 +168,59 @@ static void attend_portable(const item_t *it, const shape_t *sh, int dtype, floa
 
 /* The vector path (AVX-512 or AVX2 through simd.h): attend_vec_f32/_bf16/_f16. */
 #include "paged_attention_vec.h"
+/* The tiled path for long prefill chunks: attend_tiled_f32/_bf16/_f16. */
+#include "paged_attention_tiled.h"
 
 /* ------------------------------------------------------------------------- */
 
 /* A tile of request ``s``: tokens ``tok0 .. tok0 + ntok - 1``, the first of which sees
- * ``len0`` context rows. */
+ * ``len0`` context rows; ``tiled``: the tiled path. A long context is split into parts of
+ * SPLIT_ROWS rows (whole blocks), one tile each with the same tokens: rows ``c0 .. c1 -
+ * 1``, its state left in partial slot ``part`` (-1: not split), merged after. */
 typedef struct {
-    int s, tok0, ntok, len0;
+    int s, tok0, ntok, len0, tiled, c0, c1, part;
 } tile_t;
+
+/* Context rows per part of a split context (rounded up to whole blocks): a long
+ * request's decode is shared among threads. Fixed, so a token's result never depends
+ * on the thread count or on the other requests of its step. */
+#define SPLIT_ROWS 512
+
+/* Floats of one partial slot: per token, every query head's unnormalised output, then
+ * their running maxima, then their denominators. */
+static size_t part_floats(int num_heads, int head_dim) {
+    return (size_t)TOKEN_TILE * num_heads * ((size_t)head_dim + 2);
+}
+
+/* The output of each token of a split tile from its parts' states, in part order. */
+static void merge_parts(const tile_t *tiles, int64_t first, int nparts, const float *parts,
+                        float *out, int64_t out_stride, int num_heads, int head_dim) {
+    const tile_t *tl = &tiles[first];
+    const int H = num_heads, D = head_dim;
+    const size_t slot = part_floats(H, D), per_tok = (size_t)H * (D + 2);
+    for (int j = 0; j < tl->ntok; ++j) {
+        float *o = out + (int64_t)(tl->tok0 + j) * out_stride;
+        for (int h = 0; h < H; ++h) {
+            float m = -INFINITY;
+            for (int p = 0; p < nparts; ++p) {
+                const float mp = parts[tiles[first + p].part * slot + j * per_tok + (size_t)H * D + h];
+                m = mp > m ? mp : m;
+            }
+            float den = 0.0f;
+            for (int d = 0; d < D; ++d) o[h * D + d] = 0.0f;
+            for (int p = 0; p < nparts; ++p) {
+                const float *st = parts + tiles[first + p].part * slot + j * per_tok;
+                const float mp = st[(size_t)H * D + h];
+                if (mp == -INFINITY) continue; /* the token sees none of this part */
+                const float w = expf(mp - m);
+                den += w * st[(size_t)H * D + H + h];
+                for (int d = 0; d < D; ++d) o[h * D + d] += w * st[h * D + d];
+            }
+            const float inv = 1.0f / den;
+            for (int d = 0; d < D; ++d) o[h * D + d] *= inv;
+        }
+    }
+}
 
 /* Rows ``[t0, t1)`` of ``key``/``value`` (``num_kv_heads * head_dim`` elements of the
  * cache dtype, rows ``kv_stride`` elements apart) to cache slots ``slots[t]``; -1 is
@@ -203,7 +258,9 @@ typedef struct {
     int64_t q_stride, out_stride;
     int splits, per_item, dtype, vector_path, block_size, num_blocks, max_blocks_per_seq,
         max_seq_len, head_dim;
-    float **scores, **acc;
+    float **scores, **acc, **tiled;
+    float *parts;
+    size_t part_slot;
     _Atomic int status;
 } attend_task_t;
 
@@ -228,8 +285,19 @@ static void attend_items(void *ctx, int64_t i0, int64_t i1, int worker) {
         const int64_t head_off = (int64_t)h0 * sh->group * a->head_dim;
         const item_t it = {a->query + (int64_t)tl.tok0 * a->q_stride + head_off,
                            a->out + (int64_t)tl.tok0 * a->out_stride + head_off, table,
-                           a->q_stride, a->out_stride, tl.len0, tl.ntok, h0, a->per_item};
+                           a->q_stride, a->out_stride, tl.len0, tl.ntok, h0, a->per_item,
+                           tl.c0, tl.c1,
+                           tl.part >= 0 ? a->parts + (size_t)tl.part * a->part_slot : NULL};
 #if SIMD_VW
+        if (tl.tiled) {
+            if (a->dtype == DTYPE_F32)
+                attend_tiled_f32(&it, sh, a->tiled[worker]);
+            else if (a->dtype == DTYPE_BF16)
+                attend_tiled_bf16(&it, sh, a->tiled[worker]);
+            else
+                attend_tiled_f16(&it, sh, a->tiled[worker]);
+            continue;
+        }
         if (a->vector_path) {
             if (a->dtype == DTYPE_F32)
                 attend_vec_f32(&it, sh, acc);
@@ -267,17 +335,43 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
         if (slots[t] < -1 || slots[t] >= (int64_t)num_blocks * block_size) return PA_ERR_SLOT;
     const int elem = dtype == DTYPE_F32 ? 4 : 2;
     const size_t row_bytes = (size_t)num_kv_heads * head_dim * elem;
-    /* Tiles of each request's query tokens; a request with no token this step has none. */
-    int64_t num_tiles = 0;
+#if SIMD_VW
+    const int vector_path = head_dim % VW == 0 && head_dim <= VW * MAX_NV;
+#else
+    const int vector_path = 0;
+#endif
+    /* Tiles of each request's query tokens (a request with no token this step has none),
+     * and the parts of split contexts. */
+    const int split_rows = (SPLIT_ROWS + block_size - 1) / block_size * block_size;
+    int64_t num_tiles = 0, num_parts = 0;
+    int any_tiled = 0;
     for (int s = 0; s < num_seqs; ++s) {
         const int q_len = query_start_loc ? query_start_loc[s + 1] - query_start_loc[s] : 1;
         if (q_len < 0 || q_len > seq_lens[s]) return PA_ERR_RANGE;
-        num_tiles += (q_len + TOKEN_TILE - 1) / TOKEN_TILE;
+        if (vector_path && q_len >= TILED_MIN_Q) {
+            num_tiles += (q_len + TILED_TILE - 1) / TILED_TILE;
+            any_tiled = 1;
+            continue;
+        }
+        for (int j = 0; j < q_len; j += TOKEN_TILE) {
+            const int ntok = q_len - j < TOKEN_TILE ? q_len - j : TOKEN_TILE;
+            const int last = seq_lens[s] - q_len + j + ntok; /* rows the last token sees */
+            const int parts = vector_path ? (last + split_rows - 1) / split_rows : 1;
+            num_tiles += parts;
+            num_parts += parts > 1 ? parts : 0;
+        }
     }
     tile_t *tiles = NULL;
+    float *parts = NULL;
+    const size_t part_slot = part_floats(num_heads, head_dim);
     if (num_seqs > 0) {
         tiles = malloc(sizeof(tile_t) * (size_t)(num_tiles > 0 ? num_tiles : 1));
-        if (tiles == NULL) return PA_ERR_NOMEM;
+        parts = num_parts ? malloc(sizeof(float) * part_slot * (size_t)num_parts) : NULL;
+        if (tiles == NULL || (num_parts && parts == NULL)) {
+            free(tiles);
+            free(parts);
+            return PA_ERR_NOMEM;
+        }
     }
     /* The arguments hold: this step's K/V rows first (a prefill tile reads rows that
      * other threads write). */
@@ -286,12 +380,21 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     pool_run(write_rows, &wt, num_rows, (num_rows + 4 * write_threads - 1) / (4 * write_threads),
              write_threads);
     if (num_seqs <= 0) return 0; /* nothing to attend (a step of padding only) */
-    for (int s = 0, i = 0; s < num_seqs; ++s) {
+    for (int s = 0, i = 0, part = 0; s < num_seqs; ++s) {
         const int tok = query_start_loc ? query_start_loc[s] : s;
         const int q_len = query_start_loc ? query_start_loc[s + 1] - tok : 1;
-        for (int j = 0; j < q_len; j += TOKEN_TILE)
-            tiles[i++] = (tile_t){s, tok + j, q_len - j < TOKEN_TILE ? q_len - j : TOKEN_TILE,
-                                  seq_lens[s] - q_len + 1 + j};
+        const int tiled = vector_path && q_len >= TILED_MIN_Q;
+        const int tile = tiled ? TILED_TILE : TOKEN_TILE;
+        for (int j = 0; j < q_len; j += tile) {
+            const int ntok = q_len - j < tile ? q_len - j : tile;
+            const int len0 = seq_lens[s] - q_len + 1 + j, last = len0 + ntok - 1;
+            const int nparts = tiled || !vector_path ? 1 : (last + split_rows - 1) / split_rows;
+            for (int p = 0; p < nparts; ++p)
+                tiles[i++] = (tile_t){s, tok + j, ntok, len0, tiled,
+                                      nparts > 1 ? p * split_rows : 0,
+                                      nparts > 1 && p + 1 < nparts ? (p + 1) * split_rows : INT_MAX,
+                                      nparts > 1 ? part++ : -1};
+        }
     }
     const shape_t sh = {k_cache, v_cache, num_kv_heads, num_heads / num_kv_heads, head_dim,
                         block_size, scale};
@@ -300,35 +403,50 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     const int splits = num_kv_heads / per_item;
     const int64_t items = num_tiles * splits;
     if (items < num_threads) num_threads = items > 0 ? (int)items : 1;
-#if SIMD_VW
-    const int vector_path = head_dim % VW == 0 && head_dim <= VW * MAX_NV;
-#else
-    const int vector_path = 0;
-#endif
     const int64_t out_stride = (int64_t)num_heads * head_dim;
     /* The portable path keeps the scores of a whole context (one token at a time); the
      * vector path only the online-softmax state (acc, running max, denominator) of
      * each token of a tile, in ``acc``. */
     const size_t nq = (size_t)per_item * sh.group;
     float *scores[POOL_MAX_THREADS] = {0}, *acc[POOL_MAX_THREADS] = {0};
+    float *tiled[POOL_MAX_THREADS] = {0};
     if (num_threads > POOL_MAX_THREADS) num_threads = POOL_MAX_THREADS;
     int status = 0;
     for (int w = 0; w < num_threads && status == 0; ++w) {
         scores[w] = vector_path ? NULL : malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
         acc[w] = malloc(sizeof(float) * nq * ((size_t)head_dim + 2) * TOKEN_TILE);
         if ((scores[w] == NULL && !vector_path) || acc[w] == NULL) status = PA_ERR_NOMEM;
+#if SIMD_VW
+        if (any_tiled && status == 0) {
+            tiled[w] = malloc(sizeof(float) * tiled_scratch_floats(sh.group, head_dim));
+            if (tiled[w] == NULL) status = PA_ERR_NOMEM;
+        }
+#else
+        (void)any_tiled;
+#endif
     }
     if (status == 0) {
         attend_task_t task = {tiles, &sh, query, out, block_tables, q_stride, out_stride,
                               splits, per_item, dtype, vector_path, block_size, num_blocks,
-                              max_blocks_per_seq, max_seq_len, head_dim, scores, acc, 0};
+                              max_blocks_per_seq, max_seq_len, head_dim, scores, acc, tiled,
+                              parts, part_slot, 0};
         pool_run(attend_items, &task, items, 1, num_threads);
         status = atomic_load(&task.status);
+    }
+    /* The parts of each split tile are consecutive tiles with the same tokens. */
+    for (int64_t i = 0; status == 0 && i < num_tiles;) {
+        int n = 1;
+        if (tiles[i].part >= 0)
+            while (i + n < num_tiles && tiles[i + n].part >= 0 && tiles[i + n].c0 > 0) ++n;
+        if (n > 1) merge_parts(tiles, i, n, parts, out, out_stride, num_heads, head_dim);
+        i += n;
     }
     for (int w = 0; w < num_threads; ++w) {
         free(scores[w]);
         free(acc[w]);
+        free(tiled[w]);
     }
     free(tiles);
+    free(parts);
     return status;
 }

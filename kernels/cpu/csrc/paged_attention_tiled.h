@@ -1,0 +1,247 @@
+/*
+ * The tiled prefill path of paged_attention_cpu.c (vector builds), kept in its own file
+ * for length: included once, after paged_attention_vec.h, whose helpers it uses.
+ *
+ * A long prefill chunk is compute-bound: each query token attends to the whole context,
+ * and the per-token sweeps of the vector path spend more of their time reducing dot
+ * products across lanes and reloading state than multiplying. Here the query rows of a
+ * tile (its tokens x the query heads sharing one KV head) go through the context in
+ * runs of up to TK keys of one block, as two small matrix products with the sums in
+ * registers:
+ *
+ *   S = Q K^T   (rows x TK): K's run transposed once into ``kt`` (``[D][TK]``), then
+ *               for each d a broadcast of q[r][d] times a vector of TK keys;
+ *   O += P V    (rows x D):  for each key a broadcast of p[r][k] times V's row,
+ *
+ * with an online softmax between them (a running maximum, denominator and rescale of
+ * O per row). Causality is a mask on the scores of the one run that holds a token's
+ * own position; rows of tokens that see none of a run skip it.
+ */
+#if SIMD_VW
+/* Keys per run, and vectors across a run. */
+#define TK 16
+#define NK (TK / VW)
+/* Query rows per register tile: NK (scores) or two (outputs) vectors each. */
+#define TR (VW == 16 ? 12 : 6)
+
+/* Floats of scratch a worker needs for a tiled item with ``group`` query heads per KV
+ * head: Q and O (rows x D), P (rows x TK), four per-row values, K^T. */
+static size_t tiled_scratch_floats(int group, int head_dim) {
+    const size_t rows = (size_t)TILED_TILE * group;
+    return rows * (2 * (size_t)head_dim + TK + 4) + (size_t)head_dim * TK + 2 * VW;
+}
+
+/* S rows ``r0 .. r0 + mr - 1`` = scale * Q rows . K^T. */
+static inline __attribute__((always_inline)) void tiled_scores(const float *q, const float *kt,
+                                                               float *s, int D, int r0,
+                                                               float scale, const int mr) {
+    vf acc[TR][NK];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < NK; ++j) acc[i][j] = vf_zero();
+    for (int d = 0; d < D; ++d) {
+        vf k[NK];
+        for (int j = 0; j < NK; ++j) k[j] = vf_load(kt + d * TK + VW * j);
+        for (int i = 0; i < mr; ++i) {
+            const vf a = vf_set1(q[(int64_t)(r0 + i) * D + d]);
+            for (int j = 0; j < NK; ++j) acc[i][j] = vf_fmadd(a, k[j], acc[i][j]);
+        }
+    }
+    const vf sc = vf_set1(scale);
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < NK; ++j) vf_store(s + (r0 + i) * TK + VW * j, vf_mul(acc[i][j], sc));
+}
+
+/* O rows ``r0 .. r0 + mr - 1``, vectors ``v0 .. v0 + nc - 1`` of D: O * corr + P V over
+ * the run's ``n`` rows of V (``vrow``: row 0's element offset, rows ``stride`` apart). */
+static inline __attribute__((always_inline)) void tiled_pv(const void *v_cache, const int dtype,
+                                                           int64_t vrow, int64_t stride, int n,
+                                                           const float *p, const float *corr,
+                                                           float *o, int D, int r0, int v0,
+                                                           const int mr, const int nc) {
+    vf acc[TR][2];
+    for (int i = 0; i < mr; ++i) {
+        const vf c = vf_set1(corr[r0 + i]);
+        for (int j = 0; j < nc; ++j)
+            acc[i][j] = vf_mul(c, vf_load(o + (int64_t)(r0 + i) * D + VW * (v0 + j)));
+    }
+    for (int k = 0; k < n; ++k) {
+        vf v[2];
+        for (int j = 0; j < nc; ++j)
+            v[j] = load_vec(v_cache, vrow + k * stride + VW * (v0 + j), dtype);
+        for (int i = 0; i < mr; ++i) {
+            const vf w = vf_set1(p[(r0 + i) * TK + k]);
+            for (int j = 0; j < nc; ++j) acc[i][j] = vf_fmadd(w, v[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nc; ++j) vf_store(o + (int64_t)(r0 + i) * D + VW * (v0 + j), acc[i][j]);
+}
+
+/* Dispatch on the rows left, so that each body has a compile-time row count. */
+#if TR == 12
+#define FOR_TR(mr, CALL)                                                                 \
+    switch (mr) {                                                                        \
+        case 1: CALL(1); break;                                                          \
+        case 2: CALL(2); break;                                                          \
+        case 3: CALL(3); break;                                                          \
+        case 4: CALL(4); break;                                                          \
+        case 5: CALL(5); break;                                                          \
+        case 6: CALL(6); break;                                                          \
+        case 7: CALL(7); break;                                                          \
+        case 8: CALL(8); break;                                                          \
+        case 9: CALL(9); break;                                                          \
+        case 10: CALL(10); break;                                                        \
+        case 11: CALL(11); break;                                                        \
+        default: CALL(12); break;                                                        \
+    }
+#else
+#define FOR_TR(mr, CALL)                                                                 \
+    switch (mr) {                                                                        \
+        case 1: CALL(1); break;                                                          \
+        case 2: CALL(2); break;                                                          \
+        case 3: CALL(3); break;                                                          \
+        case 4: CALL(4); break;                                                          \
+        case 5: CALL(5); break;                                                          \
+        default: CALL(6); break;                                                         \
+    }
+#endif
+
+/* The softmax step of rows ``r0 ..`` for a run of ``n`` keys at context row ``t``: row
+ * r (token r / G) sees the run's first ``L0 + r / G - t`` keys. Scores in ``s`` become
+ * weights (0 past what a row sees); ``corr`` gets each row's rescale of O. */
+static inline void tiled_softmax(float *s, float *mx, float *den, float *mnew, float *corr,
+                                 int r0, int rows, int G, int L0, int t, int n) {
+    for (int r = r0; r < rows; ++r) {
+        const int seen = L0 + r / G - t;
+        const int valid = seen < n ? seen : n;
+        float m = mx[r];
+        for (int j = 0; j < NK; ++j) {
+            const vf x = vf_select(vm_first(valid - VW * j), vf_load(s + r * TK + VW * j),
+                                   vf_set1(-INFINITY));
+            const float rm = vf_reduce_max(x);
+            m = rm > m ? rm : m;
+        }
+        mnew[r] = m;
+    }
+    /* The rescales, VW rows at a time (a row's first run has mx = -inf: its O and
+     * denominator are still 0, so the clamped exp's tiny value leaves them 0). */
+    for (int r = r0; r < rows; r += VW) {
+        const int left = rows - r;
+        const vf c = vf_exp(vf_sub(vf_load_first(mx + r, left), vf_load_first(mnew + r, left)));
+        vf_store_first(corr + r, left, c);
+        vf_store_first(mx + r, left, vf_load_first(mnew + r, left));
+    }
+    for (int r = r0; r < rows; ++r) {
+        const int seen = L0 + r / G - t;
+        const int valid = seen < n ? seen : n;
+        const vf m = vf_set1(mx[r]);
+        vf sum = vf_zero();
+        for (int j = 0; j < NK; ++j) {
+            const vf e = vf_select(vm_first(valid - VW * j),
+                                   vf_exp(vf_sub(vf_load(s + r * TK + VW * j), m)), vf_zero());
+            vf_store(s + r * TK + VW * j, e);
+            sum = vf_add(sum, e);
+        }
+        den[r] = den[r] * corr[r] + vf_reduce_add(sum);
+    }
+}
+
+/* K's run of ``n`` rows (element offset ``krow``, rows ``stride`` apart) as float32
+ * ``kt[d * TK + k]``, zero past n. */
+static inline __attribute__((always_inline)) void tiled_transpose(const void *k_cache,
+                                                                  const int dtype, int64_t krow,
+                                                                  int64_t stride, int n, int D,
+                                                                  float *kt) {
+    float row[MAX_HEAD_DIM] __attribute__((aligned(64)));
+    for (int k = 0; k < TK; ++k) {
+        if (k < n)
+            for (int d = 0; d < D; d += VW)
+                vf_store_aligned(row + d, load_vec(k_cache, krow + k * stride + d, dtype));
+        else
+            memset(row, 0, sizeof(float) * (size_t)D);
+        for (int d = 0; d < D; ++d) kt[d * TK + k] = row[d];
+    }
+}
+
+/* One item of the tiled path: the tile's tokens x every query head of KV heads ``h0 ..
+ * h0 + nh - 1``, one KV head at a time. ``scratch``: tiled_scratch_floats(G, D). */
+static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
+                                                               const shape_t *sh,
+                                                               const int dtype, float *scratch) {
+    const int D = sh->head_dim, G = sh->group, T = it->ntok, rows = T * G;
+    const int L0 = it->seq_len, L = L0 + T - 1, bs = sh->block_size;
+    const int64_t stride = (int64_t)sh->num_kv_heads * D;
+    float *q = scratch, *o = q + (size_t)rows * D, *p = o + (size_t)rows * D;
+    float *mx = p + (size_t)rows * TK, *den = mx + rows, *mnew = den + rows, *corr = mnew + rows;
+    float *kt = corr + rows + VW;
+    const int nvec = D / VW;
+    for (int hh = 0; hh < it->nh; ++hh) {
+        for (int r = 0; r < rows; ++r) {
+            memcpy(q + (int64_t)r * D, it->query + (r / G) * it->q_stride + (int64_t)(hh * G + r % G) * D,
+                   sizeof(float) * (size_t)D);
+            mx[r] = -INFINITY;
+            den[r] = 0.0f;
+        }
+        memset(o, 0, sizeof(float) * (size_t)rows * D);
+        const int64_t head = (int64_t)(it->h0 + hh) * D;
+        for (int t = 0; t < L;) {
+            const int b = t / bs, in_block = t % bs;
+            int n = bs - in_block; /* the rest of this block, at most TK, within L */
+            n = n < TK ? n : TK;
+            n = n < L - t ? n : L - t;
+            const int64_t first = ((int64_t)it->table[b] * bs + in_block) * stride + head;
+            /* Tokens before j0 see none of this run. */
+            const int j0 = t - L0 + 1 > 0 ? t - L0 + 1 : 0;
+            const int r0 = j0 * G;
+            if (t + n < L) {
+                /* The next run's K and V rows into L2 while this one is computed: its
+                 * block is anywhere in the pool, out of the hardware prefetcher's reach. */
+                const int tn = t + n, elem = dtype == DTYPE_F32 ? 4 : 2;
+                const int64_t next = ((int64_t)it->table[tn / bs] * bs + tn % bs) * stride + head;
+                const int nn = bs - tn % bs < TK ? bs - tn % bs : TK;
+                for (int k = 0; k < nn && tn + k < L; ++k) {
+                    prefetch_bytes((const char *)sh->k_cache + (next + k * stride) * elem, D * elem);
+                    prefetch_bytes((const char *)sh->v_cache + (next + k * stride) * elem, D * elem);
+                }
+            }
+            tiled_transpose(sh->k_cache, dtype, first, stride, n, D, kt);
+            for (int r = r0; r < rows; r += TR) {
+                const int mr = rows - r < TR ? rows - r : TR;
+#define SCORES(MR) tiled_scores(q, kt, p, D, r, sh->scale, MR)
+                FOR_TR(mr, SCORES)
+#undef SCORES
+            }
+            tiled_softmax(p, mx, den, mnew, corr, r0, rows, G, L0, t, n);
+            for (int r = r0; r < rows; r += TR) {
+                const int mr = rows - r < TR ? rows - r : TR;
+                for (int v0 = 0; v0 < nvec; v0 += 2) {
+                    if (nvec - v0 >= 2) {
+#define PV(MR) tiled_pv(sh->v_cache, dtype, first, stride, n, p, corr, o, D, r, v0, MR, 2)
+                        FOR_TR(mr, PV)
+#undef PV
+                    } else {
+#define PV(MR) tiled_pv(sh->v_cache, dtype, first, stride, n, p, corr, o, D, r, v0, MR, 1)
+                        FOR_TR(mr, PV)
+#undef PV
+                    }
+                }
+            }
+            t += n;
+        }
+        for (int r = 0; r < rows; ++r) {
+            float *out = it->out + (r / G) * it->out_stride + (int64_t)(hh * G + r % G) * D;
+            const vf inv = vf_set1(1.0f / den[r]);
+            for (int v = 0; v < nvec; ++v)
+                vf_store(out + VW * v, vf_mul(inv, vf_load(o + (int64_t)r * D + VW * v)));
+        }
+    }
+}
+
+#define ATTEND_TILED_FOR(name, code)                                                   \
+    static void name(const item_t *it, const shape_t *sh, float *scratch) {            \
+        attend_tiled(it, sh, code, scratch);                                           \
+    }
+ATTEND_TILED_FOR(attend_tiled_f32, DTYPE_F32)
+ATTEND_TILED_FOR(attend_tiled_bf16, DTYPE_BF16)
+ATTEND_TILED_FOR(attend_tiled_f16, DTYPE_F16)
+#endif
