@@ -370,7 +370,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     import torch
 
     from kernels import torch_ref
-    from kernels.triton.decode import choose_partition, paged_decode_attention
+    from kernels.triton.decode import choose_num_splits, device_num_sms, paged_decode_attention
 
     device = args.device
     dtype = getattr(torch, args.dtype if device == "cuda" else "float32")
@@ -395,7 +395,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     for batch, ctx, hq, hkv, d, bs in cases:
         q, k, v, bt, sl = _paged_case(batch, ctx, hq, hkv, d, bs, dtype, device)
         out = torch.empty_like(q)
-        part = choose_partition(batch, hkv, ctx)
+        splits = choose_num_splits(batch, hkv, ctx, device_num_sms(torch.device(device)))
 
         def run(q=q, k=k, v=v, bt=bt, sl=sl, out=out, ctx=ctx, d=d) -> None:
             paged_decode_attention(q, k, v, bt, sl, d**-0.5, max_seq_len=ctx, out=out)
@@ -417,7 +417,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
                 if device == "cuda" else "interpreted: not a measurement")  # fmt: skip
         emit(args.summary,
              f"bandwidth: B={batch:3d} ctx={ctx:5d} Hq/Hkv={hq}/{hkv} D={d} {str(dtype)[6:]} "
-             f"split={'no' if part is None else part}: {ms * 1e3:8.1f} us, "
+             f"splits={splits:2d}: {ms * 1e3:8.1f} us, "
              f"{kv_bytes / 2**20:7.1f} MiB K/V, {tbs:.3f} TB/s ({what})")  # fmt: skip
         del q, k, v, bt, sl, out
         gc.collect()
