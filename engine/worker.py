@@ -120,6 +120,10 @@ class Worker:
         self.runner = ModelRunner(self.model, self.attn, kv_caches, config.block_size,
                                   self.device, self.vocab_size, self.eos_token_ids,
                                   config.speculative_config)
+        if self.attn.name == "triton":
+            from engine.kernel_warmup import warm_up_kernels
+
+            warm_up_kernels(self)
         if self.device.type == "cuda" and not config.enforce_eager:
             from engine.cuda_graphs import capture_decode_graphs
 
