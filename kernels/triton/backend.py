@@ -10,6 +10,7 @@ import torch
 from kernels.interface import AttentionMetadata
 from kernels.layer_ops import LayerOps, TorchLayerOps
 from kernels.quant import QK, QuantizedWeight
+from kernels.triton import norm
 from kernels.triton.decode import choose_num_splits, device_num_sms, paged_decode_attention
 from kernels.triton.prefill import paged_prefill_attention
 from kernels.triton.quant_matmul import quant_matmul
@@ -17,8 +18,23 @@ from kernels.triton.write_kv import write_kv
 
 
 class TritonLayerOps(TorchLayerOps):
-    """Torch layer ops, with weight-only quantized linears through the Triton
+    """Torch layer ops, with the RMSNorms (the residual add fused in) in one Triton launch
+    each (:mod:`kernels.triton.norm`) and weight-only quantized linears through the Triton
     dequantizing matmul (:mod:`kernels.triton.quant_matmul`)."""
+
+    name = "triton"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if norm.fusable(x, weight):
+            return norm.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if norm.fusable(residual, weight) and residual.is_contiguous() \
+                and delta.shape == residual.shape:  # fmt: skip
+            return norm.add_rms_norm(residual, delta, weight, eps)
+        return super().add_rms_norm(residual, delta, weight, eps)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -272,3 +272,29 @@ def test_triton_layer_ops_route_quantized_weights() -> None:
     assert_product_close(ops.linear(xo, odd).cpu(), xo.cpu(), odd.to("cpu"), None)
     with pytest.raises(ValueError, match="does not match"):
         quant_matmul(torch.randn(2, 32).to(DEVICE), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_fused_norms_match_the_torch_layer_ops(dtype, hidden) -> None:
+    """RMSNorm and add + RMSNorm in one Triton launch each equal the torch reference
+    (the sum rounded to the dtype, the norm over it in float32), and the add updates the
+    residual in place."""
+    from kernels.layer_ops import TorchLayerOps
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x, delta = (torch.randn(5, hidden, generator=gen, device=DEVICE).to(dtype) for _ in "xd")
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device=DEVICE)).to(dtype)
+    ref, ops = TorchLayerOps(), TritonLayerOps()
+    tol = TOL[dtype]
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6),
+                               **tol)  # fmt: skip
+    want_res, want_out = ref.add_rms_norm(x, delta, weight, 1e-6)
+    residual = x.clone()
+    got_res, got_out = ops.add_rms_norm(residual, delta, weight, 1e-6)
+    assert got_res.data_ptr() == residual.data_ptr()
+    # Exact in float32; the interpreter rounds float32 to bfloat16 by truncation (compiled
+    # code rounds to nearest, as torch does), so bfloat16 sums agree to one unit.
+    exact = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
+    torch.testing.assert_close(got_res, want_res, **exact)
+    torch.testing.assert_close(got_out, want_out, **tol)
