@@ -11,9 +11,9 @@ and block 0 in their block table: they read one cached token and their outputs a
 ignored. Block tables are padded to ``ceil(max_model_len / block_size)`` columns.
 
 The attention backend's per-step ``prepare`` runs once, at capture, with every context
-at ``max_model_len``: for the Triton backend this fixes the split-KV partitioning of the
-decode kernel at the longest context (partitions past a request's length do no work),
-so one graph serves every context length. Capture needs a backend whose ``forward``
+at ``max_model_len``: for the Triton backend this fixes the number of split-KV splits of
+the decode kernel for the batch size; each request splits its own length in the kernel,
+so one graph serves every context length without launching work for the empty tail. Capture needs a backend whose ``forward``
 does no host sync and no data-dependent allocation for a decode-only step; the Triton
 backend qualifies (:data:`GRAPH_SAFE_BACKENDS`), the torch backend (data-dependent
 gather sizes and masks) does not.

@@ -8,12 +8,14 @@ else that can be resident at the same time is paid for::
 * ``weights``: torch memory allocated when profiling starts (the model and its tables).
 * ``activation_peak``: the peak of torch allocations above that during one dummy step of
   ``max_num_batched_tokens`` tokens (the largest step the scheduler can build: a burst
-  of prefills fills exactly this budget) followed by the sampler on ``max_num_seqs``
-  rows of float32 logits with the costliest sampling options. Sizing from this peak is
+  of prefills fills exactly this budget, beside up to ``max_num_seqs - 1`` decodes at
+  ``max_model_len``, whose split-KV scratch is measured with it) followed by the
+  sampler on ``max_num_seqs`` rows of float32 logits with the costliest sampling options. Sizing from this peak is
   what keeps a burst of prefill chunks from running out of memory once the cache is
   allocated.
-* ``graph_reserve``: when decode CUDA graphs will be captured, the peak of one decode
-  step at the largest captured batch, which the graphs' memory pool keeps for good.
+* ``graph_reserve``: when decode CUDA graphs will be captured, what one decode step at
+  the largest captured batch makes the allocator reserve (whole segments, not the bytes
+  allocated in them: the graphs' private pool keeps its segments for good).
 * ``non_torch``: device memory used outside torch's allocator (CUDA context, cuBLAS and
   Triton modules, other processes), from ``cuda.mem_get_info`` after the dummy step.
 
@@ -103,18 +105,21 @@ def kv_cache_blocks(budget: float, block_bytes: int) -> int:
     return int(budget // block_bytes)
 
 
-def dummy_step_layout(num_tokens: int, max_model_len: int) -> list[tuple[int, int]]:
+def dummy_step_layout(num_tokens: int, max_model_len: int,
+                      num_decodes: int = 0) -> list[tuple[int, int]]:  # fmt: skip
     """``(q_len, seq_len)`` per request of a profiling step of ``num_tokens`` tokens.
 
-    Prefill chunks of up to ``max_model_len`` tokens, each the last chunk of a context of
-    ``max_model_len`` tokens (the most context any chunk attends over); one-token
-    chunks come first, as the kernels' contract requires of decodes.
+    Up to ``num_decodes`` decodes (at most ``num_tokens - 1``: a prefill chunk always
+    runs), then prefill chunks of up to ``max_model_len`` tokens, every request at a
+    context of ``max_model_len`` tokens (the most any attends over); one-token chunks come
+    first, as the kernels' contract requires of decodes.
     """
-    if num_tokens < 1 or max_model_len < 1:
+    if num_tokens < 1 or max_model_len < 1 or num_decodes < 0:
         raise ValueError(f"num_tokens={num_tokens} and max_model_len={max_model_len} "
-                         "must be >= 1")  # fmt: skip
-    layout: list[tuple[int, int]] = []
-    left = num_tokens
+                         f"must be >= 1, num_decodes={num_decodes} >= 0")  # fmt: skip
+    decodes = min(num_decodes, num_tokens - 1)
+    layout: list[tuple[int, int]] = [(1, max_model_len)] * decodes
+    left = num_tokens - decodes
     while left:
         q = min(left, max_model_len)
         layout.append((q, max_model_len))
@@ -217,14 +222,21 @@ def run_dummy_step(
     return hidden
 
 
-def _peak_above_current(fn: Callable[[], Any], device: torch.device) -> int:
-    """Peak torch allocation above the current one while ``fn`` runs."""
+def _peak_above_current(fn: Callable[[], Any], device: torch.device,
+                        reserved: bool = False) -> int:  # fmt: skip
+    """Peak torch allocation above the current one while ``fn`` runs (``reserved``: of
+    the allocator's reserved segments, after returning the cached free ones)."""
+    if reserved:
+        gc.collect()
+        torch.cuda.empty_cache()
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
+    current, peak_of = ((torch.cuda.memory_reserved, torch.cuda.max_memory_reserved) if reserved
+                        else (torch.cuda.memory_allocated, torch.cuda.max_memory_allocated))  # fmt: skip
+    base = current(device)
     out = fn()
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
+    peak = peak_of(device) - base
     del out
     return max(0, peak)
 
@@ -246,8 +258,8 @@ def profile_kv_budget(worker: Any) -> float:
     kv_caches = dummy_kv_caches(spec.num_layers, DUMMY_CACHE_BLOCKS, block_size, spec.num_kv_heads,
                                 spec.head_dim, worker.dtype, device)  # fmt: skip
     num_tokens = worker.max_num_batched_tokens
-    step = build_dummy_step(dummy_step_layout(num_tokens, worker.max_model_len), block_size,
-                            DUMMY_CACHE_BLOCKS, device)  # fmt: skip
+    layout = dummy_step_layout(num_tokens, worker.max_model_len, cfg.max_num_seqs - 1)
+    step = build_dummy_step(layout, block_size, DUMMY_CACHE_BLOCKS, device)
     sample_rows = cfg.max_num_seqs
     activation = _peak_above_current(
         partial(run_dummy_step, worker.model, worker.attn, kv_caches, step, block_size, sample_rows,
@@ -260,8 +272,8 @@ def profile_kv_budget(worker: Any) -> float:
         decode = build_dummy_step([(1, worker.max_model_len)] * graph_batch, block_size,
                                   DUMMY_CACHE_BLOCKS, device)  # fmt: skip
         graph_reserve = _peak_above_current(
-            partial(run_dummy_step, worker.model, worker.attn, kv_caches, decode, block_size), device
-        )
+            partial(run_dummy_step, worker.model, worker.attn, kv_caches, decode, block_size), device,
+            reserved=True)  # fmt: skip
         del decode
     del kv_caches
     gc.collect()

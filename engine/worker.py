@@ -20,7 +20,7 @@ from engine.loader import (
     resolve_model_path,
 )
 from engine.model_runner import ModelRunner
-from engine.models import build_model
+from engine.models import build_model, load_model
 from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
 from kernels.cpu import paths as cpu_paths
@@ -120,6 +120,10 @@ class Worker:
         self.runner = ModelRunner(self.model, self.attn, kv_caches, config.block_size,
                                   self.device, self.vocab_size, self.eos_token_ids,
                                   config.speculative_config)
+        if self.attn.name == "triton":
+            from engine.kernel_warmup import warm_up_kernels
+
+            warm_up_kernels(self)
         if self.device.type == "cuda" and not config.enforce_eager:
             from engine.cuda_graphs import capture_decode_graphs
 
@@ -140,32 +144,32 @@ class Worker:
             "on" if config.enable_prefix_caching else "off")
 
     def _load_model(self):
-        """Build the model on ``meta``, lay out quantized weights, load the checkpoint."""
+        """The model in the engine's dtype: a float checkpoint is loaded straight into it
+        (:func:`engine.models.load_model`); GGUF weights keep their quantized layout."""
         quant = self.config.quantization
+        if quant != "gguf":
+            model = load_model(self.hf_config, iter_weights(self.model_path), self.device,
+                               self.dtype, self.max_model_len)  # fmt: skip
+            self.quant_desc = None
+            if quant == "int8":
+                model.quantize_int8()
+                self.quant_desc = "int8"
+            return model
         with torch.device("meta"):
             model = build_model(self.hf_config)
-        if quant == "gguf":
-            path = self._gguf_file()
-            formats = gguf_weights.tensor_formats(path)
-            model.quantize_layout(formats)
-            model = model.to_empty(device=self.device)
-            model.load_weights(gguf_weights.iter_gguf_weights(
-                path, self.hf_config.num_attention_heads,
-                getattr(self.hf_config, "num_key_value_heads", None)
-                or self.hf_config.num_attention_heads, formats))  # fmt: skip
-            model.quantized_to(self.device)
-            kinds = sorted(set(formats.values()))
-            self.quant_desc = f"gguf ({', '.join(kinds) or 'no quantized tensors'})"
-        else:
-            model = model.to_empty(device=self.device)
-            model.load_weights(iter_weights(self.model_path))
-            self.quant_desc = None
-        model = model.to(self.dtype).eval()
-        if quant == "int8":
-            model.quantize_int8()
-            self.quant_desc = "int8"
-        model.set_rope(self.hf_config, self.max_model_len)  # float32 tables, not in the checkpoint
-        return model
+        path = self._gguf_file()
+        formats = gguf_weights.tensor_formats(path)
+        model.quantize_layout(formats)
+        model = model.to(self.dtype).to_empty(device=self.device)
+        model.load_weights(gguf_weights.iter_gguf_weights(
+            path, self.hf_config.num_attention_heads,
+            getattr(self.hf_config, "num_key_value_heads", None)
+            or self.hf_config.num_attention_heads, formats))  # fmt: skip
+        model.quantized_to(self.device)
+        kinds = sorted(set(formats.values()))
+        self.quant_desc = f"gguf ({', '.join(kinds) or 'no quantized tensors'})"
+        model.set_rope(self.hf_config, self.max_model_len)  # float32, not in the checkpoint
+        return model.eval()
 
     def _gguf_file(self):
         model = self.config.model

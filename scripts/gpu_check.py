@@ -11,7 +11,12 @@ Subcommands (each appends one-line results to ``--summary FILE`` when given):
   on or off (``--enforce-eager``), plus the engine's KV-budget and capture log lines.
 * ``bandwidth``: the Triton paged decode-attention kernel's K/V read bandwidth against
   the H200's 4.8 TB/s and a measured device copy. ``--device cpu`` runs a tiny case in
-  the Triton interpreter (a dry run of the script, not a measurement).
+  the Triton interpreter (a check of the script, not a measurement).
+
+``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) parses every argument and does each
+subcommand's set-up (configs, workloads, the bench's own argument parsing and engine
+arguments), then stops before its first CUDA call and says so: a CPU-only machine can
+check that nothing in the script has rotted.
 """
 
 from __future__ import annotations
@@ -35,6 +40,16 @@ logger = logging.getLogger("gpu_check")
 
 H200_PEAK_TBS = 4.8
 """HBM3e bandwidth of the H200 by its datasheet, TB/s."""
+
+
+class DryRunStop(Exception):
+    """Raised by :func:`before_cuda` in a dry run: the set-up is done."""
+
+
+def before_cuda(args: argparse.Namespace, what: str) -> None:
+    """The subcommand's next call touches CUDA (``what``): stop here in a dry run."""
+    if getattr(args, "dry_run", False):
+        raise DryRunStop(what)
 
 
 def emit(summary: str | None, line: str) -> None:
@@ -127,6 +142,8 @@ def write_random_model(out: Path, preset: str, std: float, seed: int = 0,
 
 def cmd_make_model(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    cfg = model_config(args.preset)
+    before_cuda(args, f"drawing the {cfg.model_type} weights on {args.device}")
     out = write_random_model(Path(args.out), args.preset, args.std, args.seed, args.device,
                              args.save_dtype)  # fmt: skip
     size = sum(f.stat().st_size for f in out.iterdir())
@@ -200,9 +217,11 @@ def cmd_hf_equivalence(args: argparse.Namespace) -> int:
 
     import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     failed = 0
     prompts = _prompts(args.num_prompts, 0)
+    configs = [model_config(arch) for arch in args.archs]
+    before_cuda(args, f"random {'/'.join(c.model_type for c in configs)} models on the GPU")
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs:
             path = write_random_model(Path(tmp) / arch, arch, std=0.15, device=device)
@@ -243,15 +262,19 @@ class _Collect(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def bench_parser() -> argparse.ArgumentParser:
+    """The parser of ``pagedserve bench throughput`` (``loadtest.throughput``'s flags)."""
+    from loadtest import throughput
+
+    parser = argparse.ArgumentParser(prog="gpu_check.py bench", add_help=False)
+    throughput.add_arguments(parser)
+    return parser
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     from loadtest import throughput
 
-    collect = _Collect()
-    for name in ("engine.gpu_memory", "engine.cuda_graphs", "engine"):
-        lg = logging.getLogger(name)
-        lg.setLevel(logging.INFO)
-        lg.addHandler(collect)
-    bargs = throughput.build_parser().parse_args(rest)
+    bargs = bench_parser().parse_args(rest)
     if "enforce_eager" in vars(bargs):
         bargs.enforce_eager = args.enforce_eager
     else:  # the bench has no flag for it: add the engine argument to its LLM(...) call
@@ -261,6 +284,17 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
             return {**base(a, **overrides), "enforce_eager": args.enforce_eager}
 
         throughput.engine_kwargs = with_eager
+    kwargs = throughput.engine_kwargs(bargs)
+    if bargs.model is None or not args.dry_run and not Path(bargs.model).is_dir():
+        raise SystemExit(f"bench: --model must name a model folder, got {bargs.model!r}")
+    before_cuda(args, f"LLM(model={Path(bargs.model).name!r}, dtype={kwargs['dtype']!r}, "
+                      f"max_num_seqs={kwargs['max_num_seqs']}, "
+                      f"enforce_eager={kwargs.get('enforce_eager', False)})")  # fmt: skip
+    collect = _Collect()
+    for name in ("engine.gpu_memory", "engine.cuda_graphs", "engine"):
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.INFO)
+        lg.addHandler(collect)
     t0 = time.perf_counter()
     report = throughput.main(bargs)
     ps = report["pagedserve"]
@@ -336,12 +370,13 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     import torch
 
     from kernels import torch_ref
-    from kernels.triton.decode import choose_partition, paged_decode_attention
+    from kernels.triton.decode import choose_num_splits, device_num_sms, paged_decode_attention
 
     device = args.device
     dtype = getattr(torch, args.dtype if device == "cuda" else "float32")
     cases = BW_CASES if device == "cuda" else CPU_CASES
     failed = 0
+    before_cuda(args, f"{len(cases)} {str(dtype)[6:]} decode cases on {device}")
     # Correctness of the measured kernel on a reduced case first.
     q, k, v, bt, sl = _paged_case(3, 700, 8, 2, 64, 16, dtype, device)
     sl = torch.tensor([700, 33, 512], dtype=torch.int32, device=device)
@@ -360,7 +395,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     for batch, ctx, hq, hkv, d, bs in cases:
         q, k, v, bt, sl = _paged_case(batch, ctx, hq, hkv, d, bs, dtype, device)
         out = torch.empty_like(q)
-        part = choose_partition(batch, hkv, ctx)
+        splits = choose_num_splits(batch, hkv, ctx, device_num_sms(torch.device(device)))
 
         def run(q=q, k=k, v=v, bt=bt, sl=sl, out=out, ctx=ctx, d=d) -> None:
             paged_decode_attention(q, k, v, bt, sl, d**-0.5, max_seq_len=ctx, out=out)
@@ -382,7 +417,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
                 if device == "cuda" else "interpreted: not a measurement")  # fmt: skip
         emit(args.summary,
              f"bandwidth: B={batch:3d} ctx={ctx:5d} Hq/Hkv={hq}/{hkv} D={d} {str(dtype)[6:]} "
-             f"split={'no' if part is None else part}: {ms * 1e3:8.1f} us, "
+             f"splits={splits:2d}: {ms * 1e3:8.1f} us, "
              f"{kv_bytes / 2**20:7.1f} MiB K/V, {tbs:.3f} TB/s ({what})")  # fmt: skip
         del q, k, v, bt, sl, out
         gc.collect()
@@ -394,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--summary", default=os.environ.get("GPU_CHECK_SUMMARY"),
                    help="append result lines to this file")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true",
+                   default=os.environ.get("GPU_CHECK_DRY_RUN", "") == "1",
+                   help="set up, then stop before the first CUDA call")  # fmt: skip
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make-model", help="write a random-weight model folder")
     m.add_argument("--preset", default="llama-1b",
@@ -424,12 +462,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args, rest = build_parser().parse_known_args(argv)
-    if args.cmd == "bench":
-        return cmd_bench(args, rest)
-    if rest:
+    if args.cmd != "bench" and rest:
         raise SystemExit(f"unknown arguments: {rest}")
-    return {"make-model": cmd_make_model, "hf-equivalence": cmd_hf_equivalence,
-            "bandwidth": cmd_bandwidth}[args.cmd](args)  # fmt: skip
+    try:
+        if args.cmd == "bench":
+            return cmd_bench(args, rest)
+        return {"make-model": cmd_make_model, "hf-equivalence": cmd_hf_equivalence,
+                "bandwidth": cmd_bandwidth}[args.cmd](args)  # fmt: skip
+    except DryRunStop as stop:
+        emit(args.summary, f"dry run: {args.cmd} set up; stopped before the first CUDA "
+                           f"call ({stop})")  # fmt: skip
+        return 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import torch
+
 from engine.models.decoder import DecoderForCausalLM, DecoderSpec
 
 SUPPORTED_ARCHITECTURES = (
@@ -21,4 +25,22 @@ def build_model(hf_config) -> DecoderForCausalLM:
     return DecoderForCausalLM(DecoderSpec.from_hf(hf_config))
 
 
-__all__ = ["DecoderForCausalLM", "DecoderSpec", "SUPPORTED_ARCHITECTURES", "build_model"]
+def load_model(hf_config, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device | str,
+               dtype: torch.dtype, max_model_len: int) -> DecoderForCausalLM:  # fmt: skip
+    """The model of ``hf_config`` with ``weights`` in ``dtype`` on ``device``.
+
+    Built and cast on ``meta``, then materialized in ``dtype``: each checkpoint tensor is
+    converted as it is copied in, so loading never holds a wider copy of the model (a
+    bfloat16 model needs 2 bytes per parameter, not the 4 of a float32 build). The RoPE
+    tables are float32 whatever ``dtype`` is.
+    """
+    with torch.device("meta"):
+        model = build_model(hf_config)
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(weights)
+    model.set_rope(hf_config, max_model_len)
+    return model.eval()
+
+
+__all__ = ["DecoderForCausalLM", "DecoderSpec", "SUPPORTED_ARCHITECTURES", "build_model",
+           "load_model"]

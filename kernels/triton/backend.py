@@ -10,15 +10,31 @@ import torch
 from kernels.interface import AttentionMetadata
 from kernels.layer_ops import LayerOps, TorchLayerOps
 from kernels.quant import QK, QuantizedWeight
-from kernels.triton.decode import choose_partition, paged_decode_attention
+from kernels.triton import norm
+from kernels.triton.decode import choose_num_splits, device_num_sms, paged_decode_attention
 from kernels.triton.prefill import paged_prefill_attention
 from kernels.triton.quant_matmul import quant_matmul
 from kernels.triton.write_kv import write_kv
 
 
 class TritonLayerOps(TorchLayerOps):
-    """Torch layer ops, with weight-only quantized linears through the Triton
+    """Torch layer ops, with the RMSNorms (the residual add fused in) in one Triton launch
+    each (:mod:`kernels.triton.norm`) and weight-only quantized linears through the Triton
     dequantizing matmul (:mod:`kernels.triton.quant_matmul`)."""
+
+    name = "triton"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if norm.fusable(x, weight):
+            return norm.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if norm.fusable(residual, weight) and residual.is_contiguous() \
+                and delta.shape == residual.shape:  # fmt: skip
+            return norm.add_rms_norm(residual, delta, weight, eps)
+        return super().add_rms_norm(residual, delta, weight, eps)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -36,10 +52,9 @@ class TritonStepPlan:
     decode_max_len: int
     num_prefills: int
     prefill_max_q_len: int
-    decode_partition: int | None
-    """Split-KV partition for the decode group (None: single pass); needs Hkv, so it
-    is chosen on the first layer and reused."""
-    partition_chosen: bool = False
+    decode_splits: int = 0
+    """Split-KV splits per decode request (1: single pass); needs Hkv and the device, so
+    it is chosen on the first layer and reused (0: not yet)."""
 
 
 class TritonBackend:
@@ -50,6 +65,7 @@ class TritonBackend:
     def __init__(self, ops: LayerOps | None = None) -> None:
         self.ops: LayerOps = TritonLayerOps() if ops is None else ops
         """Layer ops: torch, quantized linears in Triton (CUDA graphs capture both)."""
+        self._num_sms: int | None = None
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Host-side sizes for this step's launches (no device syncs when the host
@@ -69,7 +85,6 @@ class TritonBackend:
             decode_max_len=max(seq_lens[:nd], default=0),
             num_prefills=len(seq_lens) - nd,
             prefill_max_q_len=max(q_lens, default=0),
-            decode_partition=None,
         )
 
     def forward(
@@ -91,18 +106,22 @@ class TritonBackend:
             out = torch.empty_like(query)
         nd = st.num_decodes
         if nd:
-            if not st.partition_chosen:
-                st.decode_partition = choose_partition(nd, k_cache.shape[2], st.decode_max_len)
-                st.partition_chosen = True
+            if not st.decode_splits:
+                if self._num_sms is None:
+                    self._num_sms = device_num_sms(query.device)
+                st.decode_splits = choose_num_splits(nd, k_cache.shape[2], st.decode_max_len,
+                                                     self._num_sms)  # fmt: skip
+            # Rows [:nd] start where the tensors start: same alignment as the whole ones.
             paged_decode_attention(
-                query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                max_seq_len=st.decode_max_len, partition_size=st.decode_partition, out=out[:nd],
+                query[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                num_splits=st.decode_splits, out=out[:nd],
             )  # fmt: skip
         if st.num_prefills:
-            # Absolute query_start_loc rows: the kernel reads and writes the full tensors.
+            # The whole tensors and the first prefill's index (slices would change their
+            # alignment, and the compiled variant, with the number of decodes).
             paged_prefill_attention(
-                query, k_cache, v_cache, meta.block_tables[nd:],
-                meta.query_start_loc[nd:], meta.seq_lens[nd:], scale,
-                max_query_len=st.prefill_max_q_len, out=out,
+                query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                meta.seq_lens, scale, max_query_len=st.prefill_max_q_len, out=out,
+                first_req=nd,
             )  # fmt: skip
         return out

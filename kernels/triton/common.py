@@ -25,3 +25,13 @@ def mma(a, b, UPCAST: tl.constexpr):
 def needs_upcast(kernel: object, dtype: torch.dtype) -> bool:
     """Whether ``kernel`` runs interpreted on a dtype whose ``tl.dot`` it gets wrong."""
     return dtype == torch.bfloat16 and type(kernel).__name__ == "InterpretedFunction"
+
+
+MIN_DOT_DIM = 16
+"""``tl.dot`` needs every dimension of at least 16: head dims below it are padded."""
+
+
+def dot_block(head_dim: int) -> int:
+    """The head-dim tile of the attention kernels: the next power of two, at least
+    :data:`MIN_DOT_DIM` (the padding lanes are masked: they load zeros, store nothing)."""
+    return max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))

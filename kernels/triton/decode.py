@@ -1,11 +1,18 @@
 """Triton paged decode attention with GQA and split-KV (flash-decoding).
 
-Grid ``(B, Hkv, num_partitions)``: a program serves every query head of one KV-head
-group (the ``G = Hq / Hkv`` heads are rows of one ``tl.dot``, padded to 16) over one
-partition of the context, walking it ``BLOCK_N`` tokens at a time through the block
-table with an fp32 online softmax. With one partition the program writes the output;
-otherwise it writes its running max, sum and accumulator and :func:`_reduce_kernel`
-combines the partitions.
+Grid ``(B, Hkv, num_splits)``: a program serves every query head of one KV-head group
+(the ``G = Hq / Hkv`` heads are rows of one ``tl.dot``, padded to 16) over one split of
+the context, walking it ``BLOCK_N`` tokens at a time through the block table with an
+fp32 online softmax. The number of splits is fixed per launch (from the batch size, the
+KV heads and the SM count: :func:`choose_num_splits`), and each program computes its
+request's split length from the request's real length, so a launch sized for
+``max_model_len`` (a captured graph) does the work of the real contexts only: splits
+past a short context are empty. With one split the program writes the output;
+otherwise it writes its running max, sum and accumulator, and :func:`_reduce_kernel`
+combines them in a loop over the splits (no tile as wide as the split count).
+
+Integers that vary from step to step (the block-table row stride, the number of splits)
+are ``do_not_specialize``, so the kernels compile once per model, never mid-serving.
 """
 
 from __future__ import annotations
@@ -14,21 +21,25 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import LOG2E, mma, needs_upcast
+from kernels.triton.common import LOG2E, dot_block, mma, needs_upcast
 
 BLOCK_N = 32
 """Context tokens per inner iteration (any block size works: addresses are per token)."""
-DEFAULT_PARTITION = 512
-"""Tokens per partition when the context is split."""
-ENOUGH_PROGRAMS = 512
-"""With at least this many (request, KV head) programs the GPU is full: no split."""
+MIN_SPLIT_TOKENS = 256
+"""No split is given less than this many tokens of the longest context on average."""
+MAX_SPLITS = 16
+"""Most splits per request."""
+PROGRAMS_PER_SM = 2
+"""(request, KV head, split) programs per SM that fill the GPU."""
+INTERPRETED_NUM_SMS = 4
+"""The SM count assumed off a GPU (the interpreter), so that split-KV runs in tests."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale_log2, partition, num_parts,
+    scale_log2, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     stride_bt,
@@ -41,8 +52,9 @@ def _decode_kernel(
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     if SPLIT:
-        start = part * partition
-        end = tl.minimum(start + partition, seq_len)
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = part * split_len
+        end = tl.minimum(start + split_len, seq_len)
     else:
         start = 0
         end = seq_len
@@ -94,47 +106,62 @@ def _decode_kernel(
             out.to(out_ptr.dtype.element_ty), mask=store_mask,
         )  # fmt: skip
     else:
-        # Partials are contiguous: m/l [B, Hq, num_parts], acc [B, Hq, num_parts, HEAD_DIM].
+        # Partials are contiguous: m/l [B, Hq, num_splits], acc [B, Hq, num_splits, HEAD_DIM];
+        # an empty split (past its request's context) leaves m = -1e30, l = 0, acc = 0.
         num_heads = tl.num_programs(1) * GROUP
-        row = (b.to(tl.int64) * num_heads + heads) * num_parts + part
+        row = (b.to(tl.int64) * num_heads + heads) * num_splits + part
         tl.store(part_m_ptr + row, m_i, mask=g_mask)
         tl.store(part_l_ptr + row, l_i, mask=g_mask)
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, seq_lens_ptr, out_ptr,
-    partition, num_parts, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(B, Hq)``: combine the partitions of one request and query head."""
+    """Grid ``(B, Hq)``: combine the splits of one request and query head, one at a time."""
     b = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    used = tl.cdiv(seq_len, partition)
-    offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
-    p_mask = offs_p < used
     d_mask = offs_d < HEAD_DIM
-    row = (b.to(tl.int64) * tl.num_programs(1) + head) * num_parts + offs_p
-    m = tl.load(part_m_ptr + row, mask=p_mask, other=float("-inf"))
-    l_part = tl.load(part_l_ptr + row, mask=p_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=p_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
-    m_max = tl.max(m, axis=0)
-    w = tl.exp2(m - m_max)
-    total = tl.sum(w * l_part, axis=0)
-    out = tl.sum(w[:, None] * acc, axis=0) / total
+    row0 = (b.to(tl.int64) * tl.num_programs(1) + head) * num_splits
+    m_run = tl.full([1], -1.0e30, dtype=tl.float32)
+    l_run = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i in range(0, num_splits):
+        m = tl.load(part_m_ptr + row0 + i + tl.zeros([1], dtype=tl.int32))
+        l_part = tl.load(part_l_ptr + row0 + i + tl.zeros([1], dtype=tl.int32))
+        a = tl.load(part_acc_ptr + (row0 + i) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m_run, m)
+        w_run = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new)
+        l_run = l_run * w_run + l_part * w
+        acc = acc * w_run + a * w
+        m_run = m_new
+    out = acc / l_run
     tl.store(out_ptr + b.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=d_mask)  # fmt: skip
 
 
-def choose_partition(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int | None:
-    """Tokens per partition, or None for a single pass without reduce."""
-    if max_seq_len <= DEFAULT_PARTITION or num_seqs * num_kv_heads >= ENOUGH_PROGRAMS:
-        return None
-    return DEFAULT_PARTITION
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      num_sms: int) -> int:  # fmt: skip
+    """Splits per request for a launch of ``num_seqs`` rows whose longest context is
+    ``max_seq_len`` (``max_model_len`` for a captured graph): enough (request, KV head,
+    split) programs for ``PROGRAMS_PER_SM`` per SM, at most :data:`MAX_SPLITS`, none
+    shorter than :data:`MIN_SPLIT_TOKENS` on average; 1 means a single pass."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * max(num_sms, 1), programs)
+    by_length = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def device_num_sms(device: torch.device) -> int:
+    """The SM count of ``device`` (:data:`INTERPRETED_NUM_SMS` off a GPU)."""
+    if device.type != "cuda":
+        return INTERPRETED_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_decode_attention(
@@ -146,15 +173,15 @@ def paged_decode_attention(
     scale: float,
     *,
     max_seq_len: int | None = None,
-    partition_size: int | None = -1,
+    num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request attending to its whole paged context.
 
     Same contract as :func:`kernels.torch_ref.paged_decode_attention`. ``max_seq_len``
-    (host side) avoids a device sync; ``partition_size`` is -1 for automatic, None for a
-    single pass, or the tokens per partition (rounded up to a multiple of ``BLOCK_N``)
-    for split-KV; ``out`` receives the result.
+    (host side) avoids a device sync; ``num_splits`` is the splits per request (None:
+    :func:`choose_num_splits` for this device; 1: a single pass without reduce);
+    ``out`` receives the result.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -167,30 +194,28 @@ def paged_decode_attention(
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
-    if partition_size == -1:
-        partition_size = choose_partition(num_seqs, num_kv_heads, max_seq_len)
-    if partition_size is None:
-        partition, num_parts = 0, 1
-    else:
-        partition = triton.cdiv(max(partition_size, 1), BLOCK_N) * BLOCK_N
-        num_parts = triton.cdiv(max(max_seq_len, 1), partition)
-    split = num_parts > 1
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len,
+                                       device_num_sms(query.device))  # fmt: skip
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    split = num_splits > 1
     group = num_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = dot_block(head_dim)
     if split:
-        part_m = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32,
+        part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
                              device=query.device)  # fmt: skip
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32,
+        part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
                                device=query.device)  # fmt: skip
     else:
         part_m = part_l = part_acc = out  # unused
-    _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
         out, part_m, part_l, part_acc,
-        scale * LOG2E, partition, num_parts,
+        scale * LOG2E, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -202,9 +227,8 @@ def paged_decode_attention(
     )  # fmt: skip
     if split:
         _reduce_kernel[(num_seqs, num_heads)](
-            part_m, part_l, part_acc, seq_lens, out,
-            partition, num_parts, out.stride(0), out.stride(1),
+            part_m, part_l, part_acc, out,
+            num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_P=max(2, triton.next_power_of_2(num_parts)),
         )  # fmt: skip
     return out

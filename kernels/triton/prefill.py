@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import LOG2E, mma, needs_upcast
+from kernels.triton.common import LOG2E, dot_block, mma, needs_upcast
 
 BLOCK_M = 64
 """Query rows (tokens x heads of a group) per program."""
@@ -23,11 +23,11 @@ BLOCK_N = 64
 """Context tokens per inner iteration."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_req", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr,
-    scale_log2,
+    scale_log2, first_req,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     stride_bt,
@@ -37,7 +37,7 @@ def _prefill_kernel(
 ):  # fmt: skip
     t_block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2) + first_req
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     m0 = t_block * BLOCK_T
@@ -107,12 +107,15 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    first_req: int = 0,
 ) -> torch.Tensor:
     """Causal attention of varlen query chunks over their paged contexts.
 
-    Same contract as :func:`kernels.torch_ref.paged_prefill_attention`.
-    ``max_query_len`` (host side) avoids a device sync; ``out`` receives the result
-    (rows outside every chunk are left untouched; zeroed when ``out`` is None).
+    Same contract as :func:`kernels.torch_ref.paged_prefill_attention`, for requests
+    ``first_req ..`` of the metadata (the whole tensors are passed with that offset, not
+    slices: a slice's alignment would change with the offset, and with it the compiled
+    variant). ``max_query_len`` (host side) avoids a device sync; ``out`` receives the
+    result (rows outside every chunk are left untouched; zeroed when ``out`` is None).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -123,11 +126,12 @@ def paged_prefill_attention(
         query = query.contiguous()
     if out is None:
         out = torch.zeros_like(query)
-    num_seqs = seq_lens.numel()
-    if num_seqs == 0 or num_tokens == 0:
+    num_seqs = seq_lens.numel() - first_req
+    if num_seqs <= 0 or num_tokens == 0:
         return out
     if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+        qsl = query_start_loc[first_req:]
+        max_query_len = int((qsl[1:] - qsl[:-1]).max())
     if max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
@@ -136,13 +140,13 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max_query_len, block_t), num_kv_heads, num_seqs)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E,
+        scale * LOG2E, first_req,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_G=block_g, BLOCK_T=block_t,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, BLOCK_D=dot_block(head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
         UPCAST=needs_upcast(_prefill_kernel, query.dtype),
     )  # fmt: skip

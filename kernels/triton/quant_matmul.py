@@ -23,7 +23,7 @@ BLOCK_M = 16
 BLOCK_N = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's row count: one variant for all
 def _quant_matmul_kernel(
     x_ptr, qs_ptr, d_ptr, m_ptr, scale_ptr, bias_ptr, y_ptr,
     M, N, K,

@@ -294,6 +294,38 @@ def test_dummy_step_layout() -> None:
         dummy_step_layout(0, 16)
 
 
+def test_dummy_step_layout_includes_decode_rows() -> None:
+    """The worst-case step has decodes at max_model_len beside its prefill (their split-KV
+    scratch is part of the peak), always leaving a prefill chunk."""
+    assert dummy_step_layout(2048, 4096, 3) == [(1, 4096)] * 3 + [(2045, 4096)]
+    assert dummy_step_layout(16, 1024, 255) == [(1, 1024)] * 16
+    assert dummy_step_layout(2049, 1024, 1) == [(1, 1024), (1024, 1024), (1024, 1024)]
+    step = build_dummy_step(dummy_step_layout(40, 64, 5), 16, 4, "cpu")
+    assert step.meta.num_decodes == 5 and step.meta.seq_lens_cpu == [64] * 6
+
+
+def test_graph_reserve_counts_reserved_segments(monkeypatch) -> None:
+    """The graph reserve is measured in reserved bytes (what the graphs' pool keeps), not
+    in allocated ones."""
+    from engine import gpu_memory
+
+    state = {"alloc": 0, "reserved": 0, "peak_alloc": 0, "peak_reserved": 0}
+
+    def fake_step():
+        state.update(peak_alloc=state["alloc"] + 3 * 2**20,
+                     peak_reserved=state["reserved"] + 20 * 2**20)  # fmt: skip
+
+    fake = SimpleNamespace(
+        synchronize=lambda d: None, empty_cache=lambda: None,
+        reset_peak_memory_stats=lambda d: None,
+        memory_allocated=lambda d: state["alloc"], memory_reserved=lambda d: state["reserved"],
+        max_memory_allocated=lambda d: state["peak_alloc"],
+        max_memory_reserved=lambda d: state["peak_reserved"])  # fmt: skip
+    monkeypatch.setattr(gpu_memory.torch, "cuda", fake)
+    assert gpu_memory._peak_above_current(fake_step, "cuda") == 3 * 2**20
+    assert gpu_memory._peak_above_current(fake_step, "cuda", reserved=True) == 20 * 2**20
+
+
 def test_build_dummy_step_slots_follow_block_tables() -> None:
     layout = [(1, 50), (30, 70), (12, 12)]
     step = build_dummy_step(layout, block_size=16, num_cache_blocks=4, device="cpu")

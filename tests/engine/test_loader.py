@@ -186,3 +186,41 @@ def test_conversion_logs_and_reuses(
     (first / default_model._CONVERSION_MARKER).unlink()  # made by an older conversion: redo it
     assert loader.convert_default_model() == first and len(calls) == 3
     assert sorted(os.listdir(tmp_path / "models")) == [loader.DEFAULT_MODEL_NAME]
+
+
+def _peak_allocated_bytes(fn) -> tuple[object, int]:
+    """``fn()`` and the peak of torch's CPU allocations above the start while it ran
+    (every allocation and free the profiler records, in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    level = peak = 0
+    for ev in sorted(prof.events(), key=lambda e: e.time_range.start):
+        level += ev.self_cpu_memory_usage
+        peak = max(peak, level)
+    return out, peak
+
+
+def test_bf16_checkpoint_loads_in_bf16_at_2_bytes_per_parameter(tmp_path: Path) -> None:
+    """A bfloat16 model is materialized in bfloat16: loading never holds a float32 copy.
+    (The safetensors reader holds one shard in host memory at a time: the checkpoint is
+    sharded as large ones are, so that a shard is a small part of the model.)"""
+    from engine.models import load_model
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=12,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, dtype="bfloat16")  # fmt: skip
+    hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 8
+    num_params = sum(p.numel() for p in hf.parameters())
+    del hf
+    hf_config = model_files.load_config(tmp_path)
+    model, peak = _peak_allocated_bytes(lambda: load_model(
+        hf_config, model_files.iter_weights(tmp_path), "cpu", torch.bfloat16, 256))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) == num_params
+    assert peak / num_params < 2.2, f"peak {peak / num_params:.2f} bytes per parameter"

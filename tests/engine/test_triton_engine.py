@@ -28,6 +28,9 @@ CUDA = torch.cuda.is_available()
 NEW_TOKENS = 8
 BATCHED_TOKENS = 16
 PROMPT_LENS = (21, 38)
+MIXED_PROMPT_LENS = (3, 50, 9, 17, 5)
+"""Staggered prefills beside 1-4 decodes: every count of decodes before the prefills,
+block tables of many widths."""
 KV_GB = 0.25
 
 
@@ -36,9 +39,9 @@ def tiny_llama(tmp_path_factory) -> str:
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny-llama-synthetic")))
 
 
-def prompts() -> list[list[int]]:
+def prompts(lens=PROMPT_LENS) -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
-    return [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in lens]
 
 
 def engine_kwargs(backend: str, device: str, **extra) -> dict:
@@ -47,23 +50,29 @@ def engine_kwargs(backend: str, device: str, **extra) -> dict:
                 kv_cache_memory_gb=KV_GB, max_num_seqs=4, **extra)  # fmt: skip
 
 
-def generate(llm) -> list[list[int]]:
+def generate(llm, lens=PROMPT_LENS) -> list[list[int]]:
     from engine import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(lens)], sp, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def triton_tokens_interpreted(model: str) -> dict[str, list[list[int]]]:
+def triton_tokens_interpreted(model: str) -> dict[str, list]:
     """Run in the subprocess: the Triton engine on the CPU, then again with its decode
-    steps on the padded decode runner (eager, as a graph would run them)."""
+    steps on the padded decode runner (eager, as a graph would run them); with the
+    specialization keys of the kernel launches after the engine's warm-up that it had
+    not launched (what a GPU would compile mid-serving)."""
     from engine import LLM
     from engine.cuda_graphs import DecodeGraphRunner, capture_sizes
+    from tests.helpers.triton_keys import LaunchKeys, triton_kernels
 
+    keys = LaunchKeys(triton_kernels())
     llm = LLM(model=model, **engine_kwargs("triton", "cpu"))
     w = llm.engine.worker
     assert w.attn.name == "triton"
+    warm = keys.distinct()
+    num_warm = len(keys.keys)
     eager = generate(llm)
     runner = DecodeGraphRunner(w.model, w.attn, w.runner.kv_caches, w.config.block_size,
                                w.max_model_len, capture_sizes(w.config.max_num_seqs),
@@ -71,7 +80,9 @@ def triton_tokens_interpreted(model: str) -> dict[str, list[list[int]]]:
     w.runner.decode_graphs = runner
     padded = generate(llm)
     assert runner.num_replays >= NEW_TOKENS - 1, runner.num_replays
-    return {"eager": eager, "padded": padded}
+    mixed = generate(llm, MIXED_PROMPT_LENS)
+    new = sorted(map(repr, keys.distinct(num_warm) - warm))
+    return {"eager": eager, "padded": padded, "mixed": mixed, "keys": [len(warm), new]}
 
 
 def test_triton_engine_matches_torch_backend(tiny_llama) -> None:
@@ -98,6 +109,13 @@ def test_triton_engine_matches_torch_backend(tiny_llama) -> None:
                               text=True, timeout=600)  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         got = json.loads(proc.stdout.strip().splitlines()[-1])
+        num_warm, new_keys = got.pop("keys")
+        assert num_warm >= 5, num_warm  # KV write, prefill, decode 1 split / several, reduce
+        assert new_keys == [], "kernel variants first launched after warm-up:\n" + \
+            "\n".join(new_keys)  # fmt: skip
+        mixed = got.pop("mixed")
+        assert mixed == generate(LLM(model=path, **engine_kwargs("torch", device)),
+                                 MIXED_PROMPT_LENS)  # fmt: skip
     for name, tokens in got.items():
         assert tokens == ref, f"triton ({name}) {tokens} != torch {ref}"
 

@@ -31,7 +31,13 @@ from kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E4
 from kernels.cpu.synthetic import PagedStep, make_step  # noqa: E402
 from kernels.quant import FORMATS  # noqa: E402
 from kernels.triton.backend import TritonLayerOps  # noqa: E402
-from kernels.triton.decode import _decode_kernel  # noqa: E402
+from kernels.triton.common import dot_block  # noqa: E402
+from kernels.triton.decode import (  # noqa: E402
+    MAX_SPLITS,
+    _decode_kernel,
+    choose_num_splits,
+    device_num_sms,
+)
 from kernels.triton.decode import paged_decode_attention as triton_decode  # noqa: E402
 from kernels.triton.prefill import paged_prefill_attention as triton_prefill  # noqa: E402
 from kernels.triton.quant_matmul import quant_matmul  # noqa: E402
@@ -90,11 +96,11 @@ def test_write_kv(block_size, dtype) -> None:
 DECODE_LENS = [1, 15, 16, 17, 33, 95]
 
 
-def _check_decode(step: PagedStep, partition_size, dtype) -> None:
+def _check_decode(step: PagedStep, num_splits, dtype) -> None:
     m = step.meta
     args = (step.query, step.k_cache, step.v_cache, m.block_tables, m.seq_lens, step.scale)
     expected = torch_ref.paged_decode_attention(*args)
-    out = triton_decode(*args, partition_size=partition_size)
+    out = triton_decode(*args, num_splits=num_splits)
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
@@ -103,23 +109,50 @@ def _check_decode(step: PagedStep, partition_size, dtype) -> None:
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_fp32(head_dim, heads, block_size) -> None:
     step = _written(_step(DECODE_LENS, [1] * 6, heads, head_dim, block_size, torch.float32))
-    _check_decode(step, None, torch.float32)  # single pass
-    _check_decode(step, 32, torch.float32)  # split-KV, up to 3 partitions + reduce
+    _check_decode(step, 1, torch.float32)  # single pass
+    _check_decode(step, 3, torch.float32)  # split-KV: 3 splits + reduce
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", HEADS)
 def test_decode_half(heads, dtype) -> None:
     step = _written(_step(DECODE_LENS, [1] * 6, heads, 128, 16, dtype))
-    _check_decode(step, None, dtype)
-    _check_decode(step, 64, dtype)
+    _check_decode(step, 1, dtype)
+    _check_decode(step, 2, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_long_context_auto_split(dtype) -> None:
-    """Long contexts take the automatic split-KV path (partitions of 512 tokens)."""
+    """Long contexts take the automatic split-KV path (splits chosen for the device)."""
     step = _written(_step([700, 1100, 40], [1, 1, 1], (3, 1), 64, 32, dtype))
-    _check_decode(step, -1, dtype)
+    assert choose_num_splits(3, 1, 1100, device_num_sms(step.query.device)) > 1
+    _check_decode(step, None, dtype)
+
+
+def test_decode_fixed_splits_over_short_contexts() -> None:
+    """A launch sized for a long context (as a graph captured at max_model_len is) over
+    short ones: each request splits its own length; splits past it are empty."""
+    step = _written(_step([1, 5, 33, 64, 200], [1] * 5, (6, 2), 64, 16, torch.float32))
+    _check_decode(step, MAX_SPLITS, torch.float32)
+
+
+def test_num_splits_fills_the_sms_and_respects_the_limits() -> None:
+    assert choose_num_splits(1, 8, 131072, 132) == MAX_SPLITS
+    assert choose_num_splits(1, 8, 300, 132) == 2  # no split under MIN_SPLIT_TOKENS on average
+    assert choose_num_splits(4, 8, 32768, 132) == 9  # 4 * 8 * 9 >= 2 * 132
+    assert choose_num_splits(64, 8, 32768, 132) == 1  # the batch fills the GPU
+    assert choose_num_splits(2, 2, 10, 4) == 1
+
+
+@pytest.mark.parametrize("head_dim", [8, 12])
+def test_head_dims_below_16_are_padded(head_dim) -> None:
+    """``tl.dot`` needs K >= 16 when compiled (the interpreter does not check it)."""
+    assert dot_block(head_dim) == 16
+    step = _written(_step([40, 9, 70], [1, 1, 1], (4, 2), head_dim, 16, torch.float32))
+    _check_decode(step, 1, torch.float32)
+    _check_decode(step, 3, torch.float32)
+    _check_prefill(_written(_step([17, 40], [17, 9], (4, 2), head_dim, 16, torch.float32)),
+                   torch.float32)
 
 
 # (seq_len, q_len): first chunks, later chunks, single-token chunks.
@@ -239,3 +272,29 @@ def test_triton_layer_ops_route_quantized_weights() -> None:
     assert_product_close(ops.linear(xo, odd).cpu(), xo.cpu(), odd.to("cpu"), None)
     with pytest.raises(ValueError, match="does not match"):
         quant_matmul(torch.randn(2, 32).to(DEVICE), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_fused_norms_match_the_torch_layer_ops(dtype, hidden) -> None:
+    """RMSNorm and add + RMSNorm in one Triton launch each equal the torch reference
+    (the sum rounded to the dtype, the norm over it in float32), and the add updates the
+    residual in place."""
+    from kernels.layer_ops import TorchLayerOps
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x, delta = (torch.randn(5, hidden, generator=gen, device=DEVICE).to(dtype) for _ in "xd")
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device=DEVICE)).to(dtype)
+    ref, ops = TorchLayerOps(), TritonLayerOps()
+    tol = TOL[dtype]
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6),
+                               **tol)  # fmt: skip
+    want_res, want_out = ref.add_rms_norm(x, delta, weight, 1e-6)
+    residual = x.clone()
+    got_res, got_out = ops.add_rms_norm(residual, delta, weight, 1e-6)
+    assert got_res.data_ptr() == residual.data_ptr()
+    # Exact in float32; the interpreter rounds float32 to bfloat16 by truncation (compiled
+    # code rounds to nearest, as torch does), so bfloat16 sums agree to one unit.
+    exact = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
+    torch.testing.assert_close(got_res, want_res, **exact)
+    torch.testing.assert_close(got_out, want_out, **tol)

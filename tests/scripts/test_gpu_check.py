@@ -1,0 +1,99 @@
+"""``scripts/gpu_check.sh`` and ``scripts/gpu_check.py`` on a CPU-only machine.
+
+The GPU check runs only where a GPU is lent, rarely; these tests run its argument
+parsing and every part's set-up (up to the first CUDA call) here, and the bench part
+end to end on the CPU, so that a refactor elsewhere cannot break it unseen.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.models import write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def _load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gpu_check = _load_gpu_check()
+
+
+def _dry_run(parts: str, budget: int = 450, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_PARTS=parts,
+               GPU_CHECK_BUDGET_S=str(budget))  # fmt: skip
+    env.pop("OUT", None)
+    return subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def _status(stdout: str) -> dict[str, str]:
+    """Part name -> its status line, from the printed summary."""
+    block = stdout.split("-- parts --\n", 1)[1].split("-- results --", 1)[0]
+    return {line.split()[0]: line for line in block.splitlines() if line.strip()}
+
+
+def test_dry_run_sets_up_every_python_part_and_stops_before_cuda() -> None:
+    proc = _dry_run("env bench-model bench bench-eager bandwidth hf-eq")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    status = _status(proc.stdout)
+    assert list(status) == ["env", "bench-model", "bench", "bench-eager", "bandwidth", "hf-eq"]
+    for line in status.values():
+        assert " DRY-RUN " in line and "stopped before the first CUDA call" in line, line
+    # The bench part parsed the script's own bench flags with the bench's parser.
+    assert "dtype='bfloat16', max_num_seqs=256, enforce_eager=False" in status["bench"]
+    assert "enforce_eager=True" in status["bench-eager"]
+    assert "overall: PASS (dry run)" in proc.stdout
+
+
+def test_part_limits_must_fit_the_budget() -> None:
+    proc = _dry_run("env", budget=10)
+    assert proc.returncode == 1
+    assert "part limits sum to 20s: OVER the 10s budget" in proc.stdout
+    assert "overall: FAIL (dry run)" in proc.stdout
+
+
+def test_default_part_limits_fit_the_default_budget() -> None:
+    text = SCRIPT.read_text()
+    table = text.split("declare -A LIMIT=(", 1)[1].split(")\n", 1)[0]
+    limits = {k: int(v) for k, v in
+              (item.strip("[").split("]=") for item in table.split())}  # fmt: skip
+    parts = text.split('ALL_PARTS="', 1)[1].split('"', 1)[0].split()
+    assert sorted(parts) == sorted(limits)
+    assert sum(limits.values()) <= int(text.split("GPU_CHECK_BUDGET_S:-", 1)[1].split("}")[0])
+
+
+def test_bench_rejects_a_flag_the_bench_does_not_have() -> None:
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(["--dry-run", "bench", "--model", "m", "--no-such-flag", "1"])
+    assert exc.value.code == 2
+
+
+def test_bench_runs_end_to_end_on_the_cpu(tmp_path) -> None:
+    """The whole bench part (the throughput bench, its report's keys, the summary line)
+    on a tiny model on the CPU."""
+    model = write_tiny_model(tmp_path / "tiny")
+    summary = tmp_path / "summary.txt"
+    rc = gpu_check.main([
+        "--summary", str(summary), "bench", "--enforce-eager", "--model", str(model),
+        "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-gb", "0.02",
+        "--max-model-len", "256", "--num-requests", "2", "--input-len-min", "8",
+        "--input-len-max", "12", "--output-len-min", "3", "--output-len-max", "4",
+        "--no-warmup", "--no-floor",
+    ])  # fmt: skip
+    assert rc == 0
+    lines = summary.read_text().splitlines()
+    assert lines[0].startswith("bench eager : ") and " out tok/s " in lines[0], lines
+    assert "KV blocks" in lines[0]
