@@ -7,6 +7,7 @@ import json
 import re
 from enum import Enum
 from pathlib import Path
+from typing import Annotated
 
 import jsonschema
 import openai
@@ -41,14 +42,15 @@ class Color(str, Enum):
 
 class Address(pydantic.BaseModel):
     city: str = pydantic.Field(pattern="^[A-Za-z ]{1,20}$")
-    zip_code: int
+    zip_code: int = pydantic.Field(ge=0, le=99999)
 
 
 class Person(pydantic.BaseModel):
     name: str = pydantic.Field(pattern="^[A-Za-z ]{1,20}$")
-    age: int
+    age: int = pydantic.Field(ge=0, le=120)
     favourite: Color
-    hobbies: list[str] = pydantic.Field(max_length=3)
+    hobbies: list[Annotated[str, pydantic.Field(pattern="^[a-z ]{1,16}$")]] = \
+        pydantic.Field(max_length=3)
     address: Address
     nickname: str | None = None
 
@@ -74,6 +76,7 @@ def test_parse_pydantic_model_on_ten_prompts(client):
             model=MODEL, messages=ask(f"Invent person number {i} as JSON."),
             response_format=Person, temperature=0.7, seed=i, max_completion_tokens=300)
         assert isinstance(r.choices[0].message.parsed, Person), r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop"
 
 
 def test_json_schema_streamed_and_whole(client):
@@ -172,7 +175,7 @@ BAD = [
     ({"guided_json": "{bad json"}, "guided_json", "guided_json is not valid JSON"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
      "exactly one of"),
-    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex", "at most one of"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "at most one of"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "'nope', which is not in tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
