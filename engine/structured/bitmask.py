@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.structured.backend import Matcher
-
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -27,13 +26,15 @@ def apply(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> N
     """Set to -inf, in ``logits[rows[i]]``, every token that row ``i`` of ``bitmask``
     does not allow (columns past the mask, padding of the vocabulary, are masked)."""
     vocab = logits.shape[1]
-    bm = bitmask.to(logits.device, non_blocking=True)
-    bits = (bm.unsqueeze(-1) >> _SHIFTS.to(bm.device)) & 1
-    allowed = bits.view(bm.shape[0], -1).bool()
+    n = bitmask.shape[0]
+    # int32 words little-endian as bytes: byte k of word w holds tokens 32w+8k .. 32w+8k+7.
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1,
+                         bitorder="little")
+    allowed = torch.from_numpy(bits.view(np.bool_)).view(n, -1)
     width = allowed.shape[1]
     if width < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - width), value=False)
+    allowed = allowed[:, :vocab].to(logits.device, non_blocking=True)
     idx = torch.tensor(list(rows), device=logits.device)
-    sub = logits.index_select(0, idx)
-    sub.masked_fill_(~allowed[:, :vocab], float("-inf"))
+    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, idx, sub)
