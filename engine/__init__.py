@@ -35,6 +35,8 @@ _EXPORTS = {
     "TokenLogprobs": "engine.outputs",
     "MAX_LOGPROBS": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.structured.params",
+    "StructuredOutputsError": "engine.structured.params",
 }
 """Public name -> the module that defines it."""
 

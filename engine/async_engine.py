@@ -198,7 +198,8 @@ class AsyncEngine:
             q = queues.get(out.request_id)
             if q is None:
                 continue
-            q.put_nowait(StepItem(out, step_time))
+            # A request that failed before it ran (a grammar that did not compile).
+            q.put_nowait(StepItem(out, step_time) if out.error is None else out.error)
             if out.finished:
                 del queues[out.request_id]
         if snapshot is not None:

@@ -18,6 +18,7 @@ from kernels.registry import BACKENDS as ATTENTION_BACKENDS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
 QUANTIZATIONS = ("gguf", "int8")
 
 
@@ -57,6 +58,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     """N-gram speculative decoding (:class:`engine.spec_config.SpeculativeConfig`; a dict
     or a JSON string of its fields is converted); None = off."""
+    structured_outputs_backend: str = "xgrammar"
+    """Grammar backend of structured outputs: xgrammar or llguidance (the
+    ``structured`` extra installs both)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config",
@@ -89,6 +93,9 @@ class EngineConfig:
             raise bad("device", self.device, f"must be one of {DEVICES}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", self.attention_backend, f"must be one of {ATTENTION_BACKENDS}")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise bad("structured_outputs_backend", self.structured_outputs_backend,
+                      f"must be one of {STRUCTURED_OUTPUTS_BACKENDS}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise bad("block_size", self.block_size, "must be one of 8, 16, 32, 64, 128")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -37,6 +37,7 @@ class InputField(str, enum.Enum):
     PROMPT_LOGPROBS = "prompt_logprobs"
     SKIP_SPECIAL_TOKENS = "skip_special_tokens"
     SPACES_BETWEEN_SPECIAL_TOKENS = "spaces_between_special_tokens"
+    STRUCTURED_OUTPUTS = "structured_outputs"
 
 
 class EngineInputError(ValueError):

@@ -151,6 +151,9 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+        for rid in ids:
+            if results[rid].error is not None:  # e.g. a grammar that did not compile
+                raise results[rid].error
         return [results[rid] for rid in ids]
 
 

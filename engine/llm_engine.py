@@ -12,6 +12,7 @@ import functools
 import itertools
 import logging
 import time
+from concurrent import futures
 from dataclasses import dataclass
 
 from engine import process_tuning
@@ -25,6 +26,7 @@ from engine.request import Request, RequestGroup, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stop import StopChecker
+from engine.structured import StructuredOutputsError
 from engine.worker import Worker
 
 logger = logging.getLogger("engine")
@@ -99,6 +101,9 @@ class LLMEngine:
         self.eos_token_ids = w.eos_token_ids
         self.vocab_size = w.vocab_size
         self._counter = itertools.count()
+        self.structured = w.structured
+        """Compiles structured-output grammars in its own threads."""
+        self._compiling: dict[str, tuple[RequestGroup, futures.Future]] = {}
         self.num_prompt_tokens_total = 0
         self.last_step: StepStats | None = None
         """The statistics of the latest step that ran (benchmarks read them)."""
@@ -148,6 +153,11 @@ class LLMEngine:
         limits.check_token_ids(prompt_token_ids)
         limits.check_sampling_token_ids(params)
         max_tokens = limits.resolve_max_tokens(len(prompt_token_ids), params)
+        spec = params.structured_outputs
+        if spec is not None and self.config.speculative_config is not None:
+            raise StructuredOutputsError(
+                "structured_outputs cannot be combined with speculative decoding, which "
+                "this engine was started with (speculative_config)")
         now = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), params, now)
         for i in range(params.n):
@@ -167,6 +177,11 @@ class LLMEngine:
                 params.spaces_between_special_tokens)
             req.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
             group.members.append(req)
+        if spec is not None:
+            # Compiled in the manager's threads; the requests wait in their own state.
+            self._compiling[request_id] = (group, self.structured.submit(spec))
+            for req in group.members:
+                req.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.output.add(group, output_kind)
         for req in group.members:
             self.scheduler.add_request(req)
@@ -178,6 +193,7 @@ class LLMEngine:
         group = self.output.groups.get(request_id)
         if group is None:
             return None
+        self._compiling.pop(request_id, None)
         self._finish(group.members, RequestStatus.FINISHED_ABORTED)
         return self.output.make_output(group, force=True)
 
@@ -193,9 +209,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update -> process outputs."""
         t0 = time.perf_counter()
+        failed = self._poll_grammars() if self._compiling else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            if self._compiling and not failed:
+                # Only compiling requests: wait a little for one rather than spin.
+                futures.wait([f for _, f in self._compiling.values()], timeout=0.05,
+                             return_when=futures.FIRST_COMPLETED)
+            return failed
         requests = self.scheduler.requests
         now = time.monotonic()
         for rid in sched.num_scheduled_tokens:
@@ -216,13 +237,34 @@ class LLMEngine:
             return [self.output.make_output(g, force=True) for g in groups.values()]
         t2 = time.perf_counter()
         sampled = self.scheduler.update_from_output(sched, result)
-        outputs = self.output.process(sampled)
+        outputs = failed + self.output.process(sampled)
         counts = sched.num_scheduled_tokens.values()
         self.last_step = StepStats(
             sched.total_num_scheduled_tokens, len(counts), sum(1 for n in counts if n == 1),
             0 if result is None else len(result.req_ids), t1 - t0, t2 - t1,
             time.perf_counter() - t2)  # fmt: skip
         return outputs
+
+    def _poll_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar finished compiling join the waiting queue; those whose
+        spec failed to compile end with its error (their output carries it)."""
+        failed = []
+        for rid, (group, fut) in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[rid]
+            if group.finished:  # aborted while compiling
+                continue
+            exc = fut.exception()
+            if exc is None:
+                for req in group.members:
+                    self.scheduler.grammar_ready(req)
+                continue
+            group.error = exc if isinstance(exc, EngineInputError) else \
+                StructuredOutputsError(f"structured_outputs cannot be compiled: {exc}")
+            self._finish(group.members, RequestStatus.FINISHED_ERROR)
+            failed.append(self.output.make_output(group, force=True))
+        return failed
 
     # -- introspection --------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -25,6 +25,8 @@ from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_config import SpeculativeConfig
 from engine.step_inputs import StepInputs
+from engine.structured.backend import Matcher
+from engine.structured.manager import StructuredOutputManager
 from kernels.interface import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -43,6 +45,9 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    matcher: Matcher | None = None
+    """Structured outputs: advanced once per sampled token (recomputing a preempted
+    request samples nothing, so it never advances twice)."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -60,6 +65,7 @@ class ModelRunner:
         vocab_size: int,
         eos_token_ids: tuple[int, ...] = (),
         speculative_config: SpeculativeConfig | None = None,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.model = model
         self.attn = attn
@@ -71,6 +77,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.sampler = Sampler(vocab_size, argmax=attn.ops.argmax)
         self.spec = speculative_config
+        self.structured = structured
         self.proposer = None if speculative_config is None else NgramProposer(
             speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
             speculative_config.prompt_lookup_max)  # fmt: skip
@@ -98,12 +105,33 @@ class ModelRunner:
                 all_token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 params=new.params,
                 generator=make_generator(new.params, self.device, new.sample_index),
-                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens)
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+                matcher=self._matcher(new.params))
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
             state.all_token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _matcher(self, params: SamplingParams) -> Matcher | None:
+        """Each request (each of ``n`` siblings) owns its matcher; the scheduler admits a
+        request only once its grammar has compiled."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.structured is None:
+            raise ValueError("structured_outputs given to a model runner without a grammar "
+                             "manager")
+        return self.structured.matcher(spec)
+
+    def _advance_matchers(self, req_ids: list[str], tokens: list[list[int]]) -> None:
+        for rid, toks in zip(req_ids, tokens, strict=True):
+            m = self.requests[rid].matcher
+            if m is None:
+                continue
+            for t in toks:
+                if not m.accept_token(t):
+                    logger.error("request %s: token %d is outside its grammar", rid, t)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         # Decodes (one query token) first, then prefill chunks: the kernels' contract.
@@ -181,6 +209,7 @@ class ModelRunner:
             out = self.sampler(logits, rows)
             tokens = [[t] for t in out.token_ids]
             logprobs = [None if lp is None else [lp] for lp in out.logprobs]
+            self._advance_matchers(step.sampling_ids, tokens)
         return ModelRunnerOutput(step.sampling_ids, tokens, logprobs,
                                  self._propose(step.sampling_ids, tokens))
 
@@ -190,7 +219,8 @@ class ModelRunner:
         out = state.output_token_ids
         return SamplingRow(params=state.params, prompt_token_ids=state.prompt_token_ids,
                            output_token_ids=[*out, *drafts] if drafts else out,
-                           generator=state.generator, eos_token_ids=self.eos_token_ids)
+                           generator=state.generator, eos_token_ids=self.eos_token_ids,
+                           matcher=state.matcher)
 
     def _verify(self, logits: torch.Tensor, step: StepInputs):
         """Rows for every draft of the step's requests; the tokens each keeps."""

@@ -142,7 +142,7 @@ class OutputProcessor:
         out = RequestOutput(
             request_id=rid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=outs, finished=finished, metrics=first.metrics,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_cached_tokens=max(first.num_cached_tokens, 0), error=group.error,
         )  # fmt: skip
         if finished:
             self.groups.pop(rid, None)

@@ -97,3 +97,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = field(default=None)
+    error: Exception | None = None
+    """Set when the request failed before it ran: an ``EngineInputError`` naming the
+    field (e.g. a structured-output spec that does not compile)."""

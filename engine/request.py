@@ -20,10 +20,12 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_GRAMMAR = 3
+    """Its structured-output grammar is compiling: the scheduler skips it."""
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def finished(self) -> bool:
@@ -48,6 +50,8 @@ class RequestGroup:
     params: SamplingParams
     arrival_time: float
     members: list[Request] = field(default_factory=list)
+    error: Exception | None = None
+    """Why the request failed before it ran (a grammar that did not compile)."""
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,8 @@
 """Batched token sampling: one row of the step's logits per request that samples this step.
 
 Pipeline per row: logit_bias -> min_tokens masking -> repetition penalty ->
-presence/frequency penalties (``engine.penalties``) -> temperature; greedy rows take the
+presence/frequency penalties (``engine.penalties``) -> the grammar's token bitmask (rows
+with structured outputs, ``engine.structured``) -> temperature; greedy rows take the
 argmax of the processed logits, sampled rows apply top_k, top_p, min_p and then sample.
 
 Randomness: a seeded row draws only from its own generator, always a ``[vocab_size]``
@@ -19,6 +20,8 @@ import torch
 from engine import penalties
 from engine.outputs import Logprob, TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured import bitmask
+from engine.structured.backend import Matcher
 
 _GREEDY_EPS = 1e-5
 
@@ -35,6 +38,8 @@ class SamplingRow:
     """Per-request generator seeded from ``params.seed``; None uses the global generator."""
     eos_token_ids: tuple[int, ...] = ()
     """The model's EOS ids (masked, with the stop token ids, until ``min_tokens``)."""
+    matcher: Matcher | None = None
+    """The request's grammar matcher (structured outputs): masks the tokens it forbids."""
 
 
 @dataclass(slots=True)
@@ -69,6 +74,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (
         is_greedy(p)
+        and row.matcher is None
         and p.logprobs is None
         and not p.logit_bias
         and p.repetition_penalty == 1.0
@@ -104,6 +110,10 @@ class Sampler:
         sub_rows = [rows[i] for i in special]
         x = raw.index_select(0, sel).float()  # a copy: safe to modify in place
         penalties.apply_all(x, sub_rows)
+        constrained = [j for j, r in enumerate(sub_rows) if r.matcher is not None]
+        if constrained:
+            mask = bitmask.fill([sub_rows[j].matcher for j in constrained], x.shape[1])
+            bitmask.apply(x, constrained, mask)
         tokens[sel] = _pick(x, sub_rows)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, logprobs_of(raw, rows, token_list))

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import SamplingParamError
+from engine.structured.params import StructuredOutputsParams
 
-__all__ = ["MAX_LOGPROBS", "SamplingParamError", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "SamplingParamError", "SamplingParams", "StructuredOutputsParams"]
 
 MAX_LOGPROBS = 20
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")
@@ -60,6 +61,8 @@ class SamplingParams:
     """Not supported: anything but None is refused."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar."""
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(
@@ -135,6 +138,21 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _err(name, getattr(self, name), "must be true or false")
+        self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise _err("structured_outputs", so, "must be a StructuredOutputsParams")
+        # The grammar decides where the output ends: it ends on an EOS token.
+        if self.min_tokens:
+            raise _err("min_tokens", self.min_tokens,
+                       "must be 0 with structured_outputs (the grammar decides the end)")
+        if self.ignore_eos:
+            raise _err("ignore_eos", self.ignore_eos,
+                       "must be false with structured_outputs (the grammar ends on EOS)")
 
     @property
     def greedy(self) -> bool:

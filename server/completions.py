@@ -27,6 +27,7 @@ from server.prompts import completion_prompts
 from server.protocol import CompletionRequest, decode_body
 from server.sse import DONE, event, json_response, open_stream, read_json, send_error_and_done
 from server.state import STATE_KEY, ServerState
+from server.structured import check_compiles, request_constraint
 
 
 @dataclass(slots=True)
@@ -50,7 +51,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     req = decode_body(await read_json(request), CompletionRequest)
     model = state.check_model(req.model)
-    params = completion_params(req)
+    constraint = request_constraint(req)
+    if constraint is not None:
+        await check_compiles(state, constraint)
+    params = completion_params(req, constraint and constraint.spec)
     state.check_sampling_token_ids(params, COMPLETIONS)
     state.admit()
     prompts = await completion_prompts(state, req.prompt)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import MAX_LOGPROBS, SamplingParamError, SamplingParams
+from engine import MAX_LOGPROBS, SamplingParamError, SamplingParams, StructuredOutputsParams
 from server.errors import bad_request
 from server.param_names import CHAT, CHAT_MAX_COMPLETION_TOKENS, COMPLETIONS, Route, input_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
@@ -52,22 +52,14 @@ def _unsupported(value: Any, allowed: tuple, param: str, what: str) -> None:
         raise bad_request(f"{param} is not supported by this server: {what}", param)
 
 
-def chat_params(req: ChatCompletionRequest) -> tuple[SamplingParams, Route]:
+def chat_params(req: ChatCompletionRequest, structured: StructuredOutputsParams | None = None
+                ) -> tuple[SamplingParams, Route]:
     """Sampling parameters of a chat request and how the request names its fields (its
-    token limit is ``max_completion_tokens`` or ``max_tokens``).
+    token limit is ``max_completion_tokens`` or ``max_tokens``). ``structured`` is the
+    request's constraint (``server.structured``, ``server.tools``).
 
     ``max_tokens`` of the result is None when the request sets no limit.
     """
-    if req.tools:
-        raise bad_request("tools are not supported by this server (no tool calling)", "tools")
-    _unsupported(req.tool_choice, ("none",), "tool_choice", "only 'none' is accepted")
-    if req.functions:
-        raise bad_request("functions are not supported by this server", "functions")
-    _unsupported(req.function_call, ("none",), "function_call", "only 'none' is accepted")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(
-            f"response_format type {req.response_format.type!r} is not supported; "
-            "only 'text' is", "response_format")
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise bad_request("only the 'text' modality is supported", "modalities")
     if req.audio is not None:
@@ -82,12 +74,14 @@ def chat_params(req: ChatCompletionRequest) -> tuple[SamplingParams, Route]:
     route = CHAT_MAX_COMPLETION_TOKENS if req.max_completion_tokens is not None else CHAT
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     kw["max_tokens"] = limit
+    kw["structured_outputs"] = structured
     if req.logprobs:
         kw["logprobs"] = req.top_logprobs or 0
     return _build(kw, route), route
 
 
-def completion_params(req: CompletionRequest) -> SamplingParams:
+def completion_params(req: CompletionRequest,
+                      structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Sampling parameters of a completions request (``max_tokens`` defaults to 16)."""
     if req.suffix:
         raise bad_request("suffix is not supported by this server (no fill-in-the-middle)",
@@ -102,4 +96,5 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     kw["max_tokens"] = (req.max_tokens if req.max_tokens is not None
                         else COMPLETION_DEFAULT_MAX_TOKENS)
     kw["logprobs"] = req.logprobs
+    kw["structured_outputs"] = structured
     return _build(kw, COMPLETIONS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from server.errors import bad_request
@@ -41,15 +42,40 @@ def messages_to_dicts(messages: list[ChatMessage] | None) -> list[dict[str, Any]
         d: dict[str, Any] = {"role": role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = _template_tool_calls(m.tool_calls, i)
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 
 
+def _template_tool_calls(calls: list[Any], i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as templates read them: ``arguments`` as an
+    object when it is a JSON string (templates serialise it themselves)."""
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"messages[{i}].tool_calls[{j}] must have function.name and "
+                              "function.arguments", "messages")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not "
+                                  "valid JSON", "messages") from None
+        out.append({**c, "function": {**fn, "arguments": args}})
+    return out
+
+
 def _render_chat(state: ServerState, conv: list[dict[str, Any]],
-                 add_generation_prompt: bool) -> Prompt:
+                 add_generation_prompt: bool, tools: list[dict] | None = None) -> Prompt:
     tok = state.tokenizer
     try:
-        text = tok.apply_chat_template(conv, tokenize=False,
+        text = tok.apply_chat_template(conv, tokenize=False, tools=tools,
+                                       chat_template=state.options.chat_template,
                                        add_generation_prompt=add_generation_prompt)
     except Exception as e:  # template errors (e.g. role order) are the client's to fix
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
@@ -57,11 +83,14 @@ def _render_chat(state: ServerState, conv: list[dict[str, Any]],
 
 
 async def chat_prompt(state: ServerState, messages: list[ChatMessage] | None,
-                      add_generation_prompt: bool = True) -> Prompt:
-    """The templated and tokenized conversation."""
+                      add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> Prompt:
+    """The templated and tokenized conversation (with ``tools`` for templates that render
+    them)."""
     conv = messages_to_dicts(messages)
     size = sum(len(m["content"]) for m in conv)
-    return await state.run_tokenizer(size, _render_chat, state, conv, add_generation_prompt)
+    return await state.run_tokenizer(size, _render_chat, state, conv, add_generation_prompt,
+                                     tools)
 
 
 def _is_int(v: Any) -> bool:

@@ -38,8 +38,16 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct):
+    name: str | None = None
+    schema: Any = None
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(msgspec.Struct):
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(msgspec.Struct):
@@ -67,6 +75,12 @@ class _Sampling(msgspec.Struct):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Structured outputs (vLLM's spellings)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -37,6 +37,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long running requests may finish before "
                         "they are aborted (default: %(default)s)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model choose to call tools (tool_choice 'auto'); needs "
+                        "--tool-call-parser")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="how tool calls are read from free text: hermes "
+                        "(<tool_call>{json}</tool_call>, Qwen2.5/Qwen3)")
+    s.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use instead of the tokenizer's "
+                        "(e.g. one that renders tools)")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"],
                    help="logging level (default: %(default)s)")
@@ -61,6 +70,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --port {args.port} is out of range")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise SystemExit("error: --max-waiting-requests must be >= 1")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser")
+    template = None
+    if args.chat_template is not None:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise SystemExit(f"error: --chat-template {args.chat_template}: {e}") from None
     try:
         config = config_from_args(args)
     except (TypeError, ValueError) as e:
@@ -72,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or envs.api_key(),
         max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        chat_template=template,
     )
     try:
         import uvloop

@@ -34,6 +34,10 @@ class ServeOptions:
     api_key: str | None = None
     max_waiting_requests: int | None = None
     shutdown_timeout: float = 30.0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    chat_template: str | None = None
+    """A chat template (its text) used instead of the tokenizer's."""
 
 
 class ServerState:

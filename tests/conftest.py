@@ -61,13 +61,15 @@ def default_tokenizer(default_model_path):
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 
-def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0) -> Path:
-    """A tiny random-weight model (float32) with the default model's tokenizer."""
+def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0,
+                    vocab_size: int = 49152) -> Path:
+    """A tiny random-weight model (float32) with the default model's tokenizer (a
+    ``vocab_size`` above its 49152 tokens pads the logits with rows of no token)."""
     import torch
     import transformers
 
     common = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         pad_token_id=2,
@@ -100,6 +102,12 @@ def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0) ->
 
     load_tokenizer(tokenizer_src).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def make_tiny():
+    """:func:`make_tiny_model`, for tests that build a variant of their own."""
+    return make_tiny_model
 
 
 @pytest.fixture(scope="session")

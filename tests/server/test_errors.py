@@ -69,7 +69,7 @@ CASES = {
     "tools": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
               "tools"),
     "tool_choice": (CHAT, chat(tool_choice="auto"), 400, "tool_choice"),
-    "response_format": (CHAT, chat(response_format={"type": "json_object"}), 400,
+    "response_format": (CHAT, chat(response_format={"type": "xml"}), 400,
                         "response_format"),
     "modalities_audio": (CHAT, chat(modalities=["text", "audio"]), 400, "modalities"),
     "stream_options_without_stream": (CHAT, chat(stream_options={"include_usage": True}),

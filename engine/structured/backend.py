@@ -1,0 +1,82 @@
+"""The grammar backend interface and the registry that loads one by name.
+
+A backend compiles a :class:`StructuredOutputsParams` into a grammar; a grammar makes
+one matcher per request (each of ``n`` siblings owns its own). A matcher fills its row
+of a token bitmask, accepts the sampled token, rolls back and says when it has
+terminated. The bitmask is ``int32 [rows, ceil(vocab / 32)]``: bit ``j`` of word ``w``
+allows token ``32 * w + j`` (the layout xgrammar and llguidance share).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from engine.structured.params import StructuredOutputsError, StructuredOutputsParams
+
+BACKENDS = {
+    "xgrammar": ("engine.structured.xgrammar_backend", "xgrammar"),
+    "llguidance": ("engine.structured.llguidance_backend", "llguidance"),
+}
+"""Backend name -> (module, the package it needs)."""
+
+_NATIVE_PREFIX = re.compile(r"^(\[[0-9:]+\] )?\S+\.(cc|cpp|h|rs):\d+: (Check failed: .*? is false: )?")
+
+
+class Matcher(Protocol):
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Write the tokens allowed next into row ``row`` of ``bitmask``."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token accepted: nothing may follow."""
+
+
+class Grammar(Protocol):
+    def matcher(self) -> Matcher: ...
+
+
+class GrammarBackend(Protocol):
+    name: str
+
+    def compile(self, spec: StructuredOutputsParams) -> Grammar:
+        """Compile ``spec``; raises :class:`StructuredOutputsError` naming its field."""
+
+
+def package_of(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"structured_outputs_backend={name!r} is invalid: use one of "
+                         f"{', '.join(BACKENDS)}")
+    return BACKENDS[name][1]
+
+
+def is_available(name: str) -> bool:
+    return importlib.util.find_spec(package_of(name)) is not None
+
+
+def load_backend(name: str, tokenizer: Any, vocab_size: int,
+                 eos_token_ids: Sequence[int]) -> GrammarBackend:
+    """The backend ``name`` for a model; a missing package is a clear error."""
+    package = package_of(name)
+    if not is_available(name):
+        raise StructuredOutputsError(
+            f"structured outputs need the {package!r} package (structured_outputs_backend="
+            f"{name!r}), which is not installed: pip install 'pagedserve[structured]'")
+    module = importlib.import_module(BACKENDS[name][0])
+    return module.Backend(tokenizer, vocab_size, tuple(eos_token_ids))
+
+
+def compile_error(spec: StructuredOutputsParams, exc: BaseException) -> StructuredOutputsError:
+    """A backend's compile failure as an error naming the spec's field."""
+    text = " ".join(str(exc).split())
+    text = _NATIVE_PREFIX.sub("", text)
+    return StructuredOutputsError(
+        f"structured_outputs.{spec.kind} cannot be compiled: {text}", spec.kind)

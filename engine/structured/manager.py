@@ -1,0 +1,72 @@
+"""Compiles grammars off the engine thread and caches them by spec.
+
+:meth:`StructuredOutputManager.submit` returns a future at once; the request waits in
+its own state (the scheduler skips it) until the future is done. Equal specs share one
+compile and one compiled grammar; a failed compile is cached too, so a bad spec that is
+sent again fails again at once. The backend itself (its tokenizer tables) is built on
+the first compile, in the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from engine.structured.backend import Grammar, GrammarBackend, Matcher, is_available, load_backend
+from engine.structured.params import StructuredOutputsParams
+
+logger = logging.getLogger("engine.structured")
+
+MAX_CACHED_GRAMMARS = 512
+
+
+class StructuredOutputManager:
+    def __init__(self, backend: str, tokenizer: Any, vocab_size: int,
+                 eos_token_ids: Sequence[int], max_workers: int = 2) -> None:
+        self.backend_name = backend
+        if not is_available(backend):
+            logger.warning("structured outputs backend %r is not installed: requests with "
+                           "structured outputs will be refused", backend)
+        self._args = (tokenizer, vocab_size, tuple(eos_token_ids))
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Future[Grammar]] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
+        self.num_compiles = 0
+
+    def backend(self) -> GrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = load_backend(self.backend_name, *self._args)
+            return self._backend
+
+    def submit(self, spec: StructuredOutputsParams) -> Future[Grammar]:
+        """The (cached) compile of ``spec``; its exception is a
+        :class:`~engine.structured.StructuredOutputsError` naming the spec's field."""
+        key = spec.key
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, spec)
+            self._cache[key] = fut
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return fut
+
+    def _compile(self, spec: StructuredOutputsParams) -> Grammar:
+        self.num_compiles += 1
+        return self.backend().compile(spec)
+
+    def matcher(self, spec: StructuredOutputsParams) -> Matcher:
+        """A new matcher of a compiled spec (blocks if it is still compiling)."""
+        return self.submit(spec).result().matcher()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

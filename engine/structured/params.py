@@ -1,0 +1,96 @@
+"""``StructuredOutputsParams``: what a request's output must match, spelled as vLLM does.
+
+Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``regex``,
+``choice`` (a list of strings), ``grammar`` (EBNF, GBNF style) or ``json_object`` (any
+JSON object). Validated on construction; a schema or pattern the backend cannot compile
+is reported when it is compiled. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import EngineInputError, InputField
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputsError(EngineInputError):
+    """A structured-output spec that is malformed or that the backend cannot compile;
+    ``kind`` is the spec's field (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``) or None when the spec as a whole is at fault."""
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message, InputField.STRUCTURED_OUTPUTS)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    any_whitespace: bool = False
+    """JSON grammars allow only fixed whitespace (``{"a": 1, "b": 2}``, no newlines or
+    runs of spaces) unless this is true: small models tend to loop on free whitespace."""
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise StructuredOutputsError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {', '.join(given) or 'none'}")
+        if not isinstance(self.any_whitespace, bool):
+            raise StructuredOutputsError("structured_outputs.any_whitespace must be true "
+                                         "or false", "any_whitespace")
+        kind = given[0]
+        if kind == "json":
+            object.__setattr__(self, "json", _schema_text(self.json))
+        elif kind == "choice":
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise StructuredOutputsError(
+                    "structured_outputs.choice must be a non-empty list of non-empty "
+                    "strings", "choice")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        elif kind == "json_object":
+            if self.json_object is not True:
+                raise StructuredOutputsError(
+                    "structured_outputs.json_object must be true", "json_object")
+        elif not isinstance(getattr(self, kind), str) or not getattr(self, kind):
+            raise StructuredOutputsError(
+                f"structured_outputs.{kind} must be a non-empty string", kind)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, Any, bool]:
+        """The compile cache key: equal specs share one compiled grammar."""
+        return self.kind, getattr(self, self.kind), self.any_whitespace
+
+
+def _schema_text(schema: Any) -> str:
+    """A JSON schema as compact JSON text (property order is kept: it decides the order
+    of the output's properties)."""
+    if isinstance(schema, str):
+        try:
+            schema = _json.loads(schema)
+        except ValueError as e:
+            raise StructuredOutputsError(
+                f"structured_outputs.json is not valid JSON: {e}", "json") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else None
+    if not isinstance(schema, dict):
+        raise StructuredOutputsError(
+            "structured_outputs.json must be a JSON schema object", "json")
+    try:
+        return _json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise StructuredOutputsError(
+            f"structured_outputs.json cannot be serialised: {e}", "json") from None

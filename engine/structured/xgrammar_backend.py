@@ -1,0 +1,72 @@
+"""The xgrammar backend (the default)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import xgrammar as xgr
+
+from engine.structured.backend import compile_error
+from engine.structured.params import StructuredOutputsParams
+
+
+class _Matcher:
+    __slots__ = ("_m",)
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._m = xgr.GrammarMatcher(compiled)
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._m.accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+
+class _Grammar:
+    __slots__ = ("compiled",)
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.compiled = compiled
+
+    def matcher(self) -> _Matcher:
+        return _Matcher(self.compiled)
+
+
+class Backend:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        # vocab_size is the model's: rows padded past the tokenizer's tokens are masked.
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def compile(self, spec: StructuredOutputsParams) -> _Grammar:
+        c = self._compiler
+        ws = spec.any_whitespace
+        try:
+            kind = spec.kind
+            if kind == "json":
+                g = c.compile_json_schema(spec.json, any_whitespace=ws)
+            elif kind == "json_object":
+                g = c.compile_json_schema('{"type":"object"}', any_whitespace=ws,
+                                          strict_mode=False)
+            elif kind == "regex":
+                g = c.compile_regex(spec.regex)
+            elif kind == "choice":
+                alts = " | ".join(json.dumps(ch, ensure_ascii=False) for ch in spec.choice)
+                g = c.compile_grammar(f"root ::= {alts}")
+            else:
+                g = c.compile_grammar(spec.grammar)
+        except Exception as e:  # the backend's parse and conversion errors
+            raise compile_error(spec, e) from None
+        return _Grammar(g)
