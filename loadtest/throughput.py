@@ -36,7 +36,7 @@ from loadtest.bench_common import (
 )
 from loadtest.linear_floor import linear_floor, step_breakdown
 from loadtest.op_times import OpTimes, format_report
-from loadtest.workloads import Workload, random_workload
+from loadtest.workloads import Workload, random_workload, shared_prefix_workload
 
 logger = logging.getLogger("loadtest")
 
@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--input-len-max", type=int, default=256)
     w.add_argument("--output-len-min", type=int, default=64)
     w.add_argument("--output-len-max", type=int, default=128)
+    w.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
+                   help="every prompt starts with the same N-token document (a long shared "
+                        "context); its own part is --input-len-min tokens and its output "
+                        "--output-len-min")
     add_engine_args(parser)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True)
@@ -75,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # -- the run -------------------------------------------------------------------------------
 def _workload(args: argparse.Namespace, token_ids: list[int]) -> Workload:
+    if args.shared_prefix_len > 0:
+        return shared_prefix_workload(token_ids, args.num_requests, args.shared_prefix_len,
+                                      args.input_len_min, args.output_len_min, args.seed)
     return random_workload(
         token_ids, args.num_requests, (args.input_len_min, args.input_len_max),
         (args.output_len_min, args.output_len_max), args.seed)
@@ -112,9 +119,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                    f"attention={worker.attn.name}"),
         **({"cpu paths": cpu_paths.summary(worker.cpu_paths, dtype, worker.quant_desc)}
            if worker.cpu_paths is not None else {}),
-        "workload": (f"{workload.num_requests} requests, input {args.input_len_min}-"
-                     f"{args.input_len_max}, output {args.output_len_min}-"
-                     f"{args.output_len_max} (ignore_eos, greedy): "
+        "workload": (f"{workload.num_requests} requests, "
+                     + (f"a shared {args.shared_prefix_len}-token prefix + {args.input_len_min}"
+                        f", output {args.output_len_min}" if args.shared_prefix_len > 0 else
+                        f"input {args.input_len_min}-{args.input_len_max}, output "
+                        f"{args.output_len_min}-{args.output_len_max}")
+                     + " (ignore_eos, greedy): "
                      f"{workload.num_prompt_tokens} prompt + {workload.num_output_tokens} "
                      "output tokens"),
     })

@@ -222,3 +222,19 @@ def test_decode_bench_times_each_batch_and_reads_the_weight_bytes(tiny_llama, tm
     agree = rep["agreement"]
     assert agree["identical"] == 1.0 and agree["mean_common_prefix"] == 1.0
     assert agree["max_logprob_diff"] < 1e-5 and "greedy agreement with float32" in text
+
+
+def test_throughput_bench_long_shared_document(tiny_llama, tmp_path, capsys):
+    """``--shared-prefix-len``: every prompt is one long shared document plus its own
+    part; with prefix caching the document is computed once."""
+    out = tmp_path / "s.json"
+    throughput.cli(["--model", tiny_llama, "--num-requests", "4", "--shared-prefix-len", "300",
+                    "--input-len-min", "8", "--output-len-min", "5", "--no-floor", *ENGINE,
+                    "--save-result", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert "4 requests, a shared 300-token prefix + 8, output 5" in text
+    rep = json.loads(out.read_text())
+    assert rep["workload"]["name"] == "shared_prefix"
+    ps = rep["pagedserve"]
+    assert ps["num_output_tokens"] == 20 and ps["num_prompt_tokens"] == 4 * 308
+    assert ps["prefix_cache_hit_rate"] > 0.5
