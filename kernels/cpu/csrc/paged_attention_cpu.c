@@ -28,7 +28,10 @@
  * The vector path (AVX-512 or AVX2, one source over simd.h's ``vf``) makes one pass
  * with an online softmax (K and V of each run of rows together); the portable path
  * keeps the scores of the whole context (two passes: q.K, then softmax-weighted V),
- * one token at a time.
+ * one token at a time. A request's chunk of TILED_MIN_Q or more tokens instead goes
+ * through paged_attention_tiled.h's tiles of Q.K^T and P.V products (vector and
+ * portable forms), and a context of more than SPLIT_ROWS rows on the vector path is
+ * split into parts that threads share, merged in part order.
  */
 #include <limits.h>
 #include <math.h>
@@ -42,9 +45,9 @@
 
 /* Query tokens of one request handled by one work item. */
 #define TOKEN_TILE 16
-/* Tokens per tile of the tiled path (vector builds), and the chunk length from which a
- * request takes it: shorter chunks, speculative verification and decodes keep the
- * vector path, so a token's result there never depends on how it was batched. */
+/* Tokens per tile of the tiled path, and the chunk length from which a request takes
+ * it: shorter chunks, speculative verification and decodes keep the per-token sweeps,
+ * so a token's result there never depends on how it was batched. */
 #define TILED_TILE 32
 #define TILED_MIN_Q 32
 
@@ -288,6 +291,10 @@ static void attend_items(void *ctx, int64_t i0, int64_t i1, int worker) {
                            a->q_stride, a->out_stride, tl.len0, tl.ntok, h0, a->per_item,
                            tl.c0, tl.c1,
                            tl.part >= 0 ? a->parts + (size_t)tl.part * a->part_slot : NULL};
+        if (tl.tiled && !a->vector_path) {
+            attend_tiled_portable(&it, sh, a->dtype, a->tiled[worker]);
+            continue;
+        }
 #if SIMD_VW
         if (tl.tiled) {
             if (a->dtype == DTYPE_F32)
@@ -348,7 +355,7 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     for (int s = 0; s < num_seqs; ++s) {
         const int q_len = query_start_loc ? query_start_loc[s + 1] - query_start_loc[s] : 1;
         if (q_len < 0 || q_len > seq_lens[s]) return PA_ERR_RANGE;
-        if (vector_path && q_len >= TILED_MIN_Q) {
+        if (q_len >= TILED_MIN_Q) {
             num_tiles += (q_len + TILED_TILE - 1) / TILED_TILE;
             any_tiled = 1;
             continue;
@@ -383,7 +390,7 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     for (int s = 0, i = 0, part = 0; s < num_seqs; ++s) {
         const int tok = query_start_loc ? query_start_loc[s] : s;
         const int q_len = query_start_loc ? query_start_loc[s + 1] - tok : 1;
-        const int tiled = vector_path && q_len >= TILED_MIN_Q;
+        const int tiled = q_len >= TILED_MIN_Q;
         const int tile = tiled ? TILED_TILE : TOKEN_TILE;
         for (int j = 0; j < q_len; j += tile) {
             const int ntok = q_len - j < tile ? q_len - j : tile;
@@ -416,14 +423,10 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
         scores[w] = vector_path ? NULL : malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
         acc[w] = malloc(sizeof(float) * nq * ((size_t)head_dim + 2) * TOKEN_TILE);
         if ((scores[w] == NULL && !vector_path) || acc[w] == NULL) status = PA_ERR_NOMEM;
-#if SIMD_VW
         if (any_tiled && status == 0) {
             tiled[w] = malloc(sizeof(float) * tiled_scratch_floats(sh.group, head_dim));
             if (tiled[w] == NULL) status = PA_ERR_NOMEM;
         }
-#else
-        (void)any_tiled;
-#endif
     }
     if (status == 0) {
         attend_task_t task = {tiles, &sh, query, out, block_tables, q_stride, out_stride,

@@ -1,6 +1,6 @@
 /*
- * The tiled prefill path of paged_attention_cpu.c (vector builds), kept in its own file
- * for length: included once, after paged_attention_vec.h, whose helpers it uses.
+ * The tiled prefill path of paged_attention_cpu.c, kept in its own file for length:
+ * included once, after paged_attention_vec.h, whose helpers it uses.
  *
  * A long prefill chunk is compute-bound: each query token attends to the whole context,
  * and the per-token sweeps of the vector path spend more of their time reducing dot
@@ -17,19 +17,96 @@
  * O per row). Causality is a mask on the scores of the one run that holds a token's
  * own position; rows of tokens that see none of a run skip it.
  */
-#if SIMD_VW
-/* Keys per run, and vectors across a run. */
+/* Keys per run. */
 #define TK 16
+
+/* Floats of scratch a worker needs for a tiled item with ``group`` query heads per KV
+ * head: Q and O (rows x D), P (rows x TK), four per-row values, K^T, and (the portable
+ * loops) a run of V rows and one converted row. */
+static size_t tiled_scratch_floats(int group, int head_dim) {
+    const size_t rows = (size_t)TILED_TILE * group;
+    return rows * (2 * (size_t)head_dim + TK + 4) + 2 * (size_t)head_dim * TK + head_dim + 32;
+}
+
+/* The same tiles in plain loops (any head_dim; the compiler vectorizes the loops over
+ * a run's keys and over D): the portable build's, and the vector builds' for head dims
+ * their vectors do not divide. */
+static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype,
+                                  float *scratch) {
+    const int D = sh->head_dim, G = sh->group, T = it->ntok, rows = T * G;
+    const int L0 = it->seq_len, L = L0 + T - 1, bs = sh->block_size;
+    const int64_t stride = (int64_t)sh->num_kv_heads * D;
+    float *q = scratch, *o = q + (size_t)rows * D, *p = o + (size_t)rows * D;
+    float *mx = p + (size_t)rows * TK, *den = mx + rows, *kt = den + rows;
+    float *vr = kt + (size_t)D * TK, *tmp = vr + (size_t)D * TK;
+    for (int hh = 0; hh < it->nh; ++hh) {
+        for (int r = 0; r < rows; ++r) {
+            memcpy(q + (int64_t)r * D,
+                   it->query + (r / G) * it->q_stride + (int64_t)(hh * G + r % G) * D,
+                   sizeof(float) * (size_t)D);
+            mx[r] = -INFINITY;
+            den[r] = 0.0f;
+        }
+        memset(o, 0, sizeof(float) * (size_t)rows * D);
+        const int64_t head = (int64_t)(it->h0 + hh) * D;
+        for (int t = 0; t < L;) {
+            int n = bs - t % bs;
+            n = n < TK ? n : TK;
+            n = n < L - t ? n : L - t;
+            const int64_t first = ((int64_t)it->table[t / bs] * bs + t % bs) * stride + head;
+            memset(kt, 0, sizeof(float) * (size_t)D * TK);
+            for (int k = 0; k < n; ++k) {
+                const float *row = load_row(sh->k_cache, dtype, first + k * stride, D, tmp);
+                for (int d = 0; d < D; ++d) kt[d * TK + k] = row[d];
+                memcpy(vr + (int64_t)k * D, load_row(sh->v_cache, dtype, first + k * stride, D, tmp),
+                       sizeof(float) * (size_t)D);
+            }
+            const int j0 = t - L0 + 1 > 0 ? t - L0 + 1 : 0;
+            for (int r = j0 * G; r < rows; ++r) {
+                float s[TK] = {0};
+                for (int d = 0; d < D; ++d) {
+                    const float qd = q[(int64_t)r * D + d];
+#pragma omp simd
+                    for (int k = 0; k < TK; ++k) s[k] += qd * kt[d * TK + k];
+                }
+                const int seen = L0 + r / G - t, valid = seen < n ? seen : n;
+                float m = mx[r];
+                for (int k = 0; k < valid; ++k) {
+                    s[k] *= sh->scale;
+                    m = s[k] > m ? s[k] : m;
+                }
+                const float corr = expf(mx[r] - m); /* 0 on a row's first run */
+                float sum = 0.0f;
+                for (int k = 0; k < valid; ++k) {
+                    s[k] = expf(s[k] - m);
+                    sum += s[k];
+                }
+                den[r] = den[r] * corr + sum;
+                mx[r] = m;
+                float *orow = o + (int64_t)r * D;
+#pragma omp simd
+                for (int d = 0; d < D; ++d) orow[d] *= corr;
+                for (int k = 0; k < valid; ++k) {
+                    const float w = s[k], *v = vr + (int64_t)k * D;
+#pragma omp simd
+                    for (int d = 0; d < D; ++d) orow[d] += w * v[d];
+                }
+            }
+            t += n;
+        }
+        for (int r = 0; r < rows; ++r) {
+            float *out = it->out + (r / G) * it->out_stride + (int64_t)(hh * G + r % G) * D;
+            const float inv = 1.0f / den[r];
+            for (int d = 0; d < D; ++d) out[d] = o[(int64_t)r * D + d] * inv;
+        }
+    }
+}
+
+#if SIMD_VW
+/* Vectors across a run. */
 #define NK (TK / VW)
 /* Query rows per register tile: NK (scores) or two (outputs) vectors each. */
 #define TR (VW == 16 ? 12 : 6)
-
-/* Floats of scratch a worker needs for a tiled item with ``group`` query heads per KV
- * head: Q and O (rows x D), P (rows x TK), four per-row values, K^T. */
-static size_t tiled_scratch_floats(int group, int head_dim) {
-    const size_t rows = (size_t)TILED_TILE * group;
-    return rows * (2 * (size_t)head_dim + TK + 4) + (size_t)head_dim * TK + 2 * VW;
-}
 
 /* S rows ``r0 .. r0 + mr - 1`` = scale * Q rows . K^T. */
 static inline __attribute__((always_inline)) void tiled_scores(const float *q, const float *kt,
