@@ -66,8 +66,8 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-450}
 ALL_PARTS="env engine gate bench-model bench bench-eager bandwidth kernels hf-eq"
-declare -A LIMIT=([env]=20 [engine]=70 [gate]=60 [bench-model]=30 [bench]=50 [bench-eager]=45
-    [bandwidth]=40 [kernels]=80 [hf-eq]=55)
+declare -A LIMIT=([env]=20 [engine]=70 [gate]=60 [bench-model]=40 [bench]=50 [bench-eager]=45
+    [bandwidth]=40 [kernels]=70 [hf-eq]=55)
 PARTS=${GPU_CHECK_PARTS:-$ALL_PARTS}
 START=$SECONDS
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
