@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine import rejection_sampler
@@ -24,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_config import SpeculativeConfig
+from engine.step_buffers import BlockTableRows, StagingBuffer
 from engine.step_inputs import StepInputs
 from engine.structured.backend import Matcher
 from engine.structured.manager import StructuredOutputManager
@@ -66,6 +68,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         speculative_config: SpeculativeConfig | None = None,
         structured: StructuredOutputManager | None = None,
+        max_blocks_per_seq: int = 64,
     ) -> None:
         self.model = model
         self.attn = attn
@@ -82,6 +85,9 @@ class ModelRunner:
             speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
             speculative_config.prompt_lookup_max)  # fmt: skip
         self.requests: dict[str, CachedRequestState] = {}
+        self.staging = StagingBuffer(device)
+        """Every step's integer inputs, staged on the host and copied once."""
+        self.block_rows = BlockTableRows(max_blocks_per_seq, device)
         self.decode_graphs: DecodeGraphRunner | None = None
         """Set on CUDA (``engine.cuda_graphs``): runs decode-only steps as CUDA graphs."""
 
@@ -95,10 +101,12 @@ class ModelRunner:
         """Bring the per-request state up to date with the step's description."""
         for rid in sched.finished_req_ids:
             self.requests.pop(rid, None)
+            self.block_rows.release(rid)
         for rid in sched.preempted_req_ids:
             # Its blocks are gone; when it is scheduled again its description carries the
             # whole new table. Its generator stays: its random stream continues.
             self.requests[rid].block_ids = []
+            self.block_rows.release(rid)
         for new in sched.new_requests:
             self.requests[new.req_id] = CachedRequestState(
                 prompt_token_ids=new.prompt_token_ids,
@@ -140,18 +148,15 @@ class ModelRunner:
         num_decodes = len(order)
         order += [x for x in items if x[1] != 1]
 
-        block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        req_index: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
         logits_idx: list[int] = []
         sampling_ids: list[str] = []
         drafts_of: list[list[int]] = []
         spec = sched.scheduled_spec_decode_tokens
-        for i, (rid, n) in enumerate(order):
+        for rid, n in order:
             state = self.requests[rid]
             start = state.num_computed_tokens
             end = start + n
@@ -159,10 +164,8 @@ class ModelRunner:
             input_ids.extend(state.all_token_ids[start:end - len(drafts)])
             input_ids.extend(drafts)
             positions.extend(range(start, end))
-            req_index.extend([i] * n)
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
-            tables.append(state.block_ids)
             if end == len(state.all_token_ids) + len(drafts):
                 # Caught up: this step yields its next token (verifying drafts: a row
                 # for each and one more).
@@ -170,23 +173,38 @@ class ModelRunner:
                 sampling_ids.append(rid)
                 drafts_of.append(list(drafts))
 
-        max_blocks = max(len(t) for t in tables)
-        bt = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        ridx = torch.tensor(req_index, dtype=torch.int64)
-        slots = bt[ridx, pos_t // block_size].to(torch.int64) * block_size + pos_t % block_size
-        dev = self.device
-        meta = AttentionMetadata.from_host(slots, qsl, seq_lens, bt, num_decodes, dev)
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=pos_t.to(dev),
-            meta=meta,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
-            sampling_ids=sampling_ids,
-            drafts=drafts_of,
-        )
+        return self._stage(input_ids, positions, qsl, seq_lens, order, logits_idx,
+                           num_decodes, sampling_ids, drafts_of)  # fmt: skip
+
+    def _stage(self, input_ids, positions, qsl, seq_lens, order, logits_idx, num_decodes,
+               sampling_ids, drafts_of) -> StepInputs:  # fmt: skip
+        """The step's arrays through the staging buffer (one host-to-device copy), the
+        block tables updated with only the entries added since the last step."""
+        bs = self.block_size
+        rows, flat_idx, new_ids, slots = [], [], [], []
+        self.block_rows.ensure_width(max(len(self.requests[rid].block_ids) for rid, _ in order))
+        for (rid, n), end in zip(order, seq_lens, strict=True):
+            ids = self.requests[rid].block_ids
+            row, idx, vals = self.block_rows.changes(rid, ids)
+            rows.append(row)
+            flat_idx += idx
+            new_ids += vals
+            pos = np.arange(end - n, end)
+            slots.append(np.asarray(ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
+        i64, i32 = torch.int64, torch.int32
+        ids_t, pos_t, slot_t, qsl_t, lens_t, logit_t, rows_t, idx_t, vals_t = self.staging.stage(
+            [(input_ids, i64), (positions, i64), (np.concatenate(slots), i64), (qsl, i32),
+             (seq_lens, i32), (logits_idx, i64), (rows, i64), (flat_idx, i64),
+             (new_ids, i32)])  # fmt: skip
+        self.block_rows.apply(idx_t, vals_t)
+        meta = AttentionMetadata(
+            slot_mapping=slot_t, query_start_loc=qsl_t, seq_lens=lens_t,
+            block_tables=self.block_rows.gather(rows_t), num_decodes=num_decodes,
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:], strict=False)),
+            max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+        )  # fmt: skip
+        return StepInputs(input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logit_t,
+                          sampling_ids=sampling_ids, drafts=drafts_of)  # fmt: skip
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -123,7 +123,8 @@ class Worker:
             self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.attn, kv_caches, config.block_size,
                                   self.device, self.vocab_size, self.eos_token_ids,
-                                  config.speculative_config, self.structured)
+                                  config.speculative_config, self.structured,
+                                  max_blocks_per_seq=-(-self.max_model_len // config.block_size))
         if self.attn.name == "triton":
             from engine.kernel_warmup import warm_up_kernels
 

@@ -117,5 +117,9 @@ class AttentionBackend(Protocol):
         """Write this step's K/V into the cache, then attend.
 
         query [T, Hq, D], key/value [T, Hkv, D]; returns [T, Hq, D].
+
+        A backend may also offer ``rope_forward(query, key, value, cos, sin, k_cache,
+        v_cache, meta, scale)``: ``ops.rope`` then ``forward`` with the rotation fused
+        into the K/V write (the Triton backend); the model calls it where it exists.
         """
         ...

@@ -81,7 +81,7 @@ def select_kernels(
     try:
         import triton.language as tl
 
-        from kernels.triton.backend import TritonBackend
+        from kernels.triton.backend import TritonBackend, TritonLayerOps
     except ImportError as exc:
         raise RuntimeError(
             "the triton attention backend needs the 'triton' package "
@@ -93,6 +93,7 @@ def select_kernels(
             "the triton kernels were compiled for a GPU: TRITON_INTERPRET=1 must be set "
             "before triton and kernels.triton are first imported"
         )
+    ops = TritonLayerOps()
     return Kernels(TritonBackend(ops), ops)
 
 

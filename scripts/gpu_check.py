@@ -9,6 +9,8 @@ Subcommands (each appends one-line results to ``--summary FILE`` when given):
   float32 must match exactly, bfloat16 reports agreement.
 * ``bench``: ``pagedserve bench throughput`` (``loadtest.throughput``) with CUDA graphs
   on or off (``--enforce-eager``), plus the engine's KV-budget and capture log lines.
+* ``gate``: the bfloat16 gate (:mod:`gpu_gate`): engines, kernels, compiles after
+  warm-up and the step-time split.
 * ``bandwidth``: the Triton paged decode-attention kernel's K/V read bandwidth against
   the H200's 4.8 TB/s and a measured device copy. ``--device cpu`` runs a tiny case in
   the Triton interpreter (a check of the script, not a measurement).
@@ -33,8 +35,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import gpu_gate  # noqa: E402  (scripts/gpu_gate.py: the bf16 gate part)
 
 logger = logging.getLogger("gpu_check")
 
@@ -107,14 +112,16 @@ def model_config(preset: str):
 
 
 def write_random_model(out: Path, preset: str, std: float, seed: int = 0,
-                       device: str = "cpu", save_dtype: str = "float32") -> Path:  # fmt: skip
+                       device: str = "cpu", save_dtype: str = "float32",
+                       cfg: Any = None) -> Path:  # fmt: skip
     """Random weights (matrices ~ N(0, std), norms ~ 1 + N(0, 0.05), biases ~ N(0, 0.05))
-    drawn on ``device``, saved as one safetensors file with the config and tokenizer."""
+    drawn on ``device``, saved as one safetensors file with the config and tokenizer
+    (``cfg``: an HF config instead of the preset's)."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
-    cfg = model_config(preset)
+    cfg = model_config(preset) if cfg is None else cfg
     with torch.device("meta"):
         meta_model = transformers.AutoModelForCausalLM.from_config(cfg)
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
@@ -451,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Flags not listed here go to loadtest.throughput.")  # fmt: skip
     b.add_argument("--enforce-eager", action="store_true")
     b.add_argument("--save-json", default=None)
+    gpu_gate.add_parser(sub)
     w = sub.add_parser("bandwidth", help="decode attention K/V read bandwidth")
     w.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     w.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
@@ -467,6 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.cmd == "bench":
             return cmd_bench(args, rest)
+        if args.cmd == "gate":
+            return gpu_gate.cmd_gate(args, before_cuda, emit, lambda out, cfg: write_random_model(
+                out, "llama", 0.15, save_dtype="bfloat16", cfg=cfg))  # fmt: skip
         return {"make-model": cmd_make_model, "hf-equivalence": cmd_hf_equivalence,
                 "bandwidth": cmd_bandwidth}[args.cmd](args)  # fmt: skip
     except DryRunStop as stop:

@@ -7,6 +7,10 @@
 #   env          nvidia-smi, python / torch / triton / transformers versions, CUDA visible
 #   engine       tests/engine/test_triton_engine.py (Triton engine + decode CUDA graphs vs the
 #                torch backend, float32) and tests/engine/test_gpu_path.py
+#   gate         the bf16 gate (scripts/gpu_gate.py): Triton + graphs vs Triton eager vs the
+#                torch backend (batches 3/17/255, 3K+ prompts), head dims 64-128 and GQA
+#                groups 1/7/16 and a KV cache past 2^31 elements against the torch
+#                reference, compiles after warm-up, the decode step's time split
 #   bench-model  a random-weight Llama-3.2-1B-shaped model (bf16) with a synthetic tokenizer
 #   bench        `pagedserve bench throughput` (loadtest.throughput) on that model with
 #                decode CUDA graphs, then (bench-eager) with --enforce-eager; the KV-budget
@@ -61,9 +65,9 @@ cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-450}
-ALL_PARTS="env engine bench-model bench bench-eager bandwidth kernels hf-eq"
-declare -A LIMIT=([env]=20 [engine]=70 [bench-model]=40 [bench]=60 [bench-eager]=60
-    [bandwidth]=40 [kernels]=90 [hf-eq]=70)
+ALL_PARTS="env engine gate bench-model bench bench-eager bandwidth kernels hf-eq"
+declare -A LIMIT=([env]=20 [engine]=70 [gate]=60 [bench-model]=40 [bench]=50 [bench-eager]=45
+    [bandwidth]=40 [kernels]=70 [hf-eq]=55)
 PARTS=${GPU_CHECK_PARTS:-$ALL_PARTS}
 START=$SECONDS
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
@@ -244,6 +248,7 @@ fi
 
 part engine pytest_note -- bash -c 'run_pytest "$@"' run_pytest \
     tests/engine/test_triton_engine.py tests/engine/test_gpu_path.py
+part gate none -- "$PY" scripts/gpu_check.py gate --workdir "$WORK"
 MODEL=$WORK/llama-1b-random
 part bench-model none -- "$PY" scripts/gpu_check.py make-model --preset llama-1b \
     --out "$MODEL" --device cuda --save-dtype bfloat16

@@ -169,8 +169,12 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view_as(q)
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view_as(k)
-        q, k = ops.rope(q, k, cos, sin)
-        o = attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+        rope_forward = getattr(attn, "rope_forward", None)
+        if rope_forward is not None:  # RoPE fused with the K/V write
+            o = rope_forward(q, k, v, cos, sin, k_cache, v_cache, meta, self.scale)
+        else:
+            q, k = ops.rope(q, k, cos, sin)
+            o = attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
         attn_out = ops.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
         residual, x = ops.add_rms_norm(residual, attn_out, self.post_attention_layernorm,
                                        self.eps)  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 from kernels.interface import AttentionMetadata
 from kernels.layer_ops import LayerOps, TorchLayerOps
 from kernels.quant import QK, QuantizedWeight
-from kernels.triton import norm
+from kernels.triton import norm, rope
 from kernels.triton.decode import choose_num_splits, device_num_sms, paged_decode_attention
 from kernels.triton.prefill import paged_prefill_attention
 from kernels.triton.quant_matmul import quant_matmul
@@ -18,9 +18,10 @@ from kernels.triton.write_kv import write_kv
 
 
 class TritonLayerOps(TorchLayerOps):
-    """Torch layer ops, with the RMSNorms (the residual add fused in) in one Triton launch
-    each (:mod:`kernels.triton.norm`) and weight-only quantized linears through the Triton
-    dequantizing matmul (:mod:`kernels.triton.quant_matmul`)."""
+    """Torch layer ops, with the RMSNorms (the residual add fused in) and RoPE in one
+    Triton launch each (:mod:`kernels.triton.norm`, :mod:`kernels.triton.rope`) and
+    weight-only quantized linears through the Triton dequantizing matmul
+    (:mod:`kernels.triton.quant_matmul`)."""
 
     name = "triton"
 
@@ -35,6 +36,14 @@ class TritonLayerOps(TorchLayerOps):
                 and delta.shape == residual.shape:  # fmt: skip
             return norm.add_rms_norm(residual, delta, weight, eps)
         return super().add_rms_norm(residual, delta, weight, eps)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """In place when the kernel takes them (see :func:`kernels.triton.rope.fusable`)."""
+        if rope.fusable(q, k, cos, sin):
+            rope.rope(q, k, cos, sin)
+            return q, k
+        return super().rope(q, k, cos, sin)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,8 +107,34 @@ class TritonBackend:
         scale: float,
     ) -> torch.Tensor:
         """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
-        st = meta.plan(TritonStepPlan)
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(query, k_cache, v_cache, meta, scale)
+
+    def rope_forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """RoPE of ``query``/``key`` and the K/V write in one launch, then attention: what
+        ``ops.rope`` and :meth:`forward` compute. ``query`` is rotated in place, ``key``
+        is left as it was (only its cache rows are rotated)."""
+        if not (rope.fusable(query, key, cos, sin)
+                and rope.writes_kv(key, value, k_cache, v_cache)):  # fmt: skip
+            query, key = self.ops.rope(query, key, cos, sin)
+            return self.forward(query, key, value, k_cache, v_cache, meta, scale)
+        rope.rope_write_kv(query, key, value, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(query, k_cache, v_cache, meta, scale)
+
+    def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:  # fmt: skip
+        st = meta.plan(TritonStepPlan)
         if query.shape[0] > st.num_tokens:
             out = torch.zeros_like(query)
         else:

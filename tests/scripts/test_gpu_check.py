@@ -46,15 +46,18 @@ def _status(stdout: str) -> dict[str, str]:
 
 
 def test_dry_run_sets_up_every_python_part_and_stops_before_cuda() -> None:
-    proc = _dry_run("env bench-model bench bench-eager bandwidth hf-eq")
+    proc = _dry_run("env gate bench-model bench bench-eager bandwidth hf-eq")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     status = _status(proc.stdout)
-    assert list(status) == ["env", "bench-model", "bench", "bench-eager", "bandwidth", "hf-eq"]
+    assert list(status) == ["env", "gate", "bench-model", "bench", "bench-eager", "bandwidth",
+                            "hf-eq"]  # fmt: skip
     for line in status.values():
         assert " DRY-RUN " in line and "stopped before the first CUDA call" in line, line
     # The bench part parsed the script's own bench flags with the bench's parser.
     assert "dtype='bfloat16', max_num_seqs=256, enforce_eager=False" in status["bench"]
     assert "enforce_eager=True" in status["bench-eager"]
+    # The gate wrote its bf16 model and built its workloads before stopping.
+    assert "engines on ['3K+ prompts', 'batch 17', 'batch 255', 'batch 3']" in status["gate"]
     assert "overall: PASS (dry run)" in proc.stdout
 
 

@@ -1,0 +1,144 @@
+"""Reusable buffers for a step's inputs, so that the host's part of a step stays small.
+
+:class:`StagingBuffer` packs every integer array of a step (token ids, positions, slots,
+lengths, logits rows, block-table changes) into one host buffer, pinned when the device
+is a GPU, and copies it to a device buffer of the same layout in one non-blocking copy;
+the step's tensors are views of that device buffer. Both buffers are reused from step
+to step (reallocated only to grow), and every array starts at a multiple of 16 bytes,
+so a kernel's pointer arguments keep their alignment, and their compiled variant.
+
+:class:`BlockTableRows` keeps one device row of block ids per request while it runs and
+writes only the entries added since the last step (a request appends blocks; when it
+is preempted its row is released, and it is rewritten when it runs again). A step's
+block table is a gather of its requests' rows, always ``width`` columns wide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+ALIGN = 16
+"""Bytes each staged array is aligned to (what Triton specializes pointers on)."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class StagingBuffer:
+    """One host buffer and one device buffer of the same layout, reused every step."""
+
+    def __init__(self, device: torch.device | str, capacity: int = 1 << 16) -> None:
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self._copied: torch.cuda.Event | None = None
+        self._alloc(capacity)
+
+    def _alloc(self, nbytes: int) -> None:
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self._host_np = self.host.numpy()
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.host.numel()
+
+    def stage(self, arrays: Sequence[tuple[Sequence[int] | np.ndarray, torch.dtype]]
+              ) -> list[torch.Tensor]:  # fmt: skip
+        """Device tensors holding ``arrays`` (values, dtype), after one host-to-device copy.
+
+        The views are valid until the next call (which overwrites the buffers, after the
+        previous copy has finished reading the host buffer)."""
+        sizes = [len(values) * torch.empty(0, dtype=dt).element_size() for values, dt in arrays]
+        offsets, total = [], 0
+        for nbytes in sizes:
+            offsets.append(total)
+            total += _aligned(max(nbytes, 1))
+        if self._copied is not None:
+            self._copied.synchronize()  # the copy in flight still reads the host buffer
+        if total > self.capacity:
+            self._alloc(max(total, 2 * self.capacity))
+        for (values, dt), off, nbytes in zip(arrays, offsets, sizes, strict=True):
+            if nbytes:
+                np_dt = torch.empty(0, dtype=dt).numpy().dtype
+                self._host_np[off:off + nbytes].view(np_dt)[:] = values
+        self.dev[:total].copy_(self.host[:total], non_blocking=True)
+        if self.pinned:
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+        return [self.dev[off:off + nbytes].view(dt)
+                for (_, dt), off, nbytes in zip(arrays, offsets, sizes, strict=True)]  # fmt: skip
+
+
+class BlockTableRows:
+    """Per-request rows of block ids on the device, updated incrementally."""
+
+    def __init__(self, width: int, device: torch.device | str, num_rows: int = 16) -> None:
+        if width < 1 or num_rows < 1:
+            raise ValueError(f"width={width} and num_rows={num_rows} must be >= 1")
+        self.device = torch.device(device)
+        self.table = torch.zeros(num_rows, width, dtype=torch.int32, device=self.device)
+        self._row_of: dict[str, int] = {}
+        self._synced: dict[str, int] = {}
+        """Entries of each request's row already written on the device."""
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def width(self) -> int:
+        return self.table.shape[1]
+
+    def release(self, req_id: str) -> None:
+        """Free a finished or preempted request's row."""
+        row = self._row_of.pop(req_id, None)
+        if row is not None:
+            self._synced.pop(req_id)
+            self._free.append(row)
+
+    def changes(self, req_id: str, block_ids: list[int]) -> tuple[int, list[int], list[int]]:
+        """The request's row, and the flat table indices and block ids to write this step
+        (the entries past those already written)."""
+        if len(block_ids) > self.width:
+            raise ValueError(f"{len(block_ids)} blocks do not fit rows of {self.width}: "
+                             "call ensure_width first")  # fmt: skip
+        row = self._row_of.get(req_id)
+        if row is None:
+            row = self._take_row()
+            self._row_of[req_id], self._synced[req_id] = row, 0
+        start = self._synced[req_id]
+        self._synced[req_id] = len(block_ids)
+        base = row * self.width
+        return row, list(range(base + start, base + len(block_ids))), block_ids[start:]
+
+    def ensure_width(self, num_blocks: int) -> None:
+        """Widen the rows to ``num_blocks`` (before a step's :meth:`changes`; rare when
+        the width covers ``max_model_len``)."""
+        if num_blocks > self.width:
+            self._grow(self.table.shape[0], max(num_blocks, 2 * self.width))
+
+    def apply(self, flat_idx: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the staged changes (int64 flat indices, int32 block ids)."""
+        if flat_idx.numel():
+            self.table.view(-1).index_copy_(0, flat_idx, values)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """The step's block table ``[len(rows), width]``."""
+        return self.table.index_select(0, rows)
+
+    def _take_row(self) -> int:
+        if not self._free:
+            self._grow(2 * self.table.shape[0], self.width)
+        return self._free.pop()
+
+    def _grow(self, num_rows: int, width: int) -> None:
+        """Reallocate with the entries kept (rare: more running requests or longer tables
+        than sized for). Rows are added at the end: flat indices of a row stay valid
+        unless the width changes."""
+        old = self.table
+        width = max(width, old.shape[1])
+        self.table = torch.zeros(num_rows, width, dtype=torch.int32, device=self.device)
+        self.table[: old.shape[0], : old.shape[1]] = old
+        self._free = list(range(num_rows - 1, old.shape[0] - 1, -1)) + self._free
