@@ -2,6 +2,12 @@
 
 Run with ``python -m kernels.cpu.bench``. Reports the best-of-N milliseconds per
 layer forward (prepare runs once per step and is reported separately).
+
+``--long`` times the native attention kernel alone at long contexts instead: prefill
+chunks of 512 tokens at the end of 512-8192-token contexts (GFLOP/s of the causal
+products) and decodes of long contexts (GB/s of K/V read). ``--threads 1 --cpu-time``
+measures one core by its thread CPU time, which holds on a machine shared with other
+work.
 """
 
 from __future__ import annotations
@@ -81,16 +87,60 @@ def bench_step(name: str, step: PagedStep, iters: int) -> dict[str, float]:
     return result
 
 
+def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool) -> None:
+    """The native kernel at long contexts: prefill chunks and decodes."""
+    from kernels.cpu import native as cpu_native
+
+    lib = cpu_native.build_library(level)
+    clock = time.thread_time if cpu_time else time.perf_counter
+    shapes = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    elem = torch.finfo(dtype).bits // 8
+    cases = [([512], [512]), ([2048], [512]), ([8192], [512]), ([8192], [1]),
+             ([8192] + [300] * 31, [1] * 32)]
+    for seq, q in cases:
+        st = make_step(seq, q, **shapes)
+        m = st.meta
+
+        def call(st=st, m=m, seq=seq) -> None:
+            cpu_native.paged_attention(lib, st.query, st.k_cache, st.v_cache, m.block_tables,
+                                       m.seq_lens, max(seq), st.scale,
+                                       query_start_loc=m.query_start_loc)  # fmt: skip
+
+        call()
+        best = float("inf")
+        for _ in range(iters):
+            start = clock()
+            call()
+            best = min(best, clock() - start)
+        # Causal products: token j of a chunk sees (context - q_len + 1 + j) rows.
+        flops = sum(4 * 9 * 64 * sum(n - k + 1 + j for j in range(k)) for n, k in zip(seq, q, strict=True))
+        kv = sum(2 * 3 * 64 * elem * n for n in seq)
+        log.info("%-6s ctx %5d%-4s q %4d: %8.2f ms  %6.1f GFLOP/s  %6.2f GB/s", level, seq[0],
+                 f"+{len(seq) - 1}" if len(seq) > 1 else "", q[0], best * 1e3,
+                 flops / best / 1e9, kv / best / 1e9)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--long", action="store_true", help="the native kernel at long contexts")
+    parser.add_argument("--level", default=None, help="native build level (--long; default: "
+                        "the best this CPU runs)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by the calling thread's CPU time (--long, with --threads 1)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dtype = getattr(torch, args.dtype)
+    if args.long:
+        from kernels.cpu import native as cpu_native
+
+        level = args.level or cpu_native.runnable_levels()[-1]
+        bench_long(level, dtype, args.iters, args.cpu_time)
+        return
     shapes = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(100, 401, (64,), generator=gen).tolist()
