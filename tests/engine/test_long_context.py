@@ -6,12 +6,13 @@ llama3 RoPE scaling at 16k positions."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from tests.conftest import make_tiny_model
 
 NEW_TOKENS = 8
 
@@ -66,9 +67,9 @@ def test_default_model_matches_hf_at_2k_6k_8k(default_model_path, default_tokeni
     assert got == hf_greedy(default_model_path, prompts, NEW_TOKENS)
 
 
-def test_tiny_llama3_rope_matches_hf_at_16k(tmp_path, default_model_path,
+def test_tiny_llama3_rope_matches_hf_at_16k(tmp_path, tiny_model_factory,
                                             default_tokenizer) -> None:  # fmt: skip
-    path = make_tiny_model("llama", tmp_path / "tiny", default_model_path)
+    path = Path(shutil.copytree(tiny_model_factory("llama"), tmp_path / "tiny"))
     cfg_file = path / "config.json"
     cfg = json.loads(cfg_file.read_text())
     # llama3 scaling stretches the 256 original positions 8x; serve far past that.

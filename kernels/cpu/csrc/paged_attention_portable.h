@@ -1,0 +1,103 @@
+/*
+ * The portable per-token path of paged_attention_cpu.c (any head_dim, any compiler),
+ * kept in its own file for length: included once, after that source's item_t and
+ * shape_t, as one translation unit. Also the cache-row loads the tiled path's plain
+ * loops use.
+ */
+/* ------------------------------------------------------------------------- */
+/* Portable path (any head_dim, any x86/ARM compiler).                        */
+/* ------------------------------------------------------------------------- */
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)h << 16;
+    return c.f;
+}
+
+/* Element offset ``idx`` of a cache as ``n`` float32 values: a pointer into the cache
+ * itself for float32, else a conversion into ``tmp``. */
+static inline const float *load_row(const void *cache, int dtype, int64_t idx, int n,
+                                    float *tmp) {
+    if (dtype == DTYPE_F32) return (const float *)cache + idx;
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *src = (const uint16_t *)cache + idx;
+#pragma omp simd
+        for (int d = 0; d < n; ++d) tmp[d] = bf16_to_f32(src[d]);
+        return tmp;
+    }
+#ifdef __FLT16_MAX__
+    const _Float16 *src = (const _Float16 *)cache + idx;
+#pragma omp simd
+    for (int d = 0; d < n; ++d) tmp[d] = (float)src[d];
+#endif
+    return tmp;
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int d = 0; d < n; ++d) acc += a[d] * b[d];
+    return acc;
+}
+
+static void softmax(float *s, int n) {
+    float m = -INFINITY;
+    for (int i = 0; i < n; ++i) m = s[i] > m ? s[i] : m;
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < n; ++i) s[i] *= inv;
+}
+
+/* Element offset of context row ``t``'s first KV head of the item, through the table. */
+static inline int64_t slot_row(const item_t *it, const shape_t *sh, int t) {
+    const int64_t slot = (int64_t)it->table[t / sh->block_size] * sh->block_size +
+                         t % sh->block_size;
+    return (slot * sh->num_kv_heads + it->h0) * sh->head_dim;
+}
+
+static void attend_portable_token(const item_t *it, const shape_t *sh, int dtype,
+                                  float *scores, float *acc, float *tmp) {
+    const int D = sh->head_dim, G = sh->group, L = it->seq_len, nq = it->nh * G;
+    for (int t = 0; t < L; ++t) {
+        const int64_t row = slot_row(it, sh, t);
+        for (int hh = 0; hh < it->nh; ++hh) {
+            const float *k = load_row(sh->k_cache, dtype, row + (int64_t)hh * D, D, tmp);
+            for (int g = 0; g < G; ++g) {
+                const int qh = hh * G + g;
+                scores[(int64_t)qh * L + t] = dot(it->query + (int64_t)qh * D, k, D) * sh->scale;
+            }
+        }
+    }
+    for (int qh = 0; qh < nq; ++qh) softmax(scores + (int64_t)qh * L, L);
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
+    for (int t = 0; t < L; ++t) {
+        const int64_t row = slot_row(it, sh, t);
+        for (int hh = 0; hh < it->nh; ++hh) {
+            const float *v = load_row(sh->v_cache, dtype, row + (int64_t)hh * D, D, tmp);
+            for (int g = 0; g < G; ++g) {
+                const int qh = hh * G + g;
+                const float p = scores[(int64_t)qh * L + t];
+                float *a = acc + (int64_t)qh * D;
+#pragma omp simd
+                for (int d = 0; d < D; ++d) a[d] += p * v[d];
+            }
+        }
+    }
+    memcpy(it->out, acc, sizeof(float) * (size_t)nq * D);
+}
+
+static void attend_portable(const item_t *it, const shape_t *sh, int dtype, float *scores,
+                            float *acc, float *tmp) {
+    for (int j = 0; j < it->ntok; ++j) {
+        item_t one = *it;
+        one.query += j * it->q_stride;
+        one.out += j * it->out_stride;
+        one.seq_len += j;
+        one.ntok = 1;
+        attend_portable_token(&one, sh, dtype, scores, acc, tmp);
+    }
+}
