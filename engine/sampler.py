@@ -93,6 +93,8 @@ class Sampler:
         self.vocab_size = vocab_size
         self._argmax = argmax or (lambda x: x.argmax(dim=-1))
         """Row-wise argmax of the raw logits (the kernel backend's, e.g. native on the CPU)."""
+        self._bitmask = bitmask.TokenBitmask()
+        """The grammar bitmask of the constrained rows, allocated once and refilled."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """``logits`` is [len(rows), V] with V >= vocab_size (padded columns are ignored)."""
@@ -112,8 +114,9 @@ class Sampler:
         penalties.apply_all(x, sub_rows)
         constrained = [j for j, r in enumerate(sub_rows) if r.matcher is not None]
         if constrained:
-            mask = bitmask.fill([sub_rows[j].matcher for j in constrained], x.shape[1])
-            bitmask.apply(x, constrained, mask)
+            mask = self._bitmask.fill([sub_rows[j].matcher for j in constrained], x.shape[1],
+                                      pin_memory=dev.type == "cuda")
+            bitmask.apply(x, None if len(constrained) == len(sub_rows) else constrained, mask)
         tokens[sel] = _pick(x, sub_rows)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, logprobs_of(raw, rows, token_list))
