@@ -102,29 +102,38 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
         vocab = min(self.vocab_size, logits.shape[1])
         raw = logits[:, :vocab]
-        tokens = self._argmax(raw)
         special = [i for i, r in enumerate(rows) if not _is_plain_greedy(r)]
         if not special:
-            return SamplerOutput(tokens.tolist(), [None] * len(rows))
+            return SamplerOutput(self._argmax(raw).tolist(), [None] * len(rows))
 
         dev = logits.device
-        sel = torch.tensor(special, device=dev)
         sub_rows = [rows[i] for i in special]
-        x = raw.index_select(0, sel).float()  # a copy: safe to modify in place
+        every = len(special) == len(rows)
+        if every:  # no gather, no argmax of the raw rows; a copy: safe to modify in place
+            x = raw.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        else:
+            sel = torch.tensor(special, device=dev)
+            x = raw.index_select(0, sel).float()
         penalties.apply_all(x, sub_rows)
         constrained = [j for j, r in enumerate(sub_rows) if r.matcher is not None]
         if constrained:
             mask = self._bitmask.fill([sub_rows[j].matcher for j in constrained], x.shape[1],
                                       pin_memory=dev.type == "cuda")
             bitmask.apply(x, None if len(constrained) == len(sub_rows) else constrained, mask)
-        tokens[sel] = _pick(x, sub_rows)
+        picked = _pick(x, sub_rows, self._argmax)
+        if every:
+            tokens = picked
+        else:
+            tokens = self._argmax(raw)
+            tokens[sel] = picked
         token_list = tokens.tolist()
         return SamplerOutput(token_list, logprobs_of(raw, rows, token_list))
 
 
-def _pick(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _pick(x: torch.Tensor, rows: list[SamplingRow],
+          argmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Tokens for processed logits ``x`` (modified in place)."""
-    out = x.argmax(dim=-1)
+    out = argmax(x)
     sampled = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
     if not sampled:
         return out
