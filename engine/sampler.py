@@ -109,11 +109,7 @@ class Sampler:
         dev = logits.device
         sub_rows = [rows[i] for i in special]
         every = len(special) == len(rows)
-        if every:  # no gather, no argmax of the raw rows; a copy: safe to modify in place
-            x = raw.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-        else:
-            sel = torch.tensor(special, device=dev)
-            x = raw.index_select(0, sel).float()
+        x = _processing_copy(raw, None if every else special)
         penalties.apply_all(x, sub_rows)
         constrained = [j for j, r in enumerate(sub_rows) if r.matcher is not None]
         if constrained:
@@ -121,13 +117,25 @@ class Sampler:
                                       pin_memory=dev.type == "cuda")
             bitmask.apply(x, None if len(constrained) == len(sub_rows) else constrained, mask)
         picked = _pick(x, sub_rows, self._argmax)
-        if every:
+        if every:  # no argmax of the raw rows
             tokens = picked
         else:
             tokens = self._argmax(raw)
-            tokens[sel] = picked
+            tokens[torch.tensor(special, device=dev)] = picked
         token_list = tokens.tolist()
         return SamplerOutput(token_list, logprobs_of(raw, rows, token_list))
+
+
+def _processing_copy(raw: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+    """A contiguous float32 copy of ``raw`` (of its ``rows``; None: all of them), safe to
+    process in place. A float32 CPU copy is made by numpy in this thread: split across
+    torch's intra-op threads, a few rows cost more in waiting than in copying."""
+    if raw.device.type == "cpu" and raw.dtype == torch.float32:
+        a = raw.numpy()
+        return torch.from_numpy(a.copy() if rows is None else a[rows])
+    if rows is None:
+        return raw.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return raw.index_select(0, torch.tensor(rows, device=raw.device)).float()
 
 
 def _pick(x: torch.Tensor, rows: list[SamplingRow],

@@ -3,14 +3,18 @@
 The bitmask is ``int32 [rows, ceil(vocab / 32)]`` (bit ``j`` of word ``w`` allows token
 ``32 * w + j``). It is applied without unpacking it into a boolean row per request: its
 bytes index a ``[256, 8]`` table of additive masks (``0`` allowed, ``-inf`` forbidden),
-one embedding lookup for the whole batch, and the result is added to the logits in place.
-Adding ``0`` leaves an allowed logit exactly as it was.
+one lookup for the whole batch, and the result is added to the logits in place. Adding
+``0`` leaves an allowed logit exactly as it was. On the CPU the lookup and the add run
+in numpy, in the calling thread: split across torch's intra-op threads, a few rows cost
+more in waiting for the second thread (on a loaded machine, a scheduler time slice)
+than in work.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.structured.backend import Matcher
@@ -72,6 +76,9 @@ def apply(logits: torch.Tensor, rows: Sequence[int] | None, bitmask: torch.Tenso
         raise ValueError(f"{n} bitmask rows for {len(rows)} logit rows")
     all_rows = rows is None or (n == logits.shape[0] and list(rows) == list(range(n)))
     width = min(vocab, 32 * bitmask.shape[1])
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and bitmask.is_cpu:
+        _apply_numpy(logits.numpy(), None if all_rows else list(rows), bitmask, width)
+        return
     # int32 words are little-endian: byte k of word w holds tokens 32w+8k .. 32w+8k+7.
     codes = bitmask.to(logits.device, non_blocking=True).view(torch.uint8).int()
     add = torch.nn.functional.embedding(codes.view(n, -1), _table(logits.device, logits.dtype))
@@ -84,3 +91,17 @@ def apply(logits: torch.Tensor, rows: Sequence[int] | None, bitmask: torch.Tenso
     logits[:, :width].index_add_(0, idx, add)
     if width < vocab:
         logits[idx, width:] = float("-inf")
+
+
+def _apply_numpy(x: np.ndarray, rows: list[int] | None, bitmask: torch.Tensor,
+                 width: int) -> None:
+    n = bitmask.shape[0]
+    table = _table(torch.device("cpu"), torch.float32).numpy()
+    codes = bitmask.contiguous().numpy().view(np.uint8)
+    add = np.take(table, codes, axis=0).reshape(n, -1)[:, :width]
+    if rows is None:
+        x[:, :width] += add
+        x[:, width:] = -np.inf
+    else:
+        x[rows, :width] += add  # rows are distinct: one add per row
+        x[rows, width:] = -np.inf

@@ -32,13 +32,15 @@ def _expected(logits: torch.Tensor, rows: list[int], allowed: list[set[int]]) ->
     return want
 
 
+# float32 on the CPU goes through numpy; other dtypes (and devices) through torch ops.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [1, 3], [4, 0]])
-def test_apply_masks_exactly_the_forbidden_tokens_of_its_rows(rows):
+def test_apply_masks_exactly_the_forbidden_tokens_of_its_rows(rows, dtype):
     vocab = 200  # 7 words of 32, the last one partly padding
     g = torch.Generator().manual_seed(0)
     allowed = [set(torch.randint(0, vocab, (40,), generator=g).tolist()) | {31, 32, 199}
                for _ in rows]
-    logits = torch.randn(5, vocab, generator=g)
+    logits = torch.randn(5, vocab, generator=g).to(dtype)
     mask = bitmask.fill([_Fixed(a) for a in allowed], vocab)
     assert mask.shape == (len(rows), 7) and mask.dtype == torch.int32
     x = logits.clone()
@@ -48,9 +50,10 @@ def test_apply_masks_exactly_the_forbidden_tokens_of_its_rows(rows):
     assert torch.equal(x[untouched], logits[untouched])
 
 
-def test_columns_past_the_mask_are_masked():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_columns_past_the_mask_are_masked(dtype):
     """Logits wider than the mask (vocabulary padding): the extra columns are -inf."""
-    logits = torch.randn(3, 70)
+    logits = torch.randn(3, 70).to(dtype)
     mask = bitmask.fill([_Fixed({0, 63}), _Fixed({5})], 64)
     x = logits.clone()
     bitmask.apply(x, [2, 0], mask)
