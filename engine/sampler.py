@@ -92,7 +92,8 @@ class Sampler:
     ) -> None:
         self.vocab_size = vocab_size
         self._argmax = argmax or (lambda x: x.argmax(dim=-1))
-        """Row-wise argmax of the raw logits (the kernel backend's, e.g. native on the CPU)."""
+        """Row-wise argmax of raw and of processed logits (the kernel backend's, e.g. native
+        on the CPU)."""
         self._bitmask = bitmask.TokenBitmask()
         """The grammar bitmask of the constrained rows, allocated once and refilled."""
 
