@@ -92,7 +92,10 @@ class Sampler:
     ) -> None:
         self.vocab_size = vocab_size
         self._argmax = argmax or (lambda x: x.argmax(dim=-1))
-        """Row-wise argmax of the raw logits (the kernel backend's, e.g. native on the CPU)."""
+        """Row-wise argmax of raw and of processed logits (the kernel backend's, e.g. native
+        on the CPU)."""
+        self._bitmask = bitmask.TokenBitmask()
+        """The grammar bitmask of the constrained rows, allocated once and refilled."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """``logits`` is [len(rows), V] with V >= vocab_size (padded columns are ignored)."""
@@ -100,28 +103,46 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
         vocab = min(self.vocab_size, logits.shape[1])
         raw = logits[:, :vocab]
-        tokens = self._argmax(raw)
         special = [i for i, r in enumerate(rows) if not _is_plain_greedy(r)]
         if not special:
-            return SamplerOutput(tokens.tolist(), [None] * len(rows))
+            return SamplerOutput(self._argmax(raw).tolist(), [None] * len(rows))
 
         dev = logits.device
-        sel = torch.tensor(special, device=dev)
         sub_rows = [rows[i] for i in special]
-        x = raw.index_select(0, sel).float()  # a copy: safe to modify in place
+        every = len(special) == len(rows)
+        x = _processing_copy(raw, None if every else special)
         penalties.apply_all(x, sub_rows)
         constrained = [j for j, r in enumerate(sub_rows) if r.matcher is not None]
         if constrained:
-            mask = bitmask.fill([sub_rows[j].matcher for j in constrained], x.shape[1])
-            bitmask.apply(x, constrained, mask)
-        tokens[sel] = _pick(x, sub_rows)
+            mask = self._bitmask.fill([sub_rows[j].matcher for j in constrained], x.shape[1],
+                                      pin_memory=dev.type == "cuda")
+            bitmask.apply(x, None if len(constrained) == len(sub_rows) else constrained, mask)
+        picked = _pick(x, sub_rows, self._argmax)
+        if every:  # no argmax of the raw rows
+            tokens = picked
+        else:
+            tokens = self._argmax(raw)
+            tokens[torch.tensor(special, device=dev)] = picked
         token_list = tokens.tolist()
         return SamplerOutput(token_list, logprobs_of(raw, rows, token_list))
 
 
-def _pick(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _processing_copy(raw: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+    """A contiguous float32 copy of ``raw`` (of its ``rows``; None: all of them), safe to
+    process in place. A float32 CPU copy is made by numpy in this thread: split across
+    torch's intra-op threads, a few rows cost more in waiting than in copying."""
+    if raw.device.type == "cpu" and raw.dtype == torch.float32:
+        a = raw.numpy()
+        return torch.from_numpy(a.copy() if rows is None else a[rows])
+    if rows is None:
+        return raw.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return raw.index_select(0, torch.tensor(rows, device=raw.device)).float()
+
+
+def _pick(x: torch.Tensor, rows: list[SamplingRow],
+          argmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Tokens for processed logits ``x`` (modified in place)."""
-    out = x.argmax(dim=-1)
+    out = argmax(x)
     sampled = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
     if not sampled:
         return out

@@ -1,14 +1,24 @@
-"""The cost of structured outputs: per decode step, filling and applying the grammar
-bitmask of the constrained rows against the step time, at batch 1 and 32; and grammar
-compile time, cold and cached.
+"""The cost of structured outputs on a decode step, and grammar compile time.
 
-    python -m loadtest.structured_bench [--steps 20]
+Per batch size (1 and 32), rounds alternate a batch of requests constrained by a JSON
+schema with the same batch unconstrained (both greedy, same prompts), so that load from
+other processes falls on both alike. Each whole engine step in which every request
+decodes is timed by the wall clock and by the process's CPU time (all its threads,
+spinning ones included). Reported: the best and the median step of each kind and their
+ratios, and the bitmask fill and apply alone (best of N, this thread's CPU time). Then
+grammar compile time: the first compile (which builds the backend's tokenizer tables),
+another cold spec, and a cached one.
+
+    python -m loadtest.structured_bench [--rounds 6] [--steps 12] [--backend xgrammar]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import platform
+import statistics
 import time
 
 import torch
@@ -21,58 +31,105 @@ SCHEMA = {"type": "object", "properties": {
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
     "required": ["name", "age", "tags"]}
+LONG = {"type": "array", "items": {"type": "integer"}, "minItems": 40}
+"""A schema that cannot end within the timed steps (at least 80 tokens)."""
+_IDS = itertools.count()
+PROMPTS = ["List some numbers as JSON:", "The weather today is", "def f(x):", "Once upon"]
 
 
-def _decode_step_s(llm: LLM, batch: int, steps: int) -> float:
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _run_batch(llm: LLM, batch: int, steps: int, constrained: bool,
+               wall: list[float], cpu: list[float]) -> None:
     eng = llm.engine
-    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    so = StructuredOutputsParams(json=LONG) if constrained else None
+    sp = SamplingParams(temperature=0, max_tokens=steps, structured_outputs=so,
+                        ignore_eos=not constrained)
+    tag = "c" if constrained else "u"
+    tok = llm.get_tokenizer()
     for i in range(batch):
-        eng.add_request(f"b{batch}-{i}", [1, 2, 3 + i], sp)
-    times = []
+        ids = tok.encode(PROMPTS[i % len(PROMPTS)]) + [i]  # distinct: no shared prefix
+        eng.add_request(f"{tag}{batch}-{next(_IDS)}", ids, sp)
     while eng.has_unfinished_requests():
+        w0, c0 = time.perf_counter(), time.process_time()
         eng.step()
+        w1, c1 = time.perf_counter(), time.process_time()
         st = eng.last_step
-        if st is not None and st.num_decodes == batch:
-            times.append(st.execute_s)
-    times.sort()
-    return times[len(times) // 2]
+        if st is not None and st.num_decodes == batch == st.num_requests:
+            wall.append(w1 - w0)
+            cpu.append(c1 - c0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
-    llm = LLM(dtype="float32", kv_cache_memory_gb=0.5)
+def _mask_cost(llm: LLM, batch: int, reps: int = 30) -> float:
+    """Best-of-``reps`` thread CPU time of filling and applying ``batch`` masks."""
+    mgr, vocab = llm.engine.structured, llm.engine.vocab_size
+    matchers = [mgr.matcher(StructuredOutputsParams(json=LONG)) for _ in range(batch)]
+    logits = torch.randn(batch, vocab)
+    tb = bitmask.TokenBitmask()
+    best = float("inf")
+    for _ in range(reps):
+        x = logits.clone()
+        t0 = time.thread_time()
+        bitmask.apply(x, None, tb.fill(matchers, vocab))
+        best = min(best, time.thread_time() - t0)
+    return best
+
+
+def _compile_times(llm: LLM) -> tuple[float, float, float]:
     mgr = llm.engine.structured
     spec = StructuredOutputsParams(json=SCHEMA)
     t0 = time.perf_counter()
     mgr.submit(spec).result()
-    cold = time.perf_counter() - t0  # includes building the backend's tokenizer tables
+    first = time.perf_counter() - t0
     t0 = time.perf_counter()
     mgr.submit(StructuredOutputsParams(regex="[0-9]{3}-[a-z]{4}")).result()
-    cold2 = time.perf_counter() - t0
+    cold = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(100):
         mgr.submit(spec).result()
-    cached = (time.perf_counter() - t0) / 100
-    print(f"cpu: {platform.processor() or platform.machine()}, torch threads "
-          f"{torch.get_num_threads()}, backend {mgr.backend_name}")
-    print(f"compile: first (with tokenizer tables) {cold * 1e3:.0f} ms, next cold "
-          f"{cold2 * 1e3:.1f} ms, cached {cached * 1e6:.1f} us")
-    vocab = llm.engine.vocab_size
+    return first, cold, (time.perf_counter() - t0) / 100
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--backend", default="xgrammar", choices=("xgrammar", "llguidance"))
+    args = ap.parse_args()
+    llm = LLM(dtype="float32", kv_cache_memory_gb=0.5, structured_outputs_backend=args.backend)
+    first, cold, cached = _compile_times(llm)
+    llm.engine.structured.submit(StructuredOutputsParams(json=LONG)).result()
+    print(f"cpu: {_cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"backend {args.backend}; load average {os.getloadavg()[0]:.1f}")
+    print(f"compile: first (with tokenizer tables) {first * 1e3:.0f} ms, next cold "
+          f"{cold * 1e3:.1f} ms, cached {cached * 1e6:.1f} us")
     for batch in (1, 32):
-        step = _decode_step_s(llm, batch, args.steps)
-        matchers = [mgr.matcher(spec) for _ in range(batch)]
-        logits = torch.randn(batch, vocab)
-        reps = 50
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            bm = bitmask.fill(matchers, vocab)
-            bitmask.apply(logits, list(range(batch)), bm)
-        mask = (time.perf_counter() - t0) / reps
-        print(f"batch {batch:2d}: decode step {step * 1e3:.2f} ms, mask fill+apply "
-              f"{mask * 1e3:.3f} ms for {batch} constrained rows = {100 * mask / step:.1f}%")
+        runs = {True: ([], []), False: ([], [])}
+        _run_batch(llm, batch, 3, False, [], [])  # warm-up
+        for _ in range(args.rounds):
+            for constrained in (True, False):
+                _run_batch(llm, batch, args.steps, constrained, *runs[constrained])
+        (cw, cc), (uw, uc) = runs[True], runs[False]
+        med = statistics.median
+        mask = _mask_cost(llm, batch)
+        print(f"batch {batch:2d}, constrained / none over {len(cw)} / {len(uw)} steps: "
+              f"best wall {min(cw) * 1e3:.1f} / {min(uw) * 1e3:.1f} ms = "
+              f"{min(cw) / min(uw):.3f}, best cpu {min(cc) * 1e3:.1f} / {min(uc) * 1e3:.1f} ms "
+              f"= {min(cc) / min(uc):.3f}; median wall {med(cw) * 1e3:.1f} / "
+              f"{med(uw) * 1e3:.1f} ms = {med(cw) / med(uw):.3f}, median cpu "
+              f"{med(cc) * 1e3:.1f} / {med(uc) * 1e3:.1f} ms = {med(cc) / med(uc):.3f}; "
+              f"mask fill+apply alone {mask * 1e3:.2f} ms = {100 * mask / min(uw):.1f}% of "
+              "the best step")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

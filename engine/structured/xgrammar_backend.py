@@ -10,6 +10,7 @@ import xgrammar as xgr
 
 from engine.structured.backend import compile_error
 from engine.structured.params import StructuredOutputsParams
+from engine.structured.schema import bounded_strings_as_patterns
 
 
 class _Matcher:
@@ -56,7 +57,9 @@ class Backend:
         try:
             kind = spec.kind
             if kind == "json":
-                g = c.compile_json_schema(spec.json, any_whitespace=ws)
+                schema = bounded_strings_as_patterns(json.loads(spec.json))
+                g = c.compile_json_schema(json.dumps(schema, ensure_ascii=False),
+                                          any_whitespace=ws)
             elif kind == "json_object":
                 g = c.compile_json_schema('{"type":"object"}', any_whitespace=ws,
                                           strict_mode=False)

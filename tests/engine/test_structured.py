@@ -1,6 +1,6 @@
-"""Structured outputs in the engine: outputs match their JSON schema, regex, choice or
-grammar; constrained rows leave their neighbours untouched; compiles run off the engine
-thread, are cached, and fail only their own request."""
+"""Structured outputs in the engine, with each grammar backend: outputs match their JSON
+schema, regex, choice or grammar; constrained rows leave their neighbours untouched;
+compiles run off the engine thread, are cached, and fail only their own request."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from engine import LLM, SamplingParams, StructuredOutputsError, StructuredOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParamError
 from engine.structured import backend as backend_mod
+from engine.structured.bitmask import fill
 
 S = StructuredOutputsParams
-# Strings bounded by patterns: xgrammar 0.2.9's maxLength rule lets control characters
-# through unescaped (invalid JSON), which a random model finds.
+# Strings bounded by patterns (bounds by maxLength are covered in test_structured_schema).
 PERSON = {
     "type": "object",
     "properties": {
@@ -36,16 +36,21 @@ PERSON = {
     "required": ["name", "age", "color", "tags", "address"],
 }
 PROMPTS = ["The weather today is", "Once upon a time", "def f(x):", "Numbers: 1, 2, 3,"]
+BACKENDS = ["xgrammar", "llguidance"]
+COMPILE_ERRORS = {  # each backend's words for a bad regex and an unknown schema type
+    "xgrammar": ("parenthesis is not closed", "Unsupported type"),
+    "llguidance": ("unclosed group", "Invalid type: frob"),
+}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, default_model_path, make_tiny):
+@pytest.fixture(scope="module", params=BACKENDS)
+def tiny(request, tmp_path_factory, default_model_path, make_tiny):
     """A random Llama whose logits have 64 padding rows past the tokenizer's tokens:
     unconstrained, it produces anything but valid JSON."""
     path = make_tiny("llama", tmp_path_factory.mktemp("tiny-padded"), default_model_path,
                      vocab_size=49152 + 64)
     return LLM(model=str(path), dtype="float32", kv_cache_memory_gb=0.05,
-               max_num_batched_tokens=256)
+               max_num_batched_tokens=256, structured_outputs_backend=request.param)
 
 
 def texts(outs):
@@ -115,15 +120,18 @@ def test_logprobs_are_the_models_distribution(tiny):
     assert b.token_id == tiny.get_tokenizer().encode("w")[0] != a.token_id
 
 
-def test_preemption_leaves_constrained_output_unchanged(tiny_model_factory):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_preemption_leaves_constrained_output_unchanged(tiny_model_factory, backend):
     path = tiny_model_factory("llama")
     sp = [SamplingParams(temperature=0.8, seed=i, max_tokens=120,
                          structured_outputs=S(json=PERSON)) for i in range(6)]
     prompts = [p * 8 for p in PROMPTS[:3]] * 2
-    roomy = LLM(model=str(path), dtype="float32", kv_cache_memory_gb=0.05)
+    roomy = LLM(model=str(path), dtype="float32", kv_cache_memory_gb=0.05,
+                structured_outputs_backend=backend)
     want = texts(roomy.generate(prompts, sp, use_tqdm=False))
     tight = LLM(model=str(path), dtype="float32", num_gpu_blocks_override=24,
-                max_num_batched_tokens=64, enable_prefix_caching=False)
+                max_num_batched_tokens=64, enable_prefix_caching=False,
+                structured_outputs_backend=backend)
     assert texts(tight.generate(prompts, sp, use_tqdm=False)) == want
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.kv.stats().num_free_blocks == 24
@@ -174,13 +182,14 @@ def test_bad_spec_fails_its_request_alone(tiny):
             if o.finished:
                 done[o.request_id] = o
     err = done["bad"].error
+    bad_regex, bad_type = COMPILE_ERRORS[eng.structured.backend_name]
     assert isinstance(err, StructuredOutputsError) and err.kind == "regex"
     assert str(err).startswith("structured_outputs.regex cannot be compiled: ")
-    assert "parenthesis is not closed" in str(err) and ".cc:" not in str(err)
+    assert bad_regex in str(err) and ".cc:" not in str(err) and "\n" not in str(err)
     assert done["good"].error is None and len(done["good"].outputs[0].token_ids) == 3
     assert eng.kv.stats().num_used_blocks == 0
     with pytest.raises(StructuredOutputsError, match=r"structured_outputs\.json cannot be "
-                                                     r"compiled: .*Unsupported type"):
+                                                     f"compiled: .*{bad_type}"):
         tiny.generate("x", SamplingParams(structured_outputs=S(json={"type": "frob"})),
                       use_tqdm=False)
 
@@ -227,3 +236,19 @@ def test_default_model_json_schema(default_model_path):
     sp = SamplingParams(temperature=0, max_tokens=200, structured_outputs=S(json=PERSON))
     for o in llm.generate(prompts, sp, use_tqdm=False):
         jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matcher_accepts_rolls_back_and_terminates_on_eos(backend, default_tokenizer):
+    tok = default_tokenizer
+    eos = tok.eos_token_id
+    be = backend_mod.load_backend(backend, tok, 49152 + 64, (eos,))
+    m = be.compile(S(choice=["yes", "no"])).matcher()
+    yes = tok.encode("yes")
+    assert len(yes) == 1 and m.accept_token(yes[0]) and not m.is_terminated()
+    allowed = fill([m], 49152 + 64)[0]
+    assert [w for w in range(allowed.numel()) if allowed[w]] == [eos // 32]
+    assert int(allowed[eos // 32]) == 1 << (eos % 32)  # only EOS may follow "yes"
+    assert m.accept_token(eos) and m.is_terminated()
+    m.rollback(2)
+    assert not m.is_terminated() and not m.accept_token(tok.encode("maybe")[0])

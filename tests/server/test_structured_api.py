@@ -206,3 +206,24 @@ def test_auto_without_parser_is_400(default_model_path):
             "model": MODEL, "messages": ask("hi"), "tools": TOOLS, "max_tokens": 4})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
         assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+
+
+def test_llguidance_backend_serves_parse_tools_and_400s(default_model_path):
+    with ServerProcess([*ARGS, "--structured-outputs-backend", "llguidance"]) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        for i in range(3):
+            r = c.chat.completions.parse(
+                model=MODEL, messages=ask(f"Invent person number {i} as JSON."),
+                response_format=Person, temperature=0.7, seed=i, max_completion_tokens=300)
+            assert isinstance(r.choices[0].message.parsed, Person), r.choices[0].message.content
+        r = c.chat.completions.create(model=MODEL, messages=ask("Weather in Paris?"),
+                                      tools=TOOLS, tool_choice="required", temperature=0,
+                                      max_tokens=200)
+        assert r.choices[0].finish_reason == "tool_calls"
+        for call in r.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments),
+                                SCHEMAS[call.function.name])
+        bad = requests.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": ask("hi"), "max_tokens": 4, "guided_regex": "(open"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+        assert "guided_regex cannot be compiled: " in bad.json()["error"]["message"]
