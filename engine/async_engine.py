@@ -24,7 +24,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine_info import EngineInfo
-from engine.kv_state import DEFAULT_MAX_CELLS, KVState, take_kv_state
+from engine.kv_state import DEFAULT_MAX_CELLS, KVState, KVStateTaker
 from engine.llm_engine import OUTPUT_DELTA, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -106,6 +106,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._adds_posted = 0
         self._adds_drained = 0  # engine thread only
+        self._kv_state = KVStateTaker()  # engine thread only
         self.snapshot = EngineSnapshot()
         self.on_snapshot: Callable[[EngineSnapshot], None] | None = None
         """Called on the loop with each new snapshot (metrics hook)."""
@@ -184,7 +185,7 @@ class AsyncEngine:
     def kv_state(self, max_cells: int = DEFAULT_MAX_CELLS,
                  tables: bool = True) -> asyncio.Future[KVState]:
         """A future of the KV cache snapshot, taken by the engine thread between steps
-        (:func:`engine.kv_state.take_kv_state`); asks made during a step share one snapshot."""
+        (:meth:`engine.kv_state.KVStateTaker.take`); asks made during a step share one snapshot."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
         assert self._loop is not None, "the engine thread is not started"
@@ -314,7 +315,7 @@ class AsyncEngine:
                   "generation_tokens_total": eng.num_generation_tokens_total}
         states = {}
         for key in {(a.max_cells, a.tables) for a in asks}:
-            states[key] = take_kv_state(eng.scheduler, now, key[0], key[1], totals)
+            states[key] = self._kv_state.take(eng.scheduler, now, key[0], key[1], totals)
         self._loop.call_soon_threadsafe(self._resolve, asks, states)
 
     def _snap(self, now: float) -> EngineSnapshot:

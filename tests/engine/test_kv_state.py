@@ -11,7 +11,7 @@ import pytest
 
 from blockmgr import KVCacheManager
 from blockmgr.snapshot import encode_blocks, expand_runs, summarize, table_runs
-from engine.kv_state import KVState, take_kv_state
+from engine.kv_state import KVState, KVStateTaker, take_kv_state
 from engine.llm_engine import EngineStats
 from engine.request import Request, RequestGroup
 from engine.sampling_params import SamplingParams
@@ -82,8 +82,10 @@ def test_snapshot_is_exact_through_sharing_and_preemption() -> None:
     for i in range(4):
         s.add_request(make_request(f"r{i}", [*prefix, 50 + i], max_tokens=14))
     statuses, max_ref = set(), 0
+    taker = KVStateTaker()  # kept across steps: its runs are extended, never recomputed
     for n in range(200):
-        st = take_kv_state(s, float(n))
+        st = taker.take(s, float(n))
+        assert st == take_kv_state(s, float(n))
         assert_exact(s, st)
         statuses |= {r.status for r in st.requests}
         max_ref = max(max_ref, max(st.cells) >> 1)
@@ -128,14 +130,22 @@ def test_large_pool_summary_is_a_few_kb() -> None:
 def test_summary_cell_is_the_strongest_state() -> None:
     cells, per = summarize(bytearray([0, 1, 0, 0, 0, 2, 1, 1, 0]), 3)
     assert (cells, per) == (bytes([1, 2, 1]), 3)
+    # Shared outranks in use, in use outranks cached; the keyed bit is any block's.
+    # Ref counts above 2 read as 2; the last cell covers fewer blocks.
+    blocks = bytearray([2, 9, 1, 3, 0, 0, 6, 2, 0, 1, 1])
+    assert summarize(blocks, 4) == (bytes([5, 3, 4, 1]), 3)
+    assert summarize(blocks, 2) == (bytes([5, 5]), 6)  # wide cells: the other path
+    assert summarize(blocks, 1) == (bytes([5]), 11)
     with pytest.raises(ValueError, match="max_cells must be positive, got 0"):
         summarize(bytearray(4), 0)
 
 
 def test_table_runs_round_trip() -> None:
     table = [4, 5, 6, 0, 9, 10, 3]
-    assert table_runs(table) == [[4, 3], [0, 1], [9, 2], [3, 1]]
+    assert table_runs(table) == [(4, 3), (0, 1), (9, 2), (3, 1)]
     assert expand_runs(table_runs(table)) == table and table_runs([]) == []
+    runs = table_runs(table[:2])
+    assert table_runs(table, runs, 2) is runs and runs == table_runs(table)
 
 
 class _FakeEngine:
@@ -171,11 +181,13 @@ def test_async_engine_takes_it_between_steps_on_its_thread(monkeypatch) -> None:
     eng = _FakeEngine()
     seen = []
 
-    def spy(sched, *args):
-        seen.append((threading.current_thread().name, eng.in_step))
-        return take_kv_state(sched, *args)
+    real_take = KVStateTaker.take
 
-    monkeypatch.setattr(mod, "take_kv_state", spy)
+    def spy(self, sched, *args):
+        seen.append((threading.current_thread().name, eng.in_step))
+        return real_take(self, sched, *args)
+
+    monkeypatch.setattr(mod.KVStateTaker, "take", spy)
 
     async def main() -> list[KVState]:
         ae = mod.AsyncEngine(eng)
