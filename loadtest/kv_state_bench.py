@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import statistics
 import time
 import urllib.request
@@ -72,6 +73,10 @@ def snapshot(args: argparse.Namespace) -> None:
                   f"{statistics.median(times) * 1e3:.2f} | {size} | {small} |")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def poll(args: argparse.Namespace) -> None:
     url = f"{args.url.rstrip('/')}/v1/kv_cache/state?max_cells={args.max_cells}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -79,14 +84,18 @@ def poll(args: argparse.Namespace) -> None:
     end = time.monotonic() + args.seconds
     latencies = []
     next_t = time.monotonic()
-    while time.monotonic() < end:
-        t0 = time.monotonic()
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers)) as r:
-            r.read()
-        latencies.append(time.monotonic() - t0)
-        next_t += period
-        time.sleep(max(0.0, next_t - time.monotonic()))
-    lat = sorted(latencies)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers)) as r:
+                r.read()
+            latencies.append(time.monotonic() - t0)
+            next_t = max(next_t + period, time.monotonic())  # a slow answer skips ticks
+            time.sleep(next_t - time.monotonic() if next_t > time.monotonic() else 0.0)
+    except KeyboardInterrupt:  # stopped early (SIGINT or SIGTERM): report what it did
+        pass
+    lat = sorted(latencies) or [0.0]
     print(f"{len(lat)} polls at {args.hz} Hz; latency median {lat[len(lat) // 2] * 1e3:.1f} ms, "
           f"max {lat[-1] * 1e3:.1f} ms")
 

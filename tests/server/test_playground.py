@@ -163,9 +163,34 @@ def test_page_streams_and_shows_the_blocks(server, browser, tmp_path):
     assert page.locator("#block-map .blk.used").count() == 0
     assert page.locator("#block-map .blk.cached").count() == counter(page, "cached") > 0
     assert float(page.inner_text("#c-hits").rstrip("%")) > 0
+
+    # Stop ends the stream; the server aborts the request and its blocks return.
+    page.click("#new-chat")
+    send(page, "One more, please.")
+    page.wait_for_function("document.querySelectorAll('#block-map .blk.used').length > 0")
+    page.click("#stop")
+    stopped = page.locator(".chat[data-chat='4'] .msg.assistant")
+    stopped.locator(".stats").wait_for()
+    assert stopped.locator(".stats").inner_text().endswith("stopped")
+    page.wait_for_function("document.getElementById('c-used').textContent === '0'"
+                           " && document.getElementById('c-running').textContent === '0'")
     assert errors == []
     page.close()
 
 
 def test_readme_uses_the_screenshot():
     assert SCREENSHOT.is_file() and "docs/playground.png" in (REPO_ROOT / "README.md").read_text()
+
+
+def test_static_files_ship_in_the_package():
+    import ast
+    import fnmatch
+
+    text = (REPO_ROOT / "pyproject.toml").read_text()
+    section = text.split("[tool.setuptools.package-data]\n", 1)[1].split("\n[", 1)[0]
+    line = next(ln for ln in section.splitlines() if ln.startswith("server = "))
+    globs = ast.literal_eval(line.split("=", 1)[1].strip())
+    files = [f"static/{p.name}" for p in (REPO_ROOT / "server" / "static").iterdir()]
+    assert sorted(files) == ["static/index.html", "static/playground.css",
+                             "static/playground.js"]
+    assert all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)
