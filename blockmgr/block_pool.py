@@ -9,7 +9,9 @@ Invariants (checked by :mod:`blockmgr.invariants`):
 * a cached block keeps its key while free and loses it only when it is taken for new
   use (eviction), or on :meth:`BlockPool.reset_prefix_cache`;
 * ``block_meta[b]`` (parent key, token ids, extra keys) is set exactly for cached blocks,
-  and hashing it again gives ``block_hash[b]``.
+  and hashing it again gives ``block_hash[b]``;
+* ``keyed[b]`` is 1 exactly for cached blocks (the block map reads the pool's keys from it
+  in one pass of C).
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ The token list is the pool's own copy (a slice taken when the key was computed).
 class BlockPool:
     """Owns every block's ref count and cache key. Knows nothing about requests."""
 
-    __slots__ = ("num_blocks", "ref_counts", "block_hash", "block_meta", "cached", "free_queue",
-                 "num_evictions")
+    __slots__ = ("num_blocks", "ref_counts", "block_hash", "block_meta", "keyed", "cached",
+                 "free_queue", "num_evictions")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.block_meta: list[BlockMeta | None] = [None] * num_blocks
+        self.keyed = bytearray(num_blocks)
         self.cached: dict[BlockHash, int] = {}
         self.free_queue = FreeBlockQueue(num_blocks)
         self.num_evictions = 0
@@ -92,6 +95,7 @@ class BlockPool:
         self.cached[key] = block_id
         self.block_hash[block_id] = key
         self.block_meta[block_id] = meta
+        self.keyed[block_id] = 1
         return True
 
     def lookup(self, key: BlockHash) -> int | None:
@@ -103,6 +107,7 @@ class BlockPool:
         del self.cached[key]
         self.block_hash[block_id] = None
         self.block_meta[block_id] = None
+        self.keyed[block_id] = 0
         self.num_evictions += 1
 
     def evict_unreferenced(self) -> int:
@@ -119,4 +124,5 @@ class BlockPool:
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         self.block_meta = [None] * self.num_blocks
+        self.keyed = bytearray(self.num_blocks)
         return True

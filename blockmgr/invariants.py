@@ -84,6 +84,7 @@ def _check_cache(mgr: ManagerState) -> None:
     for b in range(mgr.num_blocks):
         key = pool.block_hash[b]
         meta = pool.block_meta[b]
+        assert pool.keyed[b] == (key is not None), f"block {b}: keyed flag {pool.keyed[b]}"
         if key is None:
             assert meta is None, f"block {b} has cache metadata but no key"
             continue

@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine_info import EngineInfo
+from engine.kv_state import DEFAULT_MAX_CELLS, KVState, KVStateTaker
 from engine.llm_engine import OUTPUT_DELTA, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -80,6 +81,13 @@ class _Add:
     arrival_time: float
 
 
+@dataclass(slots=True)
+class _KVStateAsk:
+    max_cells: int
+    tables: bool
+    future: asyncio.Future
+
+
 class AsyncEngine:
     """Runs an :class:`LLMEngine` on its own thread and feeds asyncio queues.
 
@@ -98,6 +106,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._adds_posted = 0
         self._adds_drained = 0  # engine thread only
+        self._kv_state = KVStateTaker()  # engine thread only
         self.snapshot = EngineSnapshot()
         self.on_snapshot: Callable[[EngineSnapshot], None] | None = None
         """Called on the loop with each new snapshot (metrics hook)."""
@@ -173,6 +182,18 @@ class AsyncEngine:
         self._commands.append(("abort", request_id))
         self._wake.set()
 
+    def kv_state(self, max_cells: int = DEFAULT_MAX_CELLS,
+                 tables: bool = True) -> asyncio.Future[KVState]:
+        """A future of the KV cache snapshot, taken by the engine thread between steps
+        (:meth:`engine.kv_state.KVStateTaker.take`); asks made during a step share one snapshot."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is not running: {self._dead}")
+        assert self._loop is not None, "the engine thread is not started"
+        fut = self._loop.create_future()
+        self._commands.append(_KVStateAsk(max_cells, tables, fut))
+        self._wake.set()
+        return fut
+
     def fail_all(self, exc: BaseException) -> None:
         """Abort every request and deliver ``exc`` to each of them (used at shutdown)."""
         for rid, q in list(self._queues.items()):
@@ -218,6 +239,15 @@ class AsyncEngine:
         for q in self._queues.values():
             q.put_nowait(err)
         self._queues.clear()
+        for cmd in self._commands:
+            if isinstance(cmd, _KVStateAsk) and not cmd.future.done():
+                cmd.future.set_exception(err)
+
+    @staticmethod
+    def _resolve(asks: list[_KVStateAsk], states: dict[tuple[int, bool], KVState]) -> None:
+        for ask in asks:
+            if not ask.future.done():
+                ask.future.set_result(states[ask.max_cells, ask.tables])
 
     # -- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -256,10 +286,13 @@ class AsyncEngine:
         cmds = self._commands
         eng = self.engine
         applied = False
+        asks: list[_KVStateAsk] = []
         while cmds:
             cmd = cmds.popleft()
             applied = True
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, _KVStateAsk):
+                asks.append(cmd)
+            elif isinstance(cmd, _Add):
                 self._adds_drained += 1
                 try:
                     eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
@@ -270,7 +303,20 @@ class AsyncEngine:
             else:
                 _, rid = cmd
                 eng.abort_request(rid)
+        if asks:
+            self._answer(asks)
         return applied
+
+    def _answer(self, asks: list[_KVStateAsk]) -> None:
+        """One snapshot per distinct ask, taken after the drained commands applied."""
+        eng = self.engine
+        now = time.monotonic()
+        totals = {"prompt_tokens_total": eng.num_prompt_tokens_total,
+                  "generation_tokens_total": eng.num_generation_tokens_total}
+        states = {}
+        for key in {(a.max_cells, a.tables) for a in asks}:
+            states[key] = self._kv_state.take(eng.scheduler, now, key[0], key[1], totals)
+        self._loop.call_soon_threadsafe(self._resolve, asks, states)
 
     def _snap(self, now: float) -> EngineSnapshot:
         eng = self.engine

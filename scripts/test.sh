@@ -4,4 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# The page's browser test drives the system Chromium (Debian's `chromium`) with playwright.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+    || echo "could not install chromium: the browser test will fail" >&2
+fi
 exec .venv/bin/python -m pytest -q "$@"

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from server import info
+from server import info, playground
 from server.chat import chat_completions
 from server.completions import completions
 from server.errors import APIError
@@ -19,8 +19,8 @@ logger = logging.getLogger("server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 MAX_BODY_BYTES = 32 * 2**20
-OPEN_PATHS = frozenset({"/health"})
-"""Routes that need no API key."""
+OPEN_PATHS = frozenset({"/health"}) | playground.OPEN_PATHS
+"""Routes that need no API key (the health check and the page's static files)."""
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
@@ -81,4 +81,5 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/version", info.version)
     app.router.add_post("/tokenize", info.tokenize)
     app.router.add_post("/detokenize", info.detokenize)
+    playground.add_routes(app)
     return app

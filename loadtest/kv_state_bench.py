@@ -1,0 +1,119 @@
+"""The cost of the block map's snapshot (``GET /v1/kv_cache/state``).
+
+``snapshot``: time :func:`engine.kv_state.take_kv_state` (what the engine thread does
+between steps for each poll) and size its JSON body, for pools of 1k to 100k blocks with
+32 running requests holding half the pool::
+
+    python -m loadtest.kv_state_bench snapshot [--blocks 1000,10000,100000]
+
+``poll``: poll a running server's state endpoint at a fixed rate, as the page does while
+anything runs (4 Hz, ``max_cells=16384``), for a while; run it beside
+``pagedserve bench serve`` to see what polling costs the serving throughput::
+
+    python -m loadtest.kv_state_bench poll --url http://127.0.0.1:8000 --hz 4 --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import signal
+import statistics
+import time
+import urllib.request
+
+from engine.kv_state import DEFAULT_MAX_CELLS, KVStateTaker
+from engine.request import Request, RequestGroup
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from server.playground import encode_state
+
+BLOCK_SIZE = 16
+NUM_REQUESTS = 32
+
+
+def _filled_scheduler(num_blocks: int) -> Scheduler:
+    """32 running requests whose prompts fill half the pool (prefix caching on)."""
+    tokens_each = num_blocks * BLOCK_SIZE // 2 // NUM_REQUESTS
+    s = Scheduler(num_blocks, BLOCK_SIZE, max_num_seqs=NUM_REQUESTS,
+                  max_num_batched_tokens=tokens_each * NUM_REQUESTS + 1,
+                  max_model_len=tokens_each + 16, watermark=0.0)  # fmt: skip
+    sp = SamplingParams(max_tokens=8)
+    for i in range(NUM_REQUESTS):
+        prompt = [(i * 7919 + j) % 30000 + 3 for j in range(tokens_each)]
+        group = RequestGroup(f"r{i}", None, prompt, sp, 0.0)
+        group.members.append(Request(f"r{i}", group, 0, sp, prompt, 8))
+        s.add_request(group.members[0])
+    s.schedule()  # admits all: every prompt's blocks allocated in one step
+    assert s.num_running == NUM_REQUESTS
+    return s
+
+
+def snapshot(args: argparse.Namespace) -> None:
+    print(f"python {platform.python_version()}, {platform.processor() or platform.machine()}")
+    print("| blocks | max_cells | cells | first snapshot ms | snapshot ms (median of 50) | "
+          "JSON bytes | JSON bytes, tables=false |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for n in (int(x) for x in args.blocks.split(",")):
+        s = _filled_scheduler(n)
+        for max_cells in (DEFAULT_MAX_CELLS, 16384):
+            taker = KVStateTaker()  # as the engine thread keeps one
+            first = time.perf_counter()
+            taker.take(s, 0.0, max_cells)
+            first = time.perf_counter() - first
+            times = []
+            for _ in range(50):
+                t0 = time.perf_counter()
+                st = taker.take(s, 0.0, max_cells)
+                times.append(time.perf_counter() - t0)
+            size = len(json.dumps(encode_state(st)))
+            small = len(json.dumps(encode_state(taker.take(s, 0.0, max_cells, False))))
+            print(f"| {n} | {max_cells} | {len(st.cells)} | {first * 1e3:.2f} | "
+                  f"{statistics.median(times) * 1e3:.2f} | {size} | {small} |")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def poll(args: argparse.Namespace) -> None:
+    url = f"{args.url.rstrip('/')}/v1/kv_cache/state?max_cells={args.max_cells}"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    period = 1.0 / args.hz
+    end = time.monotonic() + args.seconds
+    latencies = []
+    next_t = time.monotonic()
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers)) as r:
+                r.read()
+            latencies.append(time.monotonic() - t0)
+            next_t = max(next_t + period, time.monotonic())  # a slow answer skips ticks
+            time.sleep(next_t - time.monotonic() if next_t > time.monotonic() else 0.0)
+    except KeyboardInterrupt:  # stopped early (SIGINT or SIGTERM): report what it did
+        pass
+    lat = sorted(latencies) or [0.0]
+    print(f"{len(lat)} polls at {args.hz} Hz; latency median {lat[len(lat) // 2] * 1e3:.1f} ms, "
+          f"max {lat[-1] * 1e3:.1f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("snapshot")
+    s.add_argument("--blocks", default="1000,10000,100000")
+    q = sub.add_parser("poll")
+    q.add_argument("--url", default="http://127.0.0.1:8000")
+    q.add_argument("--hz", type=float, default=4.0)
+    q.add_argument("--seconds", type=float, default=60.0)
+    q.add_argument("--max-cells", type=int, default=16384)
+    q.add_argument("--api-key", default=None)
+    args = p.parse_args()
+    (snapshot if args.cmd == "snapshot" else poll)(args)
+
+
+if __name__ == "__main__":
+    main()
