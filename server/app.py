@@ -22,6 +22,7 @@ MAX_BODY_BYTES = 32 * 2**20
 OPEN_PATHS = frozenset({"/health"})
 """Routes that need no API key."""
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_KEPT_HEADERS = ("Allow", "Retry-After")
 
 
 @web.middleware
@@ -34,7 +35,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return APIError(e.status, e.reason or str(e)).response()
+        # Keep what the client needs to retry correctly (``Allow`` of a 405).
+        headers = {k: v for k, v in e.headers.items() if k in _KEPT_HEADERS}
+        return APIError(e.status, e.reason or str(e), headers=headers).response()
     except ConnectionResetError:
         raise
     except Exception:
@@ -49,8 +52,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if key and request.path not in OPEN_PATHS:
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
+        # Header bytes that are not UTF-8 arrive as surrogate escapes: compared as the
+        # bytes they were (never equal to the key), not a failure to encode.
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), key.encode()):
+                token.strip().encode("utf-8", "surrogateescape"), key.encode()):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)")
     return await handler(request)
 

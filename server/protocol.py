@@ -121,12 +121,16 @@ def decode_body(body: bytes, kind: type[T]) -> T:
     """Decode a JSON body into ``kind``; every failure is a 400 naming the field."""
     try:
         obj = msgspec.json.decode(body)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     except msgspec.DecodeError as e:
         if "Number out of range" in str(e):
             # Valid JSON with a number past float64: decode against the schema to learn
             # which field holds it.
             try:
                 msgspec.json.decode(body, type=kind)
+            except RecursionError:
+                raise bad_request("the request body is nested too deeply") from None
             except (msgspec.ValidationError, msgspec.DecodeError) as typed:
                 msg = str(typed)
                 raise bad_request(f"invalid request: {msg}", _param_of(msg)) from None
@@ -135,6 +139,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")
     try:
         req = msgspec.convert(obj, kind)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     except msgspec.ValidationError as e:
         msg = str(e)
         raise bad_request(f"invalid request: {msg}", _param_of(msg)) from None
