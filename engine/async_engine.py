@@ -59,7 +59,8 @@ class EngineSnapshot:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     adds_drained: int = 0
-    """How many add commands the engine thread had drained when the snapshot was taken."""
+    """Sequences (``n`` per add command) the engine thread had drained when the snapshot
+    was taken."""
     time: float = 0.0
 
 
@@ -101,6 +102,8 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot()
         self.on_snapshot: Callable[[EngineSnapshot], None] | None = None
         """Called on the loop with each new snapshot (metrics hook)."""
+        self.on_death: Callable[[BaseException], None] | None = None
+        """Called on the loop once the engine thread has died (after its requests failed)."""
         self.last_progress = time.monotonic()
         self.stall_timeout = STALL_TIMEOUT_S
 
@@ -161,7 +164,7 @@ class AsyncEngine:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
         self._queues[request_id] = queue
-        self._adds_posted += 1
+        self._adds_posted += params.n
         self._commands.append(_Add(request_id, prompt_token_ids, params, prompt,
                                    arrival_time if arrival_time is not None else time.monotonic()))
         self._wake.set()
@@ -185,7 +188,8 @@ class AsyncEngine:
         return len(self._queues)
 
     def num_waiting_estimate(self) -> int:
-        """Waiting requests now: the last snapshot's plus adds posted since, beyond free slots."""
+        """Waiting sequences now: the last snapshot's plus those posted since (``n`` per
+        request), beyond free slots."""
         snap = self.snapshot
         pending = self._adds_posted - snap.adds_drained
         free = max(0, self.info.max_num_seqs - snap.num_running - snap.num_waiting)
@@ -217,6 +221,8 @@ class AsyncEngine:
         for q in self._queues.values():
             q.put_nowait(err)
         self._queues.clear()
+        if self.on_death is not None:
+            self.on_death(exc)
 
     # -- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -229,6 +235,9 @@ class AsyncEngine:
                 if self._stop:
                     return
                 eng = self.engine
+                if getattr(eng, "needs_self_check", False):
+                    self._self_check(loop)
+                    continue
                 if eng.has_unfinished_requests():
                     t0 = time.monotonic()
                     outs = eng.step()
@@ -250,6 +259,26 @@ class AsyncEngine:
             except RuntimeError:  # loop already closed
                 self._dead = exc
 
+    def _self_check(self, loop: asyncio.AbstractEventLoop) -> None:
+        """After a failed forward pass, step a one-token request (with what was already
+        admitted) before draining new commands; if that fails too, the engine thread
+        dies (and the server exits for its supervisor to restart it)."""
+        eng = self.engine
+        rid = eng.self_check_request()
+        logger.warning("a model step failed; checking the engine with a one-token step")
+        while True:
+            outs = eng.step()
+            now = time.monotonic()
+            self.last_progress = now
+            loop.call_soon_threadsafe(self._deliver, outs, now, self._snap(now))
+            mine = next((o for o in outs if o.request_id == rid and o.finished), None)
+            if mine is None:
+                continue
+            if mine.outputs[0].finish_reason == "error":
+                raise EngineDeadError("the engine failed its check after a failed step")
+            logger.info("engine check passed; serving again")
+            return
+
     def _drain(self) -> bool:
         """Apply queued commands; return whether any was applied."""
         cmds = self._commands
@@ -259,7 +288,7 @@ class AsyncEngine:
             cmd = cmds.popleft()
             applied = True
             if isinstance(cmd, _Add):
-                self._adds_drained += 1
+                self._adds_drained += cmd.params.n
                 try:
                     eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                     prompt=cmd.prompt, arrival_time=cmd.arrival_time,

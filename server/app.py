@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -11,14 +13,14 @@ from aiohttp import web
 from server import info
 from server.chat import chat_completions
 from server.completions import completions
-from server.errors import APIError
+from server.errors import APIError, timed_out
+from server.sse import STREAM_KEY, send_error_and_done
 from server.state import STATE_KEY, ServerState
 
 logger = logging.getLogger("server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-MAX_BODY_BYTES = 32 * 2**20
 OPEN_PATHS = frozenset({"/health"})
 """Routes that need no API key."""
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -62,13 +64,29 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 @web.middleware
 async def inflight_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count generation requests, so a graceful shutdown can wait for them."""
+    """Count generation requests, so a graceful shutdown can wait for them, and hold each
+    to its deadline (``request_timeout``): past it, the handler is cancelled (leaving its
+    ``Generation`` aborts the engine requests and frees their blocks) and the client gets
+    a 408, as an error event when the stream had started."""
     if request.path not in GENERATION_PATHS:
         return await handler(request)
     state = request.app[STATE_KEY]
+    limit = state.options.request_timeout
     state.enter()
     try:
-        return await handler(request)
+        async with asyncio.timeout(limit) as deadline:
+            return await handler(request)
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        err = timed_out(f"the request did not finish within {limit:g}s (--request-timeout); "
+                        "it was aborted")
+        stream = request.get(STREAM_KEY)
+        if stream is None:
+            return err.response()
+        with contextlib.suppress(ConnectionResetError):
+            await send_error_and_done(stream, err)
+        return stream
     finally:
         state.leave()
 
@@ -76,7 +94,7 @@ async def inflight_middleware(request: web.Request, handler: Handler) -> web.Str
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
         middlewares=[error_middleware, auth_middleware, inflight_middleware],
-        client_max_size=MAX_BODY_BYTES)
+        client_max_size=state.options.max_body_bytes)
     app[STATE_KEY] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
