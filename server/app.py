@@ -14,6 +14,7 @@ from server import info
 from server.chat import chat_completions
 from server.completions import completions
 from server.errors import APIError, timed_out
+from server.openapi import openapi
 from server.sse import STREAM_KEY, send_error_and_done
 from server.state import STATE_KEY, ServerState
 
@@ -104,4 +105,5 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/version", info.version)
     app.router.add_post("/tokenize", info.tokenize)
     app.router.add_post("/detokenize", info.detokenize)
+    app.router.add_get("/openapi.json", openapi)
     return app

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -51,6 +52,11 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Load the model, serve until a signal, shut down gracefully; the exit status."""
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(None, AsyncEngine.from_config, config)
+    # What start-up allocated lives as long as the process: freezing it keeps the
+    # collector's full passes (which hold the GIL, loop included) short when a request
+    # allocates many objects.
+    gc.collect()
+    gc.freeze()
     engine.start(loop)
     state = ServerState(engine, options)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,

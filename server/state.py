@@ -20,9 +20,6 @@ from server.param_names import Route, input_error
 
 T = TypeVar("T")
 
-INLINE_TOKENIZE_CHARS = 4096
-"""Texts longer than this are tokenized in a worker thread, keeping the loop responsive."""
-
 
 class ServerState:
     def __init__(self, engine: AsyncEngine, options: ServeOptions) -> None:
@@ -114,11 +111,11 @@ class ServerState:
             raise input_error(e, route) from None
 
     # -- tokenizer ------------------------------------------------------------------------
-    async def run_tokenizer(self, size: int, fn: Callable[..., T], *args: Any,
-                            **kwargs: Any) -> T:
-        """Run ``fn`` inline for small inputs, on the tokenizer thread for large ones."""
-        if size <= INLINE_TOKENIZE_CHARS:
-            return fn(*args, **kwargs)
+    async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the tokenizer thread. Every piece of request preparation whose
+        cost grows with the input (templates, tokenization, type and range walks over
+        token ids, decoding) goes through here, so the loop's latency never depends on
+        what a client sends."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 

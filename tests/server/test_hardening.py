@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -280,3 +281,51 @@ def test_admission_counts_sequences(tserver):
             a.close()
             b_events = sse_events(b"".join(b.iter_content(None)))
     assert b_events[-1] == b"[DONE]"
+
+
+def _ids(n: int) -> list[int]:
+    return [1000 + i % 30000 for i in range(n)]
+
+
+HEAVY = {
+    "empty_messages": (CHAT, {"messages": [{"role": "user", "content": ""}] * 120000,
+                              "max_tokens": 1}, 400),
+    "long_message": (CHAT, {"messages": [{"role": "user", "content": "hello " * 600000}]},
+                     400),
+    "token_id_prompt": (COMP, {"prompt": _ids(500000)}, 400),
+    "many_token_id_prompts": (COMP, {"prompt": [_ids(2040)] * 256}, 400),
+    "detokenize": ("/detokenize", {"tokens": _ids(500000)}, 400),
+    "tokenize": ("/tokenize", {"prompt": "hello " * 600000}, 200),
+}
+
+
+@pytest.mark.parametrize("case", list(HEAVY))
+def test_health_answers_while_a_large_request_is_prepared(server, case):
+    """Work that grows with the input runs off the event loop: /health answers within
+    100 ms all the while a request near the body limit is decoded, templated, tokenized
+    or range-checked."""
+    route, obj, status = HEAVY[case]
+    body = json.dumps(obj).encode()
+    assert len(body) < 4 * 2**20
+    done = threading.Event()
+    result = {}
+
+    def send():
+        try:
+            result["status"] = post(server, route, body).status_code
+        finally:
+            done.set()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    latencies = []
+    with requests.Session() as s:
+        while not done.is_set():
+            t0 = time.monotonic()
+            assert s.get(server.url + "/health", timeout=10).status_code == 200
+            latencies.append(time.monotonic() - t0)
+            time.sleep(0.01)
+    sender.join()
+    assert result["status"] == status
+    assert len(latencies) >= 3, latencies
+    assert max(latencies) < 0.1, sorted(latencies)[-5:]
