@@ -75,6 +75,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     ready_logger.info("pagedserve ready on %s (model %s)", url_of(sock), ", ".join(state.model_names))
     await stop.wait()
     await _shutdown(state, runner, site)
+    gc.unfreeze()  # collectable again at exit, so extensions' objects are finalized
     if engine.error is not None:
         logger.error("exiting with status 1: the engine thread died (%r)", engine.error)
         return 1
