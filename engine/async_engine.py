@@ -6,9 +6,12 @@ The engine thread drains the queue, runs ``LLMEngine.step()``, and hands each st
 outputs back to the loop in ONE ``loop.call_soon_threadsafe`` call, where they are put
 on the per-request ``asyncio.Queue`` of each request. The loop never waits on a step.
 
-If the engine thread dies (an exception outside the per-request handling of
-``LLMEngine.step``), every registered request receives an :class:`EngineDeadError`
-and :attr:`AsyncEngine.is_alive` turns false.
+A failed forward pass fails the requests of that step (``LLMEngine.step``); the thread
+then steps a one-token request, with what was already admitted, before it drains new
+commands. If the engine thread dies (that check failing, or an exception outside the
+per-request handling of ``LLMEngine.step``), every registered request receives an
+:class:`EngineDeadError`, :attr:`AsyncEngine.is_alive` turns false and
+:attr:`AsyncEngine.on_death` is called.
 """
 
 from __future__ import annotations
