@@ -155,7 +155,7 @@ class Soak:
             await r.read()
             return "bad_request_refused" if 400 <= r.status < 500 else f"http_{r.status}"
 
-    async def _one(self, session: Any) -> None:
+    async def _one(self, session: Any) -> str:
         x = self.rng.random()
         try:
             if x < 0.08:
@@ -169,16 +169,19 @@ class Soak:
         except Exception as e:  # noqa: BLE001 - every failure is an outcome to count
             outcome = f"lost_{type(e).__name__}"
         self.outcomes[outcome] += 1
+        return outcome
 
     async def _worker(self, session: Any) -> None:
         while time.monotonic() < self.deadline:
-            await self._one(session)
+            if await self._one(session) == "rate_limited":
+                await asyncio.sleep(1.0)  # as Retry-After says
 
     async def _bursts(self, session: Any) -> None:
         while True:
-            await asyncio.sleep(self.args.burst_every)
-            if time.monotonic() >= self.deadline:
+            next_burst = time.monotonic() + self.args.burst_every
+            if next_burst >= self.deadline:
                 return
+            await asyncio.sleep(self.args.burst_every)
             await asyncio.gather(*(self._one(session) for _ in range(self.args.burst_size)))
 
     # -- probes ---------------------------------------------------------------------------
@@ -249,7 +252,7 @@ class Soak:
             "rss": rss,
             "fds": {"start": self.samples[0]["fds"], "end": self.samples[-1]["fds"]}
             if self.samples else {},
-            "rss_samples": [(round(s["t"]), round(s["rss_mb"], 1)) for s in self.samples],
+            "rss_samples": [[round(s["t"]), round(s["rss_mb"], 1)] for s in self.samples],
             "end_state": idle,
             "health": {"probes": len(lat), "failed": sum(v == float("inf") for v in lat),
                        "p50_ms": 1000 * _percentile(lat, 0.5),
