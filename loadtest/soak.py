@@ -222,6 +222,10 @@ class Soak:
             tasks += [asyncio.create_task(c) for c in (
                 self._bursts(session), self._health(session), self._sampler())]
             await asyncio.gather(*tasks)
+        # The client's pooled connections are closed first, so that the descriptors
+        # counted at the end are what the server kept, not what the client holds open.
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await asyncio.sleep(1.0)
             return await self._report(session)
 
     async def _report(self, session: Any) -> dict[str, Any]:
@@ -257,6 +261,10 @@ class Soak:
             "health": {"probes": len(lat), "failed": sum(v == float("inf") for v in lat),
                        "p50_ms": 1000 * _percentile(lat, 0.5),
                        "p99_ms": 1000 * _percentile(lat, 0.99),
+                       "p99_ms_by_minute": [
+                           round(1000 * _percentile([v for t, v in self.health
+                                                     if m * 60 <= t < (m + 1) * 60], 0.99), 1)
+                           for m in range(max(1, int(self.args.duration // 60)))],
                        "max_ms": 1000 * max(lat, default=float("nan"))},
         }
 
@@ -294,6 +302,7 @@ def format_report(r: dict[str, Any]) -> str:
     h = r["health"]
     lines.append(f"/health: {h['probes']} probes, {h['failed']} failed, p50 {h['p50_ms']:.1f} "
                  f"ms, p99 {h['p99_ms']:.1f} ms, max {h['max_ms']:.1f} ms")
+    lines.append(f"/health p99 by minute (ms): {h['p99_ms_by_minute']}")
     return "\n".join(lines)
 
 
