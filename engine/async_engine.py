@@ -6,9 +6,12 @@ The engine thread drains the queue, runs ``LLMEngine.step()``, and hands each st
 outputs back to the loop in ONE ``loop.call_soon_threadsafe`` call, where they are put
 on the per-request ``asyncio.Queue`` of each request. The loop never waits on a step.
 
-If the engine thread dies (an exception outside the per-request handling of
-``LLMEngine.step``), every registered request receives an :class:`EngineDeadError`
-and :attr:`AsyncEngine.is_alive` turns false.
+A failed forward pass fails the requests of that step (``LLMEngine.step``); the thread
+then steps a one-token request, with what was already admitted, before it drains new
+commands. If the engine thread dies (that check failing, or an exception outside the
+per-request handling of ``LLMEngine.step``), every registered request receives an
+:class:`EngineDeadError`, :attr:`AsyncEngine.is_alive` turns false and
+:attr:`AsyncEngine.on_death` is called.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class EngineSnapshot:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     adds_drained: int = 0
-    """How many add commands the engine thread had drained when the snapshot was taken."""
+    """Sequences (``n`` per add command) the engine thread had drained when the snapshot
+    was taken."""
     time: float = 0.0
 
 
@@ -110,6 +114,8 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot()
         self.on_snapshot: Callable[[EngineSnapshot], None] | None = None
         """Called on the loop with each new snapshot (metrics hook)."""
+        self.on_death: Callable[[BaseException], None] | None = None
+        """Called on the loop once the engine thread has died (after its requests failed)."""
         self.last_progress = time.monotonic()
         self.stall_timeout = STALL_TIMEOUT_S
 
@@ -170,7 +176,7 @@ class AsyncEngine:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
         self._queues[request_id] = queue
-        self._adds_posted += 1
+        self._adds_posted += params.n
         self._commands.append(_Add(request_id, prompt_token_ids, params, prompt,
                                    arrival_time if arrival_time is not None else time.monotonic()))
         self._wake.set()
@@ -206,7 +212,8 @@ class AsyncEngine:
         return len(self._queues)
 
     def num_waiting_estimate(self) -> int:
-        """Waiting requests now: the last snapshot's plus adds posted since, beyond free slots."""
+        """Waiting sequences now: the last snapshot's plus those posted since (``n`` per
+        request), beyond free slots."""
         snap = self.snapshot
         pending = self._adds_posted - snap.adds_drained
         free = max(0, self.info.max_num_seqs - snap.num_running - snap.num_waiting)
@@ -242,6 +249,8 @@ class AsyncEngine:
         for cmd in self._commands:
             if isinstance(cmd, _KVStateAsk) and not cmd.future.done():
                 cmd.future.set_exception(err)
+        if self.on_death is not None:
+            self.on_death(exc)
 
     @staticmethod
     def _resolve(asks: list[_KVStateAsk], states: dict[tuple[int, bool], KVState]) -> None:
@@ -260,6 +269,9 @@ class AsyncEngine:
                 if self._stop:
                     return
                 eng = self.engine
+                if getattr(eng, "needs_self_check", False):
+                    self._self_check(loop)
+                    continue
                 if eng.has_unfinished_requests():
                     t0 = time.monotonic()
                     outs = eng.step()
@@ -281,6 +293,26 @@ class AsyncEngine:
             except RuntimeError:  # loop already closed
                 self._dead = exc
 
+    def _self_check(self, loop: asyncio.AbstractEventLoop) -> None:
+        """After a failed forward pass, step a one-token request (with what was already
+        admitted) before draining new commands; if that fails too, the engine thread
+        dies (and the server exits for its supervisor to restart it)."""
+        eng = self.engine
+        rid = eng.self_check_request()
+        logger.warning("a model step failed; checking the engine with a one-token step")
+        while True:
+            outs = eng.step()
+            now = time.monotonic()
+            self.last_progress = now
+            loop.call_soon_threadsafe(self._deliver, outs, now, self._snap(now))
+            mine = next((o for o in outs if o.request_id == rid and o.finished), None)
+            if mine is None:
+                continue
+            if mine.outputs[0].finish_reason == "error":
+                raise EngineDeadError("the engine failed its check after a failed step")
+            logger.info("engine check passed; serving again")
+            return
+
     def _drain(self) -> bool:
         """Apply queued commands; return whether any was applied."""
         cmds = self._commands
@@ -293,7 +325,7 @@ class AsyncEngine:
             if isinstance(cmd, _KVStateAsk):
                 asks.append(cmd)
             elif isinstance(cmd, _Add):
-                self._adds_drained += 1
+                self._adds_drained += cmd.params.n
                 try:
                     eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                     prompt=cmd.prompt, arrival_time=cmd.arrival_time,

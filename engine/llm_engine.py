@@ -107,6 +107,9 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.last_step: StepStats | None = None
         """The statistics of the latest step that ran (benchmarks read them)."""
+        self.needs_self_check = False
+        """Set when a forward pass failed: a driver should run :meth:`self_check_request`
+        to completion before it takes new work."""
 
     @property
     def kv(self):
@@ -188,6 +191,16 @@ class LLMEngine:
         self.num_prompt_tokens_total += len(prompt_token_ids)
         return group
 
+    def self_check_request(self) -> str:
+        """Queue a one-token greedy request that checks the model still steps after a
+        failed forward pass; its id (it ends ``"length"``, or ``"error"`` if the step
+        fails again)."""
+        self.needs_self_check = False
+        group = self.add_request(
+            f"self-check-{self.new_request_id()}", [0],
+            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        return group.request_id
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request wherever it is; its blocks return to the pool at once."""
         group = self.output.groups.get(request_id)
@@ -229,6 +242,7 @@ class LLMEngine:
         except Exception:
             logger.exception("model step failed; failing the %d requests in it",
                              len(sched.num_scheduled_tokens))
+            self.needs_self_check = True
             reqs = [requests[rid] for rid in sched.num_scheduled_tokens]
             self.scheduler.fail_requests(sched.num_scheduled_tokens)
             groups = {r.group.request_id: r.group for r in reqs}

@@ -8,12 +8,15 @@ request through :meth:`Scheduler.finish_request`, in the same step that produced
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestGroup, RequestStatus
 from engine.scheduler import SampledToken, Scheduler
+
+logger = logging.getLogger("engine")
 
 OUTPUT_FINAL = "final"
 OUTPUT_DELTA = "delta"
@@ -39,13 +42,59 @@ class OutputProcessor:
 
     def process(self, sampled: Iterable[SampledToken]) -> list[RequestOutput]:
         """Text, stop strings and logprobs of each sampled token; the outputs of the user
-        requests that progressed (streams every step, final ones once finished)."""
+        requests that progressed (streams every step, final ones once finished).
+
+        A failure while processing one request (detokenizing, stop checking, building
+        its output) ends that request alone with ``finish_reason="error"``, its blocks
+        freed; the others of the step are unaffected."""
         touched: dict[str, RequestGroup] = {}
+        failed: set[int] = set()
         now = time.monotonic()
         for s in sampled:
-            self._process_token(s, now)
             touched[s.req.group.request_id] = s.req.group
-        return [o for g in touched.values() if (o := self.make_output(g)) is not None]
+            if id(s.req) in failed:
+                continue
+            try:
+                self._process_token(s, now)
+            except Exception:
+                logger.exception("processing the output of %s failed; failing it",
+                                 s.req.group.request_id)
+                failed.add(id(s.req))
+                self._fail(s.req)
+        outs = []
+        for g in touched.values():
+            try:
+                o = self.make_output(g)
+            except Exception:
+                logger.exception("building the output of %s failed; failing it",
+                                 g.request_id)
+                o = self._error_output(g)
+            if o is not None:
+                outs.append(o)
+        return outs
+
+    def _fail(self, req: Request) -> None:
+        if req.status.finished:
+            req.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
+        self.count_finished(req)
+
+    def _error_output(self, group: RequestGroup) -> RequestOutput:
+        """The final output of a user request whose output could not be built: every
+        member ends with an error, nothing else is reported."""
+        for req in group.members:
+            self._fail(req)
+        rid = group.request_id
+        for d in (self.groups, self._kind, self._sent):
+            d.pop(rid, None)
+        return RequestOutput(
+            request_id=rid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+            outputs=[CompletionOutput(index=r.index, text="", token_ids=[],
+                                      cumulative_logprob=None, logprobs=None,
+                                      finish_reason="error", stop_reason=None)
+                     for r in group.members],
+            finished=True, metrics=group.members[0].metrics, num_cached_tokens=0)
 
     def _process_token(self, s: SampledToken, now: float) -> None:
         req, token = s.req, s.token_id

@@ -33,28 +33,27 @@ def apply_all(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
     """Add ``params.logit_bias`` ({token_id: bias}); ids outside the vocabulary are ignored
-    (the engine rejects them at admission: ``InputLimits.check_sampling_token_ids``)."""
-    vocab = logits.shape[1]
-    r_idx: list[int] = []
-    t_idx: list[int] = []
-    vals: list[float] = []
+    (the engine rejects them at admission: ``InputLimits.check_sampling_token_ids``).
+
+    Each row's entries become tensors in bulk and the whole step's bias is one
+    ``index_put_``: no Python work per entry."""
+    r_parts: list[torch.Tensor] = []
+    t_parts: list[torch.Tensor] = []
+    v_parts: list[torch.Tensor] = []
     for i, row in enumerate(rows):
         bias = row.params.logit_bias
         if not bias:
             continue
-        for tid, b in bias.items():
-            if 0 <= tid < vocab:
-                r_idx.append(i)
-                t_idx.append(tid)
-                vals.append(b)
-    if not r_idx:
+        r_parts.append(torch.full((len(bias),), i, dtype=torch.long))
+        t_parts.append(torch.tensor(list(bias), dtype=torch.long))
+        v_parts.append(torch.tensor(list(bias.values()), dtype=logits.dtype))
+    if not r_parts:
         return
+    r_idx, t_idx, vals = torch.cat(r_parts), torch.cat(t_parts), torch.cat(v_parts)
+    keep = (t_idx >= 0) & (t_idx < logits.shape[1])
     dev = logits.device
-    logits.index_put_(
-        (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-        torch.tensor(vals, device=dev, dtype=logits.dtype),
-        accumulate=True,
-    )
+    logits.index_put_((r_idx[keep].to(dev), t_idx[keep].to(dev)), vals[keep].to(dev),
+                      accumulate=True)
 
 
 def min_tokens_banned(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -11,17 +13,19 @@ from aiohttp import web
 from server import info, playground
 from server.chat import chat_completions
 from server.completions import completions
-from server.errors import APIError
+from server.errors import APIError, timed_out
+from server.openapi import openapi
+from server.sse import STREAM_KEY, send_error_and_done
 from server.state import STATE_KEY, ServerState
 
 logger = logging.getLogger("server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-MAX_BODY_BYTES = 32 * 2**20
 OPEN_PATHS = frozenset({"/health"}) | playground.OPEN_PATHS
 """Routes that need no API key (the health check and the page's static files)."""
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_KEPT_HEADERS = ("Allow", "Retry-After")
 
 
 @web.middleware
@@ -34,7 +38,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return APIError(e.status, e.reason or str(e)).response()
+        # Keep what the client needs to retry correctly (``Allow`` of a 405).
+        headers = {k: v for k, v in e.headers.items() if k in _KEPT_HEADERS}
+        return APIError(e.status, e.reason or str(e), headers=headers).response()
     except ConnectionResetError:
         raise
     except Exception:
@@ -49,21 +55,39 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if key and request.path not in OPEN_PATHS:
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
+        # Header bytes that are not UTF-8 arrive as surrogate escapes: compared as the
+        # bytes they were (never equal to the key), not a failure to encode.
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), key.encode()):
+                token.strip().encode("utf-8", "surrogateescape"), key.encode()):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)")
     return await handler(request)
 
 
 @web.middleware
 async def inflight_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count generation requests, so a graceful shutdown can wait for them."""
+    """Count generation requests, so a graceful shutdown can wait for them, and hold each
+    to its deadline (``request_timeout``): past it, the handler is cancelled (leaving its
+    ``Generation`` aborts the engine requests and frees their blocks) and the client gets
+    a 408, as an error event when the stream had started."""
     if request.path not in GENERATION_PATHS:
         return await handler(request)
     state = request.app[STATE_KEY]
+    limit = state.options.request_timeout
     state.enter()
     try:
-        return await handler(request)
+        async with asyncio.timeout(limit) as deadline:
+            return await handler(request)
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        err = timed_out(f"the request did not finish within {limit:g}s (--request-timeout); "
+                        "it was aborted")
+        stream = request.get(STREAM_KEY)
+        if stream is None:
+            return err.response()
+        with contextlib.suppress(ConnectionResetError):
+            await send_error_and_done(stream, err)
+        return stream
     finally:
         state.leave()
 
@@ -71,7 +95,7 @@ async def inflight_middleware(request: web.Request, handler: Handler) -> web.Str
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
         middlewares=[error_middleware, auth_middleware, inflight_middleware],
-        client_max_size=MAX_BODY_BYTES)
+        client_max_size=state.options.max_body_bytes)
     app[STATE_KEY] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -81,5 +105,6 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/version", info.version)
     app.router.add_post("/tokenize", info.tokenize)
     app.router.add_post("/detokenize", info.detokenize)
+    app.router.add_get("/openapi.json", openapi)
     playground.add_routes(app)
     return app

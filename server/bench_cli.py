@@ -19,6 +19,8 @@ BENCHMARKS: list[tuple[str, str, str]] = [
      "decode latency per step at a few batch sizes, bytes read against the read bandwidth"),
     ("serve", "loadtest.serve_bench",
      "online serving: streaming requests at a running server (TTFT, TPOT, ITL, throughput)"),
+    ("soak", "loadtest.soak",
+     "a long run of mixed traffic, disconnects, bad requests and bursts; what leaked"),
 ]
 """(name, module, help) of every benchmark, in ``--help`` order."""
 

@@ -20,8 +20,8 @@ from server.generation import (
 from server.logprobs import chat_logprobs
 from server.params import chat_params
 from server.prompts import chat_prompt
-from server.protocol import ChatCompletionRequest, decode_body
-from server.sse import DONE, event, json_response, open_stream, read_json, send_error_and_done
+from server.protocol import ChatCompletionRequest, read_request
+from server.sse import DONE, event, json_response, open_stream, send_error_and_done
 from server.state import STATE_KEY, ServerState
 from server.structured import check_compiles, request_constraint
 from server.tool_parser import ToolCallParser
@@ -49,7 +49,7 @@ class _Ctx:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     arrival = time.monotonic()
-    req = decode_body(await read_json(request), ChatCompletionRequest)
+    req = await read_request(request, ChatCompletionRequest)
     model = state.check_model(req.model)
     tools = tool_plan(req, state.options)
     constraint = request_constraint(req)

@@ -23,9 +23,9 @@ from server.generation import (
 from server.logprobs import CompletionLogprobs, merge_completion_logprobs
 from server.param_names import COMPLETIONS
 from server.params import completion_params
-from server.prompts import completion_prompts
-from server.protocol import CompletionRequest, decode_body
-from server.sse import DONE, event, json_response, open_stream, read_json, send_error_and_done
+from server.prompts import completion_prompts, echo_texts
+from server.protocol import CompletionRequest, read_request
+from server.sse import DONE, event, json_response, open_stream, send_error_and_done
 from server.state import STATE_KEY, ServerState
 from server.structured import check_compiles, request_constraint
 
@@ -49,7 +49,7 @@ class _Ctx:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     arrival = time.monotonic()
-    req = decode_body(await read_json(request), CompletionRequest)
+    req = await read_request(request, CompletionRequest)
     model = state.check_model(req.model)
     constraint = request_constraint(req)
     if constraint is not None:
@@ -60,10 +60,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = await completion_prompts(state, req.prompt)
     for p in prompts:
         state.fit(len(p.token_ids), params, COMPLETIONS)
-    echo = None
-    if req.echo:
-        echo = [p.text if p.text is not None else state.tokenizer.decode(p.token_ids)
-                for p in prompts]
+    echo = await echo_texts(state, prompts) if req.echo else None
     ctx = _Ctx(
         id=f"cmpl-{random_id()}", created=int(time.time()), model=model, n=params.n,
         prompts=prompts, echo_texts=echo, want_logprobs=req.logprobs is not None,

@@ -10,6 +10,7 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
@@ -61,3 +62,7 @@ def overloaded(message: str, retry_after: int = 1) -> APIError:
 
 def internal(message: str) -> APIError:
     return APIError(500, message, None)
+
+
+def timed_out(message: str) -> APIError:
+    return APIError(408, message, None)

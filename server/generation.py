@@ -66,6 +66,8 @@ class Generation:
         self._unfinished: set[str] = set()
         self._last_step: dict[str, float] = {}
         engine = state.engine
+        # Admission counts sequences: one request may carry many prompts, each n times.
+        state.admit(len(prompts) * params.n)
         try:
             for rid, p in zip(self.request_ids, prompts, strict=True):
                 engine.add_request(rid, p.token_ids, params, self.queue, prompt=p.text,
@@ -155,9 +157,10 @@ def with_finish(choice: dict, c: CompletionOutput) -> dict:
 
 
 def raise_if_failed(finish_reason: str | None) -> None:
-    """A choice that ended in ``error`` (model step failed) or ``abort`` is an API error."""
+    """A choice that ended in ``error`` (a failed model step or output processing) or
+    ``abort`` is an API error."""
     if finish_reason == "error":
-        raise internal("the model step failed while generating this request")
+        raise internal("internal error while generating this request; it was stopped")
     if finish_reason == "abort":
         raise unavailable("the request was aborted by the server")
 

@@ -9,9 +9,9 @@ from server.errors import bad_request
 from server.metrics import CONTENT_TYPE
 from server.param_names import DETOKENIZE
 from server.prompts import chat_prompt
-from server.protocol import DetokenizeRequest, TokenizeRequest, decode_body
-from server.sse import json_response, read_json
-from server.state import STATE_KEY
+from server.protocol import DetokenizeRequest, TokenizeRequest, read_request
+from server.sse import json_response
+from server.state import STATE_KEY, ServerState
 
 
 async def models(request: web.Request) -> web.Response:
@@ -40,7 +40,7 @@ async def version(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     """``{prompt}`` or ``{messages}`` -> ``{count, max_model_len, tokens}``."""
     state = request.app[STATE_KEY]
-    req = decode_body(await read_json(request), TokenizeRequest)
+    req = await read_request(request, TokenizeRequest)
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
@@ -48,10 +48,8 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = (await chat_prompt(state, req.messages,
                                  req.add_generation_prompt is not False)).token_ids
     else:
-        text = req.prompt
-        ids = await state.run_tokenizer(
-            len(text), state.tokenizer.encode, text,
-            add_special_tokens=req.add_special_tokens is not False)
+        ids = await state.offload(state.tokenizer.encode, req.prompt,
+                                  add_special_tokens=req.add_special_tokens is not False)
     return json_response({"count": len(ids), "max_model_len": state.max_model_len,
                           "tokens": ids})
 
@@ -59,8 +57,16 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """``{tokens}`` -> ``{prompt}``."""
     state = request.app[STATE_KEY]
-    req = decode_body(await read_json(request), DetokenizeRequest)
+    req = await read_request(request, DetokenizeRequest)
     state.check_model(req.model)
-    state.check_token_ids(req.tokens, DETOKENIZE)
-    text = await state.run_tokenizer(len(req.tokens) * 4, state.tokenizer.decode, req.tokens)
+    text = await state.offload(_detokenize, state, req.tokens)
     return json_response({"prompt": text})
+
+
+def _detokenize(state: ServerState, tokens: list[int]) -> str:
+    # One decode call holds the GIL throughout: bounded by the context length.
+    if len(tokens) > state.max_model_len:
+        raise bad_request(f"tokens may have at most max_model_len={state.max_model_len} "
+                          f"entries, got {len(tokens)}", "tokens")
+    state.check_token_ids(tokens, DETOKENIZE)
+    return state.tokenizer.decode(tokens)

@@ -82,15 +82,18 @@ def _render_chat(state: ServerState, conv: list[dict[str, Any]],
     return Prompt(tok.encode(text, add_special_tokens=False), text)
 
 
+def _chat_prompt(state: ServerState, messages: list[ChatMessage] | None,
+                 add_generation_prompt: bool, tools: list[dict] | None) -> Prompt:
+    return _render_chat(state, messages_to_dicts(messages), add_generation_prompt, tools)
+
+
 async def chat_prompt(state: ServerState, messages: list[ChatMessage] | None,
                       add_generation_prompt: bool = True,
                       tools: list[dict] | None = None) -> Prompt:
     """The templated and tokenized conversation (with ``tools`` for templates that render
-    them)."""
-    conv = messages_to_dicts(messages)
-    size = sum(len(m["content"]) for m in conv)
-    return await state.run_tokenizer(size, _render_chat, state, conv, add_generation_prompt,
-                                     tools)
+    them), prepared off the event loop: its cost grows with the number of messages as
+    well as their text."""
+    return await state.offload(_chat_prompt, state, messages, add_generation_prompt, tools)
 
 
 def _is_int(v: Any) -> bool:
@@ -132,8 +135,22 @@ def _encode_all(state: ServerState, items: list[str | list[int]]) -> list[Prompt
     return out
 
 
+def _completion_prompts(state: ServerState, prompt: str | list[Any] | None) -> list[Prompt]:
+    return _encode_all(state, split_prompts(prompt))
+
+
 async def completion_prompts(state: ServerState, prompt: str | list[Any] | None) -> list[Prompt]:
-    """Tokenized completion prompts (token-id prompts are range-checked)."""
-    items = split_prompts(prompt)
-    size = sum(len(p) for p in items)
-    return await state.run_tokenizer(size, _encode_all, state, items)
+    """Tokenized completion prompts (token-id prompts are type- and range-checked), off
+    the event loop."""
+    return await state.offload(_completion_prompts, state, prompt)
+
+
+def _echo_texts(state: ServerState, prompts: list[Prompt]) -> list[str]:
+    return [p.text if p.text is not None else state.tokenizer.decode(p.token_ids)
+            for p in prompts]
+
+
+async def echo_texts(state: ServerState, prompts: list[Prompt]) -> list[str]:
+    """The text of each prompt, as ``echo`` repeats it (token-id prompts decoded off the
+    event loop)."""
+    return await state.offload(_echo_texts, state, prompts)

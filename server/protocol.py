@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import logging
 import re
+import types
+import typing
 from typing import Any, TypeVar
 
 import msgspec
+from aiohttp import web
 
 from server.errors import bad_request
+from server.sse import read_json
+from server.state import STATE_KEY
 
 logger = logging.getLogger("server")
 
@@ -135,12 +140,16 @@ def decode_body(body: bytes, kind: type[T]) -> T:
     """Decode a JSON body into ``kind``; every failure is a 400 naming the field."""
     try:
         obj = msgspec.json.decode(body)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     except msgspec.DecodeError as e:
         if "Number out of range" in str(e):
             # Valid JSON with a number past float64: decode against the schema to learn
             # which field holds it.
             try:
                 msgspec.json.decode(body, type=kind)
+            except RecursionError:
+                raise bad_request("the request body is nested too deeply") from None
             except (msgspec.ValidationError, msgspec.DecodeError) as typed:
                 msg = str(typed)
                 raise bad_request(f"invalid request: {msg}", _param_of(msg)) from None
@@ -149,13 +158,98 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")
     try:
         req = msgspec.convert(obj, kind)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     except msgspec.ValidationError as e:
         msg = str(e)
         raise bad_request(f"invalid request: {msg}", _param_of(msg)) from None
-    unknown = obj.keys() - set(kind.__struct_fields__)
-    for name in unknown - _warned:
+    _warn_unknown(obj.keys() - set(kind.__struct_fields__), kind)
+    return req
+
+
+LARGE_BODY_BYTES = 256 * 2**10
+"""Bodies above this are decoded on the tokenizer thread, one list item at a time."""
+_RAW_OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+async def read_request(request: web.Request, kind: type[T]) -> T:
+    """Read and decode a JSON body into ``kind``. A large body is decoded off the event
+    loop in pieces: msgspec holds the GIL for a whole call, so one call over a body of
+    many small items would stall the loop for its whole length."""
+    body = await read_json(request)
+    if len(body) <= LARGE_BODY_BYTES:
+        return decode_body(body, kind)
+    return await request.app[STATE_KEY].offload(decode_large_body, body, kind)
+
+
+def _list_item_type(tp: Any) -> Any:
+    """The item type of ``list[X]`` (also inside a union), else None."""
+    if typing.get_origin(tp) is list:
+        return typing.get_args(tp)[0]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if typing.get_origin(arg) is list:
+                return typing.get_args(arg)[0]
+    return None
+
+
+def _invalid(e: Exception, path: str) -> Exception:
+    """A field decoded on its own reports ``$``: name it as the whole body would."""
+    msg = str(e).replace("`$", f"`$.{path}")
+    if "at `$." not in msg:
+        msg = f"{msg} - at `$.{path}`"
+    return bad_request(f"invalid request: {msg}", _param_of(msg))
+
+
+def _decode_field(raw: msgspec.Raw, name: str, tp: Any) -> Any:
+    view = memoryview(raw)
+    item_tp = _list_item_type(tp)
+    try:
+        if item_tp is None or len(view) <= 4096 or bytes(view[:1]) != b"[":
+            return msgspec.json.decode(raw, type=tp)
+        items = _RAW_LIST.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise _invalid(e, name) from None
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(msgspec.json.decode(item, type=item_tp))
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise _invalid(e, f"{name}[{i}]") from None
+    return out
+
+
+def decode_large_body(body: bytes, kind: type[T]) -> T:
+    """:func:`decode_body` in pieces (same result, same errors): the top-level object is
+    scanned once, then each field is decoded on its own and each item of a long list
+    separately, so that the interpreter can switch threads between them."""
+    try:
+        top = _RAW_OBJECT.decode(body)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    except msgspec.ValidationError as e:
+        raise bad_request(f"the request body must be a JSON object: {e}") from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    values: dict[str, Any] = {}
+    try:
+        for f in msgspec.structs.fields(kind):
+            raw = top.pop(f.encode_name, None)
+            if raw is not None:
+                values[f.name] = _decode_field(raw, f.name, f.type)
+            elif f.required:
+                raise bad_request(
+                    f"invalid request: Object missing required field `{f.name}`", f.name)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    _warn_unknown(top.keys(), kind)
+    return kind(**values)
+
+
+def _warn_unknown(names: typing.Iterable[str], kind: type) -> None:
+    for name in set(names) - _warned:
         if len(_warned) >= 256:
             break
         _warned.add(name)
         logger.warning("ignoring unknown request field %r (%s)", name, kind.__name__)
-    return req

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
 
 from aiohttp import web
 
-from engine import AsyncEngine, EngineConfig
+from engine import AsyncEngine, EngineConfig, envs
 from server.app import build_app
 from server.generation import ServerShutdown
 from server.state import ServeOptions, ServerState
@@ -25,6 +26,7 @@ logger = logging.getLogger("server")
 ready_logger = logging.getLogger("server.ready")
 ready_logger.setLevel(logging.INFO)  # the ready line is logged whatever --log-level says
 
+API_KEY_ENV = envs.API_KEY.name
 ABORT_GRACE_S = 2.0
 """After aborting at shutdown, how long handlers get to send their error events."""
 
@@ -50,10 +52,16 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Load the model, serve until a signal, shut down gracefully; the exit status."""
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(None, AsyncEngine.from_config, config)
+    # What start-up allocated lives as long as the process: freezing it keeps the
+    # collector's full passes (which hold the GIL, loop included) short when a request
+    # allocates many objects.
+    gc.collect()
+    gc.freeze()
     engine.start(loop)
     state = ServerState(engine, options)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=ABORT_GRACE_S)
+                           shutdown_timeout=ABORT_GRACE_S,
+                           keepalive_timeout=options.keep_alive_timeout)
     await runner.setup()
     sock = bind_socket(options.host, options.port)
     site = web.SockSite(runner, sock)
@@ -61,10 +69,26 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if options.exit_on_engine_death:
+        engine.on_death = lambda exc: stop.set()
+    warn_if_exposed(options)
     ready_logger.info("pagedserve ready on %s (model %s)", url_of(sock), ", ".join(state.model_names))
     await stop.wait()
     await _shutdown(state, runner, site)
+    gc.unfreeze()  # collectable again at exit, so extensions' objects are finalized
+    if engine.error is not None:
+        logger.error("exiting with status 1: the engine thread died (%r)", engine.error)
+        return 1
     return 0
+
+
+def warn_if_exposed(options: ServeOptions) -> None:
+    """Listening on every interface without an API key serves anyone who can reach it."""
+    if options.api_key is None and options.host in ("0.0.0.0", "::", ""):
+        logger.warning(
+            "listening on %s without an API key: anyone who can reach this port can use "
+            "the model and read /metrics; set --api-key-file (or $%s) or put the server "
+            "behind a proxy that authenticates", options.host or "*", API_KEY_ENV)
 
 
 async def _shutdown(state: ServerState, runner: web.AppRunner, site: web.BaseSite) -> None:

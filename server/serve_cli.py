@@ -7,10 +7,43 @@ import logging
 
 from engine import envs
 from server.engine_args import add_engine_args, config_from_args
+from server.options import ServeOptions
 
 logger = logging.getLogger("server")
 
 API_KEY_ENV = envs.API_KEY.name
+
+
+def _optional_seconds(text: str) -> float | None:
+    return None if text.lower() in ("none", "null", "0") else float(text)
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file is not None:
+        if args.api_key is not None:
+            raise SystemExit("error: give only one of --api-key and --api-key-file")
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"error: cannot read --api-key-file: {e}") from None
+        if not key:
+            raise SystemExit(f"error: --api-key-file {args.api_key_file} is empty")
+        return key
+    return args.api_key or envs.api_key()
+
+
+def _check_limits(args: argparse.Namespace) -> None:
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise SystemExit("error: --max-waiting-requests must be >= 1")
+    for name in ("keep_alive_timeout", "body_timeout", "sse_write_timeout", "max_body_mb"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be > 0")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise SystemExit("error: --request-timeout must be > 0 (or none)")
+    for name in ("max_stop_length", "max_logit_bias"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -19,6 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API "
                     "(/v1/chat/completions, /v1/completions, SSE streaming).")
+    d = ServeOptions()
     p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                    help="model to serve (same as --model); omit for the embedded default")
     s = p.add_argument_group("server")
@@ -31,9 +65,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every route but /health "
                         f"(default: ${API_KEY_ENV} if set)")
-    s.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
-                   help="answer 429 with Retry-After while N requests are waiting "
-                        "(default: unbounded)")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (first line), so that it is not "
+                        "visible in the process list")
+    s.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   metavar="N",
+                   help="sequences (prompts x n) that may wait for a slot; a request that "
+                        "would pass it gets 429 with Retry-After (default: %(default)s)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long running requests may finish before "
                         "they are aborted (default: %(default)s)")
@@ -46,6 +84,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the tokenizer's "
                         "(e.g. one that renders tools)")
+    s.add_argument("--no-exit-on-engine-death", dest="exit_on_engine_death",
+                   action="store_false",
+                   help="keep serving (503s) when the engine thread dies, instead of "
+                        "draining and exiting with status 1 for a supervisor to restart")
+    t = p.add_argument_group("timeouts and limits")
+    t.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+                   metavar="SECONDS",
+                   help="close a connection that has not sent a complete request for this "
+                        "long: idle keep-alive connections and slow headers "
+                        "(default: %(default)s)")
+    t.add_argument("--body-timeout", type=float, default=d.body_timeout, metavar="SECONDS",
+                   help="time to receive a request body once its headers are in; past it, "
+                        "408 (default: %(default)s)")
+    t.add_argument("--request-timeout", type=_optional_seconds, default=d.request_timeout,
+                   metavar="SECONDS",
+                   help="deadline of a generation request; past it the request is aborted "
+                        "and the client gets 408 ('none' for no deadline) "
+                        "(default: %(default)s)")
+    t.add_argument("--sse-write-timeout", type=float, default=d.sse_write_timeout,
+                   metavar="SECONDS",
+                   help="abort a stream whose client has taken no data for this long "
+                        "(default: %(default)s)")
+    t.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
+                   metavar="MIB", help="largest request body, in MiB; larger ones get 413 "
+                                       "(default: %(default)s)")
+    t.add_argument("--max-stop-length", type=int, default=d.max_stop_length, metavar="N",
+                   help="characters in each stop string (default: %(default)s)")
+    t.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias, metavar="N",
+                   help="entries in logit_bias (default: %(default)s)")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"],
                    help="logging level (default: %(default)s)")
@@ -58,7 +125,6 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from server.runner import serve
-    from server.state import ServeOptions
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -68,8 +134,7 @@ def run(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.port < 0 or args.port > 65535:
         raise SystemExit(f"error: --port {args.port} is out of range")
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
-        raise SystemExit("error: --max-waiting-requests must be >= 1")
+    _check_limits(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser")
     template = None
@@ -87,12 +152,20 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         served_model_names=tuple(args.served_model_name or ()),
-        api_key=args.api_key or envs.api_key(),
+        api_key=_api_key(args),
         max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         chat_template=template,
+        keep_alive_timeout=args.keep_alive_timeout,
+        body_timeout=args.body_timeout,
+        request_timeout=args.request_timeout,
+        sse_write_timeout=args.sse_write_timeout,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        max_stop_length=args.max_stop_length,
+        max_logit_bias=args.max_logit_bias,
+        exit_on_engine_death=args.exit_on_engine_death,
     )
     try:
         import uvloop

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from server.errors import APIError, bad_request
+from server.errors import APIError, bad_request, timed_out
+from server.state import STATE_KEY
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
@@ -18,15 +20,43 @@ def event(obj: Any) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
 
 
+STREAM_KEY = web.RequestKey("stream", web.StreamResponse)
+"""The request's open event stream (``request[STREAM_KEY]``), once the 200 is sent."""
+
+
+class _EventStream(web.StreamResponse):
+    """A stream whose writes give up after ``write_timeout`` seconds: a client that stops
+    reading looks like one that went away (``ConnectionResetError``), so its request is
+    aborted, and the connection is closed (a write may have stopped mid-event)."""
+
+    def __init__(self, request: web.Request, write_timeout: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.request = request
+        self.write_timeout = write_timeout
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout):
+                await super().write(data)
+        except TimeoutError:
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()
+            raise ConnectionResetError(
+                f"the client took no data for {self.write_timeout:g}s") from None
+
+
 async def open_stream(request: web.Request) -> web.StreamResponse:
     """Send the 200 and the SSE headers."""
-    resp = web.StreamResponse(
+    resp = _EventStream(
+        request, request.app[STATE_KEY].options.sse_write_timeout,
         status=200,
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                  "X-Accel-Buffering": "no"},
     )
     resp.enable_chunked_encoding()
     await resp.prepare(request)
+    request[STREAM_KEY] = resp
     return resp
 
 
@@ -44,4 +74,13 @@ async def read_json(request: web.Request) -> bytes:
     if request.content_type != "application/json":
         raise bad_request(
             f"Content-Type must be application/json, got {request.content_type!r}")
-    return await request.read()
+    opts = request.app[STATE_KEY].options
+    try:
+        async with asyncio.timeout(opts.body_timeout):
+            return await request.read()
+    except TimeoutError:
+        raise timed_out(f"the request body did not arrive within {opts.body_timeout:g}s "
+                        "(--body-timeout)") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"the request body is larger than {opts.max_body_bytes} bytes "
+                            "(--max-body-mb)") from None

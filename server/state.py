@@ -7,37 +7,18 @@ import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
 
 from engine import AsyncEngine, EngineInputError, SamplingParams
-from server.errors import not_found, overloaded, unavailable
+from server.errors import bad_request, not_found, overloaded, unavailable
 from server.logprobs import TokenPiece, token_piece
 from server.metrics import ServerMetrics
+from server.options import ServeOptions
 from server.param_names import Route, input_error
 
 T = TypeVar("T")
-
-INLINE_TOKENIZE_CHARS = 4096
-"""Texts longer than this are tokenized in a worker thread, keeping the loop responsive."""
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """Server options that are not engine configuration."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_names: tuple[str, ...] = ()
-    api_key: str | None = None
-    max_waiting_requests: int | None = None
-    shutdown_timeout: float = 30.0
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    chat_template: str | None = None
-    """A chat template (its text) used instead of the tokenizer's."""
 
 
 class ServerState:
@@ -70,16 +51,40 @@ class ServerState:
         return model
 
     # -- admission ----------------------------------------------------------------------
-    def admit(self) -> None:
-        """Raise 503 when shutting down or the engine is dead, 429 when the queue is full."""
+    def admit(self, num_seqs: int = 1) -> None:
+        """Raise 503 when shutting down or the engine is unhealthy (dead or stalled), 429
+        when ``num_seqs`` more sequences would pass the waiting limit, 400 when they
+        alone would."""
         if self.shutting_down:
             raise unavailable("the server is shutting down", retry_after=5)
         if not self.engine.is_alive:
             raise unavailable("the engine is not running")
+        if not self.engine.is_healthy:
+            raise unavailable("the engine is not making progress; retry later", retry_after=5)
         limit = self.options.max_waiting_requests
-        if limit is not None and self.engine.num_waiting_estimate() >= limit:
+        if limit is None:
+            return
+        if num_seqs > limit:
+            raise bad_request(
+                f"the request makes {num_seqs} sequences (prompts x n); at most {limit} may "
+                "wait at once (--max-waiting-requests)", "n")
+        if self.engine.num_waiting_estimate() + num_seqs > limit:
             raise overloaded(
-                f"too many requests waiting ({limit} allowed); retry later", retry_after=1)
+                f"too many sequences waiting ({limit} allowed); retry later", retry_after=1)
+
+    def check_request_limits(self, params: SamplingParams) -> None:
+        """The server's caps on stop strings and ``logit_bias`` (work per step and per
+        token grows with them)."""
+        opts = self.options
+        for s in params.stop or ():
+            if len(s) > opts.max_stop_length:
+                raise bad_request(
+                    f"stop strings may have at most {opts.max_stop_length} characters, got "
+                    f"one of {len(s)}", "stop")
+        if params.logit_bias and len(params.logit_bias) > opts.max_logit_bias:
+            raise bad_request(
+                f"logit_bias may have at most {opts.max_logit_bias} entries, got "
+                f"{len(params.logit_bias)}", "logit_bias")
 
     def fit(self, num_prompt_tokens: int, params: SamplingParams, route: Route) -> None:
         """Check the lengths and token ids before answering (the engine's own checks, which
@@ -90,7 +95,9 @@ class ServerState:
             raise input_error(e, route) from None
 
     def check_sampling_token_ids(self, params: SamplingParams, route: Route) -> None:
-        """``logit_bias`` keys and ``stop_token_ids`` inside the vocabulary."""
+        """``logit_bias`` keys and ``stop_token_ids`` inside the vocabulary, and the
+        server's caps on stop strings and ``logit_bias``."""
+        self.check_request_limits(params)
         try:
             self.info.limits.check_sampling_token_ids(params)
         except EngineInputError as e:
@@ -104,11 +111,11 @@ class ServerState:
             raise input_error(e, route) from None
 
     # -- tokenizer ------------------------------------------------------------------------
-    async def run_tokenizer(self, size: int, fn: Callable[..., T], *args: Any,
-                            **kwargs: Any) -> T:
-        """Run ``fn`` inline for small inputs, on the tokenizer thread for large ones."""
-        if size <= INLINE_TOKENIZE_CHARS:
-            return fn(*args, **kwargs)
+    async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the tokenizer thread. Every piece of request preparation whose
+        cost grows with the input (templates, tokenization, type and range walks over
+        token ids, decoding) goes through here, so the loop's latency never depends on
+        what a client sends."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 

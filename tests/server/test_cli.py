@@ -65,3 +65,48 @@ def test_serve_options():
 def test_subcommand_hook():
     assert ("serve", "server.serve_cli") in cli.SUBCOMMANDS
     assert _parse()._run.__module__ == "server.serve_cli"
+
+
+def test_hardening_flags_and_defaults():
+    from server.options import ServeOptions
+    from server.serve_cli import _api_key
+
+    d = ServeOptions()
+    args = _parse()
+    assert args.max_waiting_requests == d.max_waiting_requests == 1024
+    assert args.keep_alive_timeout == 15 and args.body_timeout == 30
+    assert args.request_timeout == 600 and args.sse_write_timeout == 30
+    assert int(args.max_body_mb * 2**20) == d.max_body_bytes == 4 * 2**20
+    assert args.max_stop_length == 512 and args.max_logit_bias == 300
+    assert args.exit_on_engine_death is True
+    assert _parse("--no-exit-on-engine-death").exit_on_engine_death is False
+    assert _parse("--request-timeout", "none").request_timeout is None
+    assert _api_key(_parse("--api-key", "k1")) == "k1"
+
+
+def test_api_key_file(tmp_path):
+    from server.serve_cli import _api_key
+
+    f = tmp_path / "key"
+    f.write_text("s3cret-key\n")
+    assert _api_key(_parse("--api-key-file", str(f))) == "s3cret-key"
+    f.write_text("\n")
+    with pytest.raises(SystemExit, match="empty"):
+        _api_key(_parse("--api-key-file", str(f)))
+    with pytest.raises(SystemExit, match="cannot read"):
+        _api_key(_parse("--api-key-file", str(tmp_path / "missing")))
+    with pytest.raises(SystemExit, match="only one"):
+        _api_key(_parse("--api-key-file", str(f), "--api-key", "x"))
+
+
+def test_exposed_without_key_warns(caplog):
+    from server.options import ServeOptions
+    from server.runner import warn_if_exposed
+
+    with caplog.at_level("WARNING", logger="server"):
+        warn_if_exposed(ServeOptions(host="127.0.0.1"))
+        warn_if_exposed(ServeOptions(host="0.0.0.0", api_key="k"))
+        assert not caplog.records
+        warn_if_exposed(ServeOptions(host="0.0.0.0"))
+    (rec,) = caplog.records
+    assert "0.0.0.0 without an API key" in rec.getMessage()

@@ -1,0 +1,111 @@
+"""The OpenAPI 3.1 document served at ``/openapi.json``, generated from the msgspec
+request structs (so it always describes what the server decodes)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from engine import __version__
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+_REF = "#/components/schemas/{name}"
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {
+            "message": {"type": "string"},
+            "type": {"type": "string"},
+            "param": {"type": ["string", "null"]},
+            "code": {"type": "integer"},
+        },
+    }},
+}
+_ERROR_CODES = {
+    "400": "invalid parameter or malformed body",
+    "401": "missing or wrong API key",
+    "404": "unknown model",
+    "408": "the body or the request took too long",
+    "413": "the body is over the size limit",
+    "429": "too many sequences waiting",
+    "503": "shutting down or the engine is not running",
+}
+_ANY_JSON = {"application/json": {"schema": {"type": "object"}}}
+
+
+def _errors() -> dict[str, Any]:
+    return {code: {"description": text, "content": {"application/json": {
+        "schema": {"$ref": _REF.format(name="Error")}}}} for code, text in _ERROR_CODES.items()}
+
+
+def _post(schema: str, summary: str, stream: bool = False) -> dict[str, Any]:
+    ok: dict[str, Any] = dict(_ANY_JSON)
+    if stream:
+        ok["text/event-stream"] = {"schema": {"type": "string"}}
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": _REF.format(name=schema)}}}},
+        "responses": {"200": {"description": "success", "content": ok}, **_errors()},
+    }}
+
+
+def _get(summary: str, content_type: str = "application/json",
+         codes: tuple[str, ...] = ("401",)) -> dict[str, Any]:
+    ok = {"description": "success"}
+    if content_type:
+        ok["content"] = {content_type: {"schema": {"type": "object" if content_type ==
+                                                   "application/json" else "string"}}}
+    errs = _errors()
+    return {"get": {"summary": summary,
+                    "responses": {"200": ok, **{c: errs[c] for c in codes}}}}
+
+
+def build_document() -> dict[str, Any]:
+    """The OpenAPI document of every route."""
+    _, components = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest],
+        ref_template=_REF)
+    components["Error"] = _ERROR
+    health = _get("200 while the engine is alive and progressing, else 503", "",
+                  codes=("503",))
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pagedserve", "version": __version__},
+        "paths": {
+            "/v1/chat/completions": _post("ChatCompletionRequest", "chat completion", True),
+            "/v1/completions": _post("CompletionRequest", "text completion", True),
+            "/tokenize": _post("TokenizeRequest", "prompt or messages to token ids"),
+            "/detokenize": _post("DetokenizeRequest", "token ids to text"),
+            "/v1/models": _get("served models"),
+            "/version": _get("server version"),
+            "/metrics": _get("Prometheus metrics", "text/plain"),
+            "/health": health,
+            "/openapi.json": _get("this document"),
+        },
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }
+
+
+@functools.cache
+def _document_bytes() -> bytes:
+    return msgspec.json.encode(build_document())
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=_document_bytes(), content_type="application/json")

@@ -1,0 +1,37 @@
+"""Server options that are not engine configuration (``pagedserve serve`` flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Server options that are not engine configuration."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_waiting_requests: int | None = 1024
+    """Sequences (prompts x ``n``) that may wait for a slot; past it new requests get 429."""
+    shutdown_timeout: float = 30.0
+    keep_alive_timeout: float = 15.0
+    """A connection without a complete request for this long is closed (idle keep-alive
+    connections, and clients that send their headers slowly)."""
+    body_timeout: float = 30.0
+    """Seconds to receive a request's whole body once its headers are in."""
+    request_timeout: float | None = 600.0
+    """Deadline of a generation request; past it the request is aborted (408)."""
+    sse_write_timeout: float = 30.0
+    """A stream whose client has not taken a write for this long is aborted."""
+    max_body_bytes: int = 4 * 2**20
+    max_stop_length: int = 512
+    """Characters in each stop string."""
+    max_logit_bias: int = 300
+    """Entries in ``logit_bias``."""
+    exit_on_engine_death: bool = True
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    chat_template: str | None = None
+    """A chat template (its text) used instead of the tokenizer's."""
