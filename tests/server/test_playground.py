@@ -4,7 +4,7 @@ requires an API key.
 
 The browser is Debian's ``chromium`` (``scripts/test.sh`` installs it when it can) or
 playwright's own; with neither, the browser test fails saying so. With
-``PAGEDSERVE_UPDATE_SCREENSHOT=1`` the mid-run screenshot replaces ``docs/playground.png``.
+``UPDATE_SCREENSHOT=1`` the mid-run screenshot replaces ``docs/playground.png``.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def test_page_streams_and_shows_the_blocks(server, browser, tmp_path):
                  && document.querySelectorAll('#block-map .blk.used.shared').length > 0""")
     page.screenshot(path=str(tmp_path / "playground.png"))
     both_busy = "document.querySelectorAll('#tabs button.busy').length === 2"
-    if os.environ.get("PAGEDSERVE_UPDATE_SCREENSHOT") == "1":
+    if os.environ.get("UPDATE_SCREENSHOT") == "1":
         if not page.evaluate(both_busy):  # one finished while the picture was taken
             pytest.fail("a chat finished during the screenshot: run again to retake it")
         shutil.copyfile(tmp_path / "playground.png", SCREENSHOT)
