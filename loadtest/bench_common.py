@@ -87,7 +87,8 @@ def apply_threads(args: argparse.Namespace) -> None:
 
 
 # -- environment -------------------------------------------------------------------------
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what platform says."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -132,7 +133,7 @@ def environment_info() -> dict[str, Any]:
     except AttributeError:
         cores = os.cpu_count() or 0
     info: dict[str, Any] = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_cores": cores,
         "torch_threads": torch.get_num_threads(),
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import platform
 import statistics
 import time
 
@@ -25,6 +24,7 @@ import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.structured import bitmask
+from loadtest.bench_common import cpu_model
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"},
@@ -35,17 +35,6 @@ LONG = {"type": "array", "items": {"type": "integer"}, "minItems": 40}
 """A schema that cannot end within the timed steps (at least 80 tokens)."""
 _IDS = itertools.count()
 PROMPTS = ["List some numbers as JSON:", "The weather today is", "def f(x):", "Once upon"]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _run_batch(llm: LLM, batch: int, steps: int, constrained: bool,
@@ -108,7 +97,7 @@ def main() -> None:
     llm = LLM(dtype="float32", kv_cache_memory_gb=0.5, structured_outputs_backend=args.backend)
     first, cold, cached = _compile_times(llm)
     llm.engine.structured.submit(StructuredOutputsParams(json=LONG)).result()
-    print(f"cpu: {_cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+    print(f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"backend {args.backend}; load average {os.getloadavg()[0]:.1f}")
     print(f"compile: first (with tokenizer tables) {first * 1e3:.0f} ms, next cold "
           f"{cold * 1e3:.1f} ms, cached {cached * 1e6:.1f} us")

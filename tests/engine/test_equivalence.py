@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
 
 from engine import LLM, SamplingParams
+from tests.helpers.hf import hf_greedy
 
 PROMPTS = [
     "Explain the architectural differences between microservices and monoliths.",
@@ -23,19 +22,6 @@ PROMPTS = [
 ]
 CHAT = [{"role": "user", "content": "Give me three tips for writing readable Python code."}]
 NEW_TOKENS = 64
-
-
-def hf_greedy(path, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                               do_sample=False, min_new_tokens=new_tokens, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,8 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-import transformers
-
 from engine import LLM, SamplingParams
+from tests.helpers.hf import hf_greedy
 
 NEW_TOKENS = 8
 
@@ -35,19 +33,6 @@ def document(tokenizer, num_tokens: int) -> list[int]:
             break
     ids = tokenizer.encode(" ".join(lines))[:num_tokens]
     return ids + tokenizer.encode(" Question: what does the old ferry face? Answer:")
-
-
-def hf_greedy(path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
 
 
 def greedy_run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
