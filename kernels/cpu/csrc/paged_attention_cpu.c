@@ -130,6 +130,39 @@ static void merge_parts(const tile_t *tiles, int64_t first, int nparts, const fl
     }
 }
 
+/* The tiles of a call, written to ``tiles`` unless NULL: each request's query tokens in
+ * tiles (a request with no token this step has none), a long context's tile once per
+ * part. Returns their number, or -1 for a query length outside 0 .. seq_len; the parts
+ * of split contexts go to ``*num_parts``, whether any tile is tiled to ``*any_tiled``. */
+static int64_t plan_tiles(const int32_t *seq_lens, const int32_t *query_start_loc,
+                          int num_seqs, int vector_path, int split_rows, tile_t *tiles,
+                          int64_t *num_parts, int *any_tiled) {
+    int64_t i = 0, part = 0;
+    *any_tiled = 0;
+    for (int s = 0; s < num_seqs; ++s) {
+        const int tok = query_start_loc ? query_start_loc[s] : s;
+        const int q_len = query_start_loc ? query_start_loc[s + 1] - tok : 1;
+        if (q_len < 0 || q_len > seq_lens[s]) return -1;
+        const int tiled = q_len >= TILED_MIN_Q, tile = tiled ? TILED_TILE : TOKEN_TILE;
+        *any_tiled |= tiled;
+        for (int j = 0; j < q_len; j += tile) {
+            const int ntok = q_len - j < tile ? q_len - j : tile;
+            const int len0 = seq_lens[s] - q_len + 1 + j, last = len0 + ntok - 1;
+            const int nparts = tiled || !vector_path ? 1 : (last + split_rows - 1) / split_rows;
+            for (int p = 0; p < nparts; ++p, ++i)
+                if (tiles != NULL)
+                    tiles[i] = (tile_t){s, tok + j, ntok, len0, tiled,
+                                        nparts > 1 ? p * split_rows : 0,
+                                        nparts > 1 && p + 1 < nparts ? (p + 1) * split_rows
+                                                                     : INT_MAX,
+                                        nparts > 1 ? (int)part + p : -1};
+            part += nparts > 1 ? nparts : 0;
+        }
+    }
+    *num_parts = part;
+    return i;
+}
+
 /* Rows ``[t0, t1)`` of ``key``/``value`` (``num_kv_heads * head_dim`` elements of the
  * cache dtype, rows ``kv_stride`` elements apart) to cache slots ``slots[t]``; -1 is
  * skipped. */
@@ -252,27 +285,12 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
 #else
     const int vector_path = 0;
 #endif
-    /* Tiles of each request's query tokens (a request with no token this step has none),
-     * and the parts of split contexts. */
     const int split_rows = (SPLIT_ROWS + block_size - 1) / block_size * block_size;
-    int64_t num_tiles = 0, num_parts = 0;
+    int64_t num_parts = 0;
     int any_tiled = 0;
-    for (int s = 0; s < num_seqs; ++s) {
-        const int q_len = query_start_loc ? query_start_loc[s + 1] - query_start_loc[s] : 1;
-        if (q_len < 0 || q_len > seq_lens[s]) return PA_ERR_RANGE;
-        if (q_len >= TILED_MIN_Q) {
-            num_tiles += (q_len + TILED_TILE - 1) / TILED_TILE;
-            any_tiled = 1;
-            continue;
-        }
-        for (int j = 0; j < q_len; j += TOKEN_TILE) {
-            const int ntok = q_len - j < TOKEN_TILE ? q_len - j : TOKEN_TILE;
-            const int last = seq_lens[s] - q_len + j + ntok; /* rows the last token sees */
-            const int parts = vector_path ? (last + split_rows - 1) / split_rows : 1;
-            num_tiles += parts;
-            num_parts += parts > 1 ? parts : 0;
-        }
-    }
+    const int64_t num_tiles = plan_tiles(seq_lens, query_start_loc, num_seqs, vector_path,
+                                         split_rows, NULL, &num_parts, &any_tiled);
+    if (num_tiles < 0) return PA_ERR_RANGE;
     tile_t *tiles = NULL;
     float *parts = NULL;
     const size_t part_slot = part_floats(num_heads, head_dim);
@@ -292,22 +310,8 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     pool_run(write_rows, &wt, num_rows, (num_rows + 4 * write_threads - 1) / (4 * write_threads),
              write_threads);
     if (num_seqs <= 0) return 0; /* nothing to attend (a step of padding only) */
-    for (int s = 0, i = 0, part = 0; s < num_seqs; ++s) {
-        const int tok = query_start_loc ? query_start_loc[s] : s;
-        const int q_len = query_start_loc ? query_start_loc[s + 1] - tok : 1;
-        const int tiled = q_len >= TILED_MIN_Q;
-        const int tile = tiled ? TILED_TILE : TOKEN_TILE;
-        for (int j = 0; j < q_len; j += tile) {
-            const int ntok = q_len - j < tile ? q_len - j : tile;
-            const int len0 = seq_lens[s] - q_len + 1 + j, last = len0 + ntok - 1;
-            const int nparts = tiled || !vector_path ? 1 : (last + split_rows - 1) / split_rows;
-            for (int p = 0; p < nparts; ++p)
-                tiles[i++] = (tile_t){s, tok + j, ntok, len0, tiled,
-                                      nparts > 1 ? p * split_rows : 0,
-                                      nparts > 1 && p + 1 < nparts ? (p + 1) * split_rows : INT_MAX,
-                                      nparts > 1 ? part++ : -1};
-        }
-    }
+    plan_tiles(seq_lens, query_start_loc, num_seqs, vector_path, split_rows, tiles, &num_parts,
+               &any_tiled);
     const shape_t sh = {k_cache, v_cache, num_kv_heads, num_heads / num_kv_heads, head_dim,
                         block_size, scale};
     /* All KV heads per item when there are enough tiles; else one KV head each. */
