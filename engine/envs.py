@@ -63,6 +63,9 @@ CPU_ISA = Var("PAGEDSERVE_CPU_ISA", "the best the CPU runs",
 PACK_WEIGHTS = Var("PAGEDSERVE_PACK_WEIGHTS", "1",
                    "keep packed copies of the linear weights for the native and oneDNN "
                    "linears (`0`: off, saving their memory)")
+FUSE_LAYERS = Var("PAGEDSERVE_FUSE_LAYERS", "1",
+                  "on the CPU, run every decoder layer of a decode step in one native call "
+                  "(`0`: one call per op, as `--op-times` does)")
 MALLOC_TUNING = Var("PAGEDSERVE_MALLOC_TUNING", "1",
                     "at engine start, tune glibc malloc to keep freed memory (`0`: leave "
                     "malloc alone)")
@@ -88,8 +91,8 @@ LOCUST_TEMPERATURE = Var("PAGEDSERVE_LOCUST_TEMPERATURE", "0.7", "Locust samplin
 LOCUST_MODEL = Var("PAGEDSERVE_LOCUST_MODEL", "the first of `GET /v1/models`",
                    "`model` of the Locust requests")
 
-VARIABLES = (CACHE, ATTENTION_BACKEND, CPU_ISA, PACK_WEIGHTS, MALLOC_TUNING, HUGEPAGES,
-             API_KEY, LOCUST_PROMPTS, LOCUST_MAX_TOKENS, LOCUST_IGNORE_EOS,
+VARIABLES = (CACHE, ATTENTION_BACKEND, CPU_ISA, PACK_WEIGHTS, FUSE_LAYERS, MALLOC_TUNING,
+             HUGEPAGES, API_KEY, LOCUST_PROMPTS, LOCUST_MAX_TOKENS, LOCUST_IGNORE_EOS,
              LOCUST_STREAM_RATIO, LOCUST_WAIT_MIN, LOCUST_WAIT_MAX, LOCUST_TEMPERATURE,
              LOCUST_MODEL)  # fmt: skip
 """Every ``PAGEDSERVE_*`` variable, in README order."""
@@ -128,6 +131,10 @@ def cpu_isa() -> str | None:
 
 def pack_weights() -> bool:
     return flag(PACK_WEIGHTS, True)
+
+
+def fuse_layers() -> bool:
+    return flag(FUSE_LAYERS, True)
 
 
 def malloc_tuning() -> bool:

@@ -9,12 +9,13 @@ from kernels.settings import KernelSettings
 
 def kernel_settings() -> KernelSettings:
     """``PAGEDSERVE_ATTENTION_BACKEND``, ``PAGEDSERVE_CPU_ISA``, ``$PAGEDSERVE_CACHE/kernels``,
-    ``CC``, ``PAGEDSERVE_PACK_WEIGHTS`` and ``TRITON_INTERPRET`` as they are now."""
+    ``CC``, ``PAGEDSERVE_PACK_WEIGHTS``, ``PAGEDSERVE_FUSE_LAYERS`` and ``TRITON_INTERPRET`` as they are now."""
     return KernelSettings(
         auto_backend=envs.attention_backend(),
         cpu_isa=envs.cpu_isa(),
         cache_dir=envs.cache_root() / "kernels",
         cc=envs.c_compiler(),
         pack_weights=envs.pack_weights(),
+        fuse_layers=envs.fuse_layers(),
         triton_interpret=envs.triton_interpret(),
     )

@@ -28,6 +28,9 @@ from typing import Protocol, TypeVar
 import torch
 
 from kernels.layer_ops import LayerOps
+from kernels.quant import QuantizedWeight
+
+Weight = torch.Tensor | QuantizedWeight
 
 PlanT = TypeVar("PlanT")
 
@@ -92,6 +95,46 @@ class AttentionMetadata:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One decoder layer's weights, as :class:`DecoderStack` lists them."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Weight
+    """The fused Q/K/V projection ``[q + 2 kv, hidden]``."""
+    o: Weight
+    gate_up: Weight
+    """The fused gate/up projection ``[2 intermediate, hidden]``."""
+    down: Weight
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    """Per-head RMSNorm weights of the queries and keys (Qwen3), or None."""
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderStack:
+    """A model's decoder layers as a backend that runs them all in one call sees them
+    (``run_layers``): sizes, weights and float32 RoPE tables ``[max_len, head_dim]``.
+    Each layer is pre-norm attention then a SiLU-gated MLP, with the residual add fused
+    into the next norm."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float
+    scale: float
+    layers: tuple[LayerWeights, ...]
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+
 class AttentionBackend(Protocol):
     """Paged attention over the KV cache; made by :func:`kernels.registry.select_kernels`."""
 
@@ -121,5 +164,10 @@ class AttentionBackend(Protocol):
         A backend may also offer ``rope_forward(query, key, value, cos, sin, k_cache,
         v_cache, meta, scale)``: ``ops.rope`` then ``forward`` with the rotation fused
         into the K/V write (the Triton backend); the model calls it where it exists.
+
+        A backend may also offer ``run_layers(stack, hidden, positions, kv_caches,
+        meta)``: every layer of a :class:`DecoderStack` at once, returning ``(last MLP
+        output, residual)`` as the per-layer loop would, or None for a step it does not
+        take (the model then runs the loop).
         """
         ...

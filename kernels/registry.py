@@ -67,7 +67,7 @@ def select_kernels(
         from kernels.cpu.layer_ops import NativeLayerOps
 
         ops: LayerOps = NativeLayerOps(lib, settings.pack_weights)
-        return Kernels(CpuBackend(lib, ops), ops)
+        return Kernels(CpuBackend(lib, ops, settings.fuse_layers), ops)
     ops = TorchLayerOps()
     if name == "torch":
         from kernels.torch_backend import TorchBackend

@@ -33,6 +33,9 @@ class KernelSettings:
     pack_weights: bool = True
     """Whether the native layer ops keep packed copies of the linear weights
     (``PAGEDSERVE_PACK_WEIGHTS``)."""
+    fuse_layers: bool = True
+    """Whether the CPU backend runs a step's decoder layers in one native call where the
+    step allows it (``PAGEDSERVE_FUSE_LAYERS``)."""
     triton_interpret: bool = False
     """Whether Triton runs in its interpreter (``TRITON_INTERPRET``), which the triton
     backend needs off CUDA."""

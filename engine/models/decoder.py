@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.interface import AttentionBackend, AttentionMetadata
+from kernels.interface import AttentionBackend, AttentionMetadata, DecoderStack, LayerWeights
 from kernels.quant import QuantizedWeight, quantize_int8
 
 
@@ -194,11 +194,31 @@ class DecoderForCausalLM(nn.Module):
         # RoPE tables [max_model_len, head_dim] in float32, set by ``set_rope``.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self._stack: DecoderStack | None = None
+        """The layers as a backend's ``run_layers`` takes them; rebuilt after the weights
+        or RoPE tables are replaced."""
 
     def set_rope(self, hf_config, max_model_len: int) -> None:
         cos, sin = rope_tables(hf_config, self.spec.head_dim, max_model_len)
         device = self.embed_tokens.weight.device
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        self._stack = None
+
+    def decoder_stack(self) -> DecoderStack:
+        """The layers' sizes and weights for a backend's ``run_layers`` (made once)."""
+        if self._stack is None:
+            s = self.spec
+            self._stack = DecoderStack(
+                hidden_size=s.hidden_size, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                head_dim=s.head_dim, intermediate_size=s.intermediate_size,
+                eps=s.rms_norm_eps, scale=s.head_dim ** -0.5, rope_cos=self.rope_cos,
+                rope_sin=self.rope_sin, layers=tuple(LayerWeights(
+                    input_norm=x.input_layernorm, post_norm=x.post_attention_layernorm,
+                    qkv=x.qkv_proj.weight, o=x.o_proj.weight, gate_up=x.gate_up_proj.weight,
+                    down=x.down_proj.weight, qkv_bias=x.qkv_proj.bias, o_bias=x.o_proj.bias,
+                    gate_up_bias=x.gate_up_proj.bias, down_bias=x.down_proj.bias,
+                    q_norm=x.q_norm, k_norm=x.k_norm) for x in self.layers))  # fmt: skip
+        return self._stack
 
     def forward(
         self,
@@ -210,6 +230,12 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         hidden = attn.ops.embedding(input_ids, self.embed_tokens.weight)
+        run_layers = getattr(attn, "run_layers", None)
+        fused = None if run_layers is None or not self.layers else run_layers(
+            self.decoder_stack(), hidden, positions, kv_caches, meta)
+        if fused is not None:
+            hidden, residual = fused
+            return attn.ops.add_rms_norm(residual, hidden, self.norm, self.spec.rms_norm_eps)[1]
         dtype = hidden.dtype
         cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
@@ -238,6 +264,7 @@ class DecoderForCausalLM(nn.Module):
         ``layers.{i}.{projection}`` (see :data:`LINEAR_NAMES`), ``embed_tokens`` and
         ``lm_head``; values are :data:`kernels.quant.FORMATS` names. Their planes are
         allocated on the CPU; the checkpoint must then supply them in that format."""
+        self._stack = None
         for name, fmt in formats.items():
             if name == "embed_tokens":
                 s = self.spec
@@ -256,6 +283,7 @@ class DecoderForCausalLM(nn.Module):
     def quantized_to(self, device: torch.device) -> None:
         """Move the quantized weights' planes to ``device`` (``Module.to`` does not:
         they are not parameters)."""
+        self._stack = None
         for module in self.modules():
             if isinstance(module, (QuantLinear, QuantEmbedding)):
                 module.weight = module.weight.to(device)
@@ -263,6 +291,7 @@ class DecoderForCausalLM(nn.Module):
     def quantize_int8(self) -> None:
         """After loading: every linear weight to per-row int8 (the logits' too; a tied
         embedding table stays float for lookups and gets an int8 copy for the logits)."""
+        self._stack = None
         for layer in self.layers:
             for attr in LINEAR_NAMES:
                 old = getattr(layer, attr)
@@ -275,6 +304,7 @@ class DecoderForCausalLM(nn.Module):
     # -- weights ------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF checkpoint tensors, fusing q/k/v and gate/up as they arrive."""
+        self._stack = None
         spec = self.spec
         qkv_off = {"q_proj": 0, "k_proj": spec.num_heads * spec.head_dim,
                    "v_proj": (spec.num_heads + spec.num_kv_heads) * spec.head_dim}

@@ -81,6 +81,9 @@ QUANT_FORMATS: dict[str, int] = dict(sorted(
 ATTENTION_ERRORS: dict[int, str] = {CONSTANTS[name]: text for name, text in _MESSAGES.items()
                                     if name.startswith("PA_ERR_")}  # fmt: skip
 """paged_attention's status codes -> what each means."""
+DECODER_ERRORS: dict[int, str] = {CONSTANTS[name]: text for name, text in _MESSAGES.items()
+                                  if name.startswith(("PA_ERR_", "DEC_ERR_"))}  # fmt: skip
+"""decoder_layers' status codes (paged_attention's and its own) -> what each means."""
 
 
 def declare(lib: ctypes.CDLL) -> None:

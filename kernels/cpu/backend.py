@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu import native
-from kernels.interface import AttentionMetadata
+from kernels.interface import AttentionMetadata, DecoderStack
 from kernels.layer_ops import LayerOps
 
 
@@ -45,9 +45,29 @@ class CpuBackend:
 
     name = "cpu"
 
-    def __init__(self, lib: ctypes.CDLL, ops: LayerOps) -> None:
+    def __init__(self, lib: ctypes.CDLL, ops: LayerOps, fuse_layers: bool = True) -> None:
         self._lib = lib
         self.ops = ops
+        self._fused = None
+        if fuse_layers:
+            from kernels.cpu.decoder import FusedLayers
+            from kernels.cpu.layer_ops import NativeLayerOps
+
+            if isinstance(ops, NativeLayerOps):
+                self._fused = FusedLayers(lib, ops)
+
+    @property
+    def fuses_layers(self) -> bool:
+        """Whether steps that fit run every layer in one native call (:meth:`run_layers`)."""
+        return self._fused is not None
+
+    def run_layers(self, stack: DecoderStack, hidden: torch.Tensor, positions: torch.Tensor,
+                   kv_caches: list, meta: AttentionMetadata):
+        """Every layer of ``stack`` in one native call (``kernels.cpu.decoder``):
+        ``(last MLP output, residual)``, or None for a step that call does not take."""
+        if self._fused is None:
+            return None
+        return self._fused.run(stack, hidden, positions, kv_caches, meta.plan(CpuStepPlan))
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         meta.prepared = self.make_plan(meta)

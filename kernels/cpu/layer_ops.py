@@ -179,6 +179,15 @@ class NativeLayerOps(TorchLayerOps):
                            torch.get_num_threads())  # fmt: skip
         return out
 
+    def native_packed(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A float32 CPU ``[n, k]`` weight in the native linear's panels (cached on the
+        tensor, re-packed if it changes); None where this build has no native linear or
+        the weight is not one it takes."""
+        if not (self._gemm and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                and _native_dtype(weight) == "f32"):  # fmt: skip
+            return None
+        return self._native_packed(weight)
+
     def _native_packed(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` in the native linear's panels, cached on the tensor (re-packed if it
         changes)."""

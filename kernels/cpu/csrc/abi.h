@@ -36,6 +36,46 @@
 #define PA_ERR_RANGE -5 /* a context length, query length or block id is out of range */
 #define PA_ERR_SLOT -6 /* a KV write slot is out of range */
 
+/* decoder_layers' model table: int64 entries at these offsets. */
+#define DM_NUM_LAYERS 0
+#define DM_HIDDEN 1
+#define DM_HEADS 2
+#define DM_KV_HEADS 3
+#define DM_HEAD_DIM 4
+#define DM_INTER 5
+#define DM_KV_DTYPE 6
+#define DM_BLOCK_SIZE 7
+#define DM_NUM_BLOCKS 8
+#define DM_SIZE 9
+/* decoder_layers' layer table: DL_SIZE int64 entries a layer (addresses as integers,
+ * 0 for none), its four linears at DL_QKV.. as LIN_SIZE entries each. */
+#define DL_INPUT_NORM 0
+#define DL_POST_NORM 1
+#define DL_Q_NORM 2
+#define DL_K_NORM 3
+#define DL_K_CACHE 4
+#define DL_V_CACHE 5
+#define DL_QKV 6
+#define DL_O 14
+#define DL_GATE_UP 22
+#define DL_DOWN 30
+#define DL_SIZE 38
+/* A linear's entries: its format (LIN_F32: a float32 weight packed for gemm_f32, else a
+ * QF_* code), the weight (packed panels or quantized values), the QF_* planes, the bias,
+ * and its shape. */
+#define LIN_FMT 0
+#define LIN_W 1
+#define LIN_D 2
+#define LIN_MN 3
+#define LIN_SCALE 4
+#define LIN_BIAS 5
+#define LIN_N 6
+#define LIN_K 7
+#define LIN_SIZE 8
+#define LIN_F32 -1
+/* decoder_layers' own status code (it also returns paged_attention's). */
+#define DEC_ERR_LINEAR -7 /* a quantized linear refused its format or shape */
+
 /* How long the kernels' idle worker threads spin for the next task before they sleep
  * (microseconds; pool_set_spin_us changes it). */
 #define DEFAULT_SPIN_US 300
@@ -85,5 +125,14 @@ int qgemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, const void
 int qdequant(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
              const float *scale, int64_t k, const int64_t *rows, int64_t count, float *out,
              int num_threads);
+
+/* decoder_cpu.c */
+int64_t decoder_scratch_size(const int64_t *model, int rows);
+int decoder_layers(const int64_t *model, const int64_t *layers, float *residual, float *out,
+                   float eps, float scale, const float *cos_table, const float *sin_table,
+                   const int64_t *positions, int rows, const int32_t *block_tables,
+                   const int32_t *seq_lens, const int32_t *query_start_loc, int num_seqs,
+                   int max_blocks_per_seq, int max_seq_len, const int64_t *slots,
+                   float *scratch, int num_threads);
 
 #endif

@@ -1,0 +1,111 @@
+/*
+ * A whole stack of decoder layers in one call, for steps whose every linear runs in
+ * this library (decode steps and short chunks).
+ *
+ * Driven from Python, a decode step of a 30-layer model makes ~300 calls into this
+ * library (two norms, four linears, two RoPEs, attention and SiLU-and-multiply a
+ * layer), each with its argument checks, tensor allocations and ctypes marshalling:
+ * milliseconds a step when the arithmetic of a small model takes a few more. Here the
+ * same kernels run in the same order with the same arguments and thread counts, so the
+ * result is bit-identical to the per-op path; only the Python between them is gone.
+ *
+ * The model is described once by two int64 tables (the DM_* and DL_* offsets of
+ * abi.h): its sizes, and per layer the addresses of its norms, KV caches and linears.
+ * A linear is either a float32 weight packed for gemm_f32 (LIN_F32) or a weight-only
+ * quantized one in a QF_* format for qgemm. Activations are float32 throughout.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "abi.h"
+
+#define PTR(table, i) ((void *)(intptr_t)(table)[i])
+
+/* Scratch floats per row: the normed input, the fused QKV row, the attention output,
+ * the gate/up row and its SiLU product, and the row's cos and sin. */
+static int64_t scratch_per_row(const int64_t *model) {
+    const int64_t hidden = model[DM_HIDDEN], d = model[DM_HEAD_DIM];
+    const int64_t q = model[DM_HEADS] * d, kv = model[DM_KV_HEADS] * d;
+    return hidden + (q + 2 * kv) + q + 3 * model[DM_INTER] + 2 * d;
+}
+
+int64_t decoder_scratch_size(const int64_t *model, int rows) {
+    return scratch_per_row(model) * rows;
+}
+
+/* y [rows, n] = x [rows, k] @ W^T (+ bias) for the linear at ``lin`` (LIN_* offsets). */
+static int linear(const int64_t *lin, const float *x, int rows, float *y, int num_threads) {
+    const int64_t n = lin[LIN_N], k = lin[LIN_K];
+    const float *bias = PTR(lin, LIN_BIAS);
+    if (lin[LIN_FMT] == LIN_F32) {
+        gemm_f32(x, k, rows, k, PTR(lin, LIN_W), n, bias, y, n, num_threads);
+        return 0;
+    }
+    return qgemm((int)lin[LIN_FMT], x, k, rows, k, PTR(lin, LIN_W), PTR(lin, LIN_D),
+                 PTR(lin, LIN_MN), PTR(lin, LIN_SCALE), n, bias, y, n, num_threads)
+               ? DEC_ERR_LINEAR
+               : 0;
+}
+
+/* RMSNorm of each head of the ``heads`` heads at the start of every row (row stride
+ * ``stride``), in place: the per-head norm of Qwen3's queries and keys. */
+static void head_norm(float *x, int64_t stride, int rows, int heads, int head_dim,
+                      const float *weight, float eps, int num_threads) {
+    for (int r = 0; r < rows; ++r)
+        add_rms_norm_f32(x + r * stride, 0, weight, eps, x + r * stride, heads, head_dim,
+                         head_dim, num_threads);
+}
+
+int decoder_layers(const int64_t *model, const int64_t *layers, float *residual, float *out,
+                   float eps, float scale, const float *cos_table, const float *sin_table,
+                   const int64_t *positions, int rows, const int32_t *block_tables,
+                   const int32_t *seq_lens, const int32_t *query_start_loc, int num_seqs,
+                   int max_blocks_per_seq, int max_seq_len, const int64_t *slots,
+                   float *scratch, int num_threads) {
+    const int hidden = (int)model[DM_HIDDEN], heads = (int)model[DM_HEADS];
+    const int kv_heads = (int)model[DM_KV_HEADS], d = (int)model[DM_HEAD_DIM];
+    const int inter = (int)model[DM_INTER];
+    const int64_t q_size = (int64_t)heads * d, kv_size = (int64_t)kv_heads * d;
+    const int64_t width = q_size + 2 * kv_size;
+    float *x = scratch;
+    float *qkv = x + (int64_t)rows * hidden;
+    float *attn = qkv + rows * width;
+    float *gate_up = attn + rows * q_size;
+    float *act = gate_up + (int64_t)rows * 2 * inter;
+    float *cos = act + (int64_t)rows * inter;
+    float *sin = cos + (int64_t)rows * d;
+    for (int r = 0; r < rows; ++r) {
+        memcpy(cos + (int64_t)r * d, cos_table + positions[r] * d, sizeof(float) * d);
+        memcpy(sin + (int64_t)r * d, sin_table + positions[r] * d, sizeof(float) * d);
+    }
+    for (int64_t l = 0; l < model[DM_NUM_LAYERS]; ++l) {
+        const int64_t *layer = layers + l * DL_SIZE;
+        /* The previous layer's MLP output is in ``out``; the first layer's input is the
+         * embedding, already in ``residual``. */
+        add_rms_norm_f32(residual, l ? out : 0, PTR(layer, DL_INPUT_NORM), eps, x, rows,
+                         hidden, hidden, num_threads);
+        int status = linear(layer + DL_QKV, x, rows, qkv, num_threads);
+        if (status) return status;
+        if (layer[DL_Q_NORM]) {
+            head_norm(qkv, width, rows, heads, d, PTR(layer, DL_Q_NORM), eps, num_threads);
+            head_norm(qkv + q_size, width, rows, kv_heads, d, PTR(layer, DL_K_NORM), eps,
+                      num_threads);
+        }
+        rope_f32(qkv, width, rows, heads, d, cos, sin, num_threads);
+        rope_f32(qkv + q_size, width, rows, kv_heads, d, cos, sin, num_threads);
+        status = paged_attention(
+            qkv, PTR(layer, DL_K_CACHE), PTR(layer, DL_V_CACHE), (int)model[DM_KV_DTYPE],
+            block_tables, seq_lens, query_start_loc, width, attn, num_seqs, heads, kv_heads,
+            d, (int)model[DM_BLOCK_SIZE], (int)model[DM_NUM_BLOCKS], max_blocks_per_seq,
+            max_seq_len, scale, qkv + q_size, qkv + q_size + kv_size, width, slots, rows,
+            num_threads);
+        if (status) return status;
+        if ((status = linear(layer + DL_O, attn, rows, out, num_threads))) return status;
+        add_rms_norm_f32(residual, out, PTR(layer, DL_POST_NORM), eps, x, rows, hidden, hidden,
+                         num_threads);
+        if ((status = linear(layer + DL_GATE_UP, x, rows, gate_up, num_threads))) return status;
+        silu_mul_f32(gate_up, act, rows, inter, num_threads);
+        if ((status = linear(layer + DL_DOWN, act, rows, out, num_threads))) return status;
+    }
+    return 0;
+}

@@ -1,0 +1,200 @@
+"""Every decoder layer of a step in one native call: :class:`FusedLayers`.
+
+On a decode step of a small model the per-layer loop makes ~10 calls into the native
+library a layer, and the Python around them (argument checks, views, output tensors,
+ctypes marshalling) costs as much as the arithmetic. ``csrc/decoder_cpu.c`` runs the
+same kernels in the same order, with the same arguments and thread count, from two
+tables of addresses built once per model and KV cache: the result is bit-identical to
+the loop, which stays the path for everything the tables cannot describe.
+
+A step is fused when its activations are float32, every linear of the model runs in the
+native library at the step's row count (float32 weights through the native linear, up to
+:data:`~kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, where this build has one;
+weight-only quantized ones in registers, up to
+:data:`~kernels.cpu.layer_ops.QUANT_DIRECT_MAX_ROWS`), and the caches are the contiguous
+CPU tensors the attention kernel takes. Weights must not change once a fused step has
+run (the tables hold their addresses; a rebuilt :class:`~kernels.interface.DecoderStack`
+gets new tables).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu import abi
+from kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, QUANT_DIRECT_MAX_ROWS, NativeLayerOps
+from kernels.cpu.native import DTYPE_CODES
+from kernels.cpu.quant import format_code
+from kernels.interface import DecoderStack, LayerWeights, Weight
+from kernels.quant import QuantizedWeight
+
+C = abi.CONSTANTS
+
+
+@dataclass(slots=True)
+class _Tables:
+    """One model's tables for one set of KV caches, and what keeps their addresses live."""
+
+    stack: DecoderStack
+    kv_caches: list
+    model: torch.Tensor
+    layers: torch.Tensor
+    max_rows: int
+    keep: list
+
+
+class FusedLayers:
+    """Runs a :class:`~kernels.interface.DecoderStack` through ``decoder_layers``."""
+
+    def __init__(self, lib: ctypes.CDLL, ops: NativeLayerOps) -> None:
+        self._lib = lib
+        self._ops = ops
+        self._tables: _Tables | None = None
+        self._unfit: tuple[DecoderStack, list] | None = None
+        """The last stack and caches found not to fit (checked once, not every step)."""
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def run(self, stack: DecoderStack, hidden: torch.Tensor, positions: torch.Tensor,
+            kv_caches: list, plan) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(last MLP output, residual)`` for the step, or None when it is not fused.
+        ``hidden`` (the embeddings, float32 ``[T, hidden]``) becomes the residual, updated
+        in place as the loop updates it; ``plan`` is the step's
+        :class:`~kernels.cpu.backend.CpuStepPlan`."""
+        rows = hidden.shape[0]
+        if not (0 < rows == plan.num_tokens and hidden.dtype == torch.float32 and hidden.is_cpu
+                and hidden.is_contiguous() and positions.is_cpu):  # fmt: skip
+            return None
+        tables = self._tables_for(stack, kv_caches)
+        if tables is None or rows > tables.max_rows:
+            return None
+        need = self._lib.decoder_scratch_size(tables.model.data_ptr(), rows)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        pos = positions.to(torch.int64).contiguous()
+        qsl = plan.query_start_loc
+        out = torch.empty_like(hidden)
+        status = self._lib.decoder_layers(
+            tables.model.data_ptr(), tables.layers.data_ptr(), hidden.data_ptr(),
+            out.data_ptr(), stack.eps, stack.scale, stack.rope_cos.data_ptr(),
+            stack.rope_sin.data_ptr(), pos.data_ptr(), rows, plan.block_tables.data_ptr(),
+            plan.seq_lens.data_ptr(), None if qsl is None else qsl.data_ptr(),
+            plan.seq_lens.shape[0], plan.block_tables.shape[1], plan.max_seq_len,
+            plan.slot_mapping.data_ptr(), self._scratch.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"decoder_layers: {abi.DECODER_ERRORS.get(status, status)}")
+        return out, hidden
+
+    def _tables_for(self, stack: DecoderStack, kv_caches: list) -> _Tables | None:
+        t = self._tables
+        if t is not None and t.stack is stack and t.kv_caches is kv_caches:
+            return t
+        if self._unfit is not None and self._unfit[0] is stack and self._unfit[1] is kv_caches:
+            return None
+        self._tables = self._build(stack, kv_caches)
+        self._unfit = None if self._tables is not None else (stack, kv_caches)
+        return self._tables
+
+    def _build(self, stack: DecoderStack, kv_caches: list) -> _Tables | None:
+        """The tables, or None when some part of the model is not one the call takes."""
+        if len(kv_caches) != len(stack.layers) or not stack.layers:
+            return None
+        k0 = kv_caches[0][0]
+        if k0.dim() != 4 or k0.dtype not in DTYPE_CODES or tuple(k0.shape[2:]) != (
+                stack.num_kv_heads, stack.head_dim) or stack.head_dim > abi.MAX_HEAD_DIM:
+            return None
+        for cos in (stack.rope_cos, stack.rope_sin):
+            if not (cos.dtype == torch.float32 and cos.is_cpu and cos.is_contiguous()
+                    and cos.dim() == 2 and cos.shape[1] == stack.head_dim):  # fmt: skip
+                return None
+        model = torch.tensor([0] * C["DM_SIZE"], dtype=torch.int64)
+        for name, value in (("DM_NUM_LAYERS", len(stack.layers)), ("DM_HIDDEN", stack.hidden_size),
+                            ("DM_HEADS", stack.num_heads), ("DM_KV_HEADS", stack.num_kv_heads),
+                            ("DM_HEAD_DIM", stack.head_dim),
+                            ("DM_INTER", stack.intermediate_size),
+                            ("DM_KV_DTYPE", DTYPE_CODES[k0.dtype]),
+                            ("DM_BLOCK_SIZE", k0.shape[1]), ("DM_NUM_BLOCKS", k0.shape[0])):
+            model[C[name]] = value
+        keep: list = [stack.rope_cos, stack.rope_sin]
+        entries: list[int] = []
+        max_rows = NATIVE_LINEAR_MAX_ROWS
+        for layer, (k_cache, v_cache) in zip(stack.layers, kv_caches, strict=True):
+            row = self._layer_row(stack, layer, k_cache, v_cache, k0, keep)
+            if row is None:
+                return None
+            entries += row[0]
+            max_rows = min(max_rows, row[1])
+        return _Tables(stack, kv_caches, model, torch.tensor(entries, dtype=torch.int64),
+                       max_rows, keep)  # fmt: skip
+
+    def _layer_row(self, stack, layer: LayerWeights, k_cache, v_cache, k0, keep):
+        """A layer's DL_SIZE entries and the most rows its linears take, or None."""
+        for cache in (k_cache, v_cache):
+            if not (cache.shape == k0.shape and cache.dtype == k0.dtype and cache.is_cpu
+                    and cache.is_contiguous()):  # fmt: skip
+                return None
+        vectors = [layer.input_norm, layer.post_norm]
+        if (layer.q_norm is None) != (layer.k_norm is None):
+            return None
+        if layer.q_norm is not None:
+            vectors += [layer.q_norm, layer.k_norm]
+        if not all(_f32_vector(v) for v in vectors):
+            return None
+        row = [0] * C["DL_SIZE"]
+        for name, v in (("DL_INPUT_NORM", layer.input_norm), ("DL_POST_NORM", layer.post_norm),
+                        ("DL_Q_NORM", layer.q_norm), ("DL_K_NORM", layer.k_norm),
+                        ("DL_K_CACHE", k_cache), ("DL_V_CACHE", v_cache)):
+            row[C[name]] = 0 if v is None else v.data_ptr()
+        keep.extend(v for v in vectors)
+        q, kv = stack.num_heads * stack.head_dim, stack.num_kv_heads * stack.head_dim
+        shapes = {"DL_QKV": (layer.qkv, layer.qkv_bias, q + 2 * kv, stack.hidden_size),
+                  "DL_O": (layer.o, layer.o_bias, stack.hidden_size, q),
+                  "DL_GATE_UP": (layer.gate_up, layer.gate_up_bias, 2 * stack.intermediate_size,
+                                 stack.hidden_size),
+                  "DL_DOWN": (layer.down, layer.down_bias, stack.hidden_size,
+                              stack.intermediate_size)}  # fmt: skip
+        max_rows = NATIVE_LINEAR_MAX_ROWS
+        for name, (weight, bias, n, k) in shapes.items():
+            lin = self._linear_entries(weight, bias, n, k, keep)
+            if lin is None:
+                return None
+            row[C[name]: C[name] + C["LIN_SIZE"]] = lin[0]
+            max_rows = min(max_rows, lin[1])
+        return row, max_rows
+
+    def _linear_entries(self, weight: Weight, bias, n: int, k: int, keep):
+        """A linear's LIN_SIZE entries and the most rows it takes natively, or None."""
+        if bias is not None and not (_f32_vector(bias) and bias.numel() == n):
+            return None
+        lin = [0] * C["LIN_SIZE"]
+        lin[C["LIN_BIAS"]], lin[C["LIN_N"]], lin[C["LIN_K"]] = (
+            0 if bias is None else bias.data_ptr(), n, k)
+        if bias is not None:
+            keep.append(bias)
+        if isinstance(weight, QuantizedWeight):
+            if weight.shape != (n, k) or weight.device.type != "cpu":
+                return None
+            planes = [weight.qs, weight.d] + ([] if weight.m is None else [weight.m])
+            if not all(p.is_contiguous() for p in planes):
+                return None
+            keep.extend(planes)
+            lin[C["LIN_FMT"]], lin[C["LIN_W"]] = format_code(weight), weight.qs.data_ptr()
+            if weight.fmt == "int8":
+                lin[C["LIN_SCALE"]] = weight.d.data_ptr()
+            else:
+                lin[C["LIN_D"]] = weight.d.data_ptr()
+                lin[C["LIN_MN"]] = 0 if weight.m is None else weight.m.data_ptr()
+            return lin, QUANT_DIRECT_MAX_ROWS
+        packed = self._ops.native_packed(weight)
+        if packed is None or tuple(weight.shape) != (n, k):
+            return None
+        keep.append(packed)
+        lin[C["LIN_FMT"]], lin[C["LIN_W"]] = C["LIN_F32"], packed.data_ptr()
+        return lin, NATIVE_LINEAR_MAX_ROWS
+
+
+def _f32_vector(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_cpu and t.dim() == 1 and t.is_contiguous()

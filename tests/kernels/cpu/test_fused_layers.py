@@ -1,0 +1,134 @@
+"""Every decoder layer in one native call (``kernels.cpu.decoder``) against the per-op
+loop: the same logits and the same KV cache, bit for bit, at every build level."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.decoder import DecoderForCausalLM, DecoderSpec, QuantLinear
+from kernels.cpu.backend import CpuBackend
+from kernels.cpu.layer_ops import QUANT_DIRECT_MAX_ROWS, NativeLayerOps
+from kernels.interface import AttentionMetadata
+from tests.helpers.quant import random_weight
+
+BLOCK = 16
+
+
+def _config(arch: str):
+    import transformers
+
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=arch == "qwen3")  # fmt: skip
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    return transformers.Qwen3Config(head_dim=16, **common)
+
+
+def _model(arch: str, quant: str | None) -> DecoderForCausalLM:
+    cfg = _config(arch)
+    model = DecoderForCausalLM(DecoderSpec.from_hf(cfg))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.15 if p.dim() > 1 else 0.05) + (
+                0 if p.dim() > 1 else 1))
+    if quant == "int8":
+        model.quantize_int8()
+    elif quant is not None:
+        for i, layer in enumerate(model.layers):
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                old = getattr(layer, name)
+                w = random_weight(quant, old.out_features, old.in_features, seed=i)
+                setattr(layer, name, QuantLinear(w, old.bias))
+    model.set_rope(cfg, 512)
+    return model.eval()
+
+
+def _step(q_lens: list[int], ctx: list[int]):
+    """A step: request i has ``ctx[i]`` tokens cached and ``q_lens[i]`` new ones (decodes
+    first), each request in its own run of blocks."""
+    blocks = [(c + q + BLOCK - 1) // BLOCK for c, q in zip(ctx, q_lens, strict=True)]
+    width = max(blocks)
+    table = torch.zeros(len(q_lens), width, dtype=torch.int32)
+    slots, positions, qsl, lens, first = [], [], [0], [], 1
+    for i, (c, q) in enumerate(zip(ctx, q_lens, strict=True)):
+        ids = list(range(first, first + blocks[i]))[::-1]  # scattered, not in order
+        first += blocks[i]
+        table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        for p in range(c, c + q):
+            slots.append(ids[p // BLOCK] * BLOCK + p % BLOCK)
+            positions.append(p)
+        qsl.append(qsl[-1] + q)
+        lens.append(c + q)
+    meta = AttentionMetadata.from_host(torch.tensor(slots), qsl, lens, table,
+                                       sum(1 for q in q_lens if q == 1), "cpu")  # fmt: skip
+    return torch.tensor(positions), meta, first
+
+
+def _run(model, backend, positions, meta, kv):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.spec.vocab_size, positions.shape, generator=g)
+    backend.prepare(meta, BLOCK)
+    with torch.inference_mode():
+        hidden = model(ids, positions, kv, meta, backend)
+        return model.compute_logits(hidden, backend.ops)
+
+
+def _caches(model, num_blocks: int):
+    g = torch.Generator().manual_seed(2)
+    s = model.spec
+    shape = (num_blocks, BLOCK, s.num_kv_heads, s.head_dim)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+            for _ in range(s.num_layers)]  # fmt: skip
+
+
+def _compare(native_lib, model, q_lens, ctx, expect_fused: bool):
+    positions, meta, num_blocks = _step(q_lens, ctx)
+    ops = NativeLayerOps(native_lib)
+    fused, loop = CpuBackend(native_lib, ops), CpuBackend(native_lib, ops, fuse_layers=False)
+    kv_fused = _caches(model, num_blocks)
+    kv_loop = [(k.clone(), v.clone()) for k, v in kv_fused]
+    fused.prepare(meta, BLOCK)
+    with torch.inference_mode():
+        hidden = model.embed_tokens.weight[:positions.shape[0]].clone()
+        took = fused.run_layers(model.decoder_stack(), hidden, positions, kv_fused, meta)
+    assert (took is not None) == expect_fused
+    kv_fused = _caches(model, num_blocks)  # undo that probe's cache writes
+    got = _run(model, fused, positions, meta, kv_fused)
+    want = _run(model, loop, positions, meta, kv_loop)
+    assert torch.equal(got, want)
+    for (kf, vf), (kl, vl) in zip(kv_fused, kv_loop, strict=True):
+        assert torch.equal(kf, kl) and torch.equal(vf, vl)
+
+
+STEPS = [([1], [0]), ([1], [37]), ([1, 1, 1], [5, 70, 16]), ([1, 1, 9, 3], [20, 33, 0, 40]),
+         ([17], [0])]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("q_lens,ctx", STEPS)
+def test_float32_fused_equals_loop(native_lib, arch, q_lens, ctx):
+    # The portable build has no native float32 linear: nothing to fuse there.
+    _compare(native_lib, _model(arch, None), q_lens, ctx, bool(native_lib.gemm_f32_available()))
+
+
+@pytest.mark.parametrize("quant", ["q4_1", "q4_0", "q8_0", "int8"])
+@pytest.mark.parametrize("q_lens,ctx", STEPS)
+def test_quantized_fused_equals_loop(native_lib, quant, q_lens, ctx):
+    _compare(native_lib, _model("llama", quant), q_lens, ctx, True)
+
+
+def test_steps_past_the_quantized_kernels_rows_take_the_loop(native_lib):
+    rows = QUANT_DIRECT_MAX_ROWS + 1
+    _compare(native_lib, _model("llama", "q4_1"), [1, rows - 1], [10, 0], False)
+    _compare(native_lib, _model("llama", "q4_1"), [1, rows - 2], [10, 0], True)
+
+
+def test_switched_off_backend_takes_the_loop(native_lib):
+    ops = NativeLayerOps(native_lib)
+    assert CpuBackend(native_lib, ops).fuses_layers
+    assert not CpuBackend(native_lib, ops, fuse_layers=False).fuses_layers
