@@ -101,21 +101,31 @@ async def send_request(session: Any, url: str, payload: dict[str, Any], *,
                             expect_usage=bool((payload.get("stream_options") or {})
                                               .get("include_usage")))
     res.start = start = time.perf_counter()
-    try:
-        async with session.post(url, json=payload, headers=headers) as resp:
-            res.status = resp.status
-            if resp.status != 200:
-                body = (await resp.text())[:300]
-                res.error = f"HTTP {resp.status}: {body}"
+    while True:
+        try:
+            async with session.post(url, json=payload, headers=headers) as resp:
+                res.status = resp.status
+                if resp.status != 200:
+                    body = (await resp.text())[:300]
+                    res.error = f"HTTP {resp.status}: {body}"
+                    res.latency = time.perf_counter() - start
+                    return res
+                async for data in resp.content.iter_any():
+                    checker.feed(data, time.perf_counter())
+            res.latency = time.perf_counter() - start
+            break
+        except aiohttp.ServerDisconnectedError as e:
+            # A kept-alive connection the server had closed before it answered (llama.cpp's
+            # server closes them after a few requests): sent again, once, on a new one.
+            if res.status or res.reconnects:
                 res.latency = time.perf_counter() - start
+                res.error = f"{type(e).__name__}: {e}"
                 return res
-            async for data in resp.content.iter_any():
-                checker.feed(data, time.perf_counter())
-        res.latency = time.perf_counter() - start
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-        res.latency = time.perf_counter() - start
-        res.error = f"{type(e).__name__}: {e}"
-        return res
+            res.reconnects += 1
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            res.latency = time.perf_counter() - start
+            res.error = f"{type(e).__name__}: {e}"
+            return res
     res.violations = checker.close()
     res.text = checker.text
     times = checker.content_times

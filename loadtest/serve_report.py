@@ -27,6 +27,9 @@ class RequestResult:
     usage_reported: bool = False
     violations: list[str] = field(default_factory=list)
     text: str = ""
+    reconnects: int = 0
+    """Times the request was sent again because the server closed a kept-alive
+    connection before answering it (the time of the failed try counts in its TTFT)."""
 
     @property
     def tpot(self) -> float | None:
@@ -62,6 +65,7 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, An
         "successful_requests": len(ok),
         "failed_requests": len(failed),
         "stream_violations": sum(1 for r in results if r.violations),
+        "reconnected_requests": sum(1 for r in results if r.reconnects),
         "errors": errors,
         "usage_reported": all(r.usage_reported for r in ok) if ok else False,
         "duration_s": duration,
@@ -102,6 +106,8 @@ def format_report(r: dict[str, Any]) -> str:
     row("Successful requests:", r["successful_requests"])
     row("Failed requests:", r["failed_requests"])
     row("Requests with stream violations:", r["stream_violations"])
+    if r.get("reconnected_requests"):
+        row("Requests sent again (server closed the connection):", r["reconnected_requests"])
     row("Maximum request concurrency:", r.get("max_concurrency") or "-")
     row("Request rate (req/s):", r.get("request_rate", "inf"))
     row("Benchmark duration (s):", f"{r['duration_s']:.2f}")

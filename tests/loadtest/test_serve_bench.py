@@ -308,3 +308,63 @@ def test_main_names_bad_arguments_and_an_unreachable_server() -> None:
         with pytest.raises(SystemExit) as e:
             sb.main(_cli(["bench", "serve", *argv]))
         assert str(e.value).startswith("error: ") and message in str(e.value)
+
+
+def _dropping_server(drops: int) -> tuple[str, list[int], Any]:
+    """A raw HTTP server that closes its first ``drops`` connections once it has read the
+    request, without answering, then answers each request with one streamed chunk."""
+    loop = asyncio.new_event_loop()
+    seen = [0]
+    answer = b"".join(_sse(x) for x in (
+        {"choices": [{"index": 0, "text": " a", "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1,
+                                  "total_tokens": 3}})) + b"data: [DONE]\n\n"  # fmt: skip
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))  # fmt: skip
+        await reader.readexactly(length)
+        seen[0] += 1
+        if seen[0] > drops:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(answer)
+                         + answer)  # fmt: skip
+            await writer.drain()
+        writer.close()
+
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    port = server.sockets[0].getsockname()[1]
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(server.close)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+    return f"http://127.0.0.1:{port}/v1/completions", seen, stop
+
+
+async def _send_one(url: str) -> sb.RequestResult:
+    import aiohttp
+
+    payload = {"prompt": "x", "max_tokens": 1, "stream": True,
+               "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession() as session:
+        return await sb.send_request(session, url, payload)
+
+
+@pytest.mark.parametrize("drops,ok", [(1, True), (2, False)])
+def test_a_request_the_server_dropped_unanswered_is_sent_once_more(drops: int, ok: bool) -> None:
+    url, seen, stop = _dropping_server(drops)
+    try:
+        res = asyncio.run(_send_one(url))
+    finally:
+        stop()
+    assert res.success is ok and res.reconnects == 1 and seen[0] == 2
+    if ok:
+        assert res.text == " a" and res.output_tokens == 1
+        assert sb.summarize([res], 1.0)["reconnected_requests"] == 1
+    else:
+        assert res.error.startswith("ServerDisconnectedError")
