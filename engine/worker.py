@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -14,6 +15,7 @@ from engine.kernel_settings import kernel_settings
 from engine.loader import (
     DEFAULT_MODEL_NAME,
     default_gguf_path,
+    is_gguf_file,
     iter_weights,
     load_config,
     load_tokenizer,
@@ -180,10 +182,12 @@ class Worker:
         model = self.config.model
         if model is None or model == DEFAULT_MODEL_NAME:
             return default_gguf_path()
+        if is_gguf_file(model):
+            return Path(model).expanduser()
         raise ValueError(
             f"quantization='gguf' serves the weights of a GGUF file, and model={model!r} is "
-            "not one; only the embedded default model's GGUF is supported (omit model), "
-            "or use quantization='int8' for a float checkpoint")
+            "not one: pass a .gguf file (or omit model for the embedded default), or use "
+            "quantization='int8' for a float checkpoint")
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()

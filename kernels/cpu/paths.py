@@ -34,7 +34,9 @@ def describe(backend: AttentionBackend | None = None) -> dict[str, object]:
 
     Keys: ``cpu`` (machine), ``features``, ``native_bf16``, ``levels`` (native build
     levels this CPU runs), ``attention``, ``layer_ops``, ``linear_f32``, ``linear_bf16``,
-    ``linear_quant`` (weight-only quantized linears).
+    ``linear_quant`` (weight-only quantized linears), ``layers`` (``fused``: a decode
+    step's decoder layers run in one native call where its linears all run natively;
+    ``per-op``: one call per op).
     """
     if backend is None:
         from kernels.registry import get_attention_backend
@@ -51,9 +53,11 @@ def describe(backend: AttentionBackend | None = None) -> dict[str, object]:
     if isinstance(ops, NativeLayerOps):
         info["attention"] = ops.isa if backend.name == "cpu" else backend.name
         info.update(ops.paths())
+        info["layers"] = "fused" if getattr(backend, "fuses_layers", False) else "per-op"
     else:
         info.update(attention=backend.name, layer_ops="torch", linear_f32="torch",
-                    linear_bf16="torch", linear_quant="torch (dequantized per call)")  # fmt: skip
+                    linear_bf16="torch", linear_quant="torch (dequantized per call)",
+                    layers="per-op")  # fmt: skip
     return info
 
 
@@ -65,4 +69,4 @@ def summary(info: dict[str, object], dtype: str, quantization: str | None = None
         linear = f"{quantization} {info['linear_quant']}"
     bf16 = "native bf16" if info["native_bf16"] else "no native bf16"
     return (f"cpu kernels: attention {info['attention']}, linear {linear}, layer ops "
-            f"{info['layer_ops']}; dtype {dtype} ({bf16})")  # fmt: skip
+            f"{info['layer_ops']}, layers {info['layers']}; dtype {dtype} ({bf16})")  # fmt: skip

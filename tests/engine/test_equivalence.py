@@ -99,3 +99,22 @@ def test_gguf_quantized_default_model_matches_hf_on_the_gguf(backend, default_pr
     assert llm.engine.worker.quant_desc == "gguf (q4_1, q8_0)"
     assert run(llm, default_prompts) == default_reference
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("fmt", ["q8_0"])
+def test_a_gguf_file_served_in_its_own_format_matches_hf_on_that_file(
+        fmt, tmp_path, monkeypatch, default_prompts):  # fmt: skip
+    """Any GGUF file as the model: the default model's re-encoded in ``fmt`` (every
+    linear and the embedding), served from its own blocks, equals HF transformers on the
+    same file (the folder it converts to)."""
+    from engine import envs
+    from engine.loader import default_gguf_path, resolve_model_path
+    from loadtest.gguf_requant import requantize
+
+    monkeypatch.setenv(envs.CACHE.name, str(tmp_path / "cache"))
+    path = tmp_path / f"SmolLM2-135M-Instruct.{fmt.upper()}.gguf"
+    assert requantize(default_gguf_path(), path, fmt) > 0
+    llm = LLM(model=str(path), quantization="gguf", max_num_batched_tokens=24)
+    assert llm.engine.worker.quant_desc == f"gguf ({fmt})"
+    want = hf_greedy(resolve_model_path(str(path)), default_prompts[:4], 32)
+    assert run(llm, default_prompts[:4], 32) == want

@@ -180,7 +180,8 @@ def test_conversion_logs_and_reuses(
     with caplog.at_level(logging.INFO, logger=default_model.__name__):
         first = loader.convert_default_model()
     assert first == tmp_path / "models" / loader.DEFAULT_MODEL_NAME
-    assert [r for r in caplog.records if "Converted default model" in r.getMessage()]
+    assert [r for r in caplog.records
+            if f"Converted {loader.DEFAULT_GGUF_FILE}" in r.getMessage()]
     assert loader.convert_default_model() == first and len(calls) == 1
     assert loader.convert_default_model(force=True) == first and len(calls) == 2
     (first / default_model._CONVERSION_MARKER).unlink()  # made by an older conversion: redo it

@@ -13,6 +13,8 @@ from engine import worker
 from kernels import get_attention_backend
 from kernels.cpu import native as cpu_native
 from kernels.cpu import paths as cpu_paths
+from kernels.cpu.backend import CpuBackend
+from kernels.cpu.layer_ops import NativeLayerOps
 
 
 def test_describe_reports_what_the_backend_runs() -> None:
@@ -32,20 +34,24 @@ def test_describe_reports_what_the_backend_runs() -> None:
     feats = cpu_native.cpu_features()
     assert info["native_bf16"] == ("avx512_bf16" in feats or "amx_bf16" in feats or "bf16" in feats)
     assert set(info["features"]) <= feats
+    assert info["layers"] == "fused"
+    unfused = cpu_paths.describe(CpuBackend(lib, NativeLayerOps(lib), fuse_layers=False))
+    assert unfused["layers"] == "per-op"
 
 
 def test_describe_the_torch_backend() -> None:
     info = cpu_paths.describe(get_attention_backend("torch", "cpu"))
     assert (info["attention"], info["layer_ops"], info["linear_f32"]) == ("torch",) * 3
+    assert info["layers"] == "per-op"
 
 
 def test_summary_line_names_every_choice() -> None:
     info = {"attention": "avx2", "layer_ops": "avx2", "native_bf16": False,
             "linear_f32": "native-avx2 (1-256 rows), onednn-packed above",
-            "linear_bf16": "torch"}  # fmt: skip
+            "linear_bf16": "torch", "layers": "fused"}  # fmt: skip
     assert cpu_paths.summary(info, "float32") == (
         "cpu kernels: attention avx2, linear native-avx2 (1-256 rows), onednn-packed above, "
-        "layer ops avx2; dtype float32 (no native bf16)")
+        "layer ops avx2, layers fused; dtype float32 (no native bf16)")
     assert "linear torch" in cpu_paths.summary(info, "bfloat16")
 
 
