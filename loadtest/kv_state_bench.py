@@ -23,18 +23,20 @@ import statistics
 import time
 import urllib.request
 
-from engine.kv_state import DEFAULT_MAX_CELLS, KVStateTaker
-from engine.request import Request, RequestGroup
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from server.playground import encode_state
+# ``poll`` imports nothing but the standard library: it runs beside the server it
+# measures, on the same cores, so its own start-up (torch, through the engine package)
+# must not land in the run it measures. ``snapshot`` imports the engine when it runs.
 
 BLOCK_SIZE = 16
 NUM_REQUESTS = 32
 
 
-def _filled_scheduler(num_blocks: int) -> Scheduler:
+def _filled_scheduler(num_blocks: int):
     """32 running requests whose prompts fill half the pool (prefix caching on)."""
+    from engine.request import Request, RequestGroup
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler
+
     tokens_each = num_blocks * BLOCK_SIZE // 2 // NUM_REQUESTS
     s = Scheduler(num_blocks, BLOCK_SIZE, max_num_seqs=NUM_REQUESTS,
                   max_num_batched_tokens=tokens_each * NUM_REQUESTS + 1,
@@ -51,6 +53,9 @@ def _filled_scheduler(num_blocks: int) -> Scheduler:
 
 
 def snapshot(args: argparse.Namespace) -> None:
+    from engine.kv_state import DEFAULT_MAX_CELLS, KVStateTaker
+    from server.playground import encode_state
+
     print(f"python {platform.python_version()}, {platform.processor() or platform.machine()}")
     print("| blocks | max_cells | cells | first snapshot ms | snapshot ms (median of 50) | "
           "JSON bytes | JSON bytes, tables=false |")

@@ -114,9 +114,10 @@ async def send_request(session: Any, url: str, payload: dict[str, Any], *,
                     checker.feed(data, time.perf_counter())
             res.latency = time.perf_counter() - start
             break
-        except aiohttp.ServerDisconnectedError as e:
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
             # A kept-alive connection the server had closed before it answered (llama.cpp's
-            # server closes them after a few requests): sent again, once, on a new one.
+            # server closes them after a few requests: the request's body cannot be
+            # written, or no answer comes): sent again, once, on a new one.
             if res.status or res.reconnects:
                 res.latency = time.perf_counter() - start
                 res.error = f"{type(e).__name__}: {e}"

@@ -16,9 +16,9 @@ def test_long_context_bench_reports_each_case(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="kernels.cpu.bench"):
         bench.bench_long(level, torch.float32, iters=1, cpu_time=True)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 5, lines
+    assert len(lines) == 6, lines
     for line, (ctx, q) in zip(lines, [(512, 512), (2048, 512), (8192, 512), (8192, 1),
-                                      (8192, 1)], strict=True):  # fmt: skip
+                                      (32768, 1), (8192, 1)], strict=True):  # fmt: skip
         m = re.match(rf"{level}\s+ctx\s+{ctx}\S*\s+q\s+{q}: +([\d.]+) ms +([\d.]+) GFLOP/s +([\d.]+) GB/s",
                      line)  # fmt: skip
         assert m, line
