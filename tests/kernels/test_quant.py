@@ -62,6 +62,22 @@ def test_native_kernel_matches_reference(native_lib, fmt, n, k) -> None:
     assert_product_close(quant.native_linear(native_lib, wide[:, :k], w, None, 2), wide[:, :k], w, None)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_product_does_not_depend_on_its_batch(native_lib, fmt) -> None:
+    """Each row of a batch, and each column however the columns are paired and split
+    among threads, is computed exactly as that row alone: a request's logits never
+    depend on what shares its step."""
+    w = random_weight(fmt, 37, 320, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x, bias = torch.randn(QUANT_DIRECT_MAX_ROWS, 320, generator=g), torch.randn(37, generator=g)
+    alone = torch.cat([quant.native_linear(native_lib, x[i:i + 1], w, bias, 1)
+                       for i in range(x.shape[0])])  # fmt: skip
+    for rows in (2, 5, 8, 13, QUANT_DIRECT_MAX_ROWS):
+        for threads in (1, 2, 3):
+            got = quant.native_linear(native_lib, x[:rows], w, bias, threads)
+            assert torch.equal(got, alone[:rows]), (rows, threads)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 def test_native_kernel_long_rows(native_lib, fmt) -> None:
     """k of 301 blocks: the scales are converted in chunks of 256 blocks."""
