@@ -32,7 +32,7 @@ def requantize(src: Path, dst: Path, target: str) -> int:
         raise ValueError(f"--type {target!r}: expected one of {', '.join(REQUANTIZED)}")
     qtype = gguf.GGMLQuantizationType[target]
     reader = gguf.GGUFReader(str(src))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(dst), arch=arch, endianess=reader.endianess)
     alignment = reader.fields.get("general.alignment")
     if alignment is not None:

@@ -148,7 +148,7 @@ class FusedLayers:
                         ("DL_Q_NORM", layer.q_norm), ("DL_K_NORM", layer.k_norm),
                         ("DL_K_CACHE", k_cache), ("DL_V_CACHE", v_cache)):
             row[C[name]] = 0 if v is None else v.data_ptr()
-        keep.extend(v for v in vectors)
+        keep.extend(vectors)
         q, kv = stack.num_heads * stack.head_dim, stack.num_kv_heads * stack.head_dim
         shapes = {"DL_QKV": (layer.qkv, layer.qkv_bias, q + 2 * kv, stack.hidden_size),
                   "DL_O": (layer.o, layer.o_bias, stack.hidden_size, q),
