@@ -137,11 +137,16 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread after its current step (unfinished requests are left)."""
+        """Stop the engine thread after its current step (unfinished requests are left),
+        then close the engine (its tensor-parallel ranks stop)."""
         self._stop = True
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()
 
     @property
     def is_alive(self) -> bool:
@@ -269,6 +274,9 @@ class AsyncEngine:
                 if self._stop:
                     return
                 eng = self.engine
+                check_alive = getattr(eng, "check_alive", None)
+                if check_alive is not None:
+                    check_alive()  # a tensor-parallel rank that exited ends the thread
                 if getattr(eng, "needs_self_check", False):
                     self._self_check(loop)
                     continue

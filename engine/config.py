@@ -110,8 +110,12 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", self.max_model_len, "must be >= 1")
-        if self.tensor_parallel_size != 1:
-            raise bad("tensor_parallel_size", self.tensor_parallel_size, "only 1 is supported")
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
+        if self.tensor_parallel_size > 1 and self.quantization == "gguf":
+            raise bad("tensor_parallel_size", self.tensor_parallel_size,
+                      "quantization='gguf' runs on one rank (use a float checkpoint, or "
+                      "quantization='int8', for tensor parallel)")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

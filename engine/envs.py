@@ -90,11 +90,14 @@ LOCUST_WAIT_MAX = Var("PAGEDSERVE_LOCUST_WAIT_MAX", "2",
 LOCUST_TEMPERATURE = Var("PAGEDSERVE_LOCUST_TEMPERATURE", "0.7", "Locust sampling temperature")
 LOCUST_MODEL = Var("PAGEDSERVE_LOCUST_MODEL", "the first of `GET /v1/models`",
                    "`model` of the Locust requests")
+TP_STEP_TIMEOUT = Var("PAGEDSERVE_TP_STEP_TIMEOUT", "120",
+                      "tensor parallel: seconds a rank waits in a step's collective before "
+                      "the engine is declared dead (a hung rank)")
 
 VARIABLES = (CACHE, ATTENTION_BACKEND, CPU_ISA, PACK_WEIGHTS, FUSE_LAYERS, MALLOC_TUNING,
              HUGEPAGES, API_KEY, LOCUST_PROMPTS, LOCUST_MAX_TOKENS, LOCUST_IGNORE_EOS,
              LOCUST_STREAM_RATIO, LOCUST_WAIT_MIN, LOCUST_WAIT_MAX, LOCUST_TEMPERATURE,
-             LOCUST_MODEL)  # fmt: skip
+             LOCUST_MODEL, TP_STEP_TIMEOUT)  # fmt: skip
 """Every ``PAGEDSERVE_*`` variable, in README order."""
 
 HF_HUB_OFFLINE = Var("HF_HUB_OFFLINE", "off", "Hugging Face: never contact the hub")
@@ -107,9 +110,13 @@ OMP_WAIT_POLICY = Var("OMP_WAIT_POLICY", "(unset)",
                       "OpenMP: `PASSIVE` sleeps at once, `ACTIVE` spins")
 GOMP_SPINCOUNT = Var("GOMP_SPINCOUNT", "(unset)",
                      "libgomp: how long idle threads spin; read once, when torch loads libgomp")
+RANK = Var("RANK", "(unset)", "torchrun and other launchers: this process's rank")
+WORLD_SIZE = Var("WORLD_SIZE", "(unset)", "launchers: the number of ranks")
+LOCAL_RANK = Var("LOCAL_RANK", "`RANK`", "launchers: this process's rank on its machine")
+LOCAL_WORLD_SIZE = Var("LOCAL_WORLD_SIZE", "`WORLD_SIZE`", "launchers: ranks on this machine")
 
 EXTERNAL = (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE, TRITON_INTERPRET, CC, OMP_WAIT_POLICY,
-            GOMP_SPINCOUNT)  # fmt: skip
+            GOMP_SPINCOUNT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)  # fmt: skip
 """The variables of other tools that pagedserve reads."""
 
 
@@ -179,6 +186,28 @@ def locust_temperature() -> float:
 
 def locust_model() -> str | None:
     return LOCUST_MODEL.raw()
+
+
+def tp_step_timeout() -> float:
+    return float(TP_STEP_TIMEOUT.raw() or 120.0)
+
+
+def launcher_ranks() -> tuple[int, int, int, int] | None:
+    """``(rank, world_size, local_rank, local_world_size)`` when a launcher (``torchrun``)
+    set ``RANK`` and ``WORLD_SIZE``, else None."""
+    rank, world = RANK.raw(), WORLD_SIZE.raw()
+    if rank is None or world is None:
+        return None
+    local_rank, local_world = LOCAL_RANK.raw(), LOCAL_WORLD_SIZE.raw()
+    return (int(rank), int(world), int(local_rank or rank), int(local_world or world))
+
+
+def child_environment(sys_path: list[str]) -> dict[str, str]:
+    """This process's environment for a child interpreter that must import what this one
+    does: ``PYTHONPATH`` set to ``sys_path``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys_path if p)
+    return env
 
 
 def hf_hub_offline() -> bool:

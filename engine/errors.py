@@ -68,3 +68,8 @@ class PromptTooLongError(EngineInputError):
 class TokenIdError(EngineInputError):
     """A token id outside the model's vocabulary (in a prompt, ``logit_bias`` or
     ``stop_token_ids``)."""
+
+
+class EngineFatalError(RuntimeError):
+    """The engine cannot step any more (e.g. a tensor-parallel worker died or hung): no
+    request can make progress, and the engine must be restarted."""

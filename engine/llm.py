@@ -28,6 +28,17 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
 
+    def close(self) -> None:
+        """Stop what the engine started outside this process's threads (the
+        tensor-parallel ranks; they also stop when the interpreter exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

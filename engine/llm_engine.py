@@ -19,7 +19,7 @@ from engine import process_tuning
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_info import EngineInfo, InputLimits
-from engine.errors import EngineInputError, InputField
+from engine.errors import EngineFatalError, EngineInputError, InputField
 from engine.output_processor import OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestGroup, RequestStatus
@@ -239,6 +239,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         try:
             result = self.worker.execute(sched)
+        except EngineFatalError:
+            raise
         except Exception:
             logger.exception("model step failed; failing the %d requests in it",
                              len(sched.num_scheduled_tokens))
@@ -279,6 +281,16 @@ class LLMEngine:
             self._finish(group.members, RequestStatus.FINISHED_ERROR)
             failed.append(self.output.make_output(group, force=True))
         return failed
+
+    def check_alive(self) -> None:
+        """Raise :class:`~engine.errors.EngineFatalError` when the engine cannot step any
+        more (a tensor-parallel rank exited), even while it is idle."""
+        self.worker.check_alive()
+
+    def close(self) -> None:
+        """Release what outlives the engine object: the tensor-parallel ranks (a no-op
+        without them). Unfinished requests are left as they are."""
+        self.worker.shutdown()
 
     # -- introspection --------------------------------------------------------
     def stats(self) -> EngineStats:

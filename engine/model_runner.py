@@ -69,7 +69,11 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         structured: StructuredOutputManager | None = None,
         max_blocks_per_seq: int = 64,
+        samples: bool = True,
     ) -> None:
+        self.samples = samples
+        """False on tensor-parallel ranks other than 0: they run the forward pass and
+        contribute their logits; rank 0 samples."""
         self.model = model
         self.attn = attn
         self._plain_attn = attn
@@ -112,9 +116,10 @@ class ModelRunner:
                 prompt_token_ids=new.prompt_token_ids,
                 all_token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 params=new.params,
-                generator=make_generator(new.params, self.device, new.sample_index),
+                generator=make_generator(new.params, self.device, new.sample_index)
+                if self.samples else None,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                matcher=self._matcher(new.params))
+                matcher=self._matcher(new.params) if self.samples else None)
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
             state.all_token_ids.extend(cached.new_token_ids)
@@ -220,6 +225,8 @@ class ModelRunner:
         if not step.sampling_ids:
             return None
         logits = self.model.compute_logits(hidden[step.logits_indices], self.attn.ops)
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            return None
         if any(step.drafts):
             tokens, logprobs = self._verify(logits, step)
         else:

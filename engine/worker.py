@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
+import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
 
 from engine import gguf_weights, hugepages
 from engine.config import EngineConfig
+from engine.errors import EngineFatalError
 from engine.kernel_settings import kernel_settings
 from engine.loader import (
     DEFAULT_MODEL_NAME,
@@ -22,7 +26,10 @@ from engine.loader import (
     resolve_model_path,
 )
 from engine.model_runner import ModelRunner
-from engine.models import build_model, load_model
+from engine.models import DecoderSpec, build_model, load_model
+from engine.parallel.group import SHUTDOWN, STEP, ParallelError, TensorParallel, for_workers
+from engine.parallel.launch import WorkerProcesses, core_share, start_rank0, use_cores
+from engine.parallel.shard import check_divisible
 from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
 from engine.structured.manager import StructuredOutputManager
@@ -72,14 +79,38 @@ def _warn_slow_bf16() -> None:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """``tp``: this process's rank of a tensor-parallel group (ranks other than 0 get one
+    from :mod:`engine.parallel.launch`); with ``tensor_parallel_size > 1`` and no ``tp``
+    the worker is rank 0 and starts the group itself."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         t0 = time.perf_counter()
         self.config = config
+        self.tp = tp
+        self._procs: WorkerProcesses | None = None
+        self._pinned_thread: int | None = None
         self.model_path = resolve_model_path(config.model, config.revision)
         self.model_name = config.model or self.model_path.name
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.device = resolve_device(config.device)
+        if tp is None and config.tensor_parallel_size > 1:
+            check_divisible(DecoderSpec.from_hf(self.hf_config), config.tensor_parallel_size)
+            self.tp, self._procs = start_rank0(config, self.device)
+            ref = weakref.ref(self)  # the ranks stop with the interpreter at the latest
+            atexit.register(lambda: (w := ref()) is not None and w.shutdown())
+        try:
+            self._build(t0)
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.tp is None else self.tp.rank
+
+    def _build(self, t0: float) -> None:
+        config = self.config
         self.dtype = torch.float32 if config.quantization else \
             resolve_dtype(config.dtype, self.hf_config, self.device)  # fmt: skip
         hf_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -98,19 +129,21 @@ class Worker:
         torch.manual_seed(config.seed)
         self.model = model = self._load_model()
         self.spec = model.spec
-        self.vocab_size = self.spec.vocab_size
+        """The decoder this process holds (a tensor-parallel rank's: its heads)."""
+        self.vocab_size = model.full_spec.vocab_size
         self.eos_token_ids = self._eos_ids()
 
         self.attn = get_attention_backend(config.attention_backend, self.device, kernel_settings())
         if self.device.type == "cpu":
             self.cpu_paths = cpu_paths.describe(self.attn)
-            logger.info("%s", cpu_paths.summary(self.cpu_paths,
+            logger.log(logging.INFO if self.rank == 0 else logging.DEBUG,"%s", cpu_paths.summary(self.cpu_paths,
                                                 str(self.dtype).removeprefix("torch."),
                                                 self.quant_desc))  # fmt: skip
         else:
             self.cpu_paths = None
         self.attn.ops.prepare_weights(model.linear_weights())
-        self.num_blocks = num_blocks = self._num_blocks()
+        self.num_blocks = num_blocks = self._num_blocks() if self.tp is None else \
+            self.tp.min_int(self._num_blocks())  # fmt: skip
         shape = (self.spec.num_layers, 2, num_blocks, config.block_size,
                  self.spec.num_kv_heads, self.spec.head_dim)
         if self.device.type == "cpu":
@@ -122,20 +155,24 @@ class Worker:
         kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend, self.tokenizer, self.vocab_size,
-            self.eos_token_ids)
+            self.eos_token_ids) if self.rank == 0 else None  # fmt: skip
         self.runner = ModelRunner(self.model, self.attn, kv_caches, config.block_size,
                                   self.device, self.vocab_size, self.eos_token_ids,
-                                  config.speculative_config, self.structured,
-                                  max_blocks_per_seq=-(-self.max_model_len // config.block_size))
+                                  config.speculative_config if self.rank == 0 else None,
+                                  self.structured,
+                                  max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+                                  samples=self.rank == 0)  # fmt: skip
         if self.attn.name == "triton":
             from engine.kernel_warmup import warm_up_kernels
 
             warm_up_kernels(self)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.tp is None:
             from engine.cuda_graphs import capture_decode_graphs
 
             self.runner.decode_graphs = capture_decode_graphs(self)
         capacity = num_blocks * config.block_size
+        if self.rank != 0:
+            return
         logger.info(
             "model %s (%s, %s) on %s loaded in %.1fs; attention backend: %s",
             self.model_name,
@@ -149,6 +186,11 @@ class Worker:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
             self.max_model_len, capacity / self.max_model_len,
             "on" if config.enable_prefix_caching else "off")
+        if self.tp is not None:
+            logger.info("tensor parallel: %d ranks (%s), rank 0 holds %d of %d heads and "
+                        "%d KV heads", self.tp.size, "spawned" if self._procs else "launcher",
+                        self.spec.num_heads, model.full_spec.num_heads,
+                        self.spec.num_kv_heads)  # fmt: skip
 
     def _load_model(self):
         """The model in the engine's dtype: a float checkpoint is loaded straight into it
@@ -156,7 +198,7 @@ class Worker:
         quant = self.config.quantization
         if quant != "gguf":
             model = load_model(self.hf_config, iter_weights(self.model_path), self.device,
-                               self.dtype, self.max_model_len)  # fmt: skip
+                               self.dtype, self.max_model_len, self.tp)  # fmt: skip
             self.quant_desc = None
             if quant == "int8":
                 model.quantize_int8()
@@ -229,4 +271,45 @@ class Worker:
         return num_blocks
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.runner.execute(sched)
+        tp = self.tp
+        if tp is None:
+            return self.runner.execute(sched)
+        self.check_alive()
+        if self._pinned_thread != threading.get_ident():
+            # The thread that steps runs on rank 0's share of the cores.
+            self._pinned_thread = threading.get_ident()
+            if self.device.type == "cpu":
+                use_cores(core_share(0, tp.local_size))
+        try:
+            tp.send(STEP, for_workers(sched))
+            return self.runner.execute(sched)
+        except ParallelError:
+            raise
+        except Exception as exc:
+            # The other ranks are inside this step's collectives or past it: the group no
+            # longer agrees on what comes next.
+            raise EngineFatalError(f"a tensor-parallel step failed on rank 0: {exc!r}") from exc
+
+    def check_alive(self) -> None:
+        """Raise :class:`~engine.parallel.group.ParallelError` once a tensor-parallel rank
+        has exited."""
+        if self._procs is not None and self._procs.failure is not None:
+            raise ParallelError(self._procs.failure)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the tensor-parallel ranks (rank 0; a no-op without them). ``graceful``:
+        tell them to stop and wait for them; else (a failed start) terminate them soon."""
+        tp, self.tp = self.tp, None
+        if tp is None or tp.rank != 0:
+            if tp is not None:
+                tp.close()
+            return
+        procs = self._procs
+        if graceful and (procs is None or procs.failure is None):
+            try:
+                tp.send(SHUTDOWN)
+            except ParallelError:
+                logger.debug("the shutdown message did not reach every rank", exc_info=True)
+        if procs is not None:
+            procs.stop(timeout=None if graceful else 1.0)
+        tp.close()

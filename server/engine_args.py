@@ -37,7 +37,7 @@ HELP: dict[str, str] = {
                          "(the reference) or triton.",
     "quantization": "Weight-only quantized linears: gguf or int8 (default: none).",
     "enforce_eager": "Disable CUDA graphs.",
-    "tensor_parallel_size": "Tensor-parallel degree (only 1 is supported).",
+    "tensor_parallel_size": "Tensor-parallel ranks: each holds its share of the heads, the MLP and the vocabulary (processes spawned by the engine, or started by torchrun).",
     "speculative_config": "Speculative decoding as a JSON object, e.g. '{\"method\": "
                           "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": "
                           "4, \"prompt_lookup_min\": 2}' (default: off).",

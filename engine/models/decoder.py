@@ -121,8 +121,11 @@ LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, tp: Any = None) -> None:
         super().__init__()
+        self.tp = tp
+        """Tensor parallel (:class:`engine.parallel.group.TensorParallel`): this layer
+        holds its rank's heads and MLP columns; o and down are all-reduced."""
         s = spec
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
         self.q_size = s.num_heads * s.head_dim
@@ -176,18 +179,30 @@ class DecoderLayer(nn.Module):
             q, k = ops.rope(q, k, cos, sin)
             o = attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
         attn_out = ops.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        if self.tp is not None:
+            self.tp.all_reduce(attn_out)
         residual, x = ops.add_rms_norm(residual, attn_out, self.post_attention_layernorm,
                                        self.eps)  # fmt: skip
         h = ops.silu_mul(ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
-        return ops.linear(h, self.down_proj.weight, self.down_proj.bias), residual
+        out = ops.linear(h, self.down_proj.weight, self.down_proj.bias)
+        if self.tp is not None:
+            self.tp.all_reduce(out)
+        return out, residual
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, tp: Any = None) -> None:
+        """``tp``: a :class:`engine.parallel.group.TensorParallel` whose ``shard`` is this
+        rank's part of ``spec``; the model is then that part (``self.spec`` is the
+        shard's, ``self.full_spec`` the whole model's)."""
         super().__init__()
+        self.full_spec = spec
+        self.tp = tp
+        if tp is not None:
+            spec = tp.shard.local_spec()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
             spec.hidden_size, spec.vocab_size, bias=False)
@@ -229,8 +244,8 @@ class DecoderForCausalLM(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
-        hidden = attn.ops.embedding(input_ids, self.embed_tokens.weight)
-        run_layers = getattr(attn, "run_layers", None)
+        hidden = self._embed(input_ids, attn.ops)
+        run_layers = None if self.tp is not None else getattr(attn, "run_layers", None)
         fused = None if run_layers is None or not self.layers else run_layers(
             self.decoder_stack(), hidden, positions, kv_caches, meta)
         if fused is not None:
@@ -246,6 +261,15 @@ class DecoderForCausalLM(nn.Module):
             return attn.ops.rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
         return attn.ops.add_rms_norm(residual, hidden, self.norm, self.spec.rms_norm_eps)[1]
 
+    def _embed(self, input_ids: torch.Tensor, ops: Any) -> torch.Tensor:
+        if self.tp is None:
+            return ops.embedding(input_ids, self.embed_tokens.weight)
+        # Vocab-parallel: this rank's rows; the others' ids read zeros, then the sum.
+        local = input_ids - self.tp.shard.vocab.start
+        outside = (local < 0) | (local >= self.spec.vocab_size)
+        hidden = ops.embedding(local.masked_fill(outside, 0), self.embed_tokens.weight)
+        return self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))
+
     def linear_weights(self) -> Iterator[torch.Tensor | QuantizedWeight]:
         """Every weight that goes through ``ops.linear``, the logits' included."""
         for layer in self.layers:
@@ -253,10 +277,14 @@ class DecoderForCausalLM(nn.Module):
                 yield proj.weight
         yield self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor, ops: Any) -> torch.Tensor:
-        """float32 logits of ``hidden`` through the backend's layer ops."""
+    def compute_logits(self, hidden: torch.Tensor, ops: Any) -> torch.Tensor | None:
+        """float32 logits of ``hidden`` through the backend's layer ops (tensor parallel:
+        gathered on rank 0, None on the other ranks)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(hidden, weight).float()
+        logits = ops.linear(hidden, weight).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_logits(logits, self.full_spec.vocab_size)
 
     # -- quantized weights --------------------------------------------------
     def quantize_layout(self, formats: dict[str, str]) -> None:

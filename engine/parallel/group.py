@@ -1,0 +1,156 @@
+"""The tensor-parallel process group: the collectives of a forward pass and the step feed.
+
+Two groups over the same ranks (``torch.distributed``):
+
+* the **compute group** (gloo on the CPU, NCCL on CUDA) carries the forward pass's
+  all-reduces and the logits' gather. Its timeout is the step timeout: a rank that
+  hangs in a step fails the step on every other rank after that long;
+* the **step group** (gloo, CPU tensors) carries rank 0's step descriptions to the
+  others. Its timeout is very long, since a worker waits on it for as long as the
+  engine is idle.
+
+A collective that fails (a peer died: its sockets closed; or the timeout passed) raises
+:class:`ParallelError`, which the engine treats as fatal: the ranks can no longer agree
+on what the next step is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import EngineFatalError
+from engine.parallel.shard import TPShard
+from engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger("engine.parallel")
+
+STEP = 0
+SHUTDOWN = 1
+_HEADER = 16
+INLINE_BYTES = 16384
+"""A step description up to this size travels in one broadcast; a larger one in two."""
+STEP_GROUP_TIMEOUT = timedelta(days=365)
+
+
+class ParallelError(EngineFatalError):
+    """A collective failed: a tensor-parallel rank died, hung past the step timeout, or
+    disagreed about the step."""
+
+
+class TensorParallel:
+    """This process's rank in the tensor-parallel group and the collectives the model
+    and the engine use. ``init_method`` is a ``tcp://host:port`` URL, or None to read
+    ``MASTER_ADDR``/``MASTER_PORT`` from the environment (``torchrun``)."""
+
+    def __init__(self, rank: int, size: int, device: torch.device,
+                 step_timeout_s: float, init_method: str | None = None) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
+                                world_size=size, timeout=timedelta(seconds=step_timeout_s))
+        self.step_group = dist.new_group(backend="gloo", timeout=STEP_GROUP_TIMEOUT)
+        self._buf = torch.zeros(_HEADER + INLINE_BYTES, dtype=torch.uint8)
+        self.shard: TPShard | None = None
+        """This rank's part of the model (set when the model is built)."""
+        self.comm_s = 0.0
+        """Seconds spent in the forward pass's collectives (all-reduce, gather)."""
+        self.step_feed_s = 0.0
+        """Seconds rank 0 spent broadcasting step descriptions."""
+        self.num_collectives = 0
+        self.local_size = size
+        """Ranks on this machine (a launcher may spread the group over several)."""
+        self.closed = False
+
+    # -- the forward pass ------------------------------------------------------------
+    def _run(self, what: str, fn, *args, **kwargs) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses
+            raise ParallelError(f"tensor-parallel rank {self.rank}/{self.size}: {what} "
+                                f"failed: {exc}") from exc  # fmt: skip
+        finally:
+            self.comm_s += time.perf_counter() - t0
+            self.num_collectives += 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns ``x``."""
+        self._run("all_reduce", dist.all_reduce, x)
+        return x
+
+    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """Each rank's ``[n, vocab_per_rank]`` logits; on rank 0 the whole ``[n, vocab]``
+        (padding rows cut), elsewhere None."""
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+        self._run("gather", dist.gather, local, parts, dst=0)
+        return None if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's ``value``."""
+        t = torch.tensor([value], dtype=torch.int64)
+        self._run("all_reduce(min)", dist.all_reduce, t, op=dist.ReduceOp.MIN,
+                  group=self.step_group)  # fmt: skip
+        return int(t.item())
+
+    # -- the step feed -----------------------------------------------------------------
+    def send(self, kind: int, payload: Any = None) -> None:
+        """Rank 0: broadcast one message (a step description, or the shutdown)."""
+        t0 = time.perf_counter()
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        buf = self._buf
+        header = torch.tensor([kind, len(data)], dtype=torch.int64).view(torch.uint8)
+        buf[:_HEADER] = header
+        if len(data) <= INLINE_BYTES:
+            buf[_HEADER:_HEADER + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            self._broadcast(buf)
+        else:
+            self._broadcast(buf)
+            self._broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.step_feed_s += time.perf_counter() - t0
+
+    def recv(self) -> tuple[int, Any]:
+        """Ranks 1..N-1: the next message from rank 0 (waits as long as rank 0 is idle)."""
+        buf = self._buf
+        self._broadcast(buf)
+        kind, n = (int(v) for v in buf[:_HEADER].view(torch.int64))
+        if n <= INLINE_BYTES:
+            data = buf[_HEADER:_HEADER + n].numpy().tobytes()
+        else:
+            big = torch.empty(n, dtype=torch.uint8)
+            self._broadcast(big)
+            data = big.numpy().tobytes()
+        return kind, pickle.loads(data)
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        try:
+            dist.broadcast(t, src=0, group=self.step_group)
+        except Exception as exc:
+            raise ParallelError(f"tensor-parallel rank {self.rank}/{self.size}: the step "
+                                f"broadcast failed: {exc}") from exc  # fmt: skip
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a dead peer's group may not tear down cleanly
+            logger.debug("destroying the tensor-parallel group failed", exc_info=True)
+
+
+def for_workers(sched: SchedulerOutput) -> SchedulerOutput:
+    """``sched`` as the other ranks need it: their runners sample nothing, so the new
+    requests travel without their sampling parameters."""
+    if not sched.new_requests:
+        return sched
+    return dataclasses.replace(sched, new_requests=[
+        dataclasses.replace(r, params=None) for r in sched.new_requests])

@@ -1,0 +1,232 @@
+"""Starting the tensor-parallel ranks and stopping them.
+
+Two ways in, one engine:
+
+* **The engine's own start** (``LLM(tensor_parallel_size=N)``, ``pagedserve serve
+  --tensor-parallel-size N``): the engine process is rank 0; it starts ranks 1..N-1 as
+  child interpreters, which die with it (Linux ``PR_SET_PDEATHSIG``) and are watched by
+  a thread that marks the engine failed the moment one exits.
+* **A launcher** that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+  ``MASTER_PORT`` (``torchrun``, across machines too): every rank runs the same
+  command; rank 0 serves, the others build their shard and wait for steps
+  (:func:`run_worker_rank`).
+
+On the CPU each rank runs on its share of the cores (of the processes' affinity mask,
+divided by the ranks on this machine), with as many threads as it has cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+from engine import envs
+from engine.config import EngineConfig
+
+logger = logging.getLogger("engine.parallel")
+
+PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT_S = 10.0
+
+
+def env_rank() -> tuple[int, int] | None:
+    """``(rank, world_size)`` when a launcher set ``RANK`` and ``WORLD_SIZE``, else None."""
+    found = envs.launcher_ranks()
+    return None if found is None else found[:2]
+
+
+def core_share(local_rank: int, local_size: int) -> list[int] | None:
+    """The cores of rank ``local_rank`` among ``local_size`` ranks on this machine: an even
+    slice of the affinity mask, or None where it cannot be cut (fewer cores than ranks,
+    or no affinity API)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // local_size
+    if per == 0:
+        return None
+    return cores[local_rank * per:(local_rank + 1) * per]
+
+
+def use_cores(cores: list[int] | None) -> int:
+    """Pin the calling thread to ``cores`` (threads it starts later, its OpenMP team
+    among them, inherit the mask) and size its OpenMP team to match; returns the
+    thread count."""
+    import torch
+
+    n = len(cores) if cores else 1
+    if cores:
+        os.sched_setaffinity(0, cores)  # Linux: pid 0 is the calling thread
+    torch.set_num_threads(n)
+    return n
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProcesses:
+    """Ranks 1..N-1 started by the engine, and the thread that watches them.
+
+    Each rank is a fresh interpreter (``python -m engine.parallel.rank``) that reads its
+    engine configuration from its stdin: nothing of the parent is imported again (a
+    script without an ``if __name__ == "__main__"`` guard works) and nothing is forked.
+    """
+
+    def __init__(self, config: EngineConfig, size: int) -> None:
+        self.size = size
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.failure: str | None = None
+        """Why the group failed (a rank exited), or None."""
+        self.on_failure: list[Callable[[str], None]] = []
+        self._stopping = False
+        env = envs.child_environment(sys.path)
+        self.procs: list[subprocess.Popen] = []
+        for r in range(1, size):
+            p = subprocess.Popen(
+                [sys.executable, "-m", "engine.parallel.rank", str(r), str(size),
+                 self.init_method, str(os.getpid())],
+                stdin=subprocess.PIPE, env=env)  # fmt: skip
+            self.procs.append(p)
+            p.stdin.write(pickle.dumps(config))
+            p.stdin.close()
+        self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        done = threading.Event()
+        first: list[tuple[int, subprocess.Popen]] = []
+
+        def wait(rank: int, p: subprocess.Popen) -> None:
+            p.wait()
+            if not first:
+                first.append((rank, p))
+            done.set()
+
+        for r, p in enumerate(self.procs, start=1):
+            threading.Thread(target=wait, args=(r, p), daemon=True).start()
+        done.wait()
+        if self._stopping:
+            return
+        rank, p = first[0]
+        self.failure = (f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
+                        f"{p.returncode}")  # fmt: skip
+        logger.error("%s; the engine cannot step any more", self.failure)
+        for cb in self.on_failure:
+            cb(self.failure)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Join the ranks (after the shutdown message), terminating any that linger past
+        ``timeout`` (default :data:`STOP_TIMEOUT_S`)."""
+        timeout = STOP_TIMEOUT_S if timeout is None else timeout
+        self._stopping = True
+        for r, p in enumerate(self.procs, start=1):
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("tensor-parallel rank %d did not stop; terminating it", r)
+                p.terminate()
+                try:
+                    p.wait(2.0)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
+                parent_pid: int) -> None:
+    """The entry of a rank the engine started: its shard, then steps until rank 0 says
+    stop."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is rank 0's to handle
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s tp-rank {rank} %(name)s: %(message)s")
+    _run_rank(config, rank, size, init_method, local_rank=rank, local_size=size)
+
+
+def run_worker_rank(config: EngineConfig) -> None:
+    """A launcher-started rank other than 0 (``torchrun``): serve steps until rank 0
+    stops. Raises ``ValueError`` when the launcher's ``WORLD_SIZE`` is not
+    ``tensor_parallel_size``."""
+    rank, world = _check_env(config)
+    _, _, local_rank, local_size = envs.launcher_ranks()
+    _run_rank(config, rank, world, None, local_rank, local_size)
+
+
+def _check_env(config: EngineConfig) -> tuple[int, int]:
+    found = env_rank()
+    assert found is not None
+    rank, world = found
+    if world != config.tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} does not match the "
+            f"launcher's WORLD_SIZE={world}: start as many ranks as tensor-parallel ranks")
+    return rank, world
+
+
+def _run_rank(config: EngineConfig, rank: int, size: int, init_method: str | None,
+              local_rank: int, local_size: int) -> None:
+    from engine.parallel.group import SHUTDOWN, TensorParallel
+    from engine.worker import Worker, resolve_device
+
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(local_rank)
+    else:
+        use_cores(core_share(local_rank, local_size))
+    tp = TensorParallel(rank, size, device, envs.tp_step_timeout(), init_method)
+    try:
+        worker = Worker(config, tp=tp)
+        while True:
+            kind, sched = tp.recv()
+            if kind == SHUTDOWN:
+                return
+            worker.runner.execute(sched)
+    finally:
+        tp.close()
+
+
+def start_rank0(config: EngineConfig, device) -> tuple[object, WorkerProcesses | None]:
+    """Rank 0's group (a :class:`~engine.parallel.group.TensorParallel`): joined with
+    the launcher's ranks (no processes of its own), or with ranks it spawns now."""
+    from engine.parallel.group import TensorParallel
+
+    size = config.tensor_parallel_size
+    if env_rank() is not None:
+        rank, _ = _check_env(config)
+        if rank != 0:
+            raise RuntimeError(f"rank {rank} of a launcher's group runs run_worker_rank(), "
+                               "not an engine")  # fmt: skip
+        tp = TensorParallel(0, size, device, envs.tp_step_timeout())
+        tp.local_size = envs.launcher_ranks()[3]
+        return tp, None
+    procs = WorkerProcesses(config, size)
+    try:
+        tp = TensorParallel(0, size, device, envs.tp_step_timeout(), procs.init_method)
+    except BaseException:
+        procs.stop(timeout=1.0)
+        raise
+    return tp, procs
+

@@ -1,0 +1,128 @@
+"""One tensor-parallel rank's share of a decoder: its heads, its MLP columns, its vocab rows.
+
+Megatron's split, as vLLM cuts it:
+
+* **column-parallel** Q/K/V and gate/up: each rank computes its heads and its slice of
+  the MLP's intermediate width, with no communication;
+* **row-parallel** o and down: each rank multiplies its slice of the input width and
+  the partial sums are all-reduced (a bias is added once, by rank 0);
+* **vocab-parallel** embedding and LM head: each rank holds ``ceil(V / N)`` rows (the
+  last rank's padded with zero rows); a lookup masks the ids of other ranks and
+  all-reduces, the logits are gathered on rank 0.
+
+With fewer KV heads than ranks each KV head is replicated on ``N / num_kv_heads``
+ranks, next to the query heads that read it. The shards are cut as the checkpoint's
+tensors stream in (:func:`shard_weights`), one full tensor at a time: no rank ever holds
+the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.models.decoder import DecoderSpec
+
+_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+_ROW = {"o_proj": "q", "down_proj": "mlp"}
+
+
+@dataclass(frozen=True, slots=True)
+class TPShard:
+    """Rank ``rank`` of ``size`` over the decoder ``spec`` (the full model's)."""
+
+    rank: int
+    size: int
+    spec: DecoderSpec
+
+    def __post_init__(self) -> None:
+        check_divisible(self.spec, self.size)
+
+    @property
+    def heads(self) -> range:
+        per = self.spec.num_heads // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    @property
+    def kv_heads(self) -> range:
+        kv = self.spec.num_kv_heads
+        if kv >= self.size:
+            per = kv // self.size
+            return range(self.rank * per, (self.rank + 1) * per)
+        first = self.rank // (self.size // kv)  # replicated: the head its queries read
+        return range(first, first + 1)
+
+    @property
+    def intermediate(self) -> range:
+        per = self.spec.intermediate_size // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return -(-self.spec.vocab_size // self.size)
+
+    @property
+    def vocab(self) -> range:
+        """This rank's rows of the vocabulary (the last rank's may end early)."""
+        per = self.vocab_per_rank
+        start = min(self.rank * per, self.spec.vocab_size)
+        return range(start, min(start + per, self.spec.vocab_size))
+
+    def local_spec(self) -> DecoderSpec:
+        """The decoder this rank builds: its heads, its MLP width, its padded vocab rows."""
+        return dataclasses.replace(
+            self.spec, num_heads=len(self.heads), num_kv_heads=len(self.kv_heads),
+            intermediate_size=len(self.intermediate), vocab_size=self.vocab_per_rank)
+
+    def _rows(self, kind: str) -> slice:
+        hd = self.spec.head_dim
+        r = {"q": self.heads, "kv": self.kv_heads, "mlp": self.intermediate}[kind]
+        return slice(r.start * hd, r.stop * hd) if kind != "mlp" else slice(r.start, r.stop)
+
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor ``name`` (HF names, with or without
+        the ``model.`` prefix)."""
+        parts = name.removeprefix("model.").split(".")
+        leaf, kind = parts[-2] if len(parts) > 1 else "", parts[-1]
+        if parts[0] in ("embed_tokens", "lm_head"):
+            rows = tensor[self.vocab.start:self.vocab.stop]
+            pad = self.vocab_per_rank - rows.shape[0]
+            return rows if pad == 0 else torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
+        if leaf in _COLUMN:
+            return tensor[self._rows(_COLUMN[leaf])]
+        if leaf in _ROW:
+            if kind == "bias":
+                return tensor if self.rank == 0 else torch.zeros_like(tensor)
+            return tensor[:, self._rows(_ROW[leaf])]
+        return tensor  # norms: every rank has them whole
+
+
+def check_divisible(spec: DecoderSpec, size: int) -> None:
+    """Raise ``ValueError`` naming ``tensor_parallel_size`` when ``spec`` cannot be split
+    ``size`` ways."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"tensor_parallel_size={size} is invalid for this model: {why}")
+
+    if size < 1:
+        raise bad("must be >= 1")
+    if spec.num_heads % size:
+        raise bad(f"num_attention_heads={spec.num_heads} is not divisible by it")
+    kv = spec.num_kv_heads
+    if kv % size and size % kv:
+        raise bad(f"num_key_value_heads={kv} neither divides it nor is divisible by it")
+    if spec.intermediate_size % size:
+        raise bad(f"intermediate_size={spec.intermediate_size} is not divisible by it")
+    if spec.vocab_size < size:
+        raise bad(f"vocab_size={spec.vocab_size} is smaller than it")
+
+
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                  shard: TPShard) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with each tensor cut to ``shard``'s part as it arrives."""
+    for name, tensor in weights:
+        if "rotary_emb" in name:
+            continue
+        yield name, shard.shard(name, tensor)
