@@ -10,6 +10,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.parallel.launch import is_worker_rank, run_worker_rank
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine")
@@ -25,7 +26,14 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """Under a launcher (``torchrun``) with ``tensor_parallel_size > 1``, every rank
+        runs the same program: on rank 0 this builds the engine; on the others it steps
+        that rank's shard until rank 0's engine closes, then exits the process (status
+        0), so only rank 0 goes on to generate."""
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        if is_worker_rank(self.config):
+            run_worker_rank(self.config)
+            raise SystemExit(0)
         self.engine = LLMEngine(self.config)
 
     def close(self) -> None:

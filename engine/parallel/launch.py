@@ -164,6 +164,13 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
     _run_rank(config, rank, size, init_method, local_rank=rank, local_size=size)
 
 
+def is_worker_rank(config: EngineConfig) -> bool:
+    """Whether this process is a launcher-started rank other than 0 of a tensor-parallel
+    engine: it runs :func:`run_worker_rank` instead of an engine."""
+    found = env_rank()
+    return config.tensor_parallel_size > 1 and found is not None and found[0] != 0
+
+
 def run_worker_rank(config: EngineConfig) -> None:
     """A launcher-started rank other than 0 (``torchrun``): serve steps until rank 0
     stops. Raises ``ValueError`` when the launcher's ``WORLD_SIZE`` is not
