@@ -10,7 +10,8 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.parallel.launch import is_worker_rank, run_worker_rank
+from engine.parallel.launch import is_worker_rank
+from engine.parallel.rank import run_worker_rank
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine")

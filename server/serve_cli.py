@@ -167,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
         max_logit_bias=args.max_logit_bias,
         exit_on_engine_death=args.exit_on_engine_death,
     )
-    from engine.parallel.launch import is_worker_rank, run_worker_rank
+    from engine.parallel.launch import is_worker_rank
+    from engine.parallel.rank import run_worker_rank
 
     if is_worker_rank(config):  # torchrun: rank 0 serves, this rank steps its shard
         logger.info("tensor-parallel rank of a launcher's group: stepping for rank 0")

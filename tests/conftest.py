@@ -62,7 +62,7 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0,
-                    vocab_size: int = 49152) -> Path:
+                    vocab_size: int = 49152, max_position_embeddings: int = 1024) -> Path:
     """A tiny random-weight model (float32) with the default model's tokenizer (a
     ``vocab_size`` above its 49152 tokens pads the logits with rows of no token)."""
     import torch
@@ -70,7 +70,8 @@ def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0,
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         pad_token_id=2,
     )

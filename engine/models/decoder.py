@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.models.rope import rope_tables
 from kernels.interface import AttentionBackend, AttentionMetadata, DecoderStack, LayerWeights
 from kernels.quant import QuantizedWeight, quantize_int8
 
@@ -67,28 +68,6 @@ class DecoderSpec:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
         )
-
-
-def rope_tables(cfg, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_len, head_dim] in float32, computed as HF transformers does."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(cfg, "rope_parameters", None) or {}
-    scaling = getattr(cfg, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") \
-        or "default"
-    if rope_type == "default":
-        base = params.get("rope_theta") or getattr(cfg, "rope_theta", 10000.0)
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        attn_scale = 1.0
-    elif rope_type in ("linear", "llama3", "yarn", "longrope"):
-        inv_freq, attn_scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
-    else:
-        raise ValueError(f"rope_type={rope_type!r} is not supported")
-    pos = torch.arange(max_len, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * attn_scale, emb.sin() * attn_scale
 
 
 class QuantLinear(nn.Module):

@@ -17,11 +17,9 @@ divided by the ranks on this machine), with as many threads as it has cores.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +31,6 @@ from engine.config import EngineConfig
 
 logger = logging.getLogger("engine.parallel")
 
-PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10.0
 
 
@@ -143,27 +140,6 @@ class WorkerProcesses:
                     p.wait()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
-
-
-def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
-                parent_pid: int) -> None:
-    """The entry of a rank the engine started: its shard, then steps until rank 0 says
-    stop."""
-    _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is rank 0's to handle
-    logging.basicConfig(level=logging.WARNING,
-                        format=f"%(asctime)s %(levelname)s tp-rank {rank} %(name)s: %(message)s")
-    _run_rank(config, rank, size, init_method, local_rank=rank, local_size=size)
-
-
 def is_worker_rank(config: EngineConfig) -> bool:
     """Whether this process is a launcher-started rank other than 0 of a tensor-parallel
     engine: it runs :func:`run_worker_rank` instead of an engine."""
@@ -171,16 +147,7 @@ def is_worker_rank(config: EngineConfig) -> bool:
     return config.tensor_parallel_size > 1 and found is not None and found[0] != 0
 
 
-def run_worker_rank(config: EngineConfig) -> None:
-    """A launcher-started rank other than 0 (``torchrun``): serve steps until rank 0
-    stops. Raises ``ValueError`` when the launcher's ``WORLD_SIZE`` is not
-    ``tensor_parallel_size``."""
-    rank, world = _check_env(config)
-    _, _, local_rank, local_size = envs.launcher_ranks()
-    _run_rank(config, rank, world, None, local_rank, local_size)
-
-
-def _check_env(config: EngineConfig) -> tuple[int, int]:
+def check_env(config: EngineConfig) -> tuple[int, int]:
     found = env_rank()
     assert found is not None
     rank, world = found
@@ -191,30 +158,6 @@ def _check_env(config: EngineConfig) -> tuple[int, int]:
     return rank, world
 
 
-def _run_rank(config: EngineConfig, rank: int, size: int, init_method: str | None,
-              local_rank: int, local_size: int) -> None:
-    from engine.parallel.group import SHUTDOWN, TensorParallel
-    from engine.worker import Worker, resolve_device
-
-    device = resolve_device(config.device)
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.set_device(local_rank)
-    else:
-        use_cores(core_share(local_rank, local_size))
-    tp = TensorParallel(rank, size, device, envs.tp_step_timeout(), init_method)
-    try:
-        worker = Worker(config, tp=tp)
-        while True:
-            kind, sched = tp.recv()
-            if kind == SHUTDOWN:
-                return
-            worker.runner.execute(sched)
-    finally:
-        tp.close()
-
-
 def start_rank0(config: EngineConfig, device) -> tuple[object, WorkerProcesses | None]:
     """Rank 0's group (a :class:`~engine.parallel.group.TensorParallel`): joined with
     the launcher's ranks (no processes of its own), or with ranks it spawns now."""
@@ -222,7 +165,7 @@ def start_rank0(config: EngineConfig, device) -> tuple[object, WorkerProcesses |
 
     size = config.tensor_parallel_size
     if env_rank() is not None:
-        rank, _ = _check_env(config)
+        rank, _ = check_env(config)
         if rank != 0:
             raise RuntimeError(f"rank {rank} of a launcher's group runs run_worker_rank(), "
                                "not an engine")  # fmt: skip

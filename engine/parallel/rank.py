@@ -1,13 +1,78 @@
-"""``python -m engine.parallel.rank RANK SIZE INIT_METHOD PARENT_PID``: a tensor-parallel
-rank started by the engine (:class:`engine.parallel.launch.WorkerProcesses`); its engine
-configuration arrives pickled on stdin."""
+"""A tensor-parallel rank other than 0: its shard of the model, then the steps rank 0
+broadcasts, until rank 0 says stop.
+
+``python -m engine.parallel.rank RANK SIZE INIT_METHOD PARENT_PID`` is a rank the engine
+started (:class:`engine.parallel.launch.WorkerProcesses`; its engine configuration
+arrives pickled on stdin); :func:`run_worker_rank` is a rank a launcher started.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
 import pickle
+import signal
 import sys
 
-from engine.parallel.launch import worker_main
+from engine import envs
+from engine.config import EngineConfig
+from engine.parallel.group import SHUTDOWN, TensorParallel
+from engine.parallel.launch import check_env, core_share, use_cores
+from engine.worker import Worker, resolve_device
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
+                parent_pid: int) -> None:
+    """The entry of a rank the engine started: its shard, then steps until rank 0 says
+    stop."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is rank 0's to handle
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s tp-rank {rank} %(name)s: %(message)s")
+    _run_rank(config, rank, size, init_method, local_rank=rank, local_size=size)
+
+
+def run_worker_rank(config: EngineConfig) -> None:
+    """A launcher-started rank other than 0 (``torchrun``): serve steps until rank 0
+    stops. Raises ``ValueError`` when the launcher's ``WORLD_SIZE`` is not
+    ``tensor_parallel_size``."""
+    rank, world = check_env(config)
+    _, _, local_rank, local_size = envs.launcher_ranks()
+    _run_rank(config, rank, world, None, local_rank, local_size)
+
+
+def _run_rank(config: EngineConfig, rank: int, size: int, init_method: str | None,
+              local_rank: int, local_size: int) -> None:
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(local_rank)
+    else:
+        use_cores(core_share(local_rank, local_size))
+    tp = TensorParallel(rank, size, device, envs.tp_step_timeout(), init_method)
+    try:
+        worker = Worker(config, tp=tp)
+        while True:
+            kind, sched = tp.recv()
+            if kind == SHUTDOWN:
+                return
+            worker.runner.execute(sched)
+    finally:
+        tp.close()
 
 
 def main(argv: list[str]) -> None:

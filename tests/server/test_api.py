@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from tests.helpers.server import ServerProcess, sse_events
+from tests.helpers.server_checks import chat_prompt_len, chat_stream_equals_whole
 
 SERVER_ARGS = ["--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25",
                "--max-model-len", "2048", "--dtype", "float32", "--log-level", "warning"]
@@ -35,29 +36,8 @@ def aclient_factory(server):
                                       max_retries=0)
 
 
-def chat_prompt_len(tok, messages) -> int:
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return len(tok.encode(text, add_special_tokens=False))
-
-
 def test_chat_stream_equals_whole(client, default_tokenizer):
-    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
-                                           max_tokens=16, temperature=0)
-    choice = whole.choices[0]
-    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
-    assert choice.message.role == "assistant" and choice.finish_reason == "length"
-    assert whole.usage.prompt_tokens == chat_prompt_len(default_tokenizer, CHAT)
-    assert whole.usage.completion_tokens == 16
-    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 16
-    assert whole.usage.prompt_tokens_details.cached_tokens >= 0
-    stream = client.chat.completions.create(messages=CHAT, model="SmolLM2-135M-Instruct",
-                                            max_tokens=16, temperature=0, stream=True)
-    chunks = list(stream)
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[0].choices[0].delta.content == ""
-    text = "".join(c.choices[0].delta.content or "" for c in chunks)
-    assert text == choice.message.content
-    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+    chat_stream_equals_whole(client, default_tokenizer, CHAT)
 
 
 def test_completion_stream_equals_whole(client, default_tokenizer):

@@ -5,13 +5,12 @@ Also: a client that disconnects aborts its request and its KV blocks return to t
 
 from __future__ import annotations
 
-import time
-
 import openai
 import pytest
 import requests
 
-from tests.helpers.server import ServerProcess, metric_value
+from tests.helpers.server import ServerProcess
+from tests.helpers.server_checks import aborted, kv_idle, stream_disconnect_frees_blocks
 
 SERVER_ARGS = ["--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25",
                "--max-model-len", "2048", "--dtype", "float32", "--log-level", "warning"]
@@ -143,50 +142,17 @@ def test_sdk_sees_the_error(server):
     assert out.choices[0].finish_reason in ("length", "stop")
 
 
-def _kv_idle(url: str, deadline_s: float) -> tuple[bool, float]:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < deadline_s:
-        text = requests.get(url + "/metrics").text
-        if (metric_value(text, "pagedserve:kv_cache_usage_perc") == 0.0
-                and metric_value(text, "pagedserve:num_requests_running") == 0.0
-                and metric_value(text, "pagedserve:num_requests_waiting") == 0.0):
-            return True, time.monotonic() - t0
-        time.sleep(0.02)
-    return False, time.monotonic() - t0
-
-
-def _aborted(url: str) -> float:
-    text = requests.get(url + "/metrics").text
-    return metric_value(text, "pagedserve:request_success_total", finished_reason="abort") or 0
-
-
 def test_stream_disconnect_aborts_and_frees_blocks(server):
-    before = _aborted(server.url)
-    body = chat(max_tokens=1500, stream=True, ignore_eos=True)
-    with requests.post(server.url + CHAT, json=body, stream=True) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        seen = 0
-        for line in lines:
-            if line.startswith(b"data: ") and b'"content":"' in line:
-                seen += 1
-                if seen >= 3:
-                    break
-        text = requests.get(server.url + "/metrics").text
-        assert metric_value(text, "pagedserve:kv_cache_usage_perc") > 0
-    # the connection is closed here
-    ok, took = _kv_idle(server.url, 1.0)
-    assert ok, f"KV cache still in use {took:.2f}s after the disconnect"
-    assert _aborted(server.url) == before + 1
+    stream_disconnect_frees_blocks(server.url, MSG)
 
 
 def test_whole_request_disconnect_aborts(server):
-    before = _aborted(server.url)
+    before = aborted(server.url)
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(server.url + CHAT, json=chat(max_tokens=1500, ignore_eos=True),
                       timeout=(5, 0.5))
-    ok, took = _kv_idle(server.url, 1.0)
+    ok, took = kv_idle(server.url, 1.0)
     assert ok, f"KV cache still in use {took:.2f}s after the disconnect"
-    assert _aborted(server.url) == before + 1
+    assert aborted(server.url) == before + 1
     r = requests.post(server.url + CHAT, json=chat(max_tokens=2, temperature=0))
     assert r.status_code == 200

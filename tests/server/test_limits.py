@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import time
-
 import openai
 import pytest
 import requests
 
-from tests.helpers.server import ServerProcess, metric_value, sse_events
+from tests.helpers.server import ServerProcess
+from tests.helpers.server_checks import queue_full_gives_429
 
 KEY = "test-key-123"
 SERVER_ARGS = ["--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25",
@@ -48,33 +46,5 @@ def test_key_accepted_and_health_open(server):
         bad.models.list()
 
 
-def _waiting(url: str) -> float | None:
-    text = requests.get(url + "/metrics", headers=AUTH).text
-    return metric_value(text, "pagedserve:num_requests_waiting")
-
-
 def test_429_when_waiting_queue_full(server):
-    url = server.url + "/v1/chat/completions"
-    long = {"messages": MSG, "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    short = {"messages": MSG, "max_tokens": 3, "stream": True}
-    with requests.post(url, json=long, headers=AUTH, stream=True) as a:
-        lines = a.iter_lines()  # kept: closing the generator would close the connection
-        for line in lines:
-            if b'"content":"' in line and b'"content":""' not in line:
-                break  # A is running (max_num_seqs=1)
-        with requests.post(url, json=short, headers=AUTH, stream=True) as b:
-            assert b.status_code == 200
-            deadline = time.monotonic() + 5
-            while _waiting(server.url) != 1 and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert _waiting(server.url) == 1
-            c = requests.post(url, json={**short, "stream": False}, headers=AUTH)
-            assert c.status_code == 429, c.text
-            assert c.headers["Retry-After"].isdigit()
-            assert c.json()["error"]["code"] == 429
-            a.close()  # A goes away: B runs and finishes normally
-            events = sse_events(b"".join(b.iter_content(None)))
-    assert events[-1] == b"[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert [ch["choices"][0]["finish_reason"] for ch in chunks
-            if ch["choices"][0]["finish_reason"]] == ["length"]
+    queue_full_gives_429(server.url, MSG, AUTH)

@@ -60,7 +60,7 @@ def test_in_subprocess() -> None:
 
 def _cos_sin(variant: str, head_dim: int, positions: torch.Tensor, dtype: torch.dtype):
     """cos/sin ``[T, 1, D]`` rows as the model gathers them from its float32 tables."""
-    from engine.models.decoder import rope_tables
+    from engine.models.rope import rope_tables
 
     cfg = transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4,
                                    max_position_embeddings=512, **ROPE_VARIANTS[variant])  # fmt: skip
