@@ -52,6 +52,19 @@ class EngineInputError(ValueError):
         """The engine's name of the field (``field.value``)."""
         return self.field.value
 
+    def __reduce__(self):
+        # Picklable whatever a subclass's __init__ takes (errors cross to the front end
+        # of a data-parallel server).
+        return _rebuild_input_error, (type(self), str(self), self.field.value)
+
+
+def _rebuild_input_error(cls: type[EngineInputError], message: str,
+                         field: str) -> EngineInputError:  # fmt: skip
+    err = cls.__new__(cls)
+    ValueError.__init__(err, message)
+    err.field = InputField(field)
+    return err
+
 
 class SamplingParamError(EngineInputError):
     """A ``SamplingParams`` field out of its range or of the wrong type."""

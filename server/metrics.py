@@ -26,24 +26,45 @@ _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+class _Each:
+    """One attribute of every snapshot: ``s.kv_usage`` is the list of each replica's."""
+
+    def __init__(self, snaps: list[EngineSnapshot]) -> None:
+        self._snaps = snaps
+
+    def __getattr__(self, name: str) -> list:
+        return [getattr(s, name) for s in self._snaps]
+
+
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+    """The engine's counters; with data-parallel replicas, one sample per replica,
+    labelled ``replica``."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
+                 replicas: Callable[[], list[EngineSnapshot]] | None = None) -> None:
         self.model_name = model_name
         self.snapshot = snapshot
+        self.replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
-        s = self.snapshot()
-        lbl = ["model_name"]
-        m = [self.model_name]
+        if self.replicas is None:
+            snaps, lbl = [self.snapshot()], ["model_name"]
+            labels = [[self.model_name]]
+        else:
+            snaps, lbl = self.replicas(), ["model_name", "replica"]
+            labels = [[self.model_name, str(i)] for i in range(len(snaps))]
+        s = _Each(snaps)
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, values: list[float]) -> GaugeMetricFamily:
             g = GaugeMetricFamily(f"pagedserve:{name}", doc, labels=lbl)
-            g.add_metric(m, value)
+            for m, v in zip(labels, values, strict=True):
+                g.add_metric(m, v)
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        def counter(name: str, doc: str, values: list[float]) -> CounterMetricFamily:
             c = CounterMetricFamily(f"pagedserve:{name}", doc, labels=lbl)
-            c.add_metric(m, value)
+            for m, v in zip(labels, values, strict=True):
+                c.add_metric(m, v)
             return c
 
         yield gauge("num_requests_running", "Sequences being generated.", s.num_running)
@@ -65,18 +86,21 @@ class _EngineCollector(Collector):
                       s.spec_num_accepted_tokens)
         done = CounterMetricFamily("pagedserve:request_success",
                                    "Finished sequences by finish reason.",
-                                   labels=["model_name", "finished_reason"])
-        for reason in sorted(set(FINISH_REASONS) | set(s.finished_by_reason)):
-            done.add_metric([self.model_name, reason], s.finished_by_reason.get(reason, 0))
+                                   labels=[*lbl, "finished_reason"])
+        seen = set(FINISH_REASONS).union(*(x.finished_by_reason for x in snaps))
+        for m, snap in zip(labels, snaps, strict=True):
+            for reason in sorted(seen):
+                done.add_metric([*m, reason], snap.finished_by_reason.get(reason, 0))
         yield done
 
 
 class ServerMetrics:
     """The server's own registry (never the global one)."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
+                 replicas: Callable[[], list[EngineSnapshot]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(model_name, snapshot))
+        self.registry.register(_EngineCollector(model_name, snapshot, replicas))
         lbl = ["model_name"]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

@@ -31,6 +31,8 @@ class ServeOptions:
     max_logit_bias: int = 300
     """Entries in ``logit_bias``."""
     exit_on_engine_death: bool = True
+    data_parallel_size: int = 1
+    """Engine replicas, each its own process (:mod:`engine.dp_engine`)."""
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     chat_template: str | None = None

@@ -51,7 +51,13 @@ def url_of(sock: socket.socket) -> str:
 async def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Load the model, serve until a signal, shut down gracefully; the exit status."""
     loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(None, AsyncEngine.from_config, config)
+    if options.data_parallel_size > 1:
+        from engine.dp_engine import DataParallelEngine
+
+        engine = await loop.run_in_executor(None, DataParallelEngine.from_config, config,
+                                            options.data_parallel_size)  # fmt: skip
+    else:
+        engine = await loop.run_in_executor(None, AsyncEngine.from_config, config)
     # What start-up allocated lives as long as the process: freezing it keeps the
     # collector's full passes (which hold the GIL, loop included) short when a request
     # allocates many objects.

@@ -34,6 +34,9 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def _check_limits(args: argparse.Namespace) -> None:
+    if args.data_parallel_size < 1:
+        raise SystemExit(f"error: --data-parallel-size={args.data_parallel_size} is "
+                         "invalid: must be >= 1")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise SystemExit("error: --max-waiting-requests must be >= 1")
     for name in ("keep_alive_timeout", "body_timeout", "sse_write_timeout", "max_body_mb"):
@@ -84,6 +87,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the tokenizer's "
                         "(e.g. one that renders tools)")
+    s.add_argument("--data-parallel-size", type=int, default=1, metavar="M",
+                   help="engine replicas, each its own process with its own KV cache, on "
+                        "its share of the cores; requests go to the least loaded (or to "
+                        "the one holding their first prefix block) (default: 1)")
     s.add_argument("--no-exit-on-engine-death", dest="exit_on_engine_death",
                    action="store_false",
                    help="keep serving (503s) when the engine thread dies, instead of "
@@ -166,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         max_stop_length=args.max_stop_length,
         max_logit_bias=args.max_logit_bias,
         exit_on_engine_death=args.exit_on_engine_death,
+        data_parallel_size=args.data_parallel_size,
     )
     from engine.parallel.launch import is_worker_rank
     from engine.parallel.rank import run_worker_rank

@@ -31,7 +31,10 @@ class ServerState:
         self.model_names = options.served_model_names or (info.model_name,)
         self.max_model_len = info.max_model_len
         self.created = int(time.time())
-        self.metrics = ServerMetrics(self.model_names[0], lambda: self.engine.snapshot)
+        replicas = (lambda: self.engine.replica_snapshots) \
+            if hasattr(engine, "replica_snapshots") else None  # fmt: skip
+        self.metrics = ServerMetrics(self.model_names[0], lambda: self.engine.snapshot,
+                                     replicas)  # fmt: skip
         self.shutting_down = False
         self.inflight = 0
         self.idle = asyncio.Event()

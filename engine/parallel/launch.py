@@ -17,9 +17,11 @@ divided by the ranks on this machine), with as many threads as it has cores.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +32,8 @@ from engine import envs
 from engine.config import EngineConfig
 
 logger = logging.getLogger("engine.parallel")
+
+PR_SET_PDEATHSIG = 1
 
 STOP_TIMEOUT_S = 10.0
 
@@ -156,6 +160,17 @@ def check_env(config: EngineConfig) -> tuple[int, int]:
             f"tensor_parallel_size={config.tensor_parallel_size} does not match the "
             f"launcher's WORLD_SIZE={world}: start as many ranks as tensor-parallel ranks")
     return rank, world
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: this process is killed when its parent dies; exits now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
 
 
 def start_rank0(config: EngineConfig, device) -> tuple[object, WorkerProcesses | None]:

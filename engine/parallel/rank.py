@@ -8,9 +8,7 @@ arrives pickled on stdin); :func:`run_worker_rank` is a rank a launcher started.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import pickle
 import signal
 import sys
@@ -18,27 +16,15 @@ import sys
 from engine import envs
 from engine.config import EngineConfig
 from engine.parallel.group import SHUTDOWN, TensorParallel
-from engine.parallel.launch import check_env, core_share, use_cores
+from engine.parallel.launch import check_env, core_share, die_with_parent, use_cores
 from engine.worker import Worker, resolve_device
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
 
 
 def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
                 parent_pid: int) -> None:
     """The entry of a rank the engine started: its shard, then steps until rank 0 says
     stop."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is rank 0's to handle
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s %(levelname)s tp-rank {rank} %(name)s: %(message)s")

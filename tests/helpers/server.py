@@ -117,3 +117,26 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux ``/proc``)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -17,7 +17,7 @@ import openai
 import pytest
 import requests
 
-from tests.helpers.server import ServerProcess
+from tests.helpers.server import ServerProcess, child_pids, process_alive
 from tests.helpers.server_checks import (
     CHAT_PATH,
     MODEL,
@@ -61,33 +61,11 @@ def test_429_when_waiting_queue_full(server):
     queue_full_gives_429(server.url, MSG)
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def test_killed_rank_gives_503_and_leaves_nothing(tiny_path):
     shm_before = set(os.listdir("/dev/shm"))
     srv = ServerProcess(args(tiny_path)).start()
     try:
-        ranks = children(srv.pid)
+        ranks = child_pids(srv.pid)
         assert len(ranks) == 1, ranks
         body = {"model": MODEL, "messages": MSG, "max_tokens": 1500, "ignore_eos": True,
                 "stream": True}  # fmt: skip
@@ -113,5 +91,5 @@ def test_killed_rank_gives_503_and_leaves_nothing(tiny_path):
         assert srv.wait(30) == 1  # exits for its supervisor to restart it
     finally:
         srv.kill()
-    assert not any(alive(p) for p in ranks)
+    assert not any(process_alive(p) for p in ranks)
     assert set(os.listdir("/dev/shm")) <= shm_before
