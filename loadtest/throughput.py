@@ -131,6 +131,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.warmup:
         warm_up(llm, token_ids, args.seed)
     timers = OpTimes(llm.engine) if args.op_times else None
+    tp = worker.tp
+    comm0 = (tp.comm_s, tp.step_feed_s, tp.num_collectives) if tp is not None else None
     try:
         run = run_engine(llm, workload)
     finally:
@@ -149,6 +151,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         ps["floor"] = {k: v for k, v in floor.items() if not k.startswith("_")}
         ps["efficiency"] = floor["floor_s"] / run.elapsed_s
     ps["step_breakdown"] = breakdown
+    if tp is not None:
+        steps = max(1, len(run.steps))
+        comm, feed = tp.comm_s - comm0[0], tp.step_feed_s - comm0[1]
+        ps["tensor_parallel"] = {
+            "size": tp.size, "collectives": tp.num_collectives - comm0[2],
+            "collective_s": comm, "step_feed_s": feed,
+            "collective_ms_per_step": comm / steps * 1e3,
+            "step_feed_ms_per_step": feed / steps * 1e3,
+            "fraction_of_run": (comm + feed) / run.elapsed_s}  # fmt: skip
     if timers is not None:
         ps["op_times"] = timers.report({"decode": breakdown["decode_time_s"],
                                         "prefill": breakdown["prefill_time_s"]})
@@ -156,7 +167,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     max_tokens = llm.engine.scheduler.max_num_batched_tokens
     model_path = worker.model_path
     pagedserve_ids = run.output_token_ids
-    del llm, worker
+    llm.close()
+    del llm, worker, tp
     gc.collect()
 
     _print_engine(run, ps, floor, breakdown)
@@ -199,6 +211,11 @@ def _print_engine(run: EngineRun, ps: dict[str, Any], floor: dict[str, Any] | No
           f"prefix hit rate {100 * run.hit_rate:.1f}%")
     print(f"steps:         {bd['decode_steps']} decode-only steps {bd['decode_time_s']:.2f} s, "
           f"{bd['prefill_steps']} steps with prefill {bd['prefill_time_s']:.2f} s")
+    tp = ps.get("tensor_parallel")
+    if tp is not None:
+        print(f"tensor par.:   {tp['size']} ranks; per step {tp['collective_ms_per_step']:.2f} ms "
+              f"in collectives + {tp['step_feed_ms_per_step']:.2f} ms sending the step "
+              f"({100 * tp['fraction_of_run']:.1f}% of the run)")
     if floor is not None:
         print(f"matmul floor:  {floor['floor_s']:.2f} s (layers {floor['layers_s']:.2f} s + "
               f"lm_head {floor['lm_head_s']:.2f} s); efficiency floor/elapsed = "
