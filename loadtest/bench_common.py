@@ -55,6 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    action=_NegatableFlag, default=True, help="(default: on)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     g.add_argument("--device", default="auto", choices=DEVICES)
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks (default: 1)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
 
@@ -73,6 +75,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "attention_backend": args.attention_backend,
         "device": args.device,
+        "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
         "enable_prefix_caching": getattr(args, "enable_prefix_caching", True),
     }
     kw.update(overrides)

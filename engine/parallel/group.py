@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import EngineFatalError
+from engine.parallel import shm
 from engine.parallel.shard import TPShard
+from engine.parallel.shm import ShmExchange
 from engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("engine.parallel")
@@ -51,12 +53,19 @@ class TensorParallel:
     ``MASTER_ADDR``/``MASTER_PORT`` from the environment (``torchrun``)."""
 
     def __init__(self, rank: int, size: int, device: torch.device,
-                 step_timeout_s: float, init_method: str | None = None) -> None:
+                 step_timeout_s: float, init_method: str | None = None,
+                 local_size: int | None = None) -> None:  # fmt: skip
         self.rank, self.size, self.device = rank, size, device
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
                                 world_size=size, timeout=timedelta(seconds=step_timeout_s))
         self.step_group = dist.new_group(backend="gloo", timeout=STEP_GROUP_TIMEOUT)
+        self.local_size = size if local_size is None else local_size
+        """Ranks on this machine (a launcher may spread the group over several)."""
+        self.shm: ShmExchange | None = None
+        """The CPU ranks' shared-memory all-reduce, when every rank is on this machine."""
+        if device.type == "cpu" and self.local_size == size:
+            self.shm = self._join_shm(step_timeout_s)
         self._buf = torch.zeros(_HEADER + INLINE_BYTES, dtype=torch.uint8)
         self.shard: TPShard | None = None
         """This rank's part of the model (set when the model is built)."""
@@ -65,9 +74,29 @@ class TensorParallel:
         self.step_feed_s = 0.0
         """Seconds rank 0 spent broadcasting step descriptions."""
         self.num_collectives = 0
-        self.local_size = size
-        """Ranks on this machine (a launcher may spread the group over several)."""
         self.closed = False
+
+    def _join_shm(self, timeout_s: float) -> ShmExchange | None:
+        """The shared segment, if every rank could map it (else None everywhere)."""
+        from kernels.cpu import native
+
+        lib = native.load()
+        names = [shm.new_name() if self.rank == 0 else None]
+        dist.broadcast_object_list(names, src=0, group=self.step_group)
+        ex = None
+        if lib is not None and shm.available():
+            try:
+                ex = ShmExchange(lib, names[0], self.rank, self.size, self.rank == 0, timeout_s)
+            except OSError as exc:
+                logger.warning("tensor parallel: no shared-memory all-reduce (%s); gloo", exc)
+        ok = torch.tensor([ex is not None], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.step_group)
+        if self.rank == 0 and ex is not None:
+            ex.unlink()  # every rank has it mapped (or gave up): the name is not needed
+        if not ok.item() and ex is not None:
+            ex.close()
+            ex = None
+        return ex
 
     # -- the forward pass ------------------------------------------------------------
     def _run(self, what: str, fn, *args, **kwargs) -> Any:
@@ -83,6 +112,8 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
+        if self.shm is not None and self.shm.fits(x):
+            return self._run("all_reduce", self.shm.all_reduce, x)
         self._run("all_reduce", dist.all_reduce, x)
         return x
 
@@ -90,6 +121,9 @@ class TensorParallel:
         """Each rank's ``[n, vocab_per_rank]`` logits; on rank 0 the whole ``[n, vocab]``
         (padding rows cut), elsewhere None."""
         local = local.contiguous()
+        if self.shm is not None and self.shm.fits(local):
+            parts = self._run("gather", self.shm.exchange, local)
+            return torch.cat(parts, dim=-1)[:, :vocab_size] if self.rank == 0 else None
         parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
         self._run("gather", dist.gather, local, parts, dst=0)
         return None if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]
@@ -141,6 +175,8 @@ class TensorParallel:
         if self.closed:
             return
         self.closed = True
+        if self.shm is not None:
+            self.shm.close()
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a dead peer's group may not tear down cleanly

@@ -184,9 +184,8 @@ def start_rank0(config: EngineConfig, device) -> tuple[object, WorkerProcesses |
         if rank != 0:
             raise RuntimeError(f"rank {rank} of a launcher's group runs run_worker_rank(), "
                                "not an engine")  # fmt: skip
-        tp = TensorParallel(0, size, device, envs.tp_step_timeout())
-        tp.local_size = envs.launcher_ranks()[3]
-        return tp, None
+        return TensorParallel(0, size, device, envs.tp_step_timeout(),
+                              local_size=envs.launcher_ranks()[3]), None
     procs = WorkerProcesses(config, size)
     try:
         tp = TensorParallel(0, size, device, envs.tp_step_timeout(), procs.init_method)

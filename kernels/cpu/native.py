@@ -42,7 +42,8 @@ log = logging.getLogger("kernels.cpu.native")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "gemm_cpu.c",
-                                   "qgemm_cpu.c", "decoder_cpu.c", "pool.c"))
+                                   "qgemm_cpu.c", "decoder_cpu.c", "pool.c",
+                                   "shm_sync.c"))
 HEADERS = (CSRC / "abi.h", CSRC / "paged_attention_portable.h", CSRC / "paged_attention_vec.h",
            CSRC / "paged_attention_tiled.h", CSRC / "pool.h", CSRC / "qgemm_vec.h",
            CSRC / "simd.h")

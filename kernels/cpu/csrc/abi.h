@@ -135,4 +135,11 @@ int decoder_layers(const int64_t *model, const int64_t *layers, float *residual,
                    int max_blocks_per_seq, int max_seq_len, const int64_t *slots,
                    float *scratch, int num_threads);
 
+/* shm_sync.c: shm_wait spins this often before it yields the core, and returns
+ * SHM_TIMEOUT when its time is up with a flag still behind. */
+#define SHM_SPINS 4000
+#define SHM_TIMEOUT -1 /* a peer did not publish in time */
+void shm_publish(int64_t *flag, int64_t seq);
+int shm_wait(const int64_t *flags, int n, int64_t stride, int64_t seq, int64_t timeout_us);
+
 #endif
