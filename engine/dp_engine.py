@@ -207,9 +207,10 @@ def _sum_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
                 for k, v in s.finished_by_reason.items():
                     merged[k] = merged.get(k, 0) + v
             out.finished_by_reason = merged
-        elif name in ("kv_usage", "time"):
-            setattr(out, name, max(getattr(s, name) for s in snaps) if name == "time"
-                    else sum(s.kv_usage for s in snaps) / len(snaps))  # fmt: skip
+        elif name == "kv_usage":  # a fraction: the mean over equal pools
+            out.kv_usage = sum(s.kv_usage for s in snaps) / len(snaps)
+        elif name == "time":
+            out.time = max(s.time for s in snaps)
         else:
             setattr(out, name, sum(getattr(s, name) for s in snaps))
     return out
@@ -237,7 +238,6 @@ class DataParallelEngine:
         self.load = [0] * len(replicas)
         """Tokens in flight per replica (prompt plus max_tokens of each request)."""
         self._prefix_holder: OrderedDict[tuple[int, ...], int] = OrderedDict()
-        self.routed = [0] * len(replicas)
         self._dead: BaseException | None = None
         self.on_snapshot: Callable[[EngineSnapshot], None] | None = None
         self.on_death: Callable[[BaseException], None] | None = None
@@ -317,7 +317,6 @@ class DataParallelEngine:
         cost = (len(prompt_token_ids) + min(params.max_tokens or limit, limit)) * params.n
         self._owner[request_id], self._cost[request_id] = i, cost
         self.load[i] += cost
-        self.routed[i] += 1
         self.replicas[i].add_request(request_id, prompt_token_ids, params, queue, prompt,
                                      arrival_time if arrival_time is not None
                                      else time.monotonic())  # fmt: skip

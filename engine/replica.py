@@ -41,10 +41,14 @@ class ReplicaServer:
         self.stopped = asyncio.Event()
         self._forwarders: dict[str, asyncio.Task] = {}
         engine.on_snapshot = self._on_snapshot
-        engine.on_death = lambda exc: (out.send(("dead", repr(exc))), self.stopped.set())
+        engine.on_death = self._on_death
 
     def _on_snapshot(self, snap: EngineSnapshot) -> None:
         self.out.send(("snap", snap))
+
+    def _on_death(self, exc: BaseException) -> None:
+        self.out.send(("dead", repr(exc)))
+        self.stopped.set()
 
     def handle(self, cmd: tuple) -> None:
         kind = cmd[0]

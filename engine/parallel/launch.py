@@ -20,15 +20,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import pickle
 import signal
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 
-from engine import envs
+from engine import envs, frames
 from engine.config import EngineConfig
 
 logger = logging.getLogger("engine.parallel")
@@ -77,11 +75,12 @@ def _free_port() -> int:
 
 
 class WorkerProcesses:
-    """Ranks 1..N-1 started by the engine, and the thread that watches them.
+    """Ranks 1..N-1 started by the engine, and the threads that watch them.
 
     Each rank is a fresh interpreter (``python -m engine.parallel.rank``) that reads its
-    engine configuration from its stdin: nothing of the parent is imported again (a
-    script without an ``if __name__ == "__main__"`` guard works) and nothing is forked.
+    engine configuration from its stdin (one :mod:`engine.frames` frame): nothing of the
+    parent is imported again (a script without an ``if __name__ == "__main__"`` guard
+    works) and nothing is forked.
     """
 
     def __init__(self, config: EngineConfig, size: int) -> None:
@@ -89,7 +88,6 @@ class WorkerProcesses:
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.failure: str | None = None
         """Why the group failed (a rank exited), or None."""
-        self.on_failure: list[Callable[[str], None]] = []
         self._stopping = False
         env = envs.child_environment(sys.path)
         self.procs: list[subprocess.Popen] = []
@@ -99,32 +97,20 @@ class WorkerProcesses:
                  self.init_method, str(os.getpid())],
                 stdin=subprocess.PIPE, env=env)  # fmt: skip
             self.procs.append(p)
-            p.stdin.write(pickle.dumps(config))
+            p.stdin.write(frames.encode(config))
             p.stdin.close()
-        self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
-        self._watcher.start()
-
-    def _watch(self) -> None:
-        done = threading.Event()
-        first: list[tuple[int, subprocess.Popen]] = []
-
-        def wait(rank: int, p: subprocess.Popen) -> None:
-            p.wait()
-            if not first:
-                first.append((rank, p))
-            done.set()
-
         for r, p in enumerate(self.procs, start=1):
-            threading.Thread(target=wait, args=(r, p), daemon=True).start()
-        done.wait()
-        if self._stopping:
+            threading.Thread(target=self._watch, args=(r, p), name=f"tp-watch-{r}",
+                             daemon=True).start()  # fmt: skip
+
+    def _watch(self, rank: int, p: subprocess.Popen) -> None:
+        """Reap rank ``rank``; an exit before :meth:`stop` is the group's failure."""
+        p.wait()
+        if self._stopping or self.failure is not None:
             return
-        rank, p = first[0]
         self.failure = (f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
                         f"{p.returncode}")  # fmt: skip
         logger.error("%s; the engine cannot step any more", self.failure)
-        for cb in self.on_failure:
-            cb(self.failure)
 
     def stop(self, timeout: float | None = None) -> None:
         """Join the ranks (after the shutdown message), terminating any that linger past

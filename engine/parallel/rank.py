@@ -3,17 +3,17 @@ broadcasts, until rank 0 says stop.
 
 ``python -m engine.parallel.rank RANK SIZE INIT_METHOD PARENT_PID`` is a rank the engine
 started (:class:`engine.parallel.launch.WorkerProcesses`; its engine configuration
-arrives pickled on stdin); :func:`run_worker_rank` is a rank a launcher started.
+arrives as one :mod:`engine.frames` frame on stdin); :func:`run_worker_rank` is a rank a
+launcher started.
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 import signal
 import sys
 
-from engine import envs
+from engine import envs, frames
 from engine.config import EngineConfig
 from engine.parallel.group import SHUTDOWN, TensorParallel
 from engine.parallel.launch import check_env, core_share, die_with_parent, use_cores
@@ -63,7 +63,7 @@ def _run_rank(config: EngineConfig, rank: int, size: int, init_method: str | Non
 
 def main(argv: list[str]) -> None:
     rank, size, init_method, parent = argv
-    config = pickle.loads(sys.stdin.buffer.read())
+    config = frames.read_frame(sys.stdin.buffer)
     worker_main(config, int(rank), int(size), init_method, int(parent))
 
 

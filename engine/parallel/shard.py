@@ -41,24 +41,26 @@ class TPShard:
     def __post_init__(self) -> None:
         check_divisible(self.spec, self.size)
 
+    def _even(self, total: int) -> range:
+        """This rank's slice of ``total`` items split evenly over the ranks."""
+        per = total // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
     @property
     def heads(self) -> range:
-        per = self.spec.num_heads // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return self._even(self.spec.num_heads)
 
     @property
     def kv_heads(self) -> range:
         kv = self.spec.num_kv_heads
         if kv >= self.size:
-            per = kv // self.size
-            return range(self.rank * per, (self.rank + 1) * per)
+            return self._even(kv)
         first = self.rank // (self.size // kv)  # replicated: the head its queries read
         return range(first, first + 1)
 
     @property
     def intermediate(self) -> range:
-        per = self.spec.intermediate_size // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return self._even(self.spec.intermediate_size)
 
     @property
     def vocab_per_rank(self) -> int:
