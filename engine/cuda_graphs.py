@@ -30,9 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from blockmgr import cdiv
+from engine.step_buffers import layout
 from kernels.interface import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -42,6 +44,12 @@ logger = logging.getLogger("engine.cuda_graphs")
 
 MAX_CAPTURE_SIZE = 256
 """Largest decode batch captured; larger decode batches run eagerly."""
+TAIL_BYTES = 1 << 18
+"""Room after the graphs' static inputs for the rest of a decode step's staged arrays
+(logits rows, block-table rows and changes); a step needing more stages elsewhere and
+is copied in."""
+_HEAD = ((torch.int64, 0), (torch.int64, 0), (torch.int64, -1), (torch.int32, 1))
+"""Dtype and padding value of ``input_ids``, ``positions``, ``slot_mapping``, ``seq_lens``."""
 GRAPH_SAFE_BACKENDS = frozenset({"triton"})
 """Attention backends whose decode-only forward can be captured."""
 
@@ -95,18 +103,39 @@ class DecodeBuffers:
     query_start_loc: torch.Tensor
     """[N + 1] int32, ``arange``: one query token per row (never changes)."""
 
+    packed: torch.Tensor
+    """uint8: ``input_ids``, ``positions``, ``slot_mapping`` and ``seq_lens`` at the
+    offsets :func:`~engine.step_buffers.layout` gives them, then :data:`TAIL_BYTES` for
+    the rest of a step's staged arrays: a decode step is staged straight into it, in one
+    copy (:meth:`head_arrays`)."""
+
     @classmethod
     def allocate(cls, max_batch: int, max_blocks: int, device: torch.device | str) -> DecodeBuffers:
         """Buffers for up to ``max_batch`` rows, every row padding."""
+        offsets, head = layout([max_batch * dt.itemsize for dt, _ in _HEAD])
+        packed = torch.zeros(head + TAIL_BYTES, dtype=torch.uint8, device=device)
+        ids, pos, slots, lens = (packed[o:o + max_batch * dt.itemsize].view(dt)
+                                 for o, (dt, _) in zip(offsets, _HEAD, strict=True))  # fmt: skip
         bufs = cls(
-            input_ids=torch.zeros(max_batch, dtype=torch.int64, device=device),
-            positions=torch.zeros(max_batch, dtype=torch.int64, device=device),
-            slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, device=device),
-            seq_lens=torch.ones(max_batch, dtype=torch.int32, device=device),
+            input_ids=ids, positions=pos, slot_mapping=slots, seq_lens=lens,
             block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+            packed=packed,
         )
+        bufs.pad(0, max_batch)
         return bufs
+
+    def head_arrays(self, input_ids: Sequence[int], positions: Sequence[int],
+                    slots: np.ndarray, seq_lens: Sequence[int],
+                    ) -> list[tuple[np.ndarray, torch.dtype]]:  # fmt: skip
+        """A decode step's rows, padded to every row of the buffers, as the first arrays
+        of a staging into :attr:`packed`."""
+        out = []
+        for values, (dt, pad) in zip((input_ids, positions, slots, seq_lens), _HEAD, strict=True):
+            a = np.full(self.max_batch, pad, dtype=np.int64 if dt == torch.int64 else np.int32)
+            a[:len(values)] = values
+            out.append((a, dt))
+        return out
 
     @property
     def max_batch(self) -> int:
@@ -207,6 +236,9 @@ class DecodeGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         """Batch size -> the graph's static output ``[batch, hidden]``."""
         self.num_replays = 0
+        self.num_loads = 0
+        """Replays whose inputs were copied in from elsewhere (not staged into the
+        buffers: a step with more table changes than :data:`TAIL_BYTES` holds)."""
         self.num_eager_fallbacks = 0
 
     def _forward(self, batch: int, seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
@@ -240,16 +272,24 @@ class DecodeGraphRunner:
         self.buffers.pad(0, self.sizes[-1])
         return time.perf_counter() - t0
 
+    def batch_for(self, num_reqs: int, num_decodes: int, num_tokens: int,
+                  max_seq_len: int) -> int | None:  # fmt: skip
+        """The graph size for a step of that shape, or None when it must run eagerly (not
+        decode-only, too many requests, or a context past ``max_model_len``)."""
+        if num_reqs == 0 or num_decodes != num_reqs or num_tokens != num_reqs:
+            return None
+        if max_seq_len > self.max_model_len:
+            return None
+        return padded_batch_size(num_reqs, self.sizes)
+
     def padded_size(self, step: StepInputs) -> int | None:
-        """The graph size for ``step``, or None when it must run eagerly (not decode-only,
-        too many requests, or a context past ``max_model_len``)."""
+        """:meth:`batch_for` of ``step`` (its own ``graph_batch`` when it was staged
+        into the buffers)."""
+        if step.graph_batch is not None:
+            return step.graph_batch
         meta = step.meta
-        n = meta.num_reqs
-        if n == 0 or meta.num_decodes != n or step.input_ids.shape[0] != n:
-            return None
-        if meta.max_seq_len > self.max_model_len:
-            return None
-        return padded_batch_size(n, self.sizes)
+        return self.batch_for(meta.num_reqs, meta.num_decodes, step.input_ids.shape[0],
+                              meta.max_seq_len)  # fmt: skip
 
     def run(self, step: StepInputs) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` of a decode-only step, or None (run it eagerly).
@@ -263,8 +303,10 @@ class DecodeGraphRunner:
             return None
         meta = step.meta
         n = meta.num_reqs
-        self.buffers.load(step.input_ids, step.positions, meta.slot_mapping, meta.seq_lens,
-                          meta.block_tables, padded)  # fmt: skip
+        if step.graph_batch is None:  # staged elsewhere: copy it in
+            self.buffers.load(step.input_ids, step.positions, meta.slot_mapping,
+                              meta.seq_lens, meta.block_tables, padded)  # fmt: skip
+            self.num_loads += 1
         self.num_replays += 1
         if self.use_graphs:
             self.graphs[padded].replay()

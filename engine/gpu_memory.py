@@ -194,7 +194,7 @@ def heavy_sampling_rows(num_rows: int, vocab_size: int) -> list[Any]:
                             frequency_penalty=0.5, logprobs=5, max_tokens=16)  # fmt: skip
     ids = list(range(min(16, vocab_size)))
     return [SamplingRow(params=params, prompt_token_ids=ids, output_token_ids=ids,
-                        generator=None) for _ in range(num_rows)]  # fmt: skip
+                        generator=None, key=f"profile-{i}") for i in range(num_rows)]  # fmt: skip
 
 
 def run_dummy_step(

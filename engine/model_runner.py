@@ -25,7 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_config import SpeculativeConfig
-from engine.step_buffers import BlockTableRows, StagingBuffer
+from engine.step_buffers import BlockTableRows, StagingBuffer, layout
 from engine.step_inputs import StepInputs
 from engine.structured.backend import Matcher
 from engine.structured.manager import StructuredOutputManager
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphRunner
 
 logger = logging.getLogger("engine.model_runner")
+i64, i32 = torch.int64, torch.int32
 
 
 @dataclass(slots=True)
@@ -106,6 +107,7 @@ class ModelRunner:
         for rid in sched.finished_req_ids:
             self.requests.pop(rid, None)
             self.block_rows.release(rid)
+            self.sampler.release(rid)
         for rid in sched.preempted_req_ids:
             # Its blocks are gone; when it is scheduled again its description carries the
             # whole new table. Its generator stays: its random stream continues.
@@ -196,9 +198,14 @@ class ModelRunner:
             new_ids += vals
             pos = np.arange(end - n, end)
             slots.append(np.asarray(ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
-        i64, i32 = torch.int64, torch.int32
+        slots_a = np.concatenate(slots)
+        graph_step = self._stage_for_graphs(input_ids, positions, slots_a, qsl, seq_lens, rows,
+                                            logits_idx, flat_idx, new_ids, num_decodes,
+                                            sampling_ids, drafts_of)  # fmt: skip
+        if graph_step is not None:
+            return graph_step
         ids_t, pos_t, slot_t, qsl_t, lens_t, logit_t, rows_t, idx_t, vals_t = self.staging.stage(
-            [(input_ids, i64), (positions, i64), (np.concatenate(slots), i64), (qsl, i32),
+            [(input_ids, i64), (positions, i64), (slots_a, i64), (qsl, i32),
              (seq_lens, i32), (logits_idx, i64), (rows, i64), (flat_idx, i64),
              (new_ids, i32)])  # fmt: skip
         self.block_rows.apply(idx_t, vals_t)
@@ -210,6 +217,36 @@ class ModelRunner:
         )  # fmt: skip
         return StepInputs(input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logit_t,
                           sampling_ids=sampling_ids, drafts=drafts_of)  # fmt: skip
+
+    def _stage_for_graphs(self, input_ids, positions, slots, qsl, seq_lens, rows, logits_idx,
+                          flat_idx, new_ids, num_decodes, sampling_ids, drafts_of,
+                          ) -> StepInputs | None:  # fmt: skip
+        """A decode step the CUDA graphs replay, staged straight into their static
+        buffers in the one copy (rows padded to every buffer row; the block table
+        gathered into the graphs' table), or None when the step runs otherwise."""
+        graphs = self.decode_graphs
+        n = len(seq_lens)
+        batch = None if graphs is None else graphs.batch_for(n, num_decodes, len(input_ids),
+                                                             max(seq_lens))  # fmt: skip
+        if batch is None:
+            return None
+        bufs = graphs.buffers
+        arrays = [*bufs.head_arrays(input_ids, positions, slots, seq_lens), (logits_idx, i64),
+                  (rows + rows[:1] * (batch - n), i64), (flat_idx, i64), (new_ids, i32)]
+        if (bufs.block_tables.shape[1] != self.block_rows.width
+                or layout([len(a) * dt.itemsize for a, dt in arrays])[1] > bufs.packed.numel()):
+            return None  # staged as usual, copied into the buffers by the graph runner
+        *_, logit_t, rows_t, idx_t, vals_t = self.staging.stage(arrays, into=bufs.packed)
+        self.block_rows.apply(idx_t, vals_t)
+        torch.index_select(self.block_rows.table, 0, rows_t, out=bufs.block_tables[:batch])
+        meta = AttentionMetadata(
+            slot_mapping=bufs.slot_mapping[:n], query_start_loc=bufs.query_start_loc[:n + 1],
+            seq_lens=bufs.seq_lens[:n], block_tables=bufs.block_tables[:n], num_decodes=n,
+            max_query_len=1, max_seq_len=max(seq_lens), query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens)  # fmt: skip
+        return StepInputs(input_ids=bufs.input_ids[:n], positions=bufs.positions[:n],
+                          meta=meta, logits_indices=logit_t, sampling_ids=sampling_ids,
+                          drafts=drafts_of, graph_batch=batch)  # fmt: skip
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -245,7 +282,7 @@ class ModelRunner:
         return SamplingRow(params=state.params, prompt_token_ids=state.prompt_token_ids,
                            output_token_ids=[*out, *drafts] if drafts else out,
                            generator=state.generator, eos_token_ids=self.eos_token_ids,
-                           matcher=state.matcher)
+                           matcher=state.matcher, key=None if drafts else rid)
 
     def _verify(self, logits: torch.Tensor, step: StepInputs):
         """Rows for every draft of the step's requests; the tokens each keeps."""
@@ -254,7 +291,8 @@ class ModelRunner:
         for rid, drafts in zip(step.sampling_ids, step.drafts, strict=True):
             spans.append(Span(len(rows), drafts))
             rows.extend(self._row(rid, drafts[:j]) for j in range(len(drafts) + 1))
-        return rejection_sampler.verify(logits, rows, spans, self.vocab_size)
+        return rejection_sampler.verify(logits, rows, spans, self.vocab_size,
+                                        self.sampler.staging_on(logits.device))
 
     def _propose(self, req_ids: list[str], tokens: list[list[int]]) -> dict[str, list[int]]:
         """Draft tokens for each request's next step (none above the batch size at which

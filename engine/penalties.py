@@ -1,18 +1,35 @@
 """Logit processors that run before temperature: bias, min_tokens, repetition and
 presence/frequency penalties, batched over the rows that need each of them.
 
-Every function takes ``logits`` ([n, V] float32, modified in place) and the matching
-``SamplingRow``-like objects (``params``, ``prompt_token_ids``, ``output_token_ids``).
+A step's processing is planned on the host (:func:`plan`): every index and parameter
+array it needs goes into the step's :class:`~engine.step_buffers.Pack`, which the
+sampler stages with the rest of its arrays in one host-to-device copy; :func:`apply`
+then runs on the device from those views alone.
+
+The token counts the penalties read come from :class:`TokenCounts` when the rows carry
+request keys: one device row of output-token counts and one of prompt-token presence
+per request, each step adding only the tokens output since the last. Rows without a
+key (verification rows with drafts, the memory profile) count their tokens afresh.
+
+``logits`` is [n, V] float32 and is modified in place; rows are ``SamplingRow``-like
+objects (``params``, ``prompt_token_ids``, ``output_token_ids``, ``eos_token_ids``,
+``key``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.step_buffers import Pack, StagingBuffer
+
+i64, f32 = torch.int64, torch.float32
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 class RowLike(Protocol):
@@ -20,40 +37,7 @@ class RowLike(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: Sequence[int]
-
-
-def apply_all(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
-    """Apply, in this order: logit_bias, min_tokens masking, repetition penalty,
-    presence/frequency penalties."""
-    apply_logit_bias(logits, rows)
-    apply_min_tokens(logits, rows)
-    apply_repetition_penalty(logits, rows)
-    apply_presence_frequency(logits, rows)
-
-
-def apply_logit_bias(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
-    """Add ``params.logit_bias`` ({token_id: bias}); ids outside the vocabulary are ignored
-    (the engine rejects them at admission: ``InputLimits.check_sampling_token_ids``).
-
-    Each row's entries become tensors in bulk and the whole step's bias is one
-    ``index_put_``: no Python work per entry."""
-    r_parts: list[torch.Tensor] = []
-    t_parts: list[torch.Tensor] = []
-    v_parts: list[torch.Tensor] = []
-    for i, row in enumerate(rows):
-        bias = row.params.logit_bias
-        if not bias:
-            continue
-        r_parts.append(torch.full((len(bias),), i, dtype=torch.long))
-        t_parts.append(torch.tensor(list(bias), dtype=torch.long))
-        v_parts.append(torch.tensor(list(bias.values()), dtype=logits.dtype))
-    if not r_parts:
-        return
-    r_idx, t_idx, vals = torch.cat(r_parts), torch.cat(t_parts), torch.cat(v_parts)
-    keep = (t_idx >= 0) & (t_idx < logits.shape[1])
-    dev = logits.device
-    logits.index_put_((r_idx[keep].to(dev), t_idx[keep].to(dev)), vals[keep].to(dev),
-                      accumulate=True)
+    key: str | None
 
 
 def min_tokens_banned(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
@@ -68,78 +52,224 @@ def min_tokens_banned(params: SamplingParams, eos_token_ids: Sequence[int]) -> l
     return banned
 
 
-def apply_min_tokens(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
-    """Set the logits of stopping tokens to -inf while ``len(output) < min_tokens``."""
-    vocab = logits.shape[1]
-    r_idx: list[int] = []
-    t_idx: list[int] = []
-    for i, row in enumerate(rows):
-        if len(row.output_token_ids) >= row.params.min_tokens:
-            continue
-        for tid in min_tokens_banned(row.params, row.eos_token_ids):
-            if 0 <= tid < vocab:
-                r_idx.append(i)
-                t_idx.append(tid)
-    if not r_idx:
-        return
-    dev = logits.device
-    logits[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
+def _flat(ids: Sequence[int], base: int, vocab: int) -> np.ndarray:
+    """``base + id`` for the ids inside the vocabulary."""
+    a = np.asarray(ids, dtype=np.int64)
+    return base + a[(a >= 0) & (a < vocab)]
 
 
-def _padded_ids(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """[n, max_len] long tensor of ``seqs``, right-padded with ``pad``."""
-    width = max((len(s) for s in seqs), default=0)
-    out = torch.full((len(seqs), max(width, 1)), pad, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    return out.to(device, non_blocking=True)
+class TokenCounts:
+    """Per request, on the device: how often each token was output (int32 ``[V]``) and
+    which tokens its prompt holds (bool ``[V]``), brought up to date each step with the
+    tokens output since the last; rows are freed when the request finishes."""
+
+    def __init__(self, vocab: int, device: torch.device | str, num_rows: int = 8) -> None:
+        self.vocab = vocab
+        self.device = torch.device(device)
+        self._row_of: dict[str, int] = {}
+        self._synced: dict[str, int] = {}
+        """Output tokens of each request already counted."""
+        self._alloc(num_rows)
+
+    def _alloc(self, num_rows: int) -> None:
+        """(Re)allocate ``num_rows`` rows, keeping the rows in use."""
+        counts = torch.zeros(num_rows, self.vocab, dtype=torch.int32, device=self.device)
+        seen = torch.zeros(num_rows, self.vocab, dtype=torch.bool, device=self.device)
+        if hasattr(self, "counts"):
+            n = self.counts.shape[0]
+            counts[:n], seen[:n] = self.counts, self.prompt_seen
+        self.counts, self.prompt_seen = counts, seen
+        used = set(self._row_of.values())
+        self._free = [r for r in range(num_rows - 1, -1, -1) if r not in used]
+
+    @property
+    def num_rows(self) -> int:
+        return self.counts.shape[0]
+
+    def release(self, key: str) -> None:
+        row = self._row_of.pop(key, None)
+        if row is not None:
+            self._synced.pop(key)
+            self._free.append(row)
+
+    def plan(self, rows: Sequence[RowLike], pack: Pack) -> _CountsPlan:
+        """The device rows of ``rows`` and, in ``pack``, the updates that bring them up
+        to date: rows taken this step are cleared and get their prompt, every row gets
+        its new output tokens."""
+        need = len(self._row_of) + len({r.key for r in rows} - self._row_of.keys())
+        if need > self.num_rows:
+            self._alloc(max(need, 2 * self.num_rows))
+        V = self.vocab
+        slots, fresh, prompt_idx, out_idx = [], [], [], []
+        for r in rows:
+            key = r.key
+            out = r.output_token_ids
+            row = self._row_of.get(key)
+            if row is None or len(out) < self._synced[key]:  # new (or a reused key)
+                if row is None:
+                    row = self._free.pop()
+                    self._row_of[key] = row
+                fresh.append(row)
+                prompt_idx.append(_flat(r.prompt_token_ids, row * V, V))
+                self._synced[key] = 0
+            out_idx.append(_flat(out[self._synced[key]:], row * V, V))
+            self._synced[key] = len(out)
+            slots.append(row)
+        return _CountsPlan(self, pack.add(slots, i64), pack.add(fresh, i64),
+                           pack.add(np.concatenate(prompt_idx or [_NONE]), i64),
+                           pack.add(np.concatenate(out_idx), i64))  # fmt: skip
 
 
-def apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
-    """HF semantics over prompt + output tokens: positive logits of seen tokens are
-    divided by the penalty, negative ones multiplied."""
-    sel = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+@dataclass(slots=True)
+class _CountsPlan:
+    """Handles into the step's pack: rows, rows to clear, prompt and output updates."""
+
+    counts: TokenCounts
+    slots: int
+    fresh: int
+    prompt_idx: int
+    out_idx: int
+
+    def tensors(self, v: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output counts and prompt presence ``[len(rows), V]`` after the updates."""
+        tc = self.counts
+        fresh = v[self.fresh]
+        if fresh.numel():
+            tc.counts.index_fill_(0, fresh, 0)
+            tc.prompt_seen.index_fill_(0, fresh, False)
+        tc.prompt_seen.view(-1).index_fill_(0, v[self.prompt_idx], True)
+        out_idx = v[self.out_idx]
+        if out_idx.numel():
+            ones = torch.ones(out_idx.shape, dtype=torch.int32, device=out_idx.device)
+            tc.counts.view(-1).index_add_(0, out_idx, ones)
+        slots = v[self.slots]
+        return tc.counts.index_select(0, slots), tc.prompt_seen.index_select(0, slots)
+
+
+@dataclass(slots=True)
+class _FreshPlan:
+    """Counts built this step from each row's tokens (rows without a key)."""
+
+    n: int
+    vocab: int
+    prompt_idx: int
+    out_idx: int
+
+    def tensors(self, v: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.n * self.vocab
+        counts = torch.bincount(v[self.out_idx], minlength=size).view(self.n, self.vocab)
+        seen = torch.bincount(v[self.prompt_idx], minlength=size).view(self.n, self.vocab) > 0
+        return counts, seen
+
+
+@dataclass(slots=True)
+class PenaltyPlan:
+    """Handles into the step's pack for every processor the rows need (None: off)."""
+
+    bias: tuple[int, int, int] | None
+    banned: tuple[int, int] | None
+    counted: _CountsPlan | _FreshPlan | None
+    """Counts of the rows in ``counted_rows``."""
+    rep: tuple[int, int] | None
+    """Positions among the counted rows, penalties."""
+    presfreq: tuple[int, int, int] | None
+    """Positions among the counted rows, frequency and presence penalties."""
+    counted_rows: int
+    """Handle of the counted rows' indices in the batch."""
+
+
+def plan(rows: Sequence[RowLike], vocab: int, pack: Pack,
+         counts: TokenCounts | None = None) -> PenaltyPlan:  # fmt: skip
+    """The processing ``rows`` need, its arrays added to ``pack``. ``counts`` keeps the
+    token counts of keyed rows between steps (rows without a key are counted afresh)."""
+    bias_r: list[np.ndarray] = []
+    bias_t: list[np.ndarray] = []
+    bias_v: list[np.ndarray] = []
+    ban_r: list[int] = []
+    ban_t: list[int] = []
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.logit_bias:
+            t = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
+            keep = (t >= 0) & (t < vocab)
+            bias_t.append(t[keep])
+            bias_r.append(np.full(int(keep.sum()), i, dtype=np.int64))
+            bias_v.append(np.fromiter(p.logit_bias.values(), dtype=np.float32,
+                                      count=len(t))[keep])  # fmt: skip
+        if len(r.output_token_ids) < p.min_tokens:
+            for tid in min_tokens_banned(p, r.eos_token_ids):
+                if 0 <= tid < vocab:
+                    ban_r.append(i)
+                    ban_t.append(tid)
+    bias = None
+    if bias_r:
+        bias = (pack.add(np.concatenate(bias_r), i64), pack.add(np.concatenate(bias_t), i64),
+                pack.add(np.concatenate(bias_v), f32))  # fmt: skip
+    banned = (pack.add(ban_r, i64), pack.add(ban_t, i64)) if ban_r else None
+
+    rep_sel = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    pf_sel = [i for i, r in enumerate(rows)
+              if (r.params.presence_penalty or r.params.frequency_penalty)
+              and r.output_token_ids]  # fmt: skip
+    sel = sorted(set(rep_sel) | set(pf_sel))
     if not sel:
-        return
-    vocab = logits.shape[1]
-    dev = logits.device
-    ids = _padded_ids(
-        [rows[i].prompt_token_ids + rows[i].output_token_ids for i in sel], vocab, dev
-    )
-    seen = torch.zeros(len(sel), vocab + 1, dtype=torch.bool, device=dev)
-    seen.scatter_(1, ids.clamp_(0, vocab), True)
-    seen = seen[:, :vocab]
-    pen = torch.tensor(
-        [rows[i].params.repetition_penalty for i in sel], dtype=logits.dtype, device=dev
-    ).unsqueeze(1)
-    idx = torch.tensor(sel, device=dev)
-    sub = logits[idx]
-    penalised = torch.where(sub > 0, sub / pen, sub * pen)
-    logits[idx] = torch.where(seen, penalised, sub)
+        return PenaltyPlan(bias, banned, None, None, None, -1)
+    pos = {row: j for j, row in enumerate(sel)}
+    sub = [rows[i] for i in sel]
+    if counts is not None and all(r.key is not None for r in sub):
+        counted: _CountsPlan | _FreshPlan = counts.plan(sub, pack)
+    else:
+        counted = _FreshPlan(len(sub), vocab, *_fresh_indices(sub, vocab, pack))
+    rep = None
+    if rep_sel:
+        rep = (pack.add([pos[i] for i in rep_sel], i64),
+               pack.add([rows[i].params.repetition_penalty for i in rep_sel], f32))
+    presfreq = None
+    if pf_sel:
+        presfreq = (pack.add([pos[i] for i in pf_sel], i64),
+                    pack.add([rows[i].params.frequency_penalty for i in pf_sel], f32),
+                    pack.add([rows[i].params.presence_penalty for i in pf_sel], f32))
+    return PenaltyPlan(bias, banned, counted, rep, presfreq, pack.add(sel, i64))
 
 
-def apply_presence_frequency(logits: torch.Tensor, rows: Sequence[RowLike]) -> None:
-    """OpenAI semantics over output tokens:
-    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``."""
-    sel = [
-        i
-        for i, r in enumerate(rows)
-        if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids
-    ]
-    if not sel:
+def _fresh_indices(rows: Sequence[RowLike], vocab: int, pack: Pack) -> tuple[int, int]:
+    prompt = [_flat(r.prompt_token_ids, j * vocab, vocab) for j, r in enumerate(rows)]
+    out = [_flat(r.output_token_ids, j * vocab, vocab) for j, r in enumerate(rows)]
+    return pack.add(np.concatenate(prompt), i64), pack.add(np.concatenate(out), i64)
+
+
+def apply(logits: torch.Tensor, pl: PenaltyPlan, v: list[torch.Tensor]) -> None:
+    """Apply, in this order: logit_bias, min_tokens masking, repetition penalty (HF
+    semantics over prompt and output tokens), presence/frequency penalties (OpenAI
+    semantics over output tokens); ``v`` are the staged views of the plan's pack."""
+    if pl.bias is not None:
+        r, t, val = (v[h] for h in pl.bias)
+        logits.index_put_((r, t), val, accumulate=True)
+    if pl.banned is not None:
+        r, t = (v[h] for h in pl.banned)
+        logits.index_put_((r, t), torch.full((), float("-inf"), device=logits.device))
+    if pl.counted is None:
         return
-    vocab = logits.shape[1]
-    dev = logits.device
-    ids = _padded_ids([rows[i].output_token_ids for i in sel], vocab, dev).clamp_(0, vocab)
-    counts = torch.zeros(len(sel), vocab + 1, dtype=logits.dtype, device=dev)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
-    counts = counts[:, :vocab]
-    freq = torch.tensor(
-        [rows[i].params.frequency_penalty for i in sel], dtype=logits.dtype, device=dev
-    ).unsqueeze(1)
-    pres = torch.tensor(
-        [rows[i].params.presence_penalty for i in sel], dtype=logits.dtype, device=dev
-    ).unsqueeze(1)
-    idx = torch.tensor(sel, device=dev)
-    logits[idx] -= freq * counts + pres * (counts > 0).to(logits.dtype)
+    counts, prompt_seen = pl.counted.tensors(v)
+    sel = v[pl.counted_rows]
+    if pl.rep is not None:
+        at, pen = (v[h] for h in pl.rep)
+        idx = sel.index_select(0, at)
+        sub = logits.index_select(0, idx)
+        seen = prompt_seen.index_select(0, at) | (counts.index_select(0, at) > 0)
+        pen = pen.unsqueeze(1)
+        penalised = torch.where(sub > 0, sub / pen, sub * pen)
+        logits.index_copy_(0, idx, torch.where(seen, penalised, sub))
+    if pl.presfreq is not None:
+        at, freq, pres = (v[h] for h in pl.presfreq)
+        c = counts.index_select(0, at).to(logits.dtype)
+        idx = sel.index_select(0, at)
+        logits.index_add_(0, idx, -(freq.unsqueeze(1) * c + pres.unsqueeze(1) * (c > 0)))
+
+
+def apply_all(logits: torch.Tensor, rows: Sequence[RowLike], staging: StagingBuffer,
+              counts: TokenCounts | None = None) -> None:  # fmt: skip
+    """Plan, stage and apply in one call (verification rows, tests)."""
+    pack = Pack()
+    pl = plan(rows, logits.shape[1], pack, counts)
+    apply(logits, pl, staging.stage(pack.arrays))

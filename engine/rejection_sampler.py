@@ -25,7 +25,8 @@ import torch
 
 from engine import penalties
 from engine.outputs import TokenLogprobs
-from engine.sampler import SamplingRow, is_greedy, logprobs_of, race, sampling_probs
+from engine.sampler import SamplingRow, is_greedy, logprobs_of, plan_draw, race, sampling_probs
+from engine.step_buffers import Pack, StagingBuffer
 
 
 @dataclass(slots=True)
@@ -37,31 +38,31 @@ class Span:
 
 
 def verify(logits: torch.Tensor, rows: list[SamplingRow], spans: list[Span],
-           vocab_size: int) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+           vocab_size: int, staging: StagingBuffer,
+           ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:  # fmt: skip
     """Per span, the tokens the request outputs this step (kept drafts, then one more)
-    and, where it asked for them, their logprobs (of the raw model distribution)."""
-    raw = logits[:, :min(vocab_size, logits.shape[1])]
+    and, where it asked for them, their logprobs (of the raw model distribution).
+    ``staging`` is on the logits' device."""
+    vocab = min(vocab_size, logits.shape[1])
+    raw = logits[:, :vocab]
     x = raw.float().clone()
-    penalties.apply_all(x, rows)
+    pack = Pack()
+    pen = penalties.plan(rows, vocab, pack)
+    draw = plan_draw(rows, vocab, pack)
+    v = staging.stage(pack.arrays)
+    penalties.apply(x, pen, v)
     sampled_rows = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
     targets = x.argmax(dim=-1).tolist() if len(sampled_rows) < len(rows) else []
-    probs_at: dict[int, int] = {}
-    probs = None
-    if sampled_rows:
-        idx = torch.tensor(sampled_rows, device=x.device)
-        probs = sampling_probs(x.index_select(0, idx), [rows[i] for i in sampled_rows])
-        probs_at = {row: j for j, row in enumerate(sampled_rows)}
+    probs = None if draw is None else sampling_probs(x, draw, v)
+    probs_at = {row: j for j, row in enumerate(sampled_rows)}
     tokens: list[list[int]] = []
-    lps: list[list[TokenLogprobs] | None] = []
     for span in spans:
         row = rows[span.start]
         if is_greedy(row.params):
-            out = _accept_greedy(span, targets)
+            tokens.append(_accept_greedy(span, targets))
         else:
-            out = _accept_sampled(span, probs, probs_at, row.generator)
-        tokens.append(out)
-        lps.append(_span_logprobs(raw, rows, span, out))
-    return tokens, lps
+            tokens.append(_accept_sampled(span, probs, probs_at, row.generator))
+    return tokens, _logprobs(raw, rows, spans, tokens, staging)
 
 
 def _accept_greedy(span: Span, targets: list[int]) -> list[int]:
@@ -94,11 +95,23 @@ def _accept_sampled(span: Span, probs: torch.Tensor, probs_at: dict[int, int],
     return out
 
 
-def _span_logprobs(raw: torch.Tensor, rows: list[SamplingRow], span: Span,
-                   out: list[int]) -> list[TokenLogprobs] | None:
-    if rows[span.start].params.logprobs is None:
-        return None
-    sel = list(range(span.start, span.start + len(out)))
-    idx = torch.tensor(sel, device=raw.device)
-    got = logprobs_of(raw.index_select(0, idx), [rows[i] for i in sel], out)
-    return [lp for lp in got if lp is not None]
+def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], spans: list[Span],
+              tokens: list[list[int]], staging: StagingBuffer,
+              ) -> list[list[TokenLogprobs] | None]:  # fmt: skip
+    """Per span that asks for logprobs, those of its output tokens (row ``j`` of the
+    span scores its ``j``-th token); one staging for the whole step."""
+    sel: list[int] = []
+    flat: list[int] = []
+    for span, out in zip(spans, tokens, strict=True):
+        if rows[span.start].params.logprobs is not None:
+            sel.extend(range(span.start, span.start + len(out)))
+            flat.extend(out)
+    if not sel:
+        return [None] * len(spans)
+    idx, tok = staging.stage([(sel, torch.int64), (flat, torch.int64)])
+    got = iter(logprobs_of(raw.index_select(0, idx), [rows[i] for i in sel], flat, tok))
+    result: list[list[TokenLogprobs] | None] = []
+    for span, out in zip(spans, tokens, strict=True):
+        asks = rows[span.start].params.logprobs is not None
+        result.append([next(got) for _ in out] if asks else None)
+    return result

@@ -5,6 +5,11 @@ presence/frequency penalties (``engine.penalties``) -> the grammar's token bitma
 with structured outputs, ``engine.structured``) -> temperature; greedy rows take the
 argmax of the processed logits, sampled rows apply top_k, top_p, min_p and then sample.
 
+Every index and parameter array a step needs (rows, temperatures, top-k/p, min-p,
+penalties, logit bias, banned tokens) is planned on the host and staged in one
+host-to-device copy (``engine.step_buffers``); nothing builds a device tensor from a
+Python list per step.
+
 Randomness: a seeded row draws only from its own generator, always a ``[vocab_size]``
 exponential tensor, so its tokens do not depend on the rest of the batch. Unseeded rows
 share one batched draw from torch's global generator.
@@ -20,10 +25,12 @@ import torch
 from engine import penalties
 from engine.outputs import Logprob, TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.step_buffers import Pack, StagingBuffer
 from engine.structured import bitmask
 from engine.structured.backend import Matcher
 
 _GREEDY_EPS = 1e-5
+i64, f32 = torch.int64, torch.float32
 
 
 @dataclass(slots=True)
@@ -40,6 +47,9 @@ class SamplingRow:
     """The model's EOS ids (masked, with the stop token ids, until ``min_tokens``)."""
     matcher: Matcher | None = None
     """The request's grammar matcher (structured outputs): masks the tokens it forbids."""
+    key: str | None = None
+    """The request's id: the sampler keeps its penalty token counts on the device from
+    step to step (None: counted afresh from the token lists)."""
 
 
 @dataclass(slots=True)
@@ -96,6 +106,22 @@ class Sampler:
         on the CPU)."""
         self._bitmask = bitmask.TokenBitmask()
         """The grammar bitmask of the constrained rows, allocated once and refilled."""
+        self.staging: StagingBuffer | None = None
+        """The step's sampling arrays, staged in one copy (made on the logits' device)."""
+        self.counts: penalties.TokenCounts | None = None
+        """Penalty token counts of the keyed rows, on the device."""
+
+    def release(self, key: str) -> None:
+        """Forget a finished request's token counts."""
+        if self.counts is not None:
+            self.counts.release(key)
+
+    def staging_on(self, dev: torch.device) -> StagingBuffer:
+        """The sampler's staging buffer (made, with the token counts, on first use)."""
+        if self.staging is None or self.staging.device != dev:
+            self.staging = StagingBuffer(dev)
+            self.counts = penalties.TokenCounts(self.vocab_size, dev)
+        return self.staging
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """``logits`` is [len(rows), V] with V >= vocab_size (padded columns are ignored)."""
@@ -108,134 +134,167 @@ class Sampler:
             return SamplerOutput(self._argmax(raw).tolist(), [None] * len(rows))
 
         dev = logits.device
+        staging = self.staging_on(dev)
         sub_rows = [rows[i] for i in special]
         every = len(special) == len(rows)
-        x = _processing_copy(raw, None if every else special)
-        penalties.apply_all(x, sub_rows)
+        pack = Pack()
+        h_special = None if every else pack.add(special, i64)
+        pen = penalties.plan(sub_rows, vocab, pack, self.counts)
+        draw = plan_draw(sub_rows, vocab, pack)
         constrained = [j for j, r in enumerate(sub_rows) if r.matcher is not None]
+        h_constrained = (pack.add(constrained, i64)
+                         if 0 < len(constrained) < len(sub_rows) else None)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        h_want = pack.add(want, i64) if want and len(want) < len(rows) else None
+        v = staging.stage(pack.arrays)
+
+        special_t = None if every else v[h_special]
+        x = _processing_copy(raw, special_t)
+        penalties.apply(x, pen, v)
         if constrained:
             mask = self._bitmask.fill([sub_rows[j].matcher for j in constrained], x.shape[1],
                                       pin_memory=dev.type == "cuda")
-            bitmask.apply(x, None if len(constrained) == len(sub_rows) else constrained, mask)
-        picked = _pick(x, sub_rows, self._argmax)
+            bitmask.apply(x, None if h_constrained is None else constrained, mask,
+                          None if h_constrained is None else v[h_constrained])
+        picked = self._argmax(x)
+        if draw is not None:
+            picked.index_copy_(0, v[draw.rows], race(sampling_probs(x, draw, v), draw.gens,
+                                                     draw.unseeded_view(v)))
         if every:  # no argmax of the raw rows
             tokens = picked
         else:
             tokens = self._argmax(raw)
-            tokens[torch.tensor(special, device=dev)] = picked
+            tokens.index_copy_(0, special_t, picked)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, logprobs_of(raw, rows, token_list))
+        lps = [None] * len(rows)
+        if want:
+            lps = logprobs_of(raw, rows, token_list, tokens,
+                              None if h_want is None else v[h_want])
+        return SamplerOutput(token_list, lps)
 
 
-def _processing_copy(raw: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+def _processing_copy(raw: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """A contiguous float32 copy of ``raw`` (of its ``rows``; None: all of them), safe to
     process in place. A float32 CPU copy is made by numpy in this thread: split across
     torch's intra-op threads, a few rows cost more in waiting than in copying."""
     if raw.device.type == "cpu" and raw.dtype == torch.float32:
         a = raw.numpy()
-        return torch.from_numpy(a.copy() if rows is None else a[rows])
+        return torch.from_numpy(a.copy() if rows is None else a[rows.numpy()])
     if rows is None:
         return raw.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    return raw.index_select(0, torch.tensor(rows, device=raw.device)).float()
+    return raw.index_select(0, rows).float()
 
 
-def _pick(x: torch.Tensor, rows: list[SamplingRow],
-          argmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Tokens for processed logits ``x`` (modified in place)."""
-    out = argmax(x)
+@dataclass(slots=True)
+class DrawPlan:
+    """The sampled (not greedy) rows of a batch and the handles of their parameters in
+    the step's pack: what :func:`sampling_probs` and :func:`race` read."""
+
+    rows: int
+    """Positions of the sampled rows in the batch."""
+    temps: int
+    top_k: tuple[int, int] | None
+    """(largest k, positions k-1 per row) when any row keeps fewer than V tokens."""
+    top_p: int | None
+    min_p: int | None
+    unseeded: int | None
+    """Positions (among the sampled rows) of those without a generator, when some have one."""
+    gens: list[torch.Generator | None]
+
+    def unseeded_view(self, v: list[torch.Tensor]) -> torch.Tensor | None:
+        return None if self.unseeded is None else v[self.unseeded]
+
+
+def plan_draw(rows: list[SamplingRow], vocab: int, pack: Pack) -> DrawPlan | None:
+    """The draw of the rows that sample (None when every row is greedy)."""
     sampled = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
     if not sampled:
-        return out
-    idx = torch.tensor(sampled, device=x.device)
-    s_rows = [rows[i] for i in sampled]
-    probs = sampling_probs(x.index_select(0, idx), s_rows)
-    out[idx] = race(probs, [r.generator for r in s_rows])
-    return out
+        return None
+    params = [rows[i].params for i in sampled]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_k = None
+    if any(k < vocab for k in ks):
+        top_k = (max(ks), pack.add([k - 1 for k in ks], i64))
+    ps, mins = [p.top_p for p in params], [p.min_p for p in params]
+    gens = [rows[i].generator for i in sampled]
+    unseeded = [j for j, g in enumerate(gens) if g is None]
+    return DrawPlan(
+        rows=pack.add(sampled, i64), temps=pack.add([p.temperature for p in params], f32),
+        top_k=top_k, top_p=None if all(p >= 1.0 for p in ps) else pack.add(ps, f32),
+        min_p=pack.add(mins, f32) if any(mins) else None,
+        unseeded=pack.add(unseeded, i64) if 0 < len(unseeded) < len(gens) else None,
+        gens=gens)  # fmt: skip
 
 
-def sampling_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def sampling_probs(x: torch.Tensor, draw: DrawPlan, v: list[torch.Tensor]) -> torch.Tensor:
     """The distribution each sampled row draws from: processed logits ``x`` (bias and
-    penalties applied) over temperature, then top_k, top_p and min_p."""
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=x.device)
-    xs = x / temps.unsqueeze(1)
-    _top_k(xs, [r.params.top_k for r in rows])
-    _top_p(xs, [r.params.top_p for r in rows])
-    _min_p(xs, [r.params.min_p for r in rows])
+    penalties applied; every row of the batch) at the sampled rows, over temperature,
+    then top_k, top_p and min_p."""
+    xs = x.index_select(0, v[draw.rows]) / v[draw.temps].unsqueeze(1)
+    if draw.top_k is not None:
+        kmax, pos = draw.top_k
+        thresh = xs.topk(kmax, dim=-1).values.gather(1, v[pos].unsqueeze(1))
+        xs.masked_fill_(xs < thresh, float("-inf"))  # ties at the k-th value are kept
+    if draw.top_p is not None:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (>= 1).
+        probs, order = torch.softmax(xs, dim=-1).sort(dim=-1, descending=True)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop_sorted = before >= v[draw.top_p].unsqueeze(1)
+        drop_sorted[:, 0] = False
+        xs.masked_fill_(torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted),
+                        float("-inf"))  # fmt: skip
+    if draw.min_p is not None:
+        # Drop tokens whose probability is below min_p times the most likely token's.
+        probs = torch.softmax(xs, dim=-1)
+        thresh = probs.max(dim=-1, keepdim=True).values * v[draw.min_p].unsqueeze(1)
+        xs.masked_fill_(probs < thresh, float("-inf"))
     return torch.softmax(xs, dim=-1)
 
 
-def _top_k(x: torch.Tensor, ks: list[int]) -> None:
-    """Keep the k largest logits per row (ties at the k-th value are kept); 0 = off."""
-    vocab = x.shape[1]
-    if not any(0 < k < vocab for k in ks):
-        return
-    k_eff = [k if 0 < k < vocab else vocab for k in ks]
-    kmax = max(k_eff)
-    top = x.topk(kmax, dim=-1).values
-    pos = torch.tensor([k - 1 for k in k_eff], device=x.device).unsqueeze(1)
-    thresh = top.gather(1, pos)
-    x.masked_fill_(x < thresh, float("-inf"))
+def race(probs: torch.Tensor, gens: list[torch.Generator | None],
+         unseeded: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Sample one token per row: argmax(probs / q) with q ~ Exp(1) is a draw from probs.
 
-
-def _top_p(x: torch.Tensor, ps: list[float]) -> None:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
-    if all(p >= 1.0 for p in ps):
-        return
-    p = torch.tensor(ps, dtype=x.dtype, device=x.device).unsqueeze(1)
-    probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True)
-    before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-    drop_sorted = before >= p
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    x.masked_fill_(drop, float("-inf"))
-
-
-def _min_p(x: torch.Tensor, ps: list[float]) -> None:
-    """Drop tokens whose probability is below min_p times the most likely token's."""
-    if not any(ps):
-        return
-    m = torch.tensor(ps, dtype=x.dtype, device=x.device).unsqueeze(1)
-    probs = torch.softmax(x, dim=-1)
-    thresh = probs.max(dim=-1, keepdim=True).values * m
-    x.masked_fill_(probs < thresh, float("-inf"))
-
-
-def race(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
-    """Sample one token per row: argmax(probs / q) with q ~ Exp(1) is a draw from probs."""
+    Rows without a generator share one draw from the global generator; when some rows
+    have one, ``unseeded`` indexes the others."""
     n, vocab = probs.shape
     q = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(gens) if g is None]
-    if len(unseeded) == n:
+    if all(g is None for g in gens):
         q.exponential_()
     else:
-        if unseeded:
-            idx = torch.tensor(unseeded, device=probs.device)
-            q[idx] = torch.empty(len(unseeded), vocab, device=probs.device).exponential_()
+        if unseeded is not None:
+            q.index_copy_(0, unseeded, torch.empty(unseeded.shape[0], vocab, dtype=q.dtype,
+                                                   device=q.device).exponential_())
         for i, g in enumerate(gens):
             if g is not None:
-                q[i] = torch.empty(vocab, device=g.device).exponential_(generator=g).to(q.device)
+                q[i] = torch.empty(vocab, dtype=q.dtype, device=g.device).exponential_(
+                    generator=g)
     return (probs / q).argmax(dim=-1)
 
 
-def logprobs_of(
-    raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int]
-) -> list[TokenLogprobs | None]:
-    """Logprobs of the raw model distribution (before bias, penalties and temperature)."""
+def logprobs_of(raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int],
+                tokens_t: torch.Tensor, want: torch.Tensor | None = None,
+                ) -> list[TokenLogprobs | None]:  # fmt: skip
+    """Logprobs of the raw model distribution (before bias, penalties and temperature)
+    of the rows that ask for them; ``tokens_t`` holds ``tokens`` on the device and
+    ``want`` the positions of those rows there (None: every row asks)."""
     out: list[TokenLogprobs | None] = [None] * len(rows)
-    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    if not want:
-        return out
-    dev = raw.device
-    idx = torch.tensor(want, device=dev)
-    lp = torch.log_softmax(raw.index_select(0, idx).float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor([tokens[i] for i in want], device=dev).unsqueeze(1))
-    kmax = max(rows[i].params.logprobs or 0 for i in want)
+    sel = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if want is None:
+        if len(sel) != len(rows):
+            raise ValueError("want is needed when not every row asks for logprobs")
+        lp, chosen_t = raw.float(), tokens_t
+    else:
+        lp, chosen_t = raw.index_select(0, want).float(), tokens_t.index_select(0, want)
+    lp = torch.log_softmax(lp, dim=-1)
+    chosen = lp.gather(1, chosen_t.unsqueeze(1).to(torch.int64))
+    kmax = max(rows[i].params.logprobs or 0 for i in sel)
     chosen_l = chosen.squeeze(1).tolist()
     ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
     if kmax:
         top = lp.topk(kmax, dim=-1)
         top_v, top_i = top.values.tolist(), top.indices.tolist()
-    for j, i in enumerate(want):
+    for j, i in enumerate(sel):
         k = rows[i].params.logprobs or 0
         cands = [Logprob(top_i[j][r], top_v[j][r], r + 1) for r in range(k)] if k else []
         out[i] = TokenLogprobs(tokens[i], chosen_l[j], cands, ranks[j])

@@ -1,9 +1,10 @@
 """Reusable buffers for a step's inputs, so that the host's part of a step stays small.
 
 :class:`StagingBuffer` packs every integer array of a step (token ids, positions, slots,
-lengths, logits rows, block-table changes) into one host buffer, pinned when the device
-is a GPU, and copies it to a device buffer of the same layout in one non-blocking copy;
-the step's tensors are views of that device buffer. Both buffers are reused from step
+lengths, logits rows, block-table changes; the sampler's parameters and indices) into
+one host buffer, pinned when the device is a GPU, and copies it to a device buffer of
+the same layout in one non-blocking copy; the step's tensors are views of that device
+buffer (on the CPU the host buffer is that buffer). Both buffers are reused from step
 to step (reallocated only to grow), and every array starts at a multiple of 16 bytes,
 so a kernel's pointer arguments keep their alignment, and their compiled variant.
 
@@ -28,6 +29,20 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+class Pack:
+    """The arrays of one staging, collected before the copy: :meth:`add` returns the
+    array's index in the list of views :meth:`StagingBuffer.stage` returns."""
+
+    __slots__ = ("arrays",)
+
+    def __init__(self) -> None:
+        self.arrays: list[tuple[Sequence[int] | np.ndarray, torch.dtype]] = []
+
+    def add(self, values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch.dtype) -> int:
+        self.arrays.append((values, dtype))
+        return len(self.arrays) - 1
+
+
 class StagingBuffer:
     """One host buffer and one device buffer of the same layout, reused every step."""
 
@@ -35,43 +50,67 @@ class StagingBuffer:
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
         self._copied: torch.cuda.Event | None = None
+        self.num_stages = 0
+        """Calls of :meth:`stage` (each one host-to-device copy off the CPU)."""
+        self.num_copies = 0
         self._alloc(capacity)
 
     def _alloc(self, nbytes: int) -> None:
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
         self._host_np = self.host.numpy()
-        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        # On the CPU the host buffer is the device buffer: nothing to copy.
+        self.dev = self.host if self.device.type == "cpu" else torch.empty(
+            nbytes, dtype=torch.uint8, device=self.device)
 
     @property
     def capacity(self) -> int:
         return self.host.numel()
 
-    def stage(self, arrays: Sequence[tuple[Sequence[int] | np.ndarray, torch.dtype]]
-              ) -> list[torch.Tensor]:  # fmt: skip
+    def stage(self, arrays: Sequence[tuple[Sequence[int] | np.ndarray, torch.dtype]],
+              into: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
         """Device tensors holding ``arrays`` (values, dtype), after one host-to-device copy.
 
+        ``into`` (a uint8 device tensor of at least :func:`layout`'s total) receives the
+        copy instead of the staging's own device buffer: the CUDA graphs' static inputs
+        are filled this way, their arrays first and at the offsets :func:`layout` gives.
         The views are valid until the next call (which overwrites the buffers, after the
         previous copy has finished reading the host buffer)."""
-        sizes = [len(values) * torch.empty(0, dtype=dt).element_size() for values, dt in arrays]
-        offsets, total = [], 0
-        for nbytes in sizes:
-            offsets.append(total)
-            total += _aligned(max(nbytes, 1))
+        sizes = [len(values) * dt.itemsize for values, dt in arrays]
+        offsets, total = layout(sizes)
+        if into is not None and total > into.numel():
+            raise ValueError(f"{total} staged bytes do not fit the {into.numel()} of `into`")
+        self.num_stages += 1
         if self._copied is not None:
             self._copied.synchronize()  # the copy in flight still reads the host buffer
         if total > self.capacity:
             self._alloc(max(total, 2 * self.capacity))
         for (values, dt), off, nbytes in zip(arrays, offsets, sizes, strict=True):
             if nbytes:
-                np_dt = torch.empty(0, dtype=dt).numpy().dtype
-                self._host_np[off:off + nbytes].view(np_dt)[:] = values
-        self.dev[:total].copy_(self.host[:total], non_blocking=True)
+                self._host_np[off:off + nbytes].view(_NP[dt])[:] = values
+        dest = self.dev if into is None else into
+        if dest is not self.host:
+            dest[:total].copy_(self.host[:total], non_blocking=True)
+            self.num_copies += 1
         if self.pinned:
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record()
-        return [self.dev[off:off + nbytes].view(dt)
+        return [dest[off:off + nbytes].view(dt)
                 for (_, dt), off, nbytes in zip(arrays, offsets, sizes, strict=True)]  # fmt: skip
+
+
+def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets of arrays of ``sizes`` bytes packed one after another, each aligned to
+    :data:`ALIGN`, and the bytes they take."""
+    offsets, total = [], 0
+    for nbytes in sizes:
+        offsets.append(total)
+        total += _aligned(max(nbytes, 1))
+    return offsets, total
+
+
+_NP = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
+       torch.int16: np.int16, torch.uint8: np.uint8, torch.bool: np.bool_}  # fmt: skip
 
 
 class BlockTableRows:

@@ -65,10 +65,12 @@ def _table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def apply(logits: torch.Tensor, rows: Sequence[int] | None, bitmask: torch.Tensor) -> None:
+def apply(logits: torch.Tensor, rows: Sequence[int] | None, bitmask: torch.Tensor,
+          rows_t: torch.Tensor | None = None) -> None:
     """Set to -inf, in ``logits[rows[i]]``, every token that row ``i`` of ``bitmask``
     does not allow; ``rows=None`` means every row of ``logits``, in order. Only those
-    rows are written; columns past the mask (padding of the vocabulary) are masked."""
+    rows are written; columns past the mask (padding of the vocabulary) are masked.
+    ``rows_t`` is ``rows`` already on the logits' device (the sampler stages it)."""
     n, vocab = bitmask.shape[0], logits.shape[1]
     if n == 0:
         return
@@ -87,7 +89,7 @@ def apply(logits: torch.Tensor, rows: Sequence[int] | None, bitmask: torch.Tenso
         logits[:, :width].add_(add)
         logits[:, width:] = float("-inf")
         return
-    idx = torch.tensor(list(rows), device=logits.device)
+    idx = rows_t if rows_t is not None else torch.tensor(list(rows), device=logits.device)
     logits[:, :width].index_add_(0, idx, add)
     if width < vocab:
         logits[idx, width:] = float("-inf")

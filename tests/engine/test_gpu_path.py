@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine import cuda_graphs
 from engine.cuda_graphs import (
     MAX_CAPTURE_SIZE,
     DecodeBuffers,
@@ -223,9 +224,12 @@ def test_decode_runner_declines_what_it_cannot_run() -> None:
         DecodeGraphRunner(model, attn, caches, bs, 128, [4, 2], torch.device("cpu"))
 
 
-def test_model_runner_uses_decode_runner(tmp_path) -> None:
+@pytest.mark.parametrize("tail_bytes", [cuda_graphs.TAIL_BYTES, 16])
+def test_model_runner_uses_decode_runner(tmp_path, monkeypatch, tail_bytes) -> None:
     """The runner hook: decode-only steps go through the padded runner, and the greedy
-    tokens are those of the plain eager engine."""
+    tokens are those of the plain eager engine. Each such step is staged straight into
+    the runner's static buffers in one copy, unless its arrays do not fit there (a tail
+    of 16 bytes): then it is staged as usual and copied in."""
     from engine import LLM, SamplingParams
     from tests.helpers.models import write_tiny_model
 
@@ -237,13 +241,38 @@ def test_model_runner_uses_decode_runner(tmp_path) -> None:
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     w = llm.engine.worker
     assert w.runner.decode_graphs is None  # CPU: eager
+    monkeypatch.setattr(cuda_graphs, "TAIL_BYTES", tail_bytes)
     runner = DecodeGraphRunner(w.model, w.attn, w.runner.kv_caches, w.config.block_size,
                                w.max_model_len, capture_sizes(4), w.device,
                                use_graphs=False)  # fmt: skip
     w.runner.decode_graphs = runner
+    staged = []
+    prepare = w.runner.prepare
+
+    def spy(sched):
+        before = w.runner.staging.num_copies
+        step = prepare(sched)
+        staged.append((step, w.runner.staging.num_copies - before))
+        return step
+
+    monkeypatch.setattr(w.runner, "prepare", spy)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert out == ref
     assert runner.num_replays >= 5 and runner.num_eager_fallbacks > 0
+    # One copy into the graph buffers; none for a step staged on the CPU (its host buffer
+    # is the device buffer).
+    assert all(copies == (step.graph_batch is not None) for step, copies in staged)
+    packed = runner.buffers.packed
+    lo, hi = packed.data_ptr(), packed.data_ptr() + packed.numel()
+    into = [s for s, _ in staged if s.graph_batch is not None]
+    if tail_bytes == 16:
+        assert not into and runner.num_loads == runner.num_replays
+        return
+    assert len(into) == runner.num_replays and runner.num_loads == 0
+    for step in into:
+        for t in (step.input_ids, step.positions, step.meta.slot_mapping, step.meta.seq_lens,
+                  step.logits_indices):
+            assert lo <= t.data_ptr() < hi
 
 
 # -- the KV budget -----------------------------------------------------------------------

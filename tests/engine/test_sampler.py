@@ -16,6 +16,7 @@ from engine.sampler import (
     make_generator,
 )
 from engine.sampling_params import SamplingParams
+from engine.step_buffers import StagingBuffer
 
 V = 64
 
@@ -185,7 +186,7 @@ def test_repetition_penalty_matches_transformers() -> None:
     prompt, output = [3, 5, 5, 60], [7, 3, 11]
     r = row(prompt=prompt, output=output, repetition_penalty=1.7)
     ours = logits.clone()
-    penalties.apply_all(ours, [r, row(prompt=prompt, output=output)])
+    penalties.apply_all(ours, [r, row(prompt=prompt, output=output)], StagingBuffer("cpu"))
     hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits[:1].clone())
     assert torch.allclose(ours[0], hf[0])
     assert torch.equal(ours[1], logits[1])  # the row without penalties is untouched
@@ -196,7 +197,7 @@ def test_presence_and_frequency_penalties_follow_openai_formula() -> None:
     output = [4, 4, 4, 9]
     r = row(prompt=[4, 20], output=output, presence_penalty=0.5, frequency_penalty=0.25)
     ours = logits.clone()
-    penalties.apply_all(ours, [r])
+    penalties.apply_all(ours, [r], StagingBuffer("cpu"))
     expected = logits.clone()
     expected[0, 4] -= 3 * 0.25 + 0.5
     expected[0, 9] -= 1 * 0.25 + 0.5

@@ -13,6 +13,7 @@ from engine.ngram_proposer import NgramProposer
 from engine.rejection_sampler import Span, verify
 from engine.sampler import SamplingRow
 from engine.spec_config import SpeculativeConfig
+from engine.step_buffers import StagingBuffer
 
 
 # -- proposer ---------------------------------------------------------------------------
@@ -64,9 +65,9 @@ def test_greedy_verification_keeps_the_agreeing_prefix() -> None:
     for row, tok in enumerate([3, 4, 9, 1]):
         logits[row, tok] = 5.0
     rows = _rows(4, temperature=0.0)
-    got, _ = verify(logits, rows, [Span(0, [3, 4, 5])], 10)
+    got, _ = verify(logits, rows, [Span(0, [3, 4, 5])], 10, StagingBuffer("cpu"))
     assert got == [[3, 4, 9]]  # 5 disagrees with row 2's 9: 9 is the next token
-    got, _ = verify(logits, rows, [Span(0, [3, 4, 9])], 10)
+    got, _ = verify(logits, rows, [Span(0, [3, 4, 9])], 10, StagingBuffer("cpu"))
     assert got == [[3, 4, 9, 1]]  # all kept, and row 3 gives one more
 
 
@@ -94,7 +95,7 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
         rows = [SamplingRow(SamplingParams(temperature=1.0, seed=i), [1], [], gen)
                 for _ in range(3)]  # fmt: skip
         drafts = [int(p[0].argmax()), int(p[1].argmin())]  # a likely and an unlikely draft
-        out = verify(logits, rows, [Span(0, drafts)], vocab)[0][0]
+        out = verify(logits, rows, [Span(0, drafts)], vocab, StagingBuffer("cpu"))[0][0]
         first[out[0]] += 1
         if out[0] == drafts[0]:
             second[out[1]] += 1

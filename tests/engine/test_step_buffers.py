@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.step_buffers import ALIGN, BlockTableRows, StagingBuffer
+from engine.step_buffers import ALIGN, BlockTableRows, StagingBuffer, layout
 
 
 def test_staging_reuses_its_buffers_and_aligns_every_array() -> None:
@@ -90,3 +90,16 @@ def test_incremental_block_tables_equal_a_full_rebuild(tmp_path) -> None:
     assert small.engine.kv.stats().num_free_blocks == 14
     _, ref, _ = run()
     assert tokens == ref
+
+
+def test_staging_into_a_destination_uses_the_layout_offsets() -> None:
+    buf = StagingBuffer("cpu", capacity=64)
+    _, total = layout([3 * 8, 2 * 4])
+    dest = torch.zeros(total + 16, dtype=torch.uint8)
+    a, b = buf.stage([([1, 2, 3], torch.int64), ([4, 5], torch.int32)], into=dest)
+    assert a.tolist() == [1, 2, 3] and b.tolist() == [4, 5]
+    offsets, _ = layout([3 * 8, 2 * 4])
+    assert [t.data_ptr() - dest.data_ptr() for t in (a, b)] == offsets
+    assert buf.num_copies == 1 and buf.num_stages == 1
+    with pytest.raises(ValueError, match="do not fit"):
+        buf.stage([(list(range(8)), torch.int64)], into=torch.zeros(32, dtype=torch.uint8))
