@@ -11,9 +11,9 @@ keeps what it measured):
   bf16 model, batches of 3, 17 and 255 requests (off the capture ladder) and prompts of
   3K+ tokens: the first token's logprob within a bf16 tolerance, greedy agreement
   reported, and no Triton compile after the engine's warm-up;
-* step split: the host's prepare, the copies into the graph buffers, the replay and the
-  sampling of decode steps at batch 1/16/64/256 (each timed with a device sync around
-  it). Decode-attention bandwidth against the card's peak is the ``bandwidth`` part.
+* step split: the host's prepare, within it the staging (the host buffer filled and its
+  one copy into the graphs' static buffers), the replay and the sampling of decode steps
+  at batch 1/16/64/256 (each timed with a device sync around it). Decode-attention bandwidth against the card's peak is the ``bandwidth`` part.
 """
 
 from __future__ import annotations
@@ -222,6 +222,20 @@ def _timed(times: list[float], fn: Callable) -> Callable:
     return wrapper
 
 
+class _TimedCalls:
+    """``obj`` with its calls timed into ``times``; its other attributes pass through."""
+
+    def __init__(self, times: list[float], obj: Any) -> None:
+        self._call = _timed(times, obj)
+        self._obj = obj
+
+    def __call__(self, *a, **kw):
+        return self._call(*a, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._obj, name)
+
+
 def step_split(model: Path, say: Callable[[str], None]) -> None:
     """Median microseconds of each part of a decode step, per batch size."""
     from engine import LLM, SamplingParams
@@ -230,12 +244,12 @@ def step_split(model: Path, say: Callable[[str], None]) -> None:
               attention_backend="triton")  # fmt: skip
     runner = llm.engine.worker.runner
     graphs = runner.decode_graphs
-    parts: dict[str, list[float]] = {k: [] for k in ("prepare", "copies", "replay", "sample")}
+    parts: dict[str, list[float]] = {k: [] for k in ("prepare", "stage", "replay", "sample")}
     runner.prepare = _timed(parts["prepare"], runner.prepare)
-    graphs.buffers.load = _timed(parts["copies"], graphs.buffers.load)
+    runner.staging.stage = _timed(parts["stage"], runner.staging.stage)
     for graph in graphs.graphs.values():
         graph.replay = _timed(parts["replay"], graph.replay)
-    runner.sampler = _timed(parts["sample"], runner.sampler)
+    runner.sampler = _TimedCalls(parts["sample"], runner.sampler)
     sp = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)
     for batch in STEP_BATCHES:
         for v in parts.values():
