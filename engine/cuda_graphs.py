@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from blockmgr import cdiv
+from engine import envs
 from engine.step_buffers import layout
 from kernels.interface import AttentionBackend, AttentionMetadata
 
@@ -322,14 +323,25 @@ class DecodeGraphRunner:
 def capture_decode_graphs(worker: Any) -> DecodeGraphRunner | None:
     """Capture the decode graphs of ``worker`` (a :class:`engine.worker.Worker` whose
     model runner exists), or None when graphs are off (device, ``enforce_eager``, or a
-    backend that cannot be captured)."""
+    backend that cannot be captured). With ``PAGEDSERVE_DECODE_BUFFERS=1`` a runner that
+    captures nothing runs decode steps on the padded buffers instead of None.
+
+    Under tensor parallel every rank captures the same sizes in the same order (their
+    collectives are in the graphs), and every rank replays or runs eagerly the same
+    steps: the choice depends only on the step's description."""
     cfg = worker.config
+    sizes = capture_sizes(cfg.max_num_seqs)
     if not graphs_wanted(worker.device, cfg.enforce_eager, worker.attn):
         if worker.device.type == "cuda" and not cfg.enforce_eager:
             logger.info("CUDA graphs off: the %r attention backend cannot be captured "
                         "(graph-safe: %s)", worker.attn.name, sorted(GRAPH_SAFE_BACKENDS))  # fmt: skip
-        return None
-    sizes = capture_sizes(cfg.max_num_seqs)
+        if not envs.decode_buffers():
+            return None
+        logger.info("decode steps on the padded graph buffers, without graphs (sizes %s)",
+                    sizes)
+        return DecodeGraphRunner(worker.model, worker.attn, worker.runner.kv_caches,
+                                 cfg.block_size, worker.max_model_len, sizes, worker.device,
+                                 use_graphs=False)  # fmt: skip
     runner = DecodeGraphRunner(worker.model, worker.attn, worker.runner.kv_caches,
                                cfg.block_size, worker.max_model_len, sizes, worker.device)  # fmt: skip
     before = torch.cuda.memory_reserved(worker.device)

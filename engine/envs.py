@@ -93,11 +93,15 @@ LOCUST_MODEL = Var("PAGEDSERVE_LOCUST_MODEL", "the first of `GET /v1/models`",
 TP_STEP_TIMEOUT = Var("PAGEDSERVE_TP_STEP_TIMEOUT", "120",
                       "tensor parallel: seconds a rank waits in a step's collective before "
                       "the engine is declared dead (a hung rank)")
+DECODE_BUFFERS = Var("PAGEDSERVE_DECODE_BUFFERS", "0",
+                     "`1`: run decode-only steps on the CUDA graphs' static, padded input "
+                     "buffers where no graph is captured (the CPU, `--enforce-eager`): the "
+                     "graph path's staging, padding and rank lockstep, run eagerly")
 
 VARIABLES = (CACHE, ATTENTION_BACKEND, CPU_ISA, PACK_WEIGHTS, FUSE_LAYERS, MALLOC_TUNING,
              HUGEPAGES, API_KEY, LOCUST_PROMPTS, LOCUST_MAX_TOKENS, LOCUST_IGNORE_EOS,
              LOCUST_STREAM_RATIO, LOCUST_WAIT_MIN, LOCUST_WAIT_MAX, LOCUST_TEMPERATURE,
-             LOCUST_MODEL, TP_STEP_TIMEOUT)  # fmt: skip
+             LOCUST_MODEL, TP_STEP_TIMEOUT, DECODE_BUFFERS)  # fmt: skip
 """Every ``PAGEDSERVE_*`` variable, in README order."""
 
 HF_HUB_OFFLINE = Var("HF_HUB_OFFLINE", "off", "Hugging Face: never contact the hub")
@@ -190,6 +194,10 @@ def locust_model() -> str | None:
 
 def tp_step_timeout() -> float:
     return float(TP_STEP_TIMEOUT.raw() or 120.0)
+
+
+def decode_buffers() -> bool:
+    return DECODE_BUFFERS.raw() == "1"
 
 
 def launcher_ranks() -> tuple[int, int, int, int] | None:

@@ -168,10 +168,9 @@ class Worker:
             from engine.kernel_warmup import warm_up_kernels
 
             warm_up_kernels(self)
-        if self.device.type == "cuda" and not config.enforce_eager and self.tp is None:
-            from engine.cuda_graphs import capture_decode_graphs
+        from engine.cuda_graphs import capture_decode_graphs
 
-            self.runner.decode_graphs = capture_decode_graphs(self)
+        self.runner.decode_graphs = capture_decode_graphs(self)
         capacity = num_blocks * config.block_size
         if self.rank != 0:
             return
@@ -302,6 +301,10 @@ class Worker:
         """Stop the tensor-parallel ranks (rank 0; a no-op without them). ``graceful``:
         tell them to stop and wait for them; else (a failed start) terminate them soon."""
         tp, self.tp = self.tp, None
+        if tp is not None and getattr(self, "runner", None) is not None:
+            # Graphs holding NCCL collectives go before the communicator does (destroying
+            # it under live captures can hang).
+            self.runner.decode_graphs = None
         if tp is None or tp.rank != 0:
             if tp is not None:
                 tp.close()

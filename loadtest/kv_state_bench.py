@@ -11,6 +11,15 @@ anything runs (4 Hz, ``max_cells=16384``), for a while; run it beside
 ``pagedserve bench serve`` to see what polling costs the serving throughput::
 
     python -m loadtest.kv_state_bench poll --url http://127.0.0.1:8000 --hz 4 --seconds 60
+
+``alternate``: the same poller switched on and off in windows of ``--window`` seconds
+(order A B B A, A off and B on, so that a steady drift cancels) beside one long
+``bench serve`` run, and the engine's output tokens per second in each window, read at
+each window's edge from one small snapshot (the engine's own clock and token count).
+Pairs of adjacent windows give the throughput with polling over that without it, with
+a bootstrap interval, all within one run of one server::
+
+    python -m loadtest.kv_state_bench alternate --url http://127.0.0.1:8000 --seconds 900
 """
 
 from __future__ import annotations
@@ -105,6 +114,76 @@ def poll(args: argparse.Namespace) -> None:
           f"max {lat[-1] * 1e3:.1f} ms")
 
 
+def _get(url: str, headers: dict) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers)) as r:
+        return json.loads(r.read())
+
+
+def _edge(base: str, headers: dict) -> tuple[float, int]:
+    """The engine's clock and output tokens so far (a one-cell snapshot, no tables)."""
+    st = _get(f"{base}/v1/kv_cache/state?max_cells=1&tables=false", headers)
+    return st["time"], st["counters"]["generation_tokens_total"]
+
+
+def _bootstrap_mean(xs: list[float], n: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    import random
+
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
+
+
+def alternate(args: argparse.Namespace) -> None:
+    base = args.url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = f"{base}/v1/kv_cache/state?max_cells={args.max_cells}"
+    period = 1.0 / args.hz
+    signal.signal(signal.SIGTERM, _interrupt)
+    windows: list[dict] = []
+    end = time.monotonic() + args.seconds
+    try:
+        t_prev, tok_prev = _edge(base, headers)
+        i = 0
+        while time.monotonic() + args.window <= end:
+            on = i % 4 in (1, 2)  # A B B A
+            stop = time.monotonic() + args.window
+            polls = 0
+            while time.monotonic() < stop:
+                if on:
+                    _get(url, headers)
+                    polls += 1
+                time.sleep(max(0.0, min(period, stop - time.monotonic())))
+            t, tok = _edge(base, headers)
+            windows.append({"on": on, "seconds": t - t_prev, "tokens": tok - tok_prev,
+                            "polls": polls})  # fmt: skip
+            t_prev, tok_prev = t, tok
+            i += 1
+    except KeyboardInterrupt:
+        pass
+    rates = [w["tokens"] / w["seconds"] if w["seconds"] > 0 else 0.0 for w in windows]
+    busy = [j for j, w in enumerate(windows) if w["tokens"] > 0]
+    ratios = []
+    for j in range(0, len(windows) - 1, 2):  # (A, B) then (B, A): each pair one of each
+        a, b = (j, j + 1) if not windows[j]["on"] else (j + 1, j)
+        if a in busy and b in busy:
+            ratios.append(rates[b] / rates[a])
+    summary = {"windows": windows, "pair_ratios": ratios}
+    if ratios:
+        lo, hi = _bootstrap_mean(ratios)
+        summary.update(mean_ratio=statistics.fmean(ratios), ci95=[lo, hi],
+                       median_ratio=statistics.median(ratios))
+        on_polls = [w["polls"] / w["seconds"] for w in windows if w["on"] and w["seconds"]]
+        print(f"{len(ratios)} pairs of {args.window:g} s windows: polled/unpolled output tok/s "
+              f"mean {summary['mean_ratio']:.4f} (95% bootstrap [{lo:.4f}, {hi:.4f}]), "
+              f"median {summary['median_ratio']:.4f}; polls/s in polled windows "
+              f"{statistics.fmean(on_polls):.2f}")
+    else:
+        print("no pair of windows with output tokens")
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -116,8 +195,16 @@ def main() -> None:
     q.add_argument("--seconds", type=float, default=60.0)
     q.add_argument("--max-cells", type=int, default=16384)
     q.add_argument("--api-key", default=None)
+    a = sub.add_parser("alternate")
+    a.add_argument("--url", default="http://127.0.0.1:8000")
+    a.add_argument("--hz", type=float, default=4.0)
+    a.add_argument("--window", type=float, default=10.0)
+    a.add_argument("--seconds", type=float, default=900.0)
+    a.add_argument("--max-cells", type=int, default=16384)
+    a.add_argument("--api-key", default=None)
+    a.add_argument("--save", default=None, help="write the windows and pairs as JSON here")
     args = p.parse_args()
-    (snapshot if args.cmd == "snapshot" else poll)(args)
+    {"snapshot": snapshot, "poll": poll, "alternate": alternate}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,23 @@ def test_tp2_equals_tp1(arch, tiny_model_factory):
             assert max(abs(a - b) for (_, a), (_, b) in zip(g, w, strict=True)) < 1e-4
 
 
+def test_tp2_on_the_padded_decode_buffers_equals_tp1(tiny_model_factory, monkeypatch):
+    """The CUDA graph path's inputs under tensor parallel, run eagerly: every rank pads
+    the same decode steps to the same captured sizes (their collectives match), and the
+    tokens are those of one rank."""
+    path = str(tiny_model_factory("llama"))
+    with LLM(path, **ENGINE) as one:
+        ref_toks, _ = tokens_and_logprobs(run(one))
+    monkeypatch.setenv("PAGEDSERVE_DECODE_BUFFERS", "1")  # read by every rank
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as two:
+        graphs = two.engine.worker.runner.decode_graphs
+        toks, _ = tokens_and_logprobs(run(two))
+        assert graphs is not None and not graphs.use_graphs
+        assert graphs.num_replays > 10 and graphs.num_eager_fallbacks > 0
+        assert graphs.num_loads == 0  # staged straight into the buffers
+    assert toks == ref_toks
+
+
 def test_default_model_tp3_equals_tp1(default_model_path):
     """9 heads and 3 KV heads over 3 ranks (more ranks than this CPU's 2 cores: one
     thread each)."""
