@@ -125,12 +125,24 @@ def _edge(base: str, headers: dict) -> tuple[float, int]:
     return st["time"], st["counters"]["generation_tokens_total"]
 
 
-def _bootstrap_mean(xs: list[float], n: int = 10_000, seed: int = 0) -> tuple[float, float]:
+def _pooled_ratio(pairs: list[tuple[dict, dict]]) -> float:
+    """Output tok/s over the polled windows of ``pairs`` over that of the unpolled ones."""
+    tok = {True: 0, False: 0}
+    sec = {True: 0.0, False: 0.0}
+    for pair in pairs:
+        for w in pair:
+            tok[w["on"]] += w["tokens"]
+            sec[w["on"]] += w["seconds"]
+    return (tok[True] / sec[True]) / (tok[False] / sec[False])
+
+
+def _bootstrap(pairs: list[tuple[dict, dict]], n: int = 10_000,
+               seed: int = 0) -> tuple[float, float]:  # fmt: skip
     import random
 
     rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(n))
-    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
+    ratios = sorted(_pooled_ratio(rng.choices(pairs, k=len(pairs))) for _ in range(n))
+    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
 
 
 def alternate(args: argparse.Namespace) -> None:
@@ -160,25 +172,23 @@ def alternate(args: argparse.Namespace) -> None:
             i += 1
     except KeyboardInterrupt:
         pass
-    rates = [w["tokens"] / w["seconds"] if w["seconds"] > 0 else 0.0 for w in windows]
-    busy = [j for j, w in enumerate(windows) if w["tokens"] > 0]
-    ratios = []
-    for j in range(0, len(windows) - 1, 2):  # (A, B) then (B, A): each pair one of each
-        a, b = (j, j + 1) if not windows[j]["on"] else (j + 1, j)
-        if a in busy and b in busy:
-            ratios.append(rates[b] / rates[a])
-    summary = {"windows": windows, "pair_ratios": ratios}
-    if ratios:
-        lo, hi = _bootstrap_mean(ratios)
-        summary.update(mean_ratio=statistics.fmean(ratios), ci95=[lo, hi],
-                       median_ratio=statistics.median(ratios))
-        on_polls = [w["polls"] / w["seconds"] for w in windows if w["on"] and w["seconds"]]
-        print(f"{len(ratios)} pairs of {args.window:g} s windows: polled/unpolled output tok/s "
-              f"mean {summary['mean_ratio']:.4f} (95% bootstrap [{lo:.4f}, {hi:.4f}]), "
-              f"median {summary['median_ratio']:.4f}; polls/s in polled windows "
-              f"{statistics.fmean(on_polls):.2f}")
+    # Pairs of adjacent windows (A B, then B A) that both saw output: the bench's start
+    # and end fall outside them.
+    pairs = [(windows[j], windows[j + 1]) for j in range(0, len(windows) - 1, 2)
+             if windows[j]["tokens"] > 0 and windows[j + 1]["tokens"] > 0]
+    pairs = pairs[args.skip_pairs:]
+    summary: dict = {"windows": windows, "skip_pairs": args.skip_pairs}
+    if len(pairs) >= 2:
+        lo, hi = _bootstrap(pairs)
+        ratio = _pooled_ratio(pairs)
+        summary.update(pairs=len(pairs), ratio=ratio, ci95=[lo, hi])
+        on = [w for p in pairs for w in p if w["on"]]
+        rate = sum(w["polls"] for w in on) / sum(w["seconds"] for w in on)
+        print(f"{len(pairs)} pairs of {args.window:g} s windows: output tok/s polled / "
+              f"unpolled {ratio:.4f} (95% bootstrap over pairs [{lo:.4f}, {hi:.4f}]); "
+              f"{rate:.2f} polls/s in the polled windows")
     else:
-        print("no pair of windows with output tokens")
+        print("fewer than two pairs of windows with output tokens")
     if args.save:
         with open(args.save, "w") as f:
             json.dump(summary, f, indent=1)
@@ -202,6 +212,8 @@ def main() -> None:
     a.add_argument("--seconds", type=float, default=900.0)
     a.add_argument("--max-cells", type=int, default=16384)
     a.add_argument("--api-key", default=None)
+    a.add_argument("--skip-pairs", type=int, default=1,
+                   help="pairs left out at the start (the bench's warm-up)")
     a.add_argument("--save", default=None, help="write the windows and pairs as JSON here")
     args = p.parse_args()
     {"snapshot": snapshot, "poll": poll, "alternate": alternate}[args.cmd](args)
