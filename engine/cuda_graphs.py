@@ -35,7 +35,7 @@ import torch
 
 from blockmgr import cdiv
 from engine import envs
-from engine.step_buffers import layout
+from engine.step_buffers import NUMPY_DTYPES, layout
 from kernels.interface import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class DecodeBuffers:
         of a staging into :attr:`packed`."""
         out = []
         for values, (dt, pad) in zip((input_ids, positions, slots, seq_lens), _HEAD, strict=True):
-            a = np.full(self.max_batch, pad, dtype=np.int64 if dt == torch.int64 else np.int32)
+            a = np.full(self.max_batch, pad, dtype=NUMPY_DTYPES[dt])
             a[:len(values)] = values
             out.append((a, dt))
         return out

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.step_buffers import Pack, StagingBuffer
+from engine.step_buffers import Pack, RowPool, StagingBuffer
 
 i64, f32 = torch.int64, torch.float32
 _NONE = np.zeros(0, dtype=np.int64)
@@ -66,54 +66,49 @@ class TokenCounts:
     def __init__(self, vocab: int, device: torch.device | str, num_rows: int = 8) -> None:
         self.vocab = vocab
         self.device = torch.device(device)
-        self._row_of: dict[str, int] = {}
-        self._synced: dict[str, int] = {}
-        """Output tokens of each request already counted."""
-        self._alloc(num_rows)
+        self.counts = torch.zeros(num_rows, vocab, dtype=torch.int32, device=self.device)
+        self.prompt_seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=self.device)
+        self.rows = RowPool(num_rows)
+        """Each request's row, and how many of its output tokens are counted."""
 
-    def _alloc(self, num_rows: int) -> None:
-        """(Re)allocate ``num_rows`` rows, keeping the rows in use."""
+    def _grow(self, num_rows: int) -> None:
+        """Reallocate with ``num_rows`` rows, keeping the rows in use."""
+        n = self.num_rows
         counts = torch.zeros(num_rows, self.vocab, dtype=torch.int32, device=self.device)
         seen = torch.zeros(num_rows, self.vocab, dtype=torch.bool, device=self.device)
-        if hasattr(self, "counts"):
-            n = self.counts.shape[0]
-            counts[:n], seen[:n] = self.counts, self.prompt_seen
+        counts[:n], seen[:n] = self.counts, self.prompt_seen
         self.counts, self.prompt_seen = counts, seen
-        used = set(self._row_of.values())
-        self._free = [r for r in range(num_rows - 1, -1, -1) if r not in used]
+        self.rows.grow(num_rows)
 
     @property
     def num_rows(self) -> int:
         return self.counts.shape[0]
 
     def release(self, key: str) -> None:
-        row = self._row_of.pop(key, None)
-        if row is not None:
-            self._synced.pop(key)
-            self._free.append(row)
+        self.rows.release(key)
 
     def plan(self, rows: Sequence[RowLike], pack: Pack) -> _CountsPlan:
         """The device rows of ``rows`` and, in ``pack``, the updates that bring them up
         to date: rows taken this step are cleared and get their prompt, every row gets
         its new output tokens."""
-        need = len(self._row_of) + len({r.key for r in rows} - self._row_of.keys())
-        if need > self.num_rows:
-            self._alloc(max(need, 2 * self.num_rows))
+        pool = self.rows
+        new = len({r.key for r in rows} - pool.row_of.keys())
+        if new > pool.num_free:
+            self._grow(max(self.num_rows + new - pool.num_free, 2 * self.num_rows))
         V = self.vocab
         slots, fresh, prompt_idx, out_idx = [], [], [], []
         for r in rows:
             key = r.key
             out = r.output_token_ids
-            row = self._row_of.get(key)
-            if row is None or len(out) < self._synced[key]:  # new (or a reused key)
+            row = pool.row_of.get(key)
+            if row is None or len(out) < pool.synced[key]:  # new (or a reused key)
                 if row is None:
-                    row = self._free.pop()
-                    self._row_of[key] = row
+                    row = pool.take(key)
                 fresh.append(row)
                 prompt_idx.append(_flat(r.prompt_token_ids, row * V, V))
-                self._synced[key] = 0
-            out_idx.append(_flat(out[self._synced[key]:], row * V, V))
-            self._synced[key] = len(out)
+                pool.synced[key] = 0
+            out_idx.append(_flat(out[pool.synced[key]:], row * V, V))
+            pool.synced[key] = len(out)
             slots.append(row)
         return _CountsPlan(self, pack.add(slots, i64), pack.add(fresh, i64),
                            pack.add(np.concatenate(prompt_idx or [_NONE]), i64),

@@ -51,7 +51,7 @@ def verify(logits: torch.Tensor, rows: list[SamplingRow], spans: list[Span],
     draw = plan_draw(rows, vocab, pack)
     v = staging.stage(pack.arrays)
     penalties.apply(x, pen, v)
-    sampled_rows = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
+    sampled_rows = [] if draw is None else draw.sampled
     targets = x.argmax(dim=-1).tolist() if len(sampled_rows) < len(rows) else []
     probs = None if draw is None else sampling_probs(x, draw, v)
     probs_at = {row: j for j, row in enumerate(sampled_rows)}

@@ -190,8 +190,10 @@ class DrawPlan:
     """The sampled (not greedy) rows of a batch and the handles of their parameters in
     the step's pack: what :func:`sampling_probs` and :func:`race` read."""
 
-    rows: int
+    sampled: list[int]
     """Positions of the sampled rows in the batch."""
+    rows: int
+    """Handle of ``sampled``."""
     temps: int
     top_k: tuple[int, int] | None
     """(largest k, positions k-1 per row) when any row keeps fewer than V tokens."""
@@ -219,7 +221,7 @@ def plan_draw(rows: list[SamplingRow], vocab: int, pack: Pack) -> DrawPlan | Non
     gens = [rows[i].generator for i in sampled]
     unseeded = [j for j, g in enumerate(gens) if g is None]
     return DrawPlan(
-        rows=pack.add(sampled, i64), temps=pack.add([p.temperature for p in params], f32),
+        sampled=sampled, rows=pack.add(sampled, i64), temps=pack.add([p.temperature for p in params], f32),
         top_k=top_k, top_p=None if all(p >= 1.0 for p in ps) else pack.add(ps, f32),
         min_p=pack.add(mins, f32) if any(mins) else None,
         unseeded=pack.add(unseeded, i64) if 0 < len(unseeded) < len(gens) else None,

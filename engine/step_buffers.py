@@ -86,7 +86,7 @@ class StagingBuffer:
             self._alloc(max(total, 2 * self.capacity))
         for (values, dt), off, nbytes in zip(arrays, offsets, sizes, strict=True):
             if nbytes:
-                self._host_np[off:off + nbytes].view(_NP[dt])[:] = values
+                self._host_np[off:off + nbytes].view(NUMPY_DTYPES[dt])[:] = values
         dest = self.dev if into is None else into
         if dest is not self.host:
             dest[:total].copy_(self.host[:total], non_blocking=True)
@@ -109,8 +109,42 @@ def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, total
 
 
-_NP = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
+NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
        torch.int16: np.int16, torch.uint8: np.uint8, torch.bool: np.bool_}  # fmt: skip
+"""The numpy dtype of each torch dtype the staging takes."""
+
+
+class RowPool:
+    """Rows of a device table lent out per request id, with how many entries of each
+    row are already written on the device. The table's owner grows the table, then the
+    pool (:meth:`grow`), when no row is free."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.row_of: dict[str, int] = {}
+        self.synced: dict[str, int] = {}
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, key: str) -> int:
+        """A free row for ``key``, nothing of it written yet."""
+        row = self._free.pop()
+        self.row_of[key], self.synced[key] = row, 0
+        return row
+
+    def release(self, key: str) -> None:
+        row = self.row_of.pop(key, None)
+        if row is not None:
+            self.synced.pop(key)
+            self._free.append(row)
+
+    def grow(self, num_rows: int) -> None:
+        """Rows ``[num_rows_before, num_rows)`` join the free ones (lent after them)."""
+        self._free = list(range(num_rows - 1, self.num_rows - 1, -1)) + self._free
+        self.num_rows = max(self.num_rows, num_rows)
 
 
 class BlockTableRows:
@@ -121,10 +155,8 @@ class BlockTableRows:
             raise ValueError(f"width={width} and num_rows={num_rows} must be >= 1")
         self.device = torch.device(device)
         self.table = torch.zeros(num_rows, width, dtype=torch.int32, device=self.device)
-        self._row_of: dict[str, int] = {}
-        self._synced: dict[str, int] = {}
-        """Entries of each request's row already written on the device."""
-        self._free = list(range(num_rows - 1, -1, -1))
+        self.rows = RowPool(num_rows)
+        """Each request's row, and its entries already written on the device."""
 
     @property
     def width(self) -> int:
@@ -132,10 +164,7 @@ class BlockTableRows:
 
     def release(self, req_id: str) -> None:
         """Free a finished or preempted request's row."""
-        row = self._row_of.pop(req_id, None)
-        if row is not None:
-            self._synced.pop(req_id)
-            self._free.append(row)
+        self.rows.release(req_id)
 
     def changes(self, req_id: str, block_ids: list[int]) -> tuple[int, list[int], list[int]]:
         """The request's row, and the flat table indices and block ids to write this step
@@ -143,12 +172,14 @@ class BlockTableRows:
         if len(block_ids) > self.width:
             raise ValueError(f"{len(block_ids)} blocks do not fit rows of {self.width}: "
                              "call ensure_width first")  # fmt: skip
-        row = self._row_of.get(req_id)
+        pool = self.rows
+        row = pool.row_of.get(req_id)
         if row is None:
-            row = self._take_row()
-            self._row_of[req_id], self._synced[req_id] = row, 0
-        start = self._synced[req_id]
-        self._synced[req_id] = len(block_ids)
+            if not pool.num_free:
+                self._grow(2 * self.table.shape[0], self.width)
+            row = pool.take(req_id)
+        start = pool.synced[req_id]
+        pool.synced[req_id] = len(block_ids)
         base = row * self.width
         return row, list(range(base + start, base + len(block_ids))), block_ids[start:]
 
@@ -167,11 +198,6 @@ class BlockTableRows:
         """The step's block table ``[len(rows), width]``."""
         return self.table.index_select(0, rows)
 
-    def _take_row(self) -> int:
-        if not self._free:
-            self._grow(2 * self.table.shape[0], self.width)
-        return self._free.pop()
-
     def _grow(self, num_rows: int, width: int) -> None:
         """Reallocate with the entries kept (rare: more running requests or longer tables
         than sized for). Rows are added at the end: flat indices of a row stay valid
@@ -180,4 +206,4 @@ class BlockTableRows:
         width = max(width, old.shape[1])
         self.table = torch.zeros(num_rows, width, dtype=torch.int32, device=self.device)
         self.table[: old.shape[0], : old.shape[1]] = old
-        self._free = list(range(num_rows - 1, old.shape[0] - 1, -1)) + self._free
+        self.rows.grow(num_rows)

@@ -102,7 +102,7 @@ def test_device_counts_give_the_tokens_of_counting_afresh() -> None:
     counts = keyed.counts
     assert counts.num_rows >= 11
     for rid in live:  # counted up to the last step's input (its sampled token is next)
-        row = counts._row_of[rid]
+        row = counts.rows.row_of[rid]
         expect = torch.bincount(torch.tensor(outputs[rid][:-1]), minlength=V).to(torch.int32)
         assert torch.equal(counts.counts[row], expect), rid
 
