@@ -3,10 +3,13 @@
 For each batch size, that many greedy requests of ``--prompt-len`` random tokens are
 prefilled, then ``--steps`` decode steps are timed one by one (``LLMEngine.step()``):
 the median and p90 step, tokens per second, and the bytes of weights one step reads
-(every linear and the logits) against this machine's read bandwidth (a torch ``sum``
-over a buffer larger than the caches, on all threads): the floor a step cannot beat and
-the share of it the engine reaches. ``--op-times`` adds where one step's time goes
-(every layer op and attention call, timed through ``ModelRunner.instrument``).
+(every linear and the logits) and of the KV cache it attends to (each request's context
+in every layer) against this machine's read bandwidth (a torch ``sum`` over a buffer
+larger than the caches, on all threads): the floor a step cannot beat and the share of
+it the engine reaches. With a long ``--prompt-len`` this is the long-context decode:
+``read x`` is the step over the time to read its weights and KV cache. ``--op-times``
+adds where one step's time goes (every layer op and attention call, timed through
+``ModelRunner.instrument``).
 ``--agreement N`` compares the greedy outputs (N tokens each, a fixed set of prompts)
 with those of the same model in float32: identical outputs, mean common prefix, and the
 largest difference of the chosen token's logprob along the common prefixes.
@@ -70,10 +73,17 @@ def weight_bytes(model: Any) -> int:
     return sum(w.nbytes for w in model.linear_weights())  # tensors and QuantizedWeight
 
 
+def kv_bytes_per_token(worker: Any) -> int:
+    """Bytes of one token's K and V over every layer of the worker's KV cache."""
+    cache = worker.kv_cache  # [layers, 2, blocks, block_size, kv heads, head dim]
+    return cache[:, :, 0, 0].numel() * cache.element_size()
+
+
 def time_decode(llm: Any, batch: int, prompt_len: int, steps: int,
-                seed: int) -> tuple[list[float], float]:
+                seed: int, contexts: list[int] | None = None) -> tuple[list[float], float]:
     """Seconds of each of ``steps`` decode steps of ``batch`` greedy requests, and the
-    seconds of the other steps (prefill)."""
+    seconds of the other steps (prefill); ``contexts`` (if given) gets each timed step's
+    total context, the KV rows its attention reads."""
     import random
 
     from engine import SamplingParams
@@ -86,12 +96,15 @@ def time_decode(llm: Any, batch: int, prompt_len: int, steps: int,
     times: list[float] = []
     other = 0.0
     while eng.has_unfinished_requests():
+        context = sum(r.num_computed_tokens + 1 for r in eng.scheduler.running)
         t0 = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t0
         st = eng.last_step
         if st is not None and st.num_decodes == st.num_requests == batch:
             times.append(dt)
+            if contexts is not None:
+                contexts.append(context)
         else:
             other += dt
     return times, other
@@ -150,6 +163,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=args.model, **engine_kwargs(args, enable_prefix_caching=False))
     worker = llm.engine.worker
     nbytes = weight_bytes(worker.model)
+    kv_token = kv_bytes_per_token(worker)
     bandwidth = read_bandwidth_gbs()
     floor_ms = nbytes / (bandwidth * 1e9) * 1e3
     print_header("pagedserve bench decode", env, {
@@ -157,7 +171,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "weights": f"{str(worker.dtype).removeprefix('torch.')}"
                    + (f", {worker.quant_desc}" if worker.quant_desc else "")
                    + f": {nbytes / 1e6:.1f} MB read per step",
-        "memory": f"read bandwidth {bandwidth:.1f} GB/s: {floor_ms:.2f} ms a step at least",
+        "memory": f"read bandwidth {bandwidth:.1f} GB/s: {floor_ms:.2f} ms a step at least "
+                  f"(weights), KV cache {kv_token / 1e3:.1f} kB a token of context",
         **({"cpu paths": cpu_paths.summary(worker.cpu_paths,
                                            str(worker.dtype).removeprefix("torch."),
                                            worker.quant_desc)}
@@ -165,16 +180,24 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     })
     time_decode(llm, 1, args.prompt_len, 8, args.seed)  # warm-up
     report: dict[str, Any] = {"env": env, "weight_bytes": nbytes, "read_gbs": bandwidth,
-                              "floor_ms": floor_ms, "batches": []}
-    print(f"{'batch':>5} {'median ms':>10} {'p90 ms':>8} {'tok/s':>8} {'floor/step':>10}")
+                              "floor_ms": floor_ms, "kv_bytes_per_token": kv_token,
+                              "batches": []}
+    print(f"{'batch':>5} {'median ms':>10} {'p90 ms':>8} {'tok/s':>8} {'floor/step':>10} "
+          f"{'KV MB':>8} {'read ms':>8} {'read x':>7}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        times = sorted(time_decode(llm, batch, args.prompt_len, args.steps, args.seed)[0])
+        contexts: list[int] = []
+        times = sorted(time_decode(llm, batch, args.prompt_len, args.steps, args.seed,
+                                   contexts)[0])
         med, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
+        kv = statistics.mean(contexts) * kv_token
+        read_ms = (nbytes + kv) / (bandwidth * 1e9) * 1e3
         row = {"batch": batch, "median_ms": med * 1e3, "p90_ms": p90 * 1e3,
-               "tokens_per_s": batch / med, "floor_ratio": floor_ms / (med * 1e3)}
+               "tokens_per_s": batch / med, "floor_ratio": floor_ms / (med * 1e3),
+               "kv_bytes": kv, "read_ms": read_ms, "read_ratio": med * 1e3 / read_ms}
         report["batches"].append(row)
         print(f"{batch:>5} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} "
-              f"{row['tokens_per_s']:>8.1f} {row['floor_ratio']:>10.2f}")
+              f"{row['tokens_per_s']:>8.1f} {row['floor_ratio']:>10.2f} {kv / 1e6:>8.1f} "
+              f"{read_ms:>8.2f} {row['read_ratio']:>7.2f}")
     if args.op_times:
         timers = OpTimes(llm.engine)
         try:

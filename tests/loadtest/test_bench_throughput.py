@@ -211,11 +211,18 @@ def test_decode_bench_times_each_batch_and_reads_the_weight_bytes(tiny_llama, tm
     # 49152 x 64 lm_head, float32.
     per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 256 + 128 * 64
     assert rep["weight_bytes"] == 4 * (2 * per_layer + 49152 * 64)
+    # K and V of 2 layers, 32 floats each (2 KV heads of 16).
+    assert rep["kv_bytes_per_token"] == 4 * 2 * 2 * 32
     assert [b["batch"] for b in rep["batches"]] == [1, 3]
     for b in rep["batches"]:
         assert 0 < b["median_ms"] <= b["p90_ms"]
         assert b["tokens_per_s"] == pytest.approx(b["batch"] / b["median_ms"] * 1e3)
         assert b["floor_ratio"] == pytest.approx(rep["floor_ms"] / b["median_ms"])
+        # Decode steps 1..5 after an 8-token prompt attend to 9..13 rows a request.
+        assert b["kv_bytes"] == pytest.approx(b["batch"] * 11 * rep["kv_bytes_per_token"])
+        read_ms = (rep["weight_bytes"] + b["kv_bytes"]) / (rep["read_gbs"] * 1e9) * 1e3
+        assert b["read_ms"] == pytest.approx(read_ms)
+        assert b["read_ratio"] == pytest.approx(b["median_ms"] / read_ms)
     calls = {op["op"]: op["calls"] for op in rep["op_times"]["decode"]["ops"]}
     assert calls["attention"] == 2 * 5 and calls["linear lm_head"] == 5
     # float32 against float32: the same outputs.

@@ -330,7 +330,10 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     int status = 0;
     for (int w = 0; w < num_threads && status == 0; ++w) {
         scores[w] = vector_path ? NULL : malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
-        acc[w] = malloc(sizeof(float) * nq * ((size_t)head_dim + 2) * TOKEN_TILE);
+        /* After the tokens' states, the vector path's scores of a run (up to 16 floats
+         * a query head) and corrections (one a head), aligned to 64 bytes. */
+        acc[w] = malloc(sizeof(float) *
+                        (nq * ((size_t)head_dim + 2) * TOKEN_TILE + nq * (16 + 1) + 16));
         if ((scores[w] == NULL && !vector_path) || acc[w] == NULL) status = PA_ERR_NOMEM;
         if (any_tiled && status == 0) {
             tiled[w] = malloc(sizeof(float) * tiled_scratch_floats(sh.group, head_dim));

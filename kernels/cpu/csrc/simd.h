@@ -39,6 +39,7 @@ typedef __mmask16 vmask;
 #define vf_fnmadd _mm512_fnmadd_ps
 #define vf_reduce_add _mm512_reduce_add_ps
 #define vf_reduce_max _mm512_reduce_max_ps
+#define vf_lane0 _mm512_cvtss_f32
 
 static inline vf vf_round(vf x) {
     return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -110,6 +111,21 @@ static inline __attribute__((always_inline)) vf vf_sum_lanes(const vf *p) {
     return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
                          _mm512_shuffle_ps(e[0], e[1], 0xDD));
 }
+/* The same for maxima: lane r is the largest lane of ``p[VF_SUM_SLOT(r)]``. */
+static inline __attribute__((always_inline)) vf vf_max_lanes(const vf *p) {
+    __m512 c[8], d[4], e[2];
+    for (int i = 0; i < 8; ++i)
+        c[i] = _mm512_max_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)
+        d[i] = _mm512_max_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)
+        e[i] = _mm512_max_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
+    return _mm512_max_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
+                         _mm512_shuffle_ps(e[0], e[1], 0xDD));
+}
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -132,6 +148,7 @@ typedef __m256 vmask; /* all-ones lanes */
 #define vf_max _mm256_max_ps
 #define vf_fmadd _mm256_fmadd_ps
 #define vf_fnmadd _mm256_fnmadd_ps
+#define vf_lane0 _mm256_cvtss_f32
 
 static inline float vf_reduce_add(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -219,6 +236,17 @@ static inline __attribute__((always_inline)) vf vf_sum_lanes(const vf *p) {
     const __m256 t2 = _mm256_hadd_ps(p[4], p[5]), t3 = _mm256_hadd_ps(p[6], p[7]);
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+/* The same for maxima (hadd's lane order, with max for the sums). */
+static inline __m256 vf_hmax_pairs(__m256 a, __m256 b) {
+    return _mm256_max_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xDD));
+}
+static inline __attribute__((always_inline)) vf vf_max_lanes(const vf *p) {
+    const __m256 t0 = vf_hmax_pairs(p[0], p[1]), t1 = vf_hmax_pairs(p[2], p[3]);
+    const __m256 t2 = vf_hmax_pairs(p[4], p[5]), t3 = vf_hmax_pairs(p[6], p[7]);
+    const __m256 u0 = vf_hmax_pairs(t0, t1), u1 = vf_hmax_pairs(t2, t3);
+    return _mm256_max_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
