@@ -5,7 +5,8 @@ layer forward (prepare runs once per step and is reported separately).
 
 ``--long`` times the native attention kernel alone at long contexts instead: prefill
 chunks of 512 tokens at the end of 512-8192-token contexts (GFLOP/s of the causal
-products) and decodes of long contexts (GB/s of K/V read). ``--threads 1 --cpu-time``
+products), decodes of long contexts (GB/s of K/V read), and one 7,864-token decode
+through 30 layers laid out as the engine's KV cache (huge pages, blocks in order). ``--threads 1 --cpu-time``
 measures one core by its thread CPU time, which holds on a machine shared with other
 work.
 """
@@ -123,6 +124,33 @@ def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool) -> No
                  flops / best / 1e9, kv / best / 1e9)  # fmt: skip
 
 
+def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
+                 context: int = 7864) -> None:
+    """One long request's decode through every layer, as the engine lays it out: one
+    cache per layer on huge pages, the request's blocks in order (GB/s of K/V read)."""
+    from kernels.cpu import native as cpu_native
+    from kernels.cpu.memory import huge_empty
+
+    lib = cpu_native.build_library(level)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
+    num_blocks = -(-context // block_size) + 1  # block 0 unused, as the engine's padding
+    cache = huge_empty((layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype)
+    cache.normal_(generator=torch.Generator().manual_seed(0))
+    table = torch.arange(1, num_blocks, dtype=torch.int32)[None]
+    lens = torch.tensor([context], dtype=torch.int32)
+    query = torch.randn(1, num_heads, head_dim)
+
+    def step() -> None:
+        for layer in range(layers):
+            cpu_native.paged_attention(lib, query, cache[layer, 0], cache[layer, 1], table,
+                                       lens, context, head_dim**-0.5)  # fmt: skip
+
+    best = _time_ms(step, iters)
+    kv = 2 * layers * context * num_kv_heads * head_dim * cache.element_size()
+    log.info("%-6s %d layers x ctx %d decode: %8.2f ms  %6.2f GB/s (%d threads)", level,
+             layers, context, best, kv / best / 1e6, torch.get_num_threads())  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=20)
@@ -143,6 +171,7 @@ def main() -> None:
 
         level = args.level or cpu_native.runnable_levels()[-1]
         bench_long(level, dtype, args.iters, args.cpu_time)
+        bench_layers(level, dtype, args.iters)
         return
     shapes = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
     gen = torch.Generator().manual_seed(0)

@@ -23,3 +23,12 @@ def test_long_context_bench_reports_each_case(caplog) -> None:
                      line)  # fmt: skip
         assert m, line
         assert all(float(x) > 0 for x in m.groups()), line
+
+
+def test_layers_bench_reads_the_engine_layout(caplog) -> None:
+    level = cpu_native.runnable_levels()[-1]
+    with caplog.at_level(logging.INFO, logger="kernels.cpu.bench"):
+        bench.bench_layers(level, torch.float32, iters=1, layers=2, context=100)
+    (line,) = [r.getMessage() for r in caplog.records]
+    m = re.match(rf"{level}\s+2 layers x ctx 100 decode: +([\d.]+) ms +([\d.]+) GB/s", line)
+    assert m and all(float(x) > 0 for x in m.groups()), line
