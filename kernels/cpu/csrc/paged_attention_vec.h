@@ -230,29 +230,30 @@ static inline __attribute__((always_inline)) void attend_vec(const item_t *it,
                 const int m = seen < run ? seen : run;
                 float *acc = state + j * per_tok, *mx = acc + (int64_t)nq * D, *den = mx + nq;
                 const float *q = it->query + j * it->q_stride;
-                /* K: every query head's scores; then their softmax step together; then V. */
+                /* K: every query head's scores; then their softmax step together; then V.
+                 * The first token to see the run fetches each head's slice of the block
+                 * ahead (``slice``: that slice's byte offset in the run). */
+                const int pf = !last && j == j0;
+                const int64_t slice = r0 * row_bytes;
                 for (int hh = 0; hh < it->nh; ++hh) {
-                    const int64_t head = (int64_t)(it->h0 + hh) * D;
-                    const int pf = !last && j == j0;
-                    const char *pk = pf ? next_k + r0 * row_bytes + (int64_t)hh * D * elem : NULL;
+                    const int64_t head = (int64_t)(it->h0 + hh) * D, hb = hh * D * elem;
                     for (int g0 = 0; g0 < G; g0 += GCHUNK) {
                         const int qh = hh * G + g0;
+                        const char *pk = pf && g0 == 0 ? next_k + slice + hb : NULL;
 #define RUN(GN) score_run(sh, q + (int64_t)qh * D, dtype, nv, GN, first, head, m, \
-                          scores + (int64_t)qh * VW, g0 == 0 ? pk : NULL, row_bytes, pf_bytes)
+                          scores + (int64_t)qh * VW, pk, row_bytes, pf_bytes)
                         FOR_GN(G - g0, RUN)
 #undef RUN
                     }
                 }
                 softmax_heads(scores, nq, m, mx, den, corr);
                 for (int hh = 0; hh < it->nh; ++hh) {
-                    const int64_t head = (int64_t)(it->h0 + hh) * D;
-                    const int pf = !last && j == j0;
-                    const char *pv = pf ? next_v + r0 * row_bytes + (int64_t)hh * D * elem : NULL;
+                    const int64_t head = (int64_t)(it->h0 + hh) * D, hb = hh * D * elem;
                     for (int g0 = 0; g0 < G; g0 += GCHUNK) {
                         const int qh = hh * G + g0;
+                        const char *pv = pf && g0 == 0 ? next_v + slice + hb : NULL;
 #define RUN(GN) value_run(sh, dtype, nv, GN, first, head, m, scores + (int64_t)qh * VW, \
-                          corr + qh, acc + (int64_t)qh * D, g0 == 0 ? pv : NULL, row_bytes, \
-                          pf_bytes)
+                          corr + qh, acc + (int64_t)qh * D, pv, row_bytes, pf_bytes)
                         FOR_GN(G - g0, RUN)
 #undef RUN
                     }

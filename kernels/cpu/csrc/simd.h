@@ -97,35 +97,24 @@ static inline vf vf_rcp(vf d) {
  * vector, so a lane of the result never mixes two inputs (unused slots may hold
  * anything finite). 15 shuffle pairs and adds instead of 16 reductions. */
 #define VF_SUM_SLOT(r) (4 * ((r) & 3) + ((r) >> 2))
-static inline __attribute__((always_inline)) vf vf_sum_lanes(const vf *p) {
-    __m512 c[8], d[4], e[2];
-    for (int i = 0; i < 8; ++i)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; ++i)
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; ++i)
-        e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
-                         _mm512_shuffle_ps(e[0], e[1], 0xDD));
-}
+/* The transposing tree with ``OP`` (add or max) combining the pairs of lanes. */
+#define VF_LANES_TREE(name, OP)                                                         \
+    static inline __attribute__((always_inline)) vf name(const vf *p) {                \
+        __m512 c[8], d[4], e[2];                                                        \
+        for (int i = 0; i < 8; ++i)                                                     \
+            c[i] = OP(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),               \
+                      _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));              \
+        for (int i = 0; i < 4; ++i)                                                     \
+            d[i] = OP(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),               \
+                      _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));              \
+        for (int i = 0; i < 2; ++i)                                                     \
+            e[i] = OP(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),                  \
+                      _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));                 \
+        return OP(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD)); \
+    }
+VF_LANES_TREE(vf_sum_lanes, _mm512_add_ps)
 /* The same for maxima: lane r is the largest lane of ``p[VF_SUM_SLOT(r)]``. */
-static inline __attribute__((always_inline)) vf vf_max_lanes(const vf *p) {
-    __m512 c[8], d[4], e[2];
-    for (int i = 0; i < 8; ++i)
-        c[i] = _mm512_max_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; ++i)
-        d[i] = _mm512_max_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; ++i)
-        e[i] = _mm512_max_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
-    return _mm512_max_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
-                         _mm512_shuffle_ps(e[0], e[1], 0xDD));
-}
+VF_LANES_TREE(vf_max_lanes, _mm512_max_ps)
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -231,24 +220,21 @@ static inline vf vf_rcp(vf d) {
 /* Lane r of the result is the sum of the lanes of ``p[r]`` (three rounds of pairwise
  * adds within each input, then the two halves). */
 #define VF_SUM_SLOT(r) (r)
-static inline __attribute__((always_inline)) vf vf_sum_lanes(const vf *p) {
-    const __m256 t0 = _mm256_hadd_ps(p[0], p[1]), t1 = _mm256_hadd_ps(p[2], p[3]);
-    const __m256 t2 = _mm256_hadd_ps(p[4], p[5]), t3 = _mm256_hadd_ps(p[6], p[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                         _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-/* The same for maxima (hadd's lane order, with max for the sums). */
+/* Pairs of neighbouring lanes combined in hadd's order, with max. */
 static inline __m256 vf_hmax_pairs(__m256 a, __m256 b) {
     return _mm256_max_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xDD));
 }
-static inline __attribute__((always_inline)) vf vf_max_lanes(const vf *p) {
-    const __m256 t0 = vf_hmax_pairs(p[0], p[1]), t1 = vf_hmax_pairs(p[2], p[3]);
-    const __m256 t2 = vf_hmax_pairs(p[4], p[5]), t3 = vf_hmax_pairs(p[6], p[7]);
-    const __m256 u0 = vf_hmax_pairs(t0, t1), u1 = vf_hmax_pairs(t2, t3);
-    return _mm256_max_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                         _mm256_permute2f128_ps(u0, u1, 0x31));
-}
+/* The tree with ``PAIRS`` combining neighbouring lanes and ``OP`` the two halves. */
+#define VF_LANES_TREE(name, PAIRS, OP)                                                 \
+    static inline __attribute__((always_inline)) vf name(const vf *p) {               \
+        const __m256 t0 = PAIRS(p[0], p[1]), t1 = PAIRS(p[2], p[3]);                   \
+        const __m256 t2 = PAIRS(p[4], p[5]), t3 = PAIRS(p[6], p[7]);                   \
+        const __m256 u0 = PAIRS(t0, t1), u1 = PAIRS(t2, t3);                           \
+        return OP(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)); \
+    }
+VF_LANES_TREE(vf_sum_lanes, _mm256_hadd_ps, _mm256_add_ps)
+/* The same for maxima: lane r is the largest lane of ``p[r]``. */
+VF_LANES_TREE(vf_max_lanes, vf_hmax_pairs, _mm256_max_ps)
 
 #else
 #define SIMD_VW 0
