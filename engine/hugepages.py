@@ -8,9 +8,9 @@ two page tables. With ``/sys/kernel/mm/transparent_hugepage/enabled`` at ``madvi
 asks (:func:`kernels.cpu.memory.huge_empty`: fresh anonymous memory advised
 ``MADV_HUGEPAGE``, the tensor on a 2 MiB boundary). 30 layers of decode attention at 64
 requests took 2-8% less time (BENCHMARKS.md); the packed weights, read as long
-sequential panels, gained nothing, so they stay as they are. ``PAGEDSERVE_HUGEPAGES=0`` turns this off
-(:func:`enabled`, reported at engine start by :func:`engine.process_tuning.apply`);
-elsewhere than Linux it does nothing.
+sequential panels, gained nothing, so they stay as they are. ``PAGEDSERVE_HUGEPAGES=0``
+turns this off (:func:`enabled`, reported at engine start by
+:func:`engine.process_tuning.apply`); elsewhere than Linux it does nothing.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ layer forward (prepare runs once per step and is reported separately).
 ``--long`` times the native attention kernel alone at long contexts instead: prefill
 chunks of 512 tokens at the end of 512-8192-token contexts (GFLOP/s of the causal
 products), decodes of long contexts (GB/s of K/V read), and one 7,864-token decode
-through 30 layers laid out as the engine's KV cache (huge pages, blocks in order). ``--threads 1 --cpu-time``
-measures one core by its thread CPU time, which holds on a machine shared with other
-work.
+through 30 layers laid out as the engine's KV cache (huge pages, blocks in order).
+``--threads 1 --cpu-time`` measures one core by its thread CPU time, which holds on a
+machine shared with other work.
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ typedef __mmask16 vmask;
 #define vf_fnmadd _mm512_fnmadd_ps
 #define vf_reduce_add _mm512_reduce_add_ps
 #define vf_reduce_max _mm512_reduce_max_ps
-#define vf_lane0 _mm512_cvtss_f32
 
 static inline vf vf_round(vf x) {
     return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -137,7 +136,6 @@ typedef __m256 vmask; /* all-ones lanes */
 #define vf_max _mm256_max_ps
 #define vf_fmadd _mm256_fmadd_ps
 #define vf_fnmadd _mm256_fnmadd_ps
-#define vf_lane0 _mm256_cvtss_f32
 
 static inline float vf_reduce_add(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
