@@ -93,6 +93,9 @@ LOCUST_MODEL = Var("PAGEDSERVE_LOCUST_MODEL", "the first of `GET /v1/models`",
 TP_STEP_TIMEOUT = Var("PAGEDSERVE_TP_STEP_TIMEOUT", "120",
                       "tensor parallel: seconds a rank waits in a step's collective before "
                       "the engine is declared dead (a hung rank)")
+TP_START_TIMEOUT = Var("PAGEDSERVE_TP_START_TIMEOUT", "600",
+                       "tensor parallel: seconds the ranks have at start-up to find each "
+                       "other, build their groups and load their shards")
 DECODE_BUFFERS = Var("PAGEDSERVE_DECODE_BUFFERS", "0",
                      "`1`: run decode-only steps on the CUDA graphs' static, padded input "
                      "buffers where no graph is captured (the CPU, `--enforce-eager`): the "
@@ -101,7 +104,7 @@ DECODE_BUFFERS = Var("PAGEDSERVE_DECODE_BUFFERS", "0",
 VARIABLES = (CACHE, ATTENTION_BACKEND, CPU_ISA, PACK_WEIGHTS, FUSE_LAYERS, MALLOC_TUNING,
              HUGEPAGES, API_KEY, LOCUST_PROMPTS, LOCUST_MAX_TOKENS, LOCUST_IGNORE_EOS,
              LOCUST_STREAM_RATIO, LOCUST_WAIT_MIN, LOCUST_WAIT_MAX, LOCUST_TEMPERATURE,
-             LOCUST_MODEL, TP_STEP_TIMEOUT, DECODE_BUFFERS)  # fmt: skip
+             LOCUST_MODEL, TP_STEP_TIMEOUT, TP_START_TIMEOUT, DECODE_BUFFERS)  # fmt: skip
 """Every ``PAGEDSERVE_*`` variable, in README order."""
 
 HF_HUB_OFFLINE = Var("HF_HUB_OFFLINE", "off", "Hugging Face: never contact the hub")
@@ -194,6 +197,10 @@ def locust_model() -> str | None:
 
 def tp_step_timeout() -> float:
     return float(TP_STEP_TIMEOUT.raw() or 120.0)
+
+
+def tp_start_timeout() -> float:
+    return float(TP_START_TIMEOUT.raw() or 600.0)
 
 
 def decode_buffers() -> bool:

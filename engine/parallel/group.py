@@ -6,8 +6,14 @@ Two groups over the same ranks (``torch.distributed``):
   all-reduces and the logits' gather. Its timeout is the step timeout: a rank that
   hangs in a step fails the step on every other rank after that long;
 * the **step group** (gloo, CPU tensors) carries rank 0's step descriptions to the
-  others. Its timeout is very long, since a worker waits on it for as long as the
-  engine is idle.
+  others. On ranks 1..N-1 its timeout is very long, since a worker waits on it for as
+  long as the engine is idle; on rank 0 it is the start timeout, which also bounds the
+  wait for every rank to load its shard.
+
+Building the groups (the rendezvous, each group's connections) is bounded by the start
+timeout on every rank, whatever the step timeout: a rank that starts slowly is not a
+hung one, and a rank that dies before it has joined a group (so no socket of its closes
+on the others) fails the start after that long instead of leaving rank 0 waiting.
 
 A collective that fails (a peer died: its sockets closed; or the timeout passed) raises
 :class:`ParallelError`, which the engine treats as fatal: the ranks can no longer agree
@@ -54,18 +60,31 @@ class TensorParallel:
 
     def __init__(self, rank: int, size: int, device: torch.device,
                  step_timeout_s: float, init_method: str | None = None,
-                 local_size: int | None = None) -> None:  # fmt: skip
+                 local_size: int | None = None, start_timeout_s: float = 600.0) -> None:  # fmt: skip
         self.rank, self.size, self.device = rank, size, device
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
-                                world_size=size, timeout=timedelta(seconds=step_timeout_s))
-        self.step_group = dist.new_group(backend="gloo", timeout=STEP_GROUP_TIMEOUT)
         self.local_size = size if local_size is None else local_size
         """Ranks on this machine (a launcher may spread the group over several)."""
         self.shm: ShmExchange | None = None
         """The CPU ranks' shared-memory all-reduce, when every rank is on this machine."""
-        if device.type == "cpu" and self.local_size == size:
-            self.shm = self._join_shm(step_timeout_s)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        start = timedelta(seconds=max(start_timeout_s, step_timeout_s))
+        try:
+            dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
+                                    world_size=size, timeout=start)  # fmt: skip
+            self.step_group = dist.new_group(backend="gloo", timeout=start)
+            if device.type == "cpu" and self.local_size == size:
+                self.shm = self._join_shm(step_timeout_s)
+        except Exception as exc:
+            _abandon_groups()
+            raise ParallelError(f"tensor-parallel rank {rank}/{size}: the group was not "
+                                f"built within {start.total_seconds():.0f} s "
+                                f"(PAGEDSERVE_TP_START_TIMEOUT): {exc}") from exc  # fmt: skip
+        except BaseException:
+            _abandon_groups()
+            raise
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=step_timeout_s))
+        if rank != 0:
+            dist.distributed_c10d._set_pg_timeout(STEP_GROUP_TIMEOUT, self.step_group)
         self._buf = torch.zeros(_HEADER + INLINE_BYTES, dtype=torch.uint8)
         self.shard: TPShard | None = None
         """This rank's part of the model (set when the model is built)."""
@@ -181,6 +200,19 @@ class TensorParallel:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a dead peer's group may not tear down cleanly
             logger.debug("destroying the tensor-parallel group failed", exc_info=True)
+
+
+def _abandon_groups() -> None:
+    """After a failed start: no half-built group is left behind, so that a later start in
+    this process names its groups as fresh ranks do. (torch numbers unnamed groups with
+    a counter that only destroying a built default group resets.)"""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer may be gone
+            logger.debug("destroying the half-built tensor-parallel group failed",
+                         exc_info=True)  # fmt: skip
+    dist.distributed_c10d._world.group_count = 0
 
 
 def for_workers(sched: SchedulerOutput) -> SchedulerOutput:

@@ -171,10 +171,12 @@ def start_rank0(config: EngineConfig, device) -> tuple[object, WorkerProcesses |
             raise RuntimeError(f"rank {rank} of a launcher's group runs run_worker_rank(), "
                                "not an engine")  # fmt: skip
         return TensorParallel(0, size, device, envs.tp_step_timeout(),
-                              local_size=envs.launcher_ranks()[3]), None
+                              local_size=envs.launcher_ranks()[3],
+                              start_timeout_s=envs.tp_start_timeout()), None
     procs = WorkerProcesses(config, size)
     try:
-        tp = TensorParallel(0, size, device, envs.tp_step_timeout(), procs.init_method)
+        tp = TensorParallel(0, size, device, envs.tp_step_timeout(), procs.init_method,
+                            start_timeout_s=envs.tp_start_timeout())
     except BaseException:
         procs.stop(timeout=1.0)
         raise

@@ -49,7 +49,8 @@ def _run_rank(config: EngineConfig, rank: int, size: int, init_method: str | Non
         torch.cuda.set_device(local_rank)
     else:
         use_cores(core_share(local_rank, local_size))
-    tp = TensorParallel(rank, size, device, envs.tp_step_timeout(), init_method, local_size)
+    tp = TensorParallel(rank, size, device, envs.tp_step_timeout(), init_method, local_size,
+                        envs.tp_start_timeout())
     try:
         worker = Worker(config, tp=tp)
         while True:

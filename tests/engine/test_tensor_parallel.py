@@ -172,6 +172,64 @@ def test_hung_rank_fails_the_step_after_the_timeout(tiny_model_factory, monkeypa
     assert rank.returncode is not None
 
 
+def _rank_command(monkeypatch, code: str) -> None:
+    """Start ranks 1..N-1 as ``python -c code`` (their usual arguments in ``sys.argv``,
+    the engine's configuration on their stdin)."""
+    from engine.parallel import launch
+
+    real = launch.subprocess.Popen
+
+    def popen(args, **kwargs):
+        assert args[1:3] == ["-m", "engine.parallel.rank"]
+        return real([args[0], "-c", code, *args[3:]], **kwargs)
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+
+
+SLOW_RANK = """
+import runpy, sys, time
+time.sleep(6)
+runpy.run_module("engine.parallel.rank", run_name="__main__")
+"""
+
+
+def test_slow_starting_rank_is_not_a_hung_one(tiny_model_factory, monkeypatch):
+    """The step timeout bounds a step, not the start: a rank that takes longer than it to
+    join (a loaded machine, a large model) starts, and the group then steps."""
+    monkeypatch.setenv("PAGEDSERVE_TP_STEP_TIMEOUT", "2")
+    path = str(tiny_model_factory("llama"))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(path, dtype="float32") as one:
+        ref = [o.outputs[0].token_ids for o in one.generate(prompts()[:3], sp, use_tqdm=False)]
+    _rank_command(monkeypatch, SLOW_RANK)
+    with LLM(path, dtype="float32", tensor_parallel_size=2) as llm:
+        outs = llm.generate(prompts()[:3], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_rank_that_never_joins_fails_the_start_and_the_next_start_works(
+        tiny_model_factory, monkeypatch):  # fmt: skip
+    """A rank that runs but never joins fails the start after the start timeout, with an
+    error that names it; nothing half-built is left, so the next start in this process
+    (whose fresh ranks number their groups from zero) works."""
+    from engine.parallel.group import ParallelError
+
+    path = str(tiny_model_factory("llama"))
+    monkeypatch.setenv("PAGEDSERVE_TP_START_TIMEOUT", "3")
+    monkeypatch.setenv("PAGEDSERVE_TP_STEP_TIMEOUT", "1")
+    with monkeypatch.context() as m:
+        _rank_command(m, "import time; time.sleep(60)")
+        t0 = time.monotonic()
+        with pytest.raises(ParallelError, match="PAGEDSERVE_TP_START_TIMEOUT"):
+            LLM(path, dtype="float32", tensor_parallel_size=2)
+        assert time.monotonic() - t0 < 30
+    monkeypatch.setenv("PAGEDSERVE_TP_START_TIMEOUT", "300")
+    with LLM(path, dtype="float32", tensor_parallel_size=2) as llm:
+        out = llm.generate(prompts()[:1], SamplingParams(max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)  # fmt: skip
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 TORCHRUN_SCRIPT = """
 import json, sys
 from engine import LLM, SamplingParams
