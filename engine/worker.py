@@ -146,6 +146,8 @@ class Worker:
         self.attn.ops.prepare_weights(model.linear_weights())
         self.num_blocks = num_blocks = self._num_blocks() if self.tp is None else \
             self.tp.min_int(self._num_blocks())  # fmt: skip
+        if self.tp is not None:
+            self.tp.started()
         shape = (self.spec.num_layers, 2, num_blocks, config.block_size,
                  self.spec.num_kv_heads, self.spec.head_dim)
         if self.device.type == "cpu":

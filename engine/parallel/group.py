@@ -7,8 +7,10 @@ Two groups over the same ranks (``torch.distributed``):
   hangs in a step fails the step on every other rank after that long;
 * the **step group** (gloo, CPU tensors) carries rank 0's step descriptions to the
   others. On ranks 1..N-1 its timeout is very long, since a worker waits on it for as
-  long as the engine is idle; on rank 0 it is the start timeout, which also bounds the
-  wait for every rank to load its shard.
+  long as the engine is idle. On rank 0 it is the start timeout until the engine has
+  started (:meth:`TensorParallel.started`: it bounds the wait for every rank to load its
+  shard), then the step timeout: a rank that hangs between steps, and so never takes
+  the next step's description, fails the step feed as one that hangs in a step does.
 
 Building the groups (the rendezvous, each group's connections) is bounded by the start
 timeout on every rank, whatever the step timeout: a rank that starts slowly is not a
@@ -82,7 +84,8 @@ class TensorParallel:
         except BaseException:
             _abandon_groups()
             raise
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=step_timeout_s))
+        self._step_timeout = timedelta(seconds=step_timeout_s)
+        dist.distributed_c10d._set_pg_timeout(self._step_timeout)
         if rank != 0:
             dist.distributed_c10d._set_pg_timeout(STEP_GROUP_TIMEOUT, self.step_group)
         self._buf = torch.zeros(_HEADER + INLINE_BYTES, dtype=torch.uint8)
@@ -116,6 +119,12 @@ class TensorParallel:
             ex.close()
             ex = None
         return ex
+
+    def started(self) -> None:
+        """The engine's start-up collectives are done: from now on rank 0 waits on the
+        step group for the step timeout (the other ranks wait there while idle)."""
+        if self.rank == 0:
+            dist.distributed_c10d._set_pg_timeout(self._step_timeout, self.step_group)
 
     # -- the forward pass ------------------------------------------------------------
     def _run(self, what: str, fn, *args, **kwargs) -> Any:

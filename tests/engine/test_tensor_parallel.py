@@ -179,9 +179,10 @@ def _rank_command(monkeypatch, code: str) -> None:
 
     real = launch.subprocess.Popen
 
-    def popen(args, **kwargs):
-        assert args[1:3] == ["-m", "engine.parallel.rank"]
-        return real([args[0], "-c", code, *args[3:]], **kwargs)
+    def popen(args, **kwargs):  # every Popen of the process: only the ranks' change
+        if list(args[1:3]) == ["-m", "engine.parallel.rank"]:
+            args = [args[0], "-c", code, *args[3:]]
+        return real(args, **kwargs)
 
     monkeypatch.setattr(launch.subprocess, "Popen", popen)
 
@@ -205,6 +206,30 @@ def test_slow_starting_rank_is_not_a_hung_one(tiny_model_factory, monkeypatch):
     with LLM(path, dtype="float32", tensor_parallel_size=2) as llm:
         outs = llm.generate(prompts()[:3], sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+IDLE_RANK = """
+import runpy, time
+from engine.parallel.group import TensorParallel
+TensorParallel.recv = lambda self: time.sleep(3600)  # joins, loads its shard, takes no step
+runpy.run_module("engine.parallel.rank", run_name="__main__")
+"""
+
+
+def test_rank_that_stops_taking_steps_fails_the_step_feed(tiny_model_factory, monkeypatch):
+    """A rank that hangs between steps (it never takes the next step's description)
+    fails the step after the step timeout, as one that hangs inside a step does."""
+    monkeypatch.setenv("PAGEDSERVE_TP_STEP_TIMEOUT", "3")
+    _rank_command(monkeypatch, IDLE_RANK)
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", tensor_parallel_size=2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineFatalError):
+            llm.generate(prompts()[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - t0 < 15
+    finally:
+        llm.close()
+    assert all(p.returncode is not None for p in _ranks(llm))
 
 
 def test_rank_that_never_joins_fails_the_start_and_the_next_start_works(
