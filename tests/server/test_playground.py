@@ -117,17 +117,22 @@ def test_page_streams_and_shows_the_blocks(server, browser, tmp_path):
     page.fill("#system-prompt", SYSTEM)
     send(page, "Tell me about the tides.")
     msg = page.locator(".chat[data-chat='1'] .msg.assistant")
-    # While it streams: text already there, more to come, blocks in use, counters moving.
-    page.wait_for_function(
-        """() => { const m = document.querySelector(".chat[data-chat='1'] .msg.assistant");
-                   return m && !m.dataset.done && m.querySelector('.text').textContent.length > 0
+    # While it streams: text already there, more to come, blocks in use, counters moving,
+    # one request in the table, running. All seen at one instant (the page's next poll
+    # may already show the request finished), and that instant's text kept.
+    partial = page.wait_for_function(
+        """(numBlocks) => {
+                   const m = document.querySelector(".chat[data-chat='1'] .msg.assistant");
+                   const rows = document.querySelectorAll('#requests tbody tr');
+                   const num = (id) => Number(document.getElementById(id).textContent);
+                   const ok = m && !m.dataset.done && m.querySelector('.text').textContent.length > 0
                      && document.querySelectorAll('#block-map .blk.used').length > 0
-                     && Number(document.getElementById('c-running').textContent) === 1
-                     && Number(document.getElementById('c-tps').textContent) > 0; }""")
-    partial = msg.locator(".text").inner_text()
-    assert counter(page, "used") > 0 and counter(page, "free") < NUM_BLOCKS
-    assert page.locator("#requests tbody tr").count() == 1
-    assert page.inner_text("#requests tbody tr .status") == "running"
+                     && num('c-running') === 1 && num('c-tps') > 0
+                     && num('c-used') > 0 && num('c-free') < numBlocks
+                     && rows.length === 1
+                     && rows[0].querySelector('.status').textContent === 'running';
+                   return ok ? m.querySelector('.text').innerText : false; }""",
+        arg=NUM_BLOCKS).json_value()
     page.wait_for_selector(".chat[data-chat='1'] .msg.assistant[data-done='1']", timeout=60_000)
     final = msg.locator(".text").inner_text()
     assert len(final) > len(partial) > 0 and final.startswith(partial)
