@@ -62,7 +62,7 @@ class TensorParallel:
 
     def __init__(self, rank: int, size: int, device: torch.device,
                  step_timeout_s: float, init_method: str | None = None,
-                 local_size: int | None = None, start_timeout_s: float = 600.0) -> None:  # fmt: skip
+                 local_size: int | None = None, *, start_timeout_s: float) -> None:  # fmt: skip
         self.rank, self.size, self.device = rank, size, device
         self.local_size = size if local_size is None else local_size
         """Ranks on this machine (a launcher may spread the group over several)."""
@@ -76,14 +76,13 @@ class TensorParallel:
             self.step_group = dist.new_group(backend="gloo", timeout=start)
             if device.type == "cpu" and self.local_size == size:
                 self.shm = self._join_shm(step_timeout_s)
-        except Exception as exc:
+        except BaseException as exc:
             _abandon_groups()
+            if not isinstance(exc, Exception):  # an interrupt stays one
+                raise
             raise ParallelError(f"tensor-parallel rank {rank}/{size}: the group was not "
                                 f"built within {start.total_seconds():.0f} s "
                                 f"(PAGEDSERVE_TP_START_TIMEOUT): {exc}") from exc  # fmt: skip
-        except BaseException:
-            _abandon_groups()
-            raise
         self._step_timeout = timedelta(seconds=step_timeout_s)
         dist.distributed_c10d._set_pg_timeout(self._step_timeout)
         if rank != 0:

@@ -50,7 +50,7 @@ def _run_rank(config: EngineConfig, rank: int, size: int, init_method: str | Non
     else:
         use_cores(core_share(local_rank, local_size))
     tp = TensorParallel(rank, size, device, envs.tp_step_timeout(), init_method, local_size,
-                        envs.tp_start_timeout())
+                        start_timeout_s=envs.tp_start_timeout())
     try:
         worker = Worker(config, tp=tp)
         while True:

@@ -188,7 +188,7 @@ def _rank_command(monkeypatch, code: str) -> None:
 
 
 SLOW_RANK = """
-import runpy, sys, time
+import runpy, time
 time.sleep(6)
 runpy.run_module("engine.parallel.rank", run_name="__main__")
 """
