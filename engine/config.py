@@ -17,6 +17,7 @@ from engine.spec_config import SpeculativeConfig
 from kernels.registry import BACKENDS as ATTENTION_BACKENDS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
 QUANTIZATIONS = ("gguf", "int8")
@@ -44,6 +45,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float | None = None
     """Explicit KV cache size. Default on the CPU: 1 GiB; on CUDA: profiled."""
+    kv_cache_dtype: str = "auto"
+    """Element type of the KV cache: auto (the model's dtype), float32, bfloat16 or
+    float16. A 16-bit cache under a float32 model holds twice the tokens in the same
+    memory and halves what a long context's decode reads; keys and values are rounded
+    to it as they are written (the CPU backends; on CUDA the cache is the model's dtype)."""
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     # Scheduler
@@ -84,6 +90,11 @@ class EngineConfig:
                 raise bad(name, getattr(self, name), "must be True or False")
         if self.dtype not in DTYPES:
             raise bad("dtype", self.dtype, f"must be one of {DTYPES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fp8 = " (fp8 KV caches are not supported)" if str(self.kv_cache_dtype).startswith(
+                "fp8") else ""
+            raise bad("kv_cache_dtype", self.kv_cache_dtype,
+                      f"must be one of {KV_CACHE_DTYPES}{fp8}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise bad("quantization", self.quantization, f"must be one of {QUANTIZATIONS} or None")
         if self.quantization is not None and self.dtype in ("float16", "bfloat16"):

@@ -256,7 +256,7 @@ def profile_kv_budget(worker: Any) -> float:
     weights = torch.cuda.memory_allocated(device)
 
     kv_caches = dummy_kv_caches(spec.num_layers, DUMMY_CACHE_BLOCKS, block_size, spec.num_kv_heads,
-                                spec.head_dim, worker.dtype, device)  # fmt: skip
+                                spec.head_dim, worker.kv_dtype, device)  # fmt: skip
     num_tokens = worker.max_num_batched_tokens
     layout = dummy_step_layout(num_tokens, worker.max_model_len, cfg.max_num_seqs - 1)
     step = build_dummy_step(layout, block_size, DUMMY_CACHE_BLOCKS, device)

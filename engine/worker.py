@@ -69,6 +69,20 @@ def resolve_dtype(name: str, hf_config, device: torch.device,
     return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The KV cache's element type: ``auto`` is the model's dtype. The triton kernels
+    take their cache in the model's dtype only."""
+    if name == "auto":
+        return model_dtype
+    dtype = _DTYPES[name]
+    if dtype != model_dtype and backend == "triton":
+        raise ValueError(
+            f"kv_cache_dtype={name!r} differs from the model dtype "
+            f"{str(model_dtype).removeprefix('torch.')}: the triton attention backend takes "
+            "its KV cache in the model's dtype (use kv_cache_dtype='auto')")
+    return dtype
+
+
 @functools.cache
 def _warn_slow_bf16() -> None:
     logger.warning(
@@ -134,6 +148,7 @@ class Worker:
         self.eos_token_ids = self._eos_ids()
 
         self.attn = get_attention_backend(config.attention_backend, self.device, kernel_settings())
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.attn.name)
         if self.device.type == "cpu":
             self.cpu_paths = cpu_paths.describe(self.attn)
             if self.tp is not None:  # the layers' all-reduces come between their ops
@@ -153,9 +168,9 @@ class Worker:
         if self.device.type == "cpu":
             # Fresh memory reads as zeros; zero_() faults every page in now rather than
             # during the first steps.
-            self.kv_cache = hugepages.empty(shape, self.dtype).zero_()
+            self.kv_cache = hugepages.empty(shape, self.kv_dtype).zero_()
         else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend, self.tokenizer, self.vocab_size,
@@ -183,11 +198,12 @@ class Worker:
             str(self.dtype).removeprefix("torch."), self.device, time.perf_counter() - t0,
             self.attn.name)
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d token slots (%.2f GiB); max concurrency "
-            "at max_model_len=%d: %.2fx; prefix caching %s",
+            "KV cache: %d blocks x %d tokens = %d token slots (%.2f GiB, %s); max "
+            "concurrency at max_model_len=%d: %.2fx; prefix caching %s",
             num_blocks, config.block_size, capacity,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
-            self.max_model_len, capacity / self.max_model_len,
+            str(self.kv_dtype).removeprefix("torch."), self.max_model_len,
+            capacity / self.max_model_len,
             "on" if config.enable_prefix_caching else "off")
         if self.tp is not None:
             logger.info("tensor parallel: %d ranks (%s), rank 0 holds %d of %d heads and "
@@ -251,7 +267,7 @@ class Worker:
 
     def block_bytes(self) -> int:
         s = self.spec
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return s.num_layers * 2 * self.config.block_size * s.num_kv_heads * s.head_dim * elem
 
     def _num_blocks(self) -> int:

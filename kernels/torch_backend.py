@@ -169,9 +169,11 @@ class TorchBackend:
         self.ops: LayerOps = TorchLayerOps() if ops is None else ops
 
     def _gather_kv(
-        self, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor
+        self, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
+        compute_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather rows ``slots`` of both flat caches into a reused workspace.
+        """Gather rows ``slots`` of both flat caches into a reused workspace, in
+        ``compute_dtype`` (the query's).
 
         Reusing one buffer across groups, layers and steps avoids allocating (and
         page-faulting) tens of MB per layer; the gathered K/V are consumed by SDPA
@@ -185,6 +187,8 @@ class TorchBackend:
             self._workspace = ws
         k = torch.index_select(k_flat, 0, slots, out=ws[: n * width].view(n, width))
         v = torch.index_select(v_flat, 0, slots, out=ws[n * width : 2 * n * width].view(n, width))
+        if compute_dtype != k.dtype:  # a cache narrower than the model: widen what it holds
+            k, v = k.to(compute_dtype), v.to(compute_dtype)
         return k, v
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
@@ -294,6 +298,10 @@ class TorchBackend:
             self._attend_decodes(query, k_cache, v_cache, meta, scale, out[: meta.num_decodes])
 
         group = num_heads // num_kv_heads
+        if st.causal and k_cache.dtype != query.dtype:
+            # Whole prompts attend to their K/V as the cache holds them, as later steps do.
+            key = key.to(k_cache.dtype).to(query.dtype)
+            value = value.to(v_cache.dtype).to(query.dtype)
         for a, b in st.causal:
             # 4-D [1, H, L, D] views: SDPA's CPU flash kernel (3-D inputs take the math path).
             o = F.scaled_dot_product_attention(
@@ -305,7 +313,7 @@ class TorchBackend:
             out[a:b] = o[0].transpose(0, 1)
         if pre is not None:
             p, ql, length = pre.num_reqs, pre.max_q_len, pre.max_len
-            k, v = self._gather_kv(k_flat, v_flat, pre.slots)
+            k, v = self._gather_kv(k_flat, v_flat, pre.slots, query.dtype)
             k = k.view(p, length, num_kv_heads, head_dim)
             v = v.view(p, length, num_kv_heads, head_dim)
             q = query.index_select(0, pre.token_index).view(p, ql, num_heads, head_dim)
@@ -340,7 +348,7 @@ class TorchBackend:
         groups = meta.plan(TorchStepPlan).decode
         for g in groups:
             n, length = g.num_reqs, g.max_len
-            k, v = self._gather_kv(k_flat, v_flat, g.slots)
+            k, v = self._gather_kv(k_flat, v_flat, g.slots, query.dtype)
             k = k.view(n, length, num_kv_heads, head_dim)
             v = v.view(n, length, num_kv_heads, head_dim)
             q = query[:n] if g.rows is None else query.index_select(0, g.rows)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine import envs
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, QUANTIZATIONS
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 from loadtest.workloads import Workload, allowed_token_ids
 
 logger = logging.getLogger("loadtest")
@@ -47,6 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="token budget per engine step (default: the engine's)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="KV cache size (default: the engine's, 1 GiB on the CPU)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache element type (default: the model's dtype)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=None)
     # Spelled as `pagedserve serve` spells it, and the short form.
@@ -70,6 +72,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
         "block_size": args.block_size,
         "max_model_len": args.max_model_len,
         "enable_chunked_prefill": args.enable_chunked_prefill,

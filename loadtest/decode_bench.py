@@ -11,8 +11,9 @@ it the engine reaches. With a long ``--prompt-len`` this is the long-context dec
 adds where one step's time goes (every layer op and attention call, timed through
 ``ModelRunner.instrument``).
 ``--agreement N`` compares the greedy outputs (N tokens each, a fixed set of prompts)
-with those of the same model in float32: identical outputs, mean common prefix, and the
-largest difference of the chosen token's logprob along the common prefixes.
+with those of the same model in float32 (float32 KV cache too): identical outputs, mean
+common prefix, and the largest difference of the chosen token's logprob along the common
+prefixes.
 
 The latency a single chat user sees is the batch-1 step; compare weight formats with
 ``--quantization`` and ``--dtype``.
@@ -131,8 +132,8 @@ def agreement(args: argparse.Namespace, num_tokens: int) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, min_tokens=num_tokens,
                             logprobs=0)
     runs = []
-    for kwargs in (engine_kwargs(args), engine_kwargs(args, quantization=None,
-                                                      dtype="float32")):
+    for kwargs in (engine_kwargs(args), engine_kwargs(args, quantization=None, dtype="float32",
+                                                      kv_cache_dtype="auto")):
         llm = LLM(model=args.model, **kwargs)
         runs.append([o.outputs[0] for o in llm.generate(list(AGREEMENT_PROMPTS), params,
                                                          use_tqdm=False)])
@@ -172,7 +173,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                    + (f", {worker.quant_desc}" if worker.quant_desc else "")
                    + f": {nbytes / 1e6:.1f} MB read per step",
         "memory": f"read bandwidth {bandwidth:.1f} GB/s: {floor_ms:.2f} ms a step at least "
-                  f"(weights), KV cache {kv_token / 1e3:.1f} kB a token of context",
+                  f"(weights), KV cache {kv_token / 1e3:.1f} kB a token of context "
+                  f"({str(worker.kv_cache.dtype).removeprefix('torch.')})",
         **({"cpu paths": cpu_paths.summary(worker.cpu_paths,
                                            str(worker.dtype).removeprefix("torch."),
                                            worker.quant_desc)}

@@ -154,7 +154,7 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--long", action="store_true", help="the native kernel at long contexts")
     parser.add_argument("--level", default=None, help="native build level (--long; default: "

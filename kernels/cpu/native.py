@@ -44,7 +44,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "gemm_cpu.c",
                                    "qgemm_cpu.c", "decoder_cpu.c", "pool.c",
                                    "shm_sync.c"))
-HEADERS = (CSRC / "abi.h", CSRC / "paged_attention_portable.h", CSRC / "paged_attention_vec.h",
+HEADERS = (CSRC / "abi.h", CSRC / "convert.h", CSRC / "paged_attention_portable.h", CSRC / "paged_attention_vec.h",
            CSRC / "paged_attention_tiled.h", CSRC / "pool.h", CSRC / "qgemm_vec.h",
            CSRC / "simd.h")
 # -std=c11 keeps floating-point contraction off: a * b + c rounds twice, as in torch.
@@ -219,9 +219,10 @@ def _kv_rows(
     key: torch.Tensor | None, value: torch.Tensor | None, slots: torch.Tensor | None,
     k_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``key``/``value`` in the cache dtype with dense heads and one row stride for both
-    (views of a fused QKV output qualify as they are), and int64 ``slots``; None when
-    there is nothing to write."""
+    """``key``/``value`` in the cache dtype or float32 (the kernel rounds float32 rows
+    into a 16-bit cache) with dense heads and one row stride for both (views of a fused
+    QKV output qualify as they are), and int64 ``slots``; None when there is nothing to
+    write."""
     if slots is None:
         return None
     if key is None or value is None:
@@ -232,9 +233,10 @@ def _kv_rows(
                          f"{tuple(slots.shape)} do not fit the cache rows {tuple(width)}")
 
     def dense(t: torch.Tensor) -> bool:
-        return t.dtype == k_cache.dtype and t.stride(2) == 1 and t.stride(1) == width[1]
+        return t.dtype == key.dtype and t.stride(2) == 1 and t.stride(1) == width[1]
 
-    if not (dense(key) and dense(value) and key.stride(0) == value.stride(0)):
+    if not (key.dtype in (k_cache.dtype, torch.float32) and dense(key) and dense(value)
+            and key.stride(0) == value.stride(0)):  # fmt: skip
         key, value = (t.to(k_cache.dtype).contiguous() for t in (key, value))
     return key, value, slots.to(torch.int64).contiguous()
 
@@ -295,9 +297,9 @@ def paged_attention(
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     rows = _kv_rows(key, value, slot_mapping, k_cache)
-    write = (None, None, 0, None, 0) if rows is None else (
-        rows[0].data_ptr(), rows[1].data_ptr(), rows[0].stride(0), rows[2].data_ptr(),
-        rows[0].shape[0])
+    write = (None, None, 0, 0, None, 0) if rows is None else (
+        rows[0].data_ptr(), rows[1].data_ptr(), DTYPE_CODES[rows[0].dtype], rows[0].stride(0),
+        rows[2].data_ptr(), rows[0].shape[0])
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     result = out if direct else torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     status = lib.paged_attention(

@@ -40,11 +40,13 @@ def test_defaults_equal_the_dataclass():
 def test_flags_map_to_fields_with_types():
     args = _parse("--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25",
                   "--no-enable-prefix-caching", "--enforce-eager", "--dtype", "float32",
-                  "--max-model-len", "none", "--model", "some/model")
+                  "--max-model-len", "none", "--model", "some/model",
+                  "--kv-cache-dtype", "bfloat16")
     cfg = config_from_args(args)
     assert cfg.max_num_batched_tokens == 256 and cfg.kv_cache_memory_gb == 0.25
     assert cfg.enable_prefix_caching is False and cfg.enforce_eager is True
     assert cfg.dtype == "float32" and cfg.max_model_len is None and cfg.model == "some/model"
+    assert cfg.kv_cache_dtype == "bfloat16"
 
 
 def test_bad_values_are_rejected():

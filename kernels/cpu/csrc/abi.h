@@ -12,7 +12,8 @@
 
 #include <stdint.h>
 
-/* KV cache element types (``dtype`` of paged_attention). */
+/* KV cache element types (``dtype`` of paged_attention; its ``key_dtype``, the type of
+ * the step's K/V rows, is the cache's or DTYPE_F32). */
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 #define DTYPE_F16 2
@@ -90,8 +91,8 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
                     const int32_t *query_start_loc, int64_t q_stride, float *out, int num_seqs,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
                     int max_blocks_per_seq, int max_seq_len, float scale, const void *key,
-                    const void *value, int64_t kv_stride, const int64_t *slots, int num_rows,
-                    int num_threads);
+                    const void *value, int key_dtype, int64_t kv_stride, const int64_t *slots,
+                    int num_rows, int num_threads);
 
 /* fused_ops_cpu.c */
 const char *simd_isa(void);

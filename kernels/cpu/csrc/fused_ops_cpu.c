@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "abi.h"
+#include "convert.h"
 #include "simd.h"
 
 #define PARALLEL_MIN_ELEMS (1 << 18)
@@ -28,21 +29,6 @@ static inline int threads_for(int64_t elems, int num_threads) {
  * in float32 and rounded back to bfloat16 (round to nearest even, as torch) where torch
  * rounds, so results match the bfloat16 torch expressions up to the last bit of the
  * float32 steps noted above. */
-
-static inline float bf16_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_bf16(float f) {
-    if (f != f) return 0x7FC0;
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* bfloat16 ``f32_bf16(x)`` widened back: the float32 value torch holds after rounding. */
 static inline float round_bf16(float x) { return bf16_f32(f32_bf16(x)); }

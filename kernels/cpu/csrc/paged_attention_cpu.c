@@ -14,8 +14,9 @@
  *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] float32 | bf16 | f16
  *   block_tables  [num_seqs, max_blocks_per_seq]                   int32
  *   seq_lens      [num_seqs]                                       int32
- *   key, value    [num_rows, num_kv_heads, head_dim] in the cache dtype, this step's
- *                 K/V (rows ``kv_stride`` elements apart), written to cache slots
+ *   key, value    [num_rows, num_kv_heads, head_dim] in ``key_dtype`` (the cache dtype,
+ *                 or float32 rounded to it on the way in), this step's K/V (rows
+ *                 ``kv_stride`` elements apart), written to cache slots
  *   slots         [num_rows] int64 (-1: not written) before anything is attended
  *
  * A work item is a tile of up to TOKEN_TILE consecutive query tokens of one request
@@ -41,6 +42,7 @@
 #include <string.h>
 
 #include "abi.h"
+#include "convert.h"
 #include "pool.h"
 
 /* Query tokens of one request handled by one work item. */
@@ -163,27 +165,48 @@ static int64_t plan_tiles(const int32_t *seq_lens, const int32_t *query_start_lo
     return i;
 }
 
-/* Rows ``[t0, t1)`` of ``key``/``value`` (``num_kv_heads * head_dim`` elements of the
- * cache dtype, rows ``kv_stride`` elements apart) to cache slots ``slots[t]``; -1 is
- * skipped. */
+/* Rows ``[t0, t1)`` of ``key``/``value`` (``num_kv_heads * head_dim`` elements of
+ * ``src_dtype``, rows ``kv_stride`` elements apart) to cache slots ``slots[t]``; -1 is
+ * skipped. float32 rows into a 16-bit cache are rounded to nearest even, as torch's
+ * ``.to()``. */
 typedef struct {
     void *k_cache, *v_cache;
     const void *key, *value;
     int64_t kv_stride;
     const int64_t *slots;
     size_t row_bytes;
-    int elem;
+    int dtype, src_dtype, row_elems;
 } write_task_t;
+
+static void convert_row(void *dst, const float *src, int n, int dtype) {
+    if (dtype == DTYPE_BF16) {
+        uint16_t *d = dst;
+        for (int i = 0; i < n; ++i) d[i] = f32_bf16(src[i]);
+        return;
+    }
+#ifdef __FLT16_MAX__
+    _Float16 *d = dst;
+    for (int i = 0; i < n; ++i) d[i] = (_Float16)src[i];
+#endif
+}
 
 static void write_rows(void *ctx, int64_t t0, int64_t t1, int worker) {
     (void)worker;
     const write_task_t *w = ctx;
+    const int src_elem = w->src_dtype == DTYPE_F32 ? 4 : 2;
     for (int64_t t = t0; t < t1; ++t) {
         if (w->slots[t] < 0) continue;
-        memcpy((char *)w->k_cache + w->slots[t] * w->row_bytes,
-               (const char *)w->key + t * w->kv_stride * w->elem, w->row_bytes);
-        memcpy((char *)w->v_cache + w->slots[t] * w->row_bytes,
-               (const char *)w->value + t * w->kv_stride * w->elem, w->row_bytes);
+        char *k_dst = (char *)w->k_cache + w->slots[t] * w->row_bytes;
+        char *v_dst = (char *)w->v_cache + w->slots[t] * w->row_bytes;
+        const char *k_src = (const char *)w->key + t * w->kv_stride * src_elem;
+        const char *v_src = (const char *)w->value + t * w->kv_stride * src_elem;
+        if (w->src_dtype == w->dtype) {
+            memcpy(k_dst, k_src, w->row_bytes);
+            memcpy(v_dst, v_src, w->row_bytes);
+        } else {
+            convert_row(k_dst, (const float *)k_src, w->row_elems, w->dtype);
+            convert_row(v_dst, (const float *)v_src, w->row_elems, w->dtype);
+        }
     }
 }
 
@@ -266,8 +289,8 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
                     const int32_t *query_start_loc, int64_t q_stride, float *out, int num_seqs,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
                     int max_blocks_per_seq, int max_seq_len, float scale, const void *key,
-                    const void *value, int64_t kv_stride, const int64_t *slots, int num_rows,
-                    int num_threads) {
+                    const void *value, int key_dtype, int64_t kv_stride, const int64_t *slots,
+                    int num_rows, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return PA_ERR_GQA;
     if (head_dim <= 0 || head_dim > MAX_HEAD_DIM) return PA_ERR_HEAD_DIM;
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16) return PA_ERR_DTYPE;
@@ -276,6 +299,8 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
 #endif
     if (num_threads < 1) num_threads = 1;
     if (slots == NULL) num_rows = 0;
+    /* This step's rows come in the cache dtype or in float32. */
+    if (num_rows > 0 && key_dtype != dtype && key_dtype != DTYPE_F32) return PA_ERR_DTYPE;
     for (int t = 0; t < num_rows; ++t)
         if (slots[t] < -1 || slots[t] >= (int64_t)num_blocks * block_size) return PA_ERR_SLOT;
     const int elem = dtype == DTYPE_F32 ? 4 : 2;
@@ -305,7 +330,10 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     }
     /* The arguments hold: this step's K/V rows first (a prefill tile reads rows that
      * other threads write). */
-    write_task_t wt = {k_cache, v_cache, key, value, kv_stride, slots, row_bytes, elem};
+    write_task_t wt = {.k_cache = k_cache, .v_cache = v_cache, .key = key, .value = value,
+                       .kv_stride = kv_stride, .slots = slots, .row_bytes = row_bytes,
+                       .dtype = dtype, .src_dtype = key_dtype,
+                       .row_elems = num_kv_heads * head_dim};
     const int write_threads = num_rows >= 64 ? num_threads : 1;
     pool_run(write_rows, &wt, num_rows, (num_rows + 4 * write_threads - 1) / (4 * write_threads),
              write_threads);

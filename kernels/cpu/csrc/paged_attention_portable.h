@@ -8,12 +8,6 @@
 /* Portable path (any head_dim, any x86/ARM compiler).                        */
 /* ------------------------------------------------------------------------- */
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)h << 16;
-    return c.f;
-}
-
 /* Element offset ``idx`` of a cache as ``n`` float32 values: a pointer into the cache
  * itself for float32, else a conversion into ``tmp``. */
 static inline const float *load_row(const void *cache, int dtype, int64_t idx, int n,
@@ -22,7 +16,7 @@ static inline const float *load_row(const void *cache, int dtype, int64_t idx, i
     if (dtype == DTYPE_BF16) {
         const uint16_t *src = (const uint16_t *)cache + idx;
 #pragma omp simd
-        for (int d = 0; d < n; ++d) tmp[d] = bf16_to_f32(src[d]);
+        for (int d = 0; d < n; ++d) tmp[d] = bf16_f32(src[d]);
         return tmp;
     }
 #ifdef __FLT16_MAX__

@@ -78,26 +78,27 @@ def _run(model, backend, positions, meta, kv):
         return model.compute_logits(hidden, backend.ops)
 
 
-def _caches(model, num_blocks: int):
+def _caches(model, num_blocks: int, dtype: torch.dtype = torch.float32):
     g = torch.Generator().manual_seed(2)
     s = model.spec
     shape = (num_blocks, BLOCK, s.num_kv_heads, s.head_dim)
-    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    return [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
             for _ in range(s.num_layers)]  # fmt: skip
 
 
-def _compare(native_lib, model, q_lens, ctx, expect_fused: bool):
+def _compare(native_lib, model, q_lens, ctx, expect_fused: bool,
+             kv_dtype: torch.dtype = torch.float32):
     positions, meta, num_blocks = _step(q_lens, ctx)
     ops = NativeLayerOps(native_lib)
     fused, loop = CpuBackend(native_lib, ops), CpuBackend(native_lib, ops, fuse_layers=False)
-    kv_fused = _caches(model, num_blocks)
+    kv_fused = _caches(model, num_blocks, kv_dtype)
     kv_loop = [(k.clone(), v.clone()) for k, v in kv_fused]
     fused.prepare(meta, BLOCK)
     with torch.inference_mode():
         hidden = model.embed_tokens.weight[:positions.shape[0]].clone()
         took = fused.run_layers(model.decoder_stack(), hidden, positions, kv_fused, meta)
     assert (took is not None) == expect_fused
-    kv_fused = _caches(model, num_blocks)  # undo that probe's cache writes
+    kv_fused = _caches(model, num_blocks, kv_dtype)  # undo that probe's cache writes
     got = _run(model, fused, positions, meta, kv_fused)
     want = _run(model, loop, positions, meta, kv_loop)
     assert torch.equal(got, want)
@@ -120,6 +121,16 @@ def test_float32_fused_equals_loop(native_lib, arch, q_lens, ctx):
 @pytest.mark.parametrize("q_lens,ctx", STEPS)
 def test_quantized_fused_equals_loop(native_lib, quant, q_lens, ctx):
     _compare(native_lib, _model("llama", quant), q_lens, ctx, True)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("quant", [None, "q4_1"])
+@pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 70, 16]), ([1, 1, 9, 3], [20, 33, 0, 40])])
+def test_16bit_cache_fused_equals_loop(native_lib, kv_dtype, quant, q_lens, ctx):
+    # kv_cache_dtype under a float32 model: the fused call rounds its float32 K/V into
+    # the cache as the per-op loop's kernel call does.
+    _compare(native_lib, _model("llama", quant), q_lens, ctx,
+             quant is not None or bool(native_lib.gemm_f32_available()), kv_dtype)
 
 
 def test_steps_past_the_quantized_kernels_rows_take_the_loop(native_lib):
