@@ -102,14 +102,23 @@ class TensorParallel:
         from kernels.cpu import native
 
         lib = native.load()
-        names = [shm.new_name() if self.rank == 0 else None]
-        dist.broadcast_object_list(names, src=0, group=self.step_group)
+        usable = lib is not None and shm.available()
         ex = None
-        if lib is not None and shm.available():
+
+        def join(name: str) -> ShmExchange | None:
             try:
-                ex = ShmExchange(lib, names[0], self.rank, self.size, self.rank == 0, timeout_s)
+                return ShmExchange(lib, name, self.rank, self.size, self.rank == 0, timeout_s)
             except OSError as exc:
                 logger.warning("tensor parallel: no shared-memory all-reduce (%s); gloo", exc)
+                return None
+
+        # Rank 0 creates the segment before it names it, so no rank looks for it early.
+        if self.rank == 0 and usable:
+            ex = join(shm.new_name())
+        names = [ex.path.name if ex is not None else None]
+        dist.broadcast_object_list(names, src=0, group=self.step_group)
+        if self.rank != 0 and usable and names[0] is not None:
+            ex = join(names[0])
         ok = torch.tensor([ex is not None], dtype=torch.int64)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.step_group)
         if self.rank == 0 and ex is not None:

@@ -16,6 +16,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.errors import EngineFatalError
+from engine.parallel import shm
+from kernels.cpu import native
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
@@ -103,6 +105,10 @@ def test_default_model_tp3_equals_tp1(default_model_path):
         ref = [o.outputs[0].token_ids for o in one.generate(ps, sp, use_tqdm=False)]
     with LLM(dtype="float32", max_num_batched_tokens=64, tensor_parallel_size=3) as three:
         assert three.engine.worker.spec.num_heads == 3
+        # Every rank mapped the shared-memory segment (none looked for it before rank 0
+        # made it), so the all-reduces do not fall back to gloo.
+        if shm.available() and native.load() is not None:
+            assert three.engine.worker.tp.shm is not None
         got = [o.outputs[0].token_ids for o in three.generate(ps, sp, use_tqdm=False)]
     assert got == ref
 
