@@ -114,7 +114,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "engine": (f"max_num_seqs={llm.config.max_num_seqs} max_num_batched_tokens="
                    f"{llm.engine.scheduler.max_num_batched_tokens} block_size="
-                   f"{llm.config.block_size} kv_blocks={llm.engine.kv.num_blocks} "
+                   f"{llm.config.block_size} kv_blocks={llm.engine.kv.num_blocks} kv_cache="
+                   f"{str(worker.kv_cache.dtype).removeprefix('torch.')} "
                    f"prefix_caching={'on' if llm.config.enable_prefix_caching else 'off'} "
                    f"attention={worker.attn.name}"),
         **({"cpu paths": cpu_paths.summary(worker.cpu_paths, dtype, worker.quant_desc)}
