@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.worker import resolve_kv_cache_dtype
-from tests.engine.test_equivalence import PROMPTS
+from tests.helpers.prompts import PROMPTS
 
 NEW_TOKENS = 32
 

@@ -1,0 +1,16 @@
+"""Prompts of the default model's exactness tests: short and long, prose, code and
+arithmetic."""
+
+PROMPTS = [
+    "Explain the architectural differences between microservices and monoliths.",
+    "Write a Python script to implement a lock-free ring buffer.",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "1, 2, 3, 4, 5,",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who "
+    "every morning walked down to the harbour, checked his nets, mended the holes the "
+    "crabs had made overnight, and talked to the gulls as if they were old friends. One "
+    "day he found something unusual tangled in the net:",
+    "Translate to French: The weather is nice today.",
+    "Q: What is 12 times 7?\nA:",
+]
