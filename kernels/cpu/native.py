@@ -44,9 +44,9 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "gemm_cpu.c",
                                    "qgemm_cpu.c", "decoder_cpu.c", "pool.c",
                                    "shm_sync.c"))
-HEADERS = (CSRC / "abi.h", CSRC / "convert.h", CSRC / "paged_attention_portable.h", CSRC / "paged_attention_vec.h",
-           CSRC / "paged_attention_tiled.h", CSRC / "pool.h", CSRC / "qgemm_vec.h",
-           CSRC / "simd.h")
+HEADERS = tuple(CSRC / f for f in ("abi.h", "convert.h", "paged_attention_portable.h",
+                                   "paged_attention_vec.h", "paged_attention_tiled.h", "pool.h",
+                                   "qgemm_vec.h", "simd.h"))
 # -std=c11 keeps floating-point contraction off: a * b + c rounds twice, as in torch.
 BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
 LEVELS = ("portable", "avx2", "avx512")
