@@ -7,9 +7,12 @@ the median and p90 step, tokens per second, and the bytes of weights one step re
 in every layer) against this machine's read bandwidth (a torch ``sum`` over a buffer
 larger than the caches, on all threads): the floor a step cannot beat and the share of
 it the engine reaches. With a long ``--prompt-len`` this is the long-context decode:
-``read x`` is the step over the time to read its weights and KV cache. ``--op-times``
-adds where one step's time goes (every layer op and attention call, timed through
-``ModelRunner.instrument``).
+``read x`` is the step over the time to read its weights and KV cache. A shared host's
+bandwidth swings from minute to minute, so the same ``sum`` is also read after every
+timed step (untimed, the better of two): each step is held against the bandwidth read
+beside it (``GB/s``, the median of those readings; ``read x``, the median of the steps'
+ratios, and its p90). ``--op-times`` adds where one step's time goes (every layer op
+and attention call, timed through ``ModelRunner.instrument``).
 ``--agreement N`` compares the greedy outputs (N tokens each, a fixed set of prompts)
 with those of the same model in float32 (float32 KV cache too): identical outputs, mean
 common prefix, and the largest difference of the chosen token's logprob along the common
@@ -25,7 +28,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from loadtest.bench_common import (
@@ -53,14 +56,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--save-result", default=None, help="write the report as JSON")
 
 
+class ReadBandwidth:
+    """GB/s of a torch ``sum`` over a buffer of ``mib`` MiB, larger than the caches."""
+
+    def __init__(self, mib: int = 512) -> None:
+        import torch
+
+        self._x = torch.ones(mib * 1024 * 1024 // 4)
+        self._x.sum()
+
+    def __call__(self, repeats: int = 1) -> float:
+        """One reading: the best of ``repeats`` sums."""
+        best = min(_timed(self._x.sum) for _ in range(repeats))
+        return self._x.numel() * 4 / best / 1e9
+
+
 def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
     """GB/s of a torch ``sum`` over ``mib`` MiB (best of ``repeats``)."""
-    import torch
-
-    x = torch.ones(mib * 1024 * 1024 // 4)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(repeats))
-    return x.numel() * 4 / best / 1e9
+    return ReadBandwidth(mib)(repeats)
 
 
 def _timed(fn) -> float:
@@ -80,11 +93,13 @@ def kv_bytes_per_token(worker: Any) -> int:
     return cache[:, :, 0, 0].numel() * cache.element_size()
 
 
-def time_decode(llm: Any, batch: int, prompt_len: int, steps: int,
-                seed: int, contexts: list[int] | None = None) -> tuple[list[float], float]:
+def time_decode(llm: Any, batch: int, prompt_len: int, steps: int, seed: int,
+                contexts: list[int] | None = None,
+                after_step: Callable[[], None] | None = None) -> tuple[list[float], float]:
     """Seconds of each of ``steps`` decode steps of ``batch`` greedy requests, and the
     seconds of the other steps (prefill); ``contexts`` (if given) gets each timed step's
-    total context, the KV rows its attention reads."""
+    total context, the KV rows its attention reads, and ``after_step`` (if given) runs,
+    untimed, after each timed step."""
     import random
 
     from engine import SamplingParams
@@ -106,6 +121,8 @@ def time_decode(llm: Any, batch: int, prompt_len: int, steps: int,
             times.append(dt)
             if contexts is not None:
                 contexts.append(context)
+            if after_step is not None:
+                after_step()
         else:
             other += dt
     return times, other
@@ -165,7 +182,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     worker = llm.engine.worker
     nbytes = weight_bytes(worker.model)
     kv_token = kv_bytes_per_token(worker)
-    bandwidth = read_bandwidth_gbs()
+    read_gbs = ReadBandwidth()
+    bandwidth = read_gbs(repeats=5)
     floor_ms = nbytes / (bandwidth * 1e9) * 1e3
     print_header("pagedserve bench decode", env, {
         "model": f"{worker.model_name} ({worker.model_path})",
@@ -185,21 +203,32 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                               "floor_ms": floor_ms, "kv_bytes_per_token": kv_token,
                               "batches": []}
     print(f"{'batch':>5} {'median ms':>10} {'p90 ms':>8} {'tok/s':>8} {'floor/step':>10} "
-          f"{'KV MB':>8} {'read ms':>8} {'read x':>7}")
+          f"{'KV MB':>8} {'GB/s':>6} {'read ms':>8} {'read x':>7} {'p90 x':>6}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         contexts: list[int] = []
-        times = sorted(time_decode(llm, batch, args.prompt_len, args.steps, args.seed,
-                                   contexts)[0])
+        readings: list[float] = []
+        steps = time_decode(llm, batch, args.prompt_len, args.steps, args.seed, contexts,
+                            lambda readings=readings: readings.append(read_gbs(repeats=2)))[0]
+        times = sorted(steps)
         med, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
         kv = statistics.mean(contexts) * kv_token
-        read_ms = (nbytes + kv) / (bandwidth * 1e9) * 1e3
+        gbs = statistics.median(readings)
+        read_ms = (nbytes + kv) / (gbs * 1e9) * 1e3
+        # Each step against the time to read its own bytes at the bandwidth read beside it.
+        ratios = sorted(dt * gb * 1e9 / (nbytes + ctx * kv_token)
+                        for dt, ctx, gb in zip(steps, contexts, readings, strict=True))
         row = {"batch": batch, "median_ms": med * 1e3, "p90_ms": p90 * 1e3,
                "tokens_per_s": batch / med, "floor_ratio": floor_ms / (med * 1e3),
-               "kv_bytes": kv, "read_ms": read_ms, "read_ratio": med * 1e3 / read_ms}
+               "kv_bytes": kv, "read_gbs": gbs, "read_ms": read_ms,
+               "read_ratio": statistics.median(ratios),
+               "read_ratio_p90": ratios[int(0.9 * (len(ratios) - 1))],
+               "step_ms": [dt * 1e3 for dt in steps], "step_read_gbs": readings,
+               "step_contexts": contexts}
         report["batches"].append(row)
         print(f"{batch:>5} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} "
               f"{row['tokens_per_s']:>8.1f} {row['floor_ratio']:>10.2f} {kv / 1e6:>8.1f} "
-              f"{read_ms:>8.2f} {row['read_ratio']:>7.2f}")
+              f"{gbs:>6.1f} {read_ms:>8.2f} {row['read_ratio']:>7.2f} "
+              f"{row['read_ratio_p90']:>6.2f}")
     if args.op_times:
         timers = OpTimes(llm.engine)
         try:

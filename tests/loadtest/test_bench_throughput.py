@@ -220,9 +220,18 @@ def test_decode_bench_times_each_batch_and_reads_the_weight_bytes(tiny_llama, tm
         assert b["floor_ratio"] == pytest.approx(rep["floor_ms"] / b["median_ms"])
         # Decode steps 1..5 after an 8-token prompt attend to 9..13 rows a request.
         assert b["kv_bytes"] == pytest.approx(b["batch"] * 11 * rep["kv_bytes_per_token"])
-        read_ms = (rep["weight_bytes"] + b["kv_bytes"]) / (rep["read_gbs"] * 1e9) * 1e3
+        # One bandwidth reading after each timed step; each step is held against its own.
+        assert len(b["step_ms"]) == len(b["step_read_gbs"]) == len(b["step_contexts"]) == 5
+        assert sorted(b["step_ms"])[2] == pytest.approx(b["median_ms"])
+        assert b["read_gbs"] == pytest.approx(sorted(b["step_read_gbs"])[2])
+        read_ms = (rep["weight_bytes"] + b["kv_bytes"]) / (b["read_gbs"] * 1e9) * 1e3
         assert b["read_ms"] == pytest.approx(read_ms)
-        assert b["read_ratio"] == pytest.approx(b["median_ms"] / read_ms)
+        ratios = sorted(ms / ((rep["weight_bytes"] + ctx * rep["kv_bytes_per_token"])
+                              / (gbs * 1e9) * 1e3)
+                        for ms, ctx, gbs in zip(b["step_ms"], b["step_contexts"],
+                                                b["step_read_gbs"], strict=True))
+        assert b["read_ratio"] == pytest.approx(ratios[2])
+        assert b["read_ratio_p90"] == pytest.approx(ratios[3])
     calls = {op["op"]: op["calls"] for op in rep["op_times"]["decode"]["ops"]}
     assert calls["attention"] == 2 * 5 and calls["linear lm_head"] == 5
     # float32 against float32: the same outputs.

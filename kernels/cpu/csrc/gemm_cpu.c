@@ -35,6 +35,12 @@
 #define NR (NV * (SIMD_VW ? SIMD_VW : 16))
 /* Rows of x per pass over the panels (x stays in L2). */
 #define MC 128
+/* A panel read by one tile only (a batch of at most MR rows) is one stream through
+ * memory: each k step fetches into L1 the lines this many bytes ahead of the ones it
+ * reads. Against fetching the next panel into L2 (below), one decode row's linears, over
+ * weights in DRAM, took 8-16% less time (4 KiB ahead; 1-2 KiB and 8 KiB, and into L2,
+ * measured slower). */
+#define STREAM_AHEAD 4096
 /* Weights smaller than this many floats stay on the calling thread (even for one row,
  * two threads stream a larger weight from memory faster than one). */
 #define PARALLEL_MIN_WEIGHT (1 << 16)
@@ -68,16 +74,20 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
                                                        const float *panel, int64_t k,
                                                        const float *bias, float *y,
                                                        int64_t ldy, int cols, const char *pf,
-                                                       int64_t pf_lines, const int mr) {
+                                                       int64_t pf_lines, const int stream,
+                                                       const int mr) {
     vf acc[MR][NV];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NV; j++) acc[i][j] = vf_zero();
     /* ``pf_lines`` cache lines from ``pf`` are prefetched evenly over the k loop: in a
      * burst, the prefetches fill the core's line-fill buffers and stall the arithmetic
-     * (evenly spread: 12-18% less time for a decode step's linears at 24-64 rows). */
+     * (evenly spread: 12-18% less time for a decode step's linears at 24-64 rows).
+     * ``stream``: the lines STREAM_AHEAD bytes ahead instead. */
     int64_t line = 0, due = 0;
     for (int64_t kk = 0; kk < k; kk++) {
         const float *b = panel + kk * NR;
+        if (stream)
+            for (int j = 0; j < NR * 4; j += 64) prefetch_l1((const char *)b + STREAM_AHEAD + j);
         due += pf_lines;
         while (due >= k && line < pf_lines) {
             prefetch_l2(pf + 64 * line);
@@ -108,8 +118,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 #define TILE_FN(R)                                                                        \
     static void tile_##R(const float *x, int64_t ldx, const float *panel, int64_t k,     \
                          const float *bias, float *y, int64_t ldy, int cols,              \
-                         const char *pf, int64_t pf_lines) {                              \
-        tile(x, ldx, panel, k, bias, y, ldy, cols, pf, pf_lines, R);                      \
+                         const char *pf, int64_t pf_lines, int stream) {                  \
+        tile(x, ldx, panel, k, bias, y, ldy, cols, pf, pf_lines, stream, R);              \
     }
 TILE_FN(1)
 TILE_FN(2)
@@ -123,7 +133,7 @@ TILE_FN(8)
 #endif
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const float *,
-                        float *, int64_t, int, const char *, int64_t);
+                        float *, int64_t, int, const char *, int64_t, int);
 static const tile_fn TILES[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6,
 #if MR > 6
                                       tile_7, tile_8
@@ -140,16 +150,18 @@ static void panels_range(const float *x, int64_t ldx, int64_t m, int64_t k,
         const float *pb = bias ? bias + c0 : 0;
         /* The tiles of this panel share out prefetching the next one into L2: with the
          * weights in DRAM a decode step's linears take 15-25% less time at 8-64 rows
-         * (one panel ahead is best; two or three are slightly slower). */
+         * (one panel ahead is best; two or three are slightly slower). One tile streams
+         * its panel instead (STREAM_AHEAD). */
         const int64_t tiles = (m + MR - 1) / MR, lines = NR * k * 4 / 64;
-        const int64_t per_tile = p + 1 < p1 ? (lines + tiles - 1) / tiles : 0;
+        const int stream = tiles == 1;
+        const int64_t per_tile = p + 1 < p1 && !stream ? (lines + tiles - 1) / tiles : 0;
         const char *next = (const char *)(panel + NR * k);
         for (int64_t r = 0, t = 0; r < m; r += MR, t++) {
             const int mr = (int)(m - r < MR ? m - r : MR);
             int64_t pf_lines = lines - t * per_tile;
             pf_lines = pf_lines < per_tile ? pf_lines : per_tile;
             TILES[mr](x + r * ldx, ldx, panel, k, pb, y + r * ldy + c0, ldy, cols,
-                      next + 64 * t * per_tile, pf_lines);
+                      next + 64 * t * per_tile, pf_lines, stream);
         }
     }
 }

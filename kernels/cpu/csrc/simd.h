@@ -259,6 +259,8 @@ static inline vf vf_exp(vf x) {
 
 /* Fetch the cache line at ``p`` into L2. */
 #define prefetch_l2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
+/* Fetch the cache line at ``p`` into L1. */
+#define prefetch_l1(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #endif
 
 #endif
