@@ -4,6 +4,11 @@ KV cache layout (one tensor per layer and per K/V)::
 
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 
+indexed so by every backend. A backend whose ``kv_heads_first`` is true gets a
+``transpose(1, 2)`` view of contiguous ``[num_blocks, num_kv_heads, block_size,
+head_dim]`` memory instead (each KV head's rows of a block one run); the others get
+contiguous tensors.
+
 A *slot* is ``block_id * block_size + offset``; ``slot_mapping[t] == -1`` marks a
 padding token whose K/V is not written.
 

@@ -70,6 +70,8 @@ CONSTANTS, _MESSAGES, SIGNATURES = parse(HEADER.read_text(encoding="utf-8"))
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = (CONSTANTS[n] for n in ("DTYPE_F32", "DTYPE_BF16",
                                                            "DTYPE_F16"))  # fmt: skip
 """KV cache element type codes."""
+KV_ROWS_FIRST, KV_HEADS_FIRST = CONSTANTS["KV_ROWS_FIRST"], CONSTANTS["KV_HEADS_FIRST"]
+"""KV cache layout codes: a block's rows, then heads; or its heads, then rows."""
 QK = CONSTANTS["QK"]
 """Weights per block along k of the GGUF formats."""
 MAX_HEAD_DIM = CONSTANTS["MAX_HEAD_DIM"]

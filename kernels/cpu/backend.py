@@ -44,6 +44,10 @@ class CpuBackend:
     """Paged attention on the CPU: the native kernel for decodes and prefill chunks."""
 
     name = "cpu"
+    kv_heads_first = True
+    """The cache this backend wants: each KV head's rows of a block one contiguous run
+    (``native.kv_layout``'s ``KV_HEADS_FIRST``), which a long context's decode streams
+    faster than rows of every head (BENCHMARKS.md)."""
 
     def __init__(self, lib: ctypes.CDLL, ops: LayerOps, fuse_layers: bool = True) -> None:
         self._lib = lib

@@ -127,15 +127,22 @@ def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool) -> No
 def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
                  context: int = 7864) -> None:
     """One long request's decode through every layer, as the engine lays it out: one
-    cache per layer on huge pages, the request's blocks in order (GB/s of K/V read)."""
+    cache per layer on huge pages, each KV head's rows of a block contiguous
+    (``CpuBackend.kv_heads_first``), the request's blocks in order (GB/s of K/V read)."""
     from kernels.cpu import native as cpu_native
+    from kernels.cpu.backend import CpuBackend
     from kernels.cpu.memory import huge_empty
 
     lib = cpu_native.build_library(level)
     block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
     num_blocks = -(-context // block_size) + 1  # block 0 unused, as the engine's padding
-    cache = huge_empty((layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype)
-    cache.normal_(generator=torch.Generator().manual_seed(0))
+    if CpuBackend.kv_heads_first:
+        cache = huge_empty((layers, 2, num_blocks, num_kv_heads, block_size, head_dim), dtype)
+        cache.normal_(generator=torch.Generator().manual_seed(0))
+        cache = cache.transpose(-3, -2)
+    else:
+        cache = huge_empty((layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype)
+        cache.normal_(generator=torch.Generator().manual_seed(0))
     table = torch.arange(1, num_blocks, dtype=torch.int32)[None]
     lens = torch.tensor([context], dtype=torch.int32)
     query = torch.randn(1, num_heads, head_dim)

@@ -26,7 +26,7 @@ import torch
 
 from kernels.cpu import abi
 from kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, QUANT_DIRECT_MAX_ROWS, NativeLayerOps
-from kernels.cpu.native import DTYPE_CODES
+from kernels.cpu.native import DTYPE_CODES, kv_layout
 from kernels.cpu.quant import format_code
 from kernels.interface import DecoderStack, LayerWeights, Weight
 from kernels.quant import QuantizedWeight
@@ -103,7 +103,8 @@ class FusedLayers:
         if len(kv_caches) != len(stack.layers) or not stack.layers:
             return None
         k0 = kv_caches[0][0]
-        if k0.dim() != 4 or k0.dtype not in DTYPE_CODES or tuple(k0.shape[2:]) != (
+        layout = kv_layout(k0)
+        if layout is None or k0.dtype not in DTYPE_CODES or tuple(k0.shape[2:]) != (
                 stack.num_kv_heads, stack.head_dim) or stack.head_dim > abi.MAX_HEAD_DIM:
             return None
         for cos in (stack.rope_cos, stack.rope_sin):
@@ -116,7 +117,8 @@ class FusedLayers:
                             ("DM_HEAD_DIM", stack.head_dim),
                             ("DM_INTER", stack.intermediate_size),
                             ("DM_KV_DTYPE", DTYPE_CODES[k0.dtype]),
-                            ("DM_BLOCK_SIZE", k0.shape[1]), ("DM_NUM_BLOCKS", k0.shape[0])):
+                            ("DM_BLOCK_SIZE", k0.shape[1]), ("DM_NUM_BLOCKS", k0.shape[0]),
+                            ("DM_KV_LAYOUT", layout)):
             model[C[name]] = value
         keep: list = [stack.rope_cos, stack.rope_sin]
         entries: list[int] = []
@@ -134,7 +136,7 @@ class FusedLayers:
         """A layer's DL_SIZE entries and the most rows its linears take, or None."""
         for cache in (k_cache, v_cache):
             if not (cache.shape == k0.shape and cache.dtype == k0.dtype and cache.is_cpu
-                    and cache.is_contiguous()):  # fmt: skip
+                    and kv_layout(cache) == kv_layout(k0)):  # fmt: skip
                 return None
         vectors = [layer.input_norm, layer.post_norm]
         if (layer.q_norm is None) != (layer.k_norm is None):

@@ -215,6 +215,20 @@ def unavailable_reason(settings: KernelSettings | None = None) -> str | None:
     return _errors.get((engine_level(settings.cpu_isa), settings.kernel_dir, settings.cc))
 
 
+def kv_layout(cache: torch.Tensor) -> int | None:
+    """The layout code of a ``[num_blocks, block_size, num_kv_heads, head_dim]`` cache:
+    ``KV_ROWS_FIRST`` when it is contiguous, ``KV_HEADS_FIRST`` when it is a ``transpose(1,
+    2)`` view of a contiguous ``[num_blocks, num_kv_heads, block_size, head_dim]`` tensor
+    (each KV head's rows of a block one run); None for any other strides."""
+    if cache.dim() != 4:
+        return None
+    if cache.is_contiguous():
+        return abi.KV_ROWS_FIRST
+    if cache.transpose(1, 2).is_contiguous():
+        return abi.KV_HEADS_FIRST
+    return None
+
+
 def _kv_rows(
     key: torch.Tensor | None, value: torch.Tensor | None, slots: torch.Tensor | None,
     k_cache: torch.Tensor,
@@ -262,7 +276,8 @@ def paged_attention(
     (-1: not written): they are written first, in the same call.
 
     query ``[T, Hq, D]`` (rows may be strided); caches ``[num_blocks, block_size, Hkv,
-    D]`` in float32, bfloat16 or float16; block_tables ``[B, M]``, seq_lens ``[B]`` and
+    D]`` in float32, bfloat16 or float16, in either layout :func:`kv_layout` names;
+    block_tables ``[B, M]``, seq_lens ``[B]`` and
     query_start_loc ``[B + 1]`` int32 on the CPU: request ``i`` owns query tokens
     ``query_start_loc[i]:query_start_loc[i+1]``, the last positions of its context of
     ``seq_lens[i]`` tokens. Without ``query_start_loc`` every request has one token
@@ -278,8 +293,11 @@ def paged_attention(
                          f"match query {tuple(query.shape)}")  # fmt: skip
     if k_cache.dtype not in DTYPE_CODES:
         raise ValueError(f"unsupported KV cache dtype {k_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
+    layout = kv_layout(k_cache)
+    if layout is None or kv_layout(v_cache) != layout:
+        raise ValueError("KV cache strides fit neither layout: the caches must be contiguous, "
+                         "or both transpose(1, 2) views of contiguous [num_blocks, "
+                         "num_kv_heads, block_size, head_dim] tensors")
     if query_start_loc is None:
         if num_seqs != num_tokens:
             raise ValueError(f"{num_tokens} query rows for {num_seqs} decode requests")
@@ -303,7 +321,7 @@ def paged_attention(
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     result = out if direct else torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     status = lib.paged_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype], layout,
         tables.data_ptr(), lens.data_ptr(), None if qsl is None else qsl.data_ptr(), q.stride(0),
         result.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
         tables.shape[1], max_seq_len, scale, *write, torch.get_num_threads(),

@@ -24,8 +24,15 @@ def llm() -> LLM:
 
 
 def test_kv_cache_is_one_huge_page_aligned_pool(llm):
+    from kernels.cpu import abi
+    from kernels.cpu.native import kv_layout
+
     cache = llm.engine.worker.kv_cache
-    assert cache.is_contiguous() and cache.data_ptr() % hugepages.HUGE_PAGE == 0
+    assert cache.data_ptr() % hugepages.HUGE_PAGE == 0
+    # In the layout of the backend that reads it: the native kernel streams each KV
+    # head's rows of a block as one run.
+    heads_first = llm.engine.worker.attn.name == "cpu"
+    assert kv_layout(cache[0, 0]) == (abi.KV_HEADS_FIRST if heads_first else abi.KV_ROWS_FIRST)
     # The engine's start applied and recorded the process tuning (huge pages among it).
     assert llm.engine.tuning.hugepages is hugepages.enabled()
     assert llm.engine.tuning.summary().startswith("process tuning: OpenMP spin ")

@@ -18,6 +18,11 @@
 #define DTYPE_BF16 1
 #define DTYPE_F16 2
 
+/* KV cache layouts (``kv_layout`` of paged_attention): the order of a cache block's
+ * rows and KV heads, each head's head_dim elements contiguous. */
+#define KV_ROWS_FIRST 0 /* [num_blocks, block_size, num_kv_heads, head_dim] */
+#define KV_HEADS_FIRST 1 /* [num_blocks, num_kv_heads, block_size, head_dim] */
+
 /* Weight-only quantization formats (``fmt`` of qgemm and qdequant), and the weights per
  * block along k of the GGUF formats. */
 #define QF_Q8_0 0
@@ -36,6 +41,7 @@
 #define PA_ERR_NOMEM -4 /* out of memory for the kernel's buffers */
 #define PA_ERR_RANGE -5 /* a context length, query length or block id is out of range */
 #define PA_ERR_SLOT -6 /* a KV write slot is out of range */
+#define PA_ERR_LAYOUT -8 /* unknown KV cache layout */
 
 /* decoder_layers' model table: int64 entries at these offsets. */
 #define DM_NUM_LAYERS 0
@@ -47,7 +53,8 @@
 #define DM_KV_DTYPE 6
 #define DM_BLOCK_SIZE 7
 #define DM_NUM_BLOCKS 8
-#define DM_SIZE 9
+#define DM_KV_LAYOUT 9
+#define DM_SIZE 10
 /* decoder_layers' layer table: DL_SIZE int64 entries a layer (addresses as integers,
  * 0 for none), its four linears at DL_QKV.. as LIN_SIZE entries each. */
 #define DL_INPUT_NORM 0
@@ -86,7 +93,7 @@ int pool_size(void);
 void pool_set_spin_us(int spin_us);
 
 /* paged_attention_cpu.c */
-int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
+int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype, int kv_layout,
                     const int32_t *block_tables, const int32_t *seq_lens,
                     const int32_t *query_start_loc, int64_t q_stride, float *out, int num_seqs,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,

@@ -11,7 +11,9 @@
  *                 (query rows may be ``q_stride`` floats apart, e.g. a fused QKV row)
  *   query_start_loc [num_seqs + 1] int32: request s owns tokens qsl[s] .. qsl[s+1]-1
  *                 (NULL: one token per request, token s)
- *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] float32 | bf16 | f16
+ *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (KV_ROWS_FIRST) or
+ *                 [num_blocks, num_kv_heads, block_size, head_dim] (KV_HEADS_FIRST: a
+ *                 KV head's rows of a block are one contiguous run); float32 | bf16 | f16
  *   block_tables  [num_seqs, max_blocks_per_seq]                   int32
  *   seq_lens      [num_seqs]                                       int32
  *   key, value    [num_rows, num_kv_heads, head_dim] in ``key_dtype`` (the cache dtype,
@@ -71,7 +73,15 @@ typedef struct {
     const void *k_cache, *v_cache;
     int num_kv_heads, group, head_dim, block_size;
     float scale;
+    /* Cache elements from one block, row of a block, and KV head to the next (the
+     * layout). */
+    int64_t block_stride, row_stride, head_stride;
 } shape_t;
+
+/* Element offset of row ``r`` of cache block ``block``, KV head ``h``. */
+static inline int64_t cache_at(const shape_t *sh, int64_t block, int r, int h) {
+    return block * sh->block_stride + r * sh->row_stride + h * sh->head_stride;
+}
 
 /* The portable per-token path: attend_portable, load_row. */
 #include "paged_attention_portable.h"
@@ -167,15 +177,15 @@ static int64_t plan_tiles(const int32_t *seq_lens, const int32_t *query_start_lo
 
 /* Rows ``[t0, t1)`` of ``key``/``value`` (``num_kv_heads * head_dim`` elements of
  * ``src_dtype``, rows ``kv_stride`` elements apart) to cache slots ``slots[t]``; -1 is
- * skipped. float32 rows into a 16-bit cache are rounded to nearest even, as torch's
- * ``.to()``. */
+ * skipped. A slot's heads are one copy where the layout keeps them together. float32
+ * rows into a 16-bit cache are rounded to nearest even, as torch's ``.to()``. */
 typedef struct {
+    const shape_t *sh;
     void *k_cache, *v_cache;
     const void *key, *value;
     int64_t kv_stride;
     const int64_t *slots;
-    size_t row_bytes;
-    int dtype, src_dtype, row_elems;
+    int dtype, src_dtype;
 } write_task_t;
 
 static void convert_row(void *dst, const float *src, int n, int dtype) {
@@ -193,19 +203,27 @@ static void convert_row(void *dst, const float *src, int n, int dtype) {
 static void write_rows(void *ctx, int64_t t0, int64_t t1, int worker) {
     (void)worker;
     const write_task_t *w = ctx;
-    const int src_elem = w->src_dtype == DTYPE_F32 ? 4 : 2;
+    const shape_t *sh = w->sh;
+    const int D = sh->head_dim, bs = sh->block_size;
+    const int elem = w->dtype == DTYPE_F32 ? 4 : 2, src_elem = w->src_dtype == DTYPE_F32 ? 4 : 2;
+    const int together = sh->head_stride == D, copies = together ? 1 : sh->num_kv_heads;
+    const int n = (together ? sh->num_kv_heads : 1) * D; /* elements a copy */
     for (int64_t t = t0; t < t1; ++t) {
         if (w->slots[t] < 0) continue;
-        char *k_dst = (char *)w->k_cache + w->slots[t] * w->row_bytes;
-        char *v_dst = (char *)w->v_cache + w->slots[t] * w->row_bytes;
-        const char *k_src = (const char *)w->key + t * w->kv_stride * src_elem;
-        const char *v_src = (const char *)w->value + t * w->kv_stride * src_elem;
-        if (w->src_dtype == w->dtype) {
-            memcpy(k_dst, k_src, w->row_bytes);
-            memcpy(v_dst, v_src, w->row_bytes);
-        } else {
-            convert_row(k_dst, (const float *)k_src, w->row_elems, w->dtype);
-            convert_row(v_dst, (const float *)v_src, w->row_elems, w->dtype);
+        const int64_t block = w->slots[t] / bs;
+        const int r = (int)(w->slots[t] % bs);
+        for (int h = 0; h < copies; ++h) {
+            const int64_t dst = cache_at(sh, block, r, h) * elem;
+            const int64_t src = (t * w->kv_stride + (int64_t)h * D) * src_elem;
+            char *k_dst = (char *)w->k_cache + dst, *v_dst = (char *)w->v_cache + dst;
+            const char *k_src = (const char *)w->key + src, *v_src = (const char *)w->value + src;
+            if (w->src_dtype == w->dtype) {
+                memcpy(k_dst, k_src, (size_t)n * elem);
+                memcpy(v_dst, v_src, (size_t)n * elem);
+            } else {
+                convert_row(k_dst, (const float *)k_src, n, w->dtype);
+                convert_row(v_dst, (const float *)v_src, n, w->dtype);
+            }
         }
     }
 }
@@ -284,7 +302,7 @@ static void attend_items(void *ctx, int64_t i0, int64_t i1, int worker) {
  * ``slots`` NULL: none), then attends. Returns 0 on success, a negative code on bad
  * arguments (nothing is written then, except for a bad block table) or allocation
  * failure. */
-int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
+int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype, int kv_layout,
                     const int32_t *block_tables, const int32_t *seq_lens,
                     const int32_t *query_start_loc, int64_t q_stride, float *out, int num_seqs,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
@@ -294,6 +312,7 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return PA_ERR_GQA;
     if (head_dim <= 0 || head_dim > MAX_HEAD_DIM) return PA_ERR_HEAD_DIM;
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16) return PA_ERR_DTYPE;
+    if (kv_layout != KV_ROWS_FIRST && kv_layout != KV_HEADS_FIRST) return PA_ERR_LAYOUT;
 #ifndef __FLT16_MAX__
     if (dtype == DTYPE_F16) return PA_ERR_DTYPE;
 #endif
@@ -303,8 +322,10 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     if (num_rows > 0 && key_dtype != dtype && key_dtype != DTYPE_F32) return PA_ERR_DTYPE;
     for (int t = 0; t < num_rows; ++t)
         if (slots[t] < -1 || slots[t] >= (int64_t)num_blocks * block_size) return PA_ERR_SLOT;
-    const int elem = dtype == DTYPE_F32 ? 4 : 2;
-    const size_t row_bytes = (size_t)num_kv_heads * head_dim * elem;
+    const int64_t D = head_dim, rows_first = kv_layout == KV_ROWS_FIRST;
+    const shape_t sh = {k_cache, v_cache, num_kv_heads, num_heads / num_kv_heads, head_dim,
+                        block_size, scale, (int64_t)block_size * num_kv_heads * D,
+                        rows_first ? num_kv_heads * D : D, rows_first ? D : block_size * D};
 #if SIMD_VW
     const int vector_path = head_dim % VW == 0 && head_dim <= VW * MAX_NV;
 #else
@@ -330,18 +351,15 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     }
     /* The arguments hold: this step's K/V rows first (a prefill tile reads rows that
      * other threads write). */
-    write_task_t wt = {.k_cache = k_cache, .v_cache = v_cache, .key = key, .value = value,
-                       .kv_stride = kv_stride, .slots = slots, .row_bytes = row_bytes,
-                       .dtype = dtype, .src_dtype = key_dtype,
-                       .row_elems = num_kv_heads * head_dim};
+    write_task_t wt = {.sh = &sh, .k_cache = k_cache, .v_cache = v_cache, .key = key,
+                       .value = value, .kv_stride = kv_stride, .slots = slots, .dtype = dtype,
+                       .src_dtype = key_dtype};
     const int write_threads = num_rows >= 64 ? num_threads : 1;
     pool_run(write_rows, &wt, num_rows, (num_rows + 4 * write_threads - 1) / (4 * write_threads),
              write_threads);
     if (num_seqs <= 0) return 0; /* nothing to attend (a step of padding only) */
     plan_tiles(seq_lens, query_start_loc, num_seqs, vector_path, split_rows, tiles, &num_parts,
                &any_tiled);
-    const shape_t sh = {k_cache, v_cache, num_kv_heads, num_heads / num_kv_heads, head_dim,
-                        block_size, scale};
     /* All KV heads per item when there are enough tiles; else one KV head each. */
     const int per_item = num_tiles >= 4 * num_threads ? num_kv_heads : 1;
     const int splits = num_kv_heads / per_item;

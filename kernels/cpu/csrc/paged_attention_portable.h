@@ -46,20 +46,17 @@ static void softmax(float *s, int n) {
     for (int i = 0; i < n; ++i) s[i] *= inv;
 }
 
-/* Element offset of context row ``t``'s first KV head of the item, through the table. */
-static inline int64_t slot_row(const item_t *it, const shape_t *sh, int t) {
-    const int64_t slot = (int64_t)it->table[t / sh->block_size] * sh->block_size +
-                         t % sh->block_size;
-    return (slot * sh->num_kv_heads + it->h0) * sh->head_dim;
+/* Element offset of context row ``t``, the item's KV head ``hh``, through the table. */
+static inline int64_t slot_row(const item_t *it, const shape_t *sh, int t, int hh) {
+    return cache_at(sh, it->table[t / sh->block_size], t % sh->block_size, it->h0 + hh);
 }
 
 static void attend_portable_token(const item_t *it, const shape_t *sh, int dtype,
                                   float *scores, float *acc, float *tmp) {
     const int D = sh->head_dim, G = sh->group, L = it->seq_len, nq = it->nh * G;
     for (int t = 0; t < L; ++t) {
-        const int64_t row = slot_row(it, sh, t);
         for (int hh = 0; hh < it->nh; ++hh) {
-            const float *k = load_row(sh->k_cache, dtype, row + (int64_t)hh * D, D, tmp);
+            const float *k = load_row(sh->k_cache, dtype, slot_row(it, sh, t, hh), D, tmp);
             for (int g = 0; g < G; ++g) {
                 const int qh = hh * G + g;
                 scores[(int64_t)qh * L + t] = dot(it->query + (int64_t)qh * D, k, D) * sh->scale;
@@ -69,9 +66,8 @@ static void attend_portable_token(const item_t *it, const shape_t *sh, int dtype
     for (int qh = 0; qh < nq; ++qh) softmax(scores + (int64_t)qh * L, L);
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
     for (int t = 0; t < L; ++t) {
-        const int64_t row = slot_row(it, sh, t);
         for (int hh = 0; hh < it->nh; ++hh) {
-            const float *v = load_row(sh->v_cache, dtype, row + (int64_t)hh * D, D, tmp);
+            const float *v = load_row(sh->v_cache, dtype, slot_row(it, sh, t, hh), D, tmp);
             for (int g = 0; g < G; ++g) {
                 const int qh = hh * G + g;
                 const float p = scores[(int64_t)qh * L + t];

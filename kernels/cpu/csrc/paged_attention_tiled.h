@@ -35,7 +35,7 @@ static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype
                                   float *scratch) {
     const int D = sh->head_dim, G = sh->group, T = it->ntok, rows = T * G;
     const int L0 = it->seq_len, L = L0 + T - 1, bs = sh->block_size;
-    const int64_t stride = (int64_t)sh->num_kv_heads * D;
+    const int64_t stride = sh->row_stride;
     float *q = scratch, *o = q + (size_t)rows * D, *p = o + (size_t)rows * D;
     float *mx = p + (size_t)rows * TK, *den = mx + rows, *kt = den + rows;
     float *vr = kt + (size_t)D * TK, *tmp = vr + (size_t)D * TK;
@@ -48,12 +48,12 @@ static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype
             den[r] = 0.0f;
         }
         memset(o, 0, sizeof(float) * (size_t)rows * D);
-        const int64_t head = (int64_t)(it->h0 + hh) * D;
+        const int h = it->h0 + hh;
         for (int t = 0; t < L;) {
             int n = bs - t % bs;
             n = n < TK ? n : TK;
             n = n < L - t ? n : L - t;
-            const int64_t first = ((int64_t)it->table[t / bs] * bs + t % bs) * stride + head;
+            const int64_t first = cache_at(sh, it->table[t / bs], t % bs, h);
             memset(kt, 0, sizeof(float) * (size_t)D * TK);
             for (int k = 0; k < n; ++k) {
                 const float *row = load_row(sh->k_cache, dtype, first + k * stride, D, tmp);
@@ -247,7 +247,7 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
                                                                const int dtype, float *scratch) {
     const int D = sh->head_dim, G = sh->group, T = it->ntok, rows = T * G;
     const int L0 = it->seq_len, L = L0 + T - 1, bs = sh->block_size;
-    const int64_t stride = (int64_t)sh->num_kv_heads * D;
+    const int64_t stride = sh->row_stride;
     float *q = scratch, *o = q + (size_t)rows * D, *p = o + (size_t)rows * D;
     float *mx = p + (size_t)rows * TK, *den = mx + rows, *mnew = den + rows, *corr = mnew + rows;
     float *kt = corr + rows + VW;
@@ -260,13 +260,13 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
             den[r] = 0.0f;
         }
         memset(o, 0, sizeof(float) * (size_t)rows * D);
-        const int64_t head = (int64_t)(it->h0 + hh) * D;
+        const int h = it->h0 + hh;
         for (int t = 0; t < L;) {
             const int b = t / bs, in_block = t % bs;
             int n = bs - in_block; /* the rest of this block, at most TK, within L */
             n = n < TK ? n : TK;
             n = n < L - t ? n : L - t;
-            const int64_t first = ((int64_t)it->table[b] * bs + in_block) * stride + head;
+            const int64_t first = cache_at(sh, it->table[b], in_block, h);
             /* Tokens before j0 see none of this run. */
             const int j0 = t - L0 + 1 > 0 ? t - L0 + 1 : 0;
             const int r0 = j0 * G;
@@ -274,7 +274,7 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
                 /* The next run's K and V rows into L2 while this one is computed: its
                  * block is anywhere in the pool, out of the hardware prefetcher's reach. */
                 const int tn = t + n, elem = dtype == DTYPE_F32 ? 4 : 2;
-                const int64_t next = ((int64_t)it->table[tn / bs] * bs + tn % bs) * stride + head;
+                const int64_t next = cache_at(sh, it->table[tn / bs], tn % bs, h);
                 const int nn = bs - tn % bs < TK ? bs - tn % bs : TK;
                 for (int k = 0; k < nn && tn + k < L; ++k) {
                     prefetch_bytes((const char *)sh->k_cache + (next + k * stride) * elem, D * elem);

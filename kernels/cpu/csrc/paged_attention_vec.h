@@ -39,24 +39,23 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
  * fit the register file (both are compile-time constants in every body). */
 #define V_IN_REGISTERS(GN, nv) ((GN) * (nv) + (nv) + (GN) <= VREGS)
 
-/* The scores of one run of ``m <= VW`` consecutive cache rows starting at row
- * ``first`` for the ``GN`` query heads at ``q`` that share the KV head at element offset
- * ``head``: the VW dot products of a head reduced together by ``vf_sum_lanes``, scaled,
+/* The scores of one run of ``m <= VW`` consecutive rows of a cache block, of one KV head
+ * (the first at element offset ``base``, rows ``sh->row_stride`` apart), for the ``GN``
+ * query heads at ``q`` that share it: the VW dot products of a head reduced together by ``vf_sum_lanes``, scaled,
  * rows past ``m`` at -inf, one vector a head to ``s`` (VW floats apart, aligned).
  * ``next_k`` (or NULL): rows to prefetch, ``next_stride`` apart. */
 static inline __attribute__((always_inline)) void score_run(
         const shape_t *sh, const float *q, const int dtype, const int nv, const int GN,
-        int64_t first, int64_t head, int m, float *s, const char *next_k,
-        int64_t next_stride, int pf_bytes) {
+        int64_t base, int m, float *s, const char *next_k, int64_t next_stride, int pf_bytes) {
     const int D = VW * nv;
-    const int64_t stride = (int64_t)sh->num_kv_heads * D;
+    const int64_t stride = sh->row_stride;
     const vmask mask = vm_first(m);
     vf part[GCHUNK][VW];
     vf qv[GCHUNK][MAX_NV];
     for (int g = 0; g < GN; ++g)
         for (int j = 0; j < nv; ++j) qv[g][j] = vf_load(q + (int64_t)g * D + VW * j);
     for (int r = 0; r < m; ++r) {
-        const int64_t row = (first + r) * stride + head;
+        const int64_t row = base + r * stride;
         if (next_k != NULL) prefetch_bytes(next_k + r * next_stride, pf_bytes);
         vf k[MAX_NV];
         for (int j = 0; j < nv; ++j) k[j] = load_vec(sh->k_cache, row + VW * j, dtype);
@@ -110,16 +109,17 @@ static inline void softmax_heads(float *s, int nq, int m, float *mx, float *den,
     }
 }
 
-/* The weighted V rows of one run for ``GN`` query heads: each head's unnormalised output
+/* The weighted V rows of one run (of one KV head, the first at element offset ``base``,
+ * rows ``sh->row_stride`` apart) for ``GN`` query heads: each head's unnormalised output
  * ``acc`` (rows of ``VW * nv``) times its correction ``corr``, plus the run's rows
  * weighted by ``p`` (VW floats a head), accumulated in registers. ``next_v`` (or NULL):
  * rows to prefetch, ``next_stride`` apart. */
 static inline __attribute__((always_inline)) void value_run(
-        const shape_t *sh, const int dtype, const int nv, const int GN, int64_t first,
-        int64_t head, int m, const float *p, const float *corr, float *acc,
-        const char *next_v, int64_t next_stride, int pf_bytes) {
+        const shape_t *sh, const int dtype, const int nv, const int GN, int64_t base, int m,
+        const float *p, const float *corr, float *acc, const char *next_v, int64_t next_stride,
+        int pf_bytes) {
     const int D = VW * nv;
-    const int64_t stride = (int64_t)sh->num_kv_heads * D;
+    const int64_t stride = sh->row_stride;
     if (V_IN_REGISTERS(GN, nv)) {
         /* Row by row: each V row is loaded once and serves every head's accumulators. */
         vf a[GCHUNK][MAX_NV];
@@ -129,7 +129,7 @@ static inline __attribute__((always_inline)) void value_run(
                 a[g][j] = vf_mul(c, vf_load(acc + (int64_t)g * D + VW * j));
         }
         for (int r = 0; r < m; ++r) {
-            const int64_t row = (first + r) * stride + head;
+            const int64_t row = base + r * stride;
             if (next_v != NULL) prefetch_bytes(next_v + r * next_stride, pf_bytes);
             vf v[MAX_NV];
             for (int j = 0; j < nv; ++j) v[j] = load_vec(sh->v_cache, row + VW * j, dtype);
@@ -150,7 +150,7 @@ static inline __attribute__((always_inline)) void value_run(
         for (int g = 0; g < GN; ++g)
             a[g] = vf_mul(vf_set1(corr[g]), vf_load(acc + (int64_t)g * D + VW * j));
         for (int r = 0; r < m; ++r) {
-            const int64_t row = (first + r) * stride + head;
+            const int64_t row = base + r * stride;
             if (j == 0 && next_v != NULL) prefetch_bytes(next_v + r * next_stride, pf_bytes);
             const vf v = load_vec(sh->v_cache, row + VW * j, dtype);
             for (int g = 0; g < GN; ++g) a[g] = vf_fmadd(vf_set1(p[g * VW + r]), v, a[g]);
@@ -171,8 +171,8 @@ static inline __attribute__((always_inline)) void value_run(
 
 /* The item's first KV head in row 0 of cache block ``block``. */
 static inline const char *block_rows(const void *cache, const shape_t *sh, const item_t *it,
-                                     int64_t block, int D, int elem) {
-    return (const char *)cache + (block * sh->block_size * sh->num_kv_heads + it->h0) * D * elem;
+                                     int64_t block, int elem) {
+    return (const char *)cache + cache_at(sh, block, 0, it->h0) * elem;
 }
 
 /* ``nv`` (head_dim / VW) and ``dtype`` are compile-time constants in each caller.
@@ -212,19 +212,18 @@ static inline __attribute__((always_inline)) void attend_vec(const item_t *it,
      * burst: decode attention then overlaps its arithmetic with the stream of K/V rows
      * (30 layers of a 64-request decode step on AVX-512: 41 ms against 54 ms without
      * prefetching). */
-    const int64_t row_bytes = (int64_t)sh->num_kv_heads * D * elem;
+    const int64_t row_bytes = sh->row_stride * elem, head_bytes = sh->head_stride * elem;
     const int pf_bytes = D * elem;
     for (int b = it->c0 / bs, t = it->c0; t < L; ++b) {
         const int64_t block = it->table[b];
         const int n = L - t < bs ? L - t : bs;
         const int last = b + PREFETCH_BLOCKS >= nblocks; /* nothing that far ahead */
         const int64_t ahead = last ? 0 : it->table[b + PREFETCH_BLOCKS];
-        const char *next_k = last ? NULL : block_rows(sh->k_cache, sh, it, ahead, D, elem);
-        const char *next_v = last ? NULL : block_rows(sh->v_cache, sh, it, ahead, D, elem);
+        const char *next_k = last ? NULL : block_rows(sh->k_cache, sh, it, ahead, elem);
+        const char *next_v = last ? NULL : block_rows(sh->v_cache, sh, it, ahead, elem);
         for (int r0 = 0; r0 < n; r0 += VW) {
             const int pos = t + r0; /* the run's first row */
             const int run = n - r0 < VW ? n - r0 : VW;
-            const int64_t first = block * bs + r0;
             /* Token j sees rows before L0 + j: the first that sees this run is j0. */
             const int j0 = pos - L0 + 1 > 0 ? pos - L0 + 1 : 0;
             for (int j = j0; j < T; ++j) {
@@ -238,11 +237,12 @@ static inline __attribute__((always_inline)) void attend_vec(const item_t *it,
                 const int pf = !last && j == j0;
                 const int64_t slice = r0 * row_bytes;
                 for (int hh = 0; hh < it->nh; ++hh) {
-                    const int64_t head = (int64_t)(it->h0 + hh) * D, hb = hh * D * elem;
+                    const int64_t base = cache_at(sh, block, r0, it->h0 + hh);
+                    const int64_t hb = hh * head_bytes;
                     for (int g0 = 0; g0 < G; g0 += GCHUNK) {
                         const int qh = hh * G + g0;
                         const char *pk = pf && g0 == 0 ? next_k + slice + hb : NULL;
-#define RUN(GN) score_run(sh, q + (int64_t)qh * D, dtype, nv, GN, first, head, m, \
+#define RUN(GN) score_run(sh, q + (int64_t)qh * D, dtype, nv, GN, base, m, \
                           scores + (int64_t)qh * VW, pk, row_bytes, pf_bytes)
                         FOR_GN(G - g0, RUN)
 #undef RUN
@@ -250,11 +250,12 @@ static inline __attribute__((always_inline)) void attend_vec(const item_t *it,
                 }
                 softmax_heads(scores, nq, m, mx, den, corr);
                 for (int hh = 0; hh < it->nh; ++hh) {
-                    const int64_t head = (int64_t)(it->h0 + hh) * D, hb = hh * D * elem;
+                    const int64_t base = cache_at(sh, block, r0, it->h0 + hh);
+                    const int64_t hb = hh * head_bytes;
                     for (int g0 = 0; g0 < G; g0 += GCHUNK) {
                         const int qh = hh * G + g0;
                         const char *pv = pf && g0 == 0 ? next_v + slice + hb : NULL;
-#define RUN(GN) value_run(sh, dtype, nv, GN, first, head, m, scores + (int64_t)qh * VW, \
+#define RUN(GN) value_run(sh, dtype, nv, GN, base, m, scores + (int64_t)qh * VW, \
                           corr + qh, acc + (int64_t)qh * D, pv, row_bytes, pf_bytes)
                         FOR_GN(G - g0, RUN)
 #undef RUN
