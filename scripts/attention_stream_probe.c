@@ -48,7 +48,8 @@ static void block(const char *base, const char *ahead, int work, int heads_first
             if (ahead)
                 for (int l = 0; l < 256; l += 64) _mm_prefetch(ahead + off + l, _MM_HINT_T1);
             __m512 x[4];
-            for (int j = 0; j < 4; j++) x[j] = _mm512_loadu_ps((const float *)(base + off) + 16 * j);
+            const float *row = (const float *)(base + off);
+            for (int j = 0; j < 4; j++) x[j] = _mm512_loadu_ps(row + 16 * j);
             for (int k = 0; k < work; k++)
                 for (int j = 0; j < 4; j++) {
                     a[j] = _mm512_fmadd_ps(a[j], w, x[j]);

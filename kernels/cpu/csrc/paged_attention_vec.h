@@ -41,8 +41,9 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
 
 /* The scores of one run of ``m <= VW`` consecutive rows of a cache block, of one KV head
  * (the first at element offset ``base``, rows ``sh->row_stride`` apart), for the ``GN``
- * query heads at ``q`` that share it: the VW dot products of a head reduced together by ``vf_sum_lanes``, scaled,
- * rows past ``m`` at -inf, one vector a head to ``s`` (VW floats apart, aligned).
+ * query heads at ``q`` that share it: the VW dot products of a head reduced together by
+ * ``vf_sum_lanes``, scaled, rows past ``m`` at -inf, one vector a head to ``s`` (VW floats
+ * apart, aligned).
  * ``next_k`` (or NULL): rows to prefetch, ``next_stride`` apart. */
 static inline __attribute__((always_inline)) void score_run(
         const shape_t *sh, const float *q, const int dtype, const int nv, const int GN,
