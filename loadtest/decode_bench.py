@@ -71,11 +71,6 @@ class ReadBandwidth:
         return self._x.numel() * 4 / best / 1e9
 
 
-def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
-    """GB/s of a torch ``sum`` over ``mib`` MiB (best of ``repeats``)."""
-    return ReadBandwidth(mib)(repeats)
-
-
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()

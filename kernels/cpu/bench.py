@@ -136,13 +136,12 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
     lib = cpu_native.build_library(level)
     block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
     num_blocks = -(-context // block_size) + 1  # block 0 unused, as the engine's padding
-    if CpuBackend.kv_heads_first:
-        cache = huge_empty((layers, 2, num_blocks, num_kv_heads, block_size, head_dim), dtype)
-        cache.normal_(generator=torch.Generator().manual_seed(0))
+    heads_first = CpuBackend.kv_heads_first
+    inner = (num_kv_heads, block_size) if heads_first else (block_size, num_kv_heads)
+    cache = huge_empty((layers, 2, num_blocks, *inner, head_dim), dtype)
+    cache.normal_(generator=torch.Generator().manual_seed(0))
+    if heads_first:
         cache = cache.transpose(-3, -2)
-    else:
-        cache = huge_empty((layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype)
-        cache.normal_(generator=torch.Generator().manual_seed(0))
     table = torch.arange(1, num_blocks, dtype=torch.int32)[None]
     lens = torch.tensor([context], dtype=torch.int32)
     query = torch.randn(1, num_heads, head_dim)
