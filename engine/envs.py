@@ -70,7 +70,8 @@ MALLOC_TUNING = Var("PAGEDSERVE_MALLOC_TUNING", "1",
                     "at engine start, tune glibc malloc to keep freed memory (`0`: leave "
                     "malloc alone)")
 HUGEPAGES = Var("PAGEDSERVE_HUGEPAGES", "1",
-                "put the CPU KV cache on transparent huge pages (`madvise`; `0`: off)")
+                "put the CPU KV cache and the packed float32 weights on transparent huge "
+                "pages (`madvise`; `0`: off)")
 API_KEY = Var("PAGEDSERVE_API_KEY", "(none)",
               "the key `pagedserve serve` requires when `--api-key` is not given; the "
               "Locust file sends it")

@@ -1,4 +1,4 @@
-"""The CPU KV cache on transparent huge pages.
+"""The CPU KV cache and packed weights on transparent huge pages.
 
 A decode step reads every request's K/V rows through its block table: at 64 requests
 of the default model, ~0.6 GB in 12 KiB blocks scattered over a 1 GiB pool. On 4 KiB
@@ -7,10 +7,13 @@ two page tables. With ``/sys/kernel/mm/transparent_hugepage/enabled`` at ``madvi
 (the common default) only memory that asks for huge pages gets them, so :func:`empty`
 asks (:func:`kernels.cpu.memory.huge_empty`: fresh anonymous memory advised
 ``MADV_HUGEPAGE``, the tensor on a 2 MiB boundary). 30 layers of decode attention at 64
-requests took 2-8% less time (BENCHMARKS.md); the packed weights, read as long
-sequential panels, gained nothing, so they stay as they are. ``PAGEDSERVE_HUGEPAGES=0``
-turns this off (:func:`enabled`, reported at engine start by
-:func:`engine.process_tuning.apply`); elsewhere than Linux it does nothing.
+requests took 2-8% less time (BENCHMARKS.md). The native linear's packed float32
+weights (one tensor for all of them, :meth:`kernels.cpu.layer_ops.NativeLayerOps.
+prepare_weights`) are read as long sequential panels, which the hardware prefetchers
+stream without stopping at every 4 KiB page: one decode row's linears took 4-8% less
+time on huge pages. ``PAGEDSERVE_HUGEPAGES=0`` turns both off (:func:`enabled`, reported
+at engine start by :func:`engine.process_tuning.apply`); elsewhere than Linux it does
+nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ log = logging.getLogger("engine.hugepages")
 
 
 def enabled() -> bool:
-    """Whether the CPU KV cache asks for huge pages (``PAGEDSERVE_HUGEPAGES``, on Linux)."""
+    """Whether the CPU KV cache and packed weights ask for huge pages
+    (``PAGEDSERVE_HUGEPAGES``, on Linux)."""
     return envs.hugepages() and platform.system() == "Linux" and hasattr(mmap, "MADV_HUGEPAGE")
 
 

@@ -158,7 +158,7 @@ class Worker:
                                          self.quant_desc))  # fmt: skip
         else:
             self.cpu_paths = None
-        self.attn.ops.prepare_weights(model.linear_weights())
+        self.attn.ops.prepare_weights(model.linear_weights(), hugepages.empty)
         self.num_blocks = num_blocks = self._num_blocks() if self.tp is None else \
             self.tp.min_int(self._num_blocks())  # fmt: skip
         if self.tp is not None:

@@ -16,7 +16,7 @@ update ``residual`` in place, so callers must own it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -49,8 +49,12 @@ class LayerOps(Protocol):
         may work in place."""
         ...
 
-    def prepare_weights(self, weights: Iterable[torch.Tensor | QuantizedWeight]) -> None:
-        """Once at load: prepare the linear weights for :meth:`linear` (e.g. pack them)."""
+    def prepare_weights(
+        self, weights: Iterable[torch.Tensor | QuantizedWeight],
+        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    ) -> None:
+        """Once at load: prepare the linear weights for :meth:`linear` (e.g. pack them),
+        in memory from ``allocate(shape, dtype)`` where given (default ``torch.empty``)."""
         ...
 
     def linear(
@@ -108,7 +112,10 @@ class TorchLayerOps:
         """q ``[T, Hq, D]``, k ``[T, Hkv, D]``; cos/sin ``[T, 1, D]`` in q's dtype."""
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    def prepare_weights(self, weights: Iterable[torch.Tensor | QuantizedWeight]) -> None:
+    def prepare_weights(
+        self, weights: Iterable[torch.Tensor | QuantizedWeight],
+        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    ) -> None:
         """Once at load: prepare the linear weights for :meth:`linear` (nothing here)."""
 
     def linear(

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,10 @@ def _native_dtype(*tensors: torch.Tensor) -> str | None:
         if t.dtype != dtype or not t.is_cpu:
             return None
     return suffix
+
+
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 class NativeLayerOps(TorchLayerOps):
@@ -105,13 +109,20 @@ class NativeLayerOps(TorchLayerOps):
                 "linear_quant": f"native-{self.isa} (1-{QUANT_DIRECT_MAX_ROWS} rows), "
                                 "dequantize + torch above"}
 
-    def prepare_weights(self, weights: Iterable[torch.Tensor | QuantizedWeight]) -> None:
-        """Pack every CPU float32/bfloat16 weight now rather than on the first step."""
+    def prepare_weights(
+        self, weights: Iterable[torch.Tensor | QuantizedWeight],
+        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    ) -> None:
+        """Pack every CPU float32/bfloat16 weight now rather than on the first step. The
+        native linear's panels of all the weights share one tensor from ``allocate`` (the
+        engine's: on huge pages, where the hardware prefetchers stream a panel without
+        stopping at every 4 KiB page)."""
+        weights = [w for w in dict.fromkeys(weights)  # once each (tied weights)
+                   if not isinstance(w, QuantizedWeight) and w.device.type == "cpu"]
+        self._pack_native(
+            [w for w in weights if w.dtype == torch.float32 and w.dim() == 2 and self._gemm],
+            allocate or _torch_empty)
         for w in weights:
-            if isinstance(w, QuantizedWeight) or w.device.type != "cpu":
-                continue
-            if w.dtype == torch.float32 and self._gemm:
-                self._native_packed(w)
             f32_packed = not self._gemm or self._packed_above_native
             if (w.dtype == torch.float32 and self._packing and f32_packed
                     or w.dtype == torch.bfloat16 and self._packing_bf16):  # fmt: skip
@@ -188,15 +199,28 @@ class NativeLayerOps(TorchLayerOps):
             return None
         return self._native_packed(weight)
 
-    def _native_packed(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` in the native linear's panels, cached on the tensor (re-packed if it
-        changes)."""
+    def _pack_native(self, weights: list[torch.Tensor],
+                     allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
+        """Pack ``weights`` for the native linear into one tensor from ``allocate``, each
+        weight's panels starting on a cache line."""
+        sizes = [-(-self._lib.gemm_f32_packed_size(*w.shape) // 16) * 16 for w in weights]
+        if not sizes:
+            return
+        arena = allocate((sum(sizes),), torch.float32)
+        for w, dst in zip(weights, arena.split(sizes), strict=True):
+            self._native_packed(w, dst)
+
+    def _native_packed(self, weight: torch.Tensor,
+                       dst: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` in the native linear's panels (in ``dst`` if given), cached on the
+        tensor (re-packed if it changes)."""
         cached = getattr(weight, "_pagedserve_native_packed", None)
-        if cached is not None and cached[0] == weight._version:
+        if cached is not None and cached[0] == weight._version and dst is None:
             return cached[1]
         w = weight.detach().contiguous()
         n, k = w.shape
-        packed = torch.empty(self._lib.gemm_f32_packed_size(n, k), dtype=torch.float32)
+        size = self._lib.gemm_f32_packed_size(n, k)
+        packed = torch.empty(size, dtype=torch.float32) if dst is None else dst[:size]
         self._lib.gemm_f32_pack(w.data_ptr(), n, k, packed.data_ptr())
         weight._pagedserve_native_packed = (weight._version, packed)
         return packed

@@ -36,11 +36,14 @@
 /* Rows of x per pass over the panels (x stays in L2). */
 #define MC 128
 /* A panel read by one tile only (a batch of at most MR rows) is one stream through
- * memory: each k step fetches into L1 the lines this many bytes ahead of the ones it
- * reads. Against fetching the next panel into L2 (below), one decode row's linears, over
- * weights in DRAM, took 8-16% less time (4 KiB ahead; 1-2 KiB and 8 KiB, and into L2,
- * measured slower). */
+ * memory. With AVX2 (16 columns, 64 bytes a k step) each k step fetches into L1 the lines
+ * STREAM_AHEAD bytes ahead of the ones it reads; with AVX-512 (48 columns) the hardware
+ * prefetchers alone stream it faster. One decode row's linears over weights in DRAM, on
+ * Zen 4 against the other choice: AVX2 build 4 KiB ahead 0.85-1.0x the time of no
+ * prefetch (1-4 rows); AVX-512 build no prefetch 0.82x (1 row) and 0.96x (4-8 rows) the
+ * time of 4 KiB ahead (BENCHMARKS.md). */
 #define STREAM_AHEAD 4096
+#define STREAM_PREFETCH (SIMD_VW == 8)
 /* Weights smaller than this many floats stay on the calling thread (even for one row,
  * two threads stream a larger weight from memory faster than one). */
 #define PARALLEL_MIN_WEIGHT (1 << 16)
@@ -82,11 +85,12 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     /* ``pf_lines`` cache lines from ``pf`` are prefetched evenly over the k loop: in a
      * burst, the prefetches fill the core's line-fill buffers and stall the arithmetic
      * (evenly spread: 12-18% less time for a decode step's linears at 24-64 rows).
-     * ``stream``: the lines STREAM_AHEAD bytes ahead instead. */
+     * ``stream``: the lines STREAM_AHEAD bytes ahead instead (STREAM_PREFETCH), or
+     * none. */
     int64_t line = 0, due = 0;
     for (int64_t kk = 0; kk < k; kk++) {
         const float *b = panel + kk * NR;
-        if (stream)
+        if (STREAM_PREFETCH && stream)
             for (int j = 0; j < NR * 4; j += 64) prefetch_l1((const char *)b + STREAM_AHEAD + j);
         due += pf_lines;
         while (due >= k && line < pf_lines) {
@@ -151,7 +155,7 @@ static void panels_range(const float *x, int64_t ldx, int64_t m, int64_t k,
         /* The tiles of this panel share out prefetching the next one into L2: with the
          * weights in DRAM a decode step's linears take 15-25% less time at 8-64 rows
          * (one panel ahead is best; two or three are slightly slower). One tile streams
-         * its panel instead (STREAM_AHEAD). */
+         * its panel instead (STREAM_AHEAD, STREAM_PREFETCH). */
         const int64_t tiles = (m + MR - 1) / MR, lines = NR * k * 4 / 64;
         const int stream = tiles == 1;
         const int64_t per_tile = p + 1 < p1 && !stream ? (lines + tiles - 1) / tiles : 0;

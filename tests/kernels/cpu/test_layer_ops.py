@@ -269,6 +269,31 @@ def test_native_linear_on_strided_rows_and_fallbacks(gemm) -> None:
     assert not gemm._use_native(randn(4, 64), w, bb)
 
 
+def test_prepare_weights_packs_the_native_panels_into_one_allocation(native) -> None:
+    """The engine passes its huge-page allocator: every float32 weight's panels go into
+    the one tensor it returns, each on a cache line, a tied weight once, and the linear
+    gives the bits it gives from panels packed on their own."""
+    ws = [randn(96, 64), randn(40, 64, seed=1), randn(96, 64, seed=2)]
+    calls = []
+
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        calls.append((shape, dtype))
+        return torch.full(shape, float("nan"), dtype=dtype)
+
+    native.prepare_weights([ws[0], ws[1], ws[0], ws[2], randn(8, 64).bfloat16()], allocate)
+    if not native._gemm:  # the portable build has no native linear: nothing to place
+        assert calls == []
+        return
+    size = [-(-native._lib.gemm_f32_packed_size(*w.shape) // 16) * 16 for w in ws]
+    assert calls == [((sum(size),), torch.float32)]
+    packed = [w._pagedserve_native_packed[1] for w in ws]
+    offsets = [p.data_ptr() - packed[0].data_ptr() for p in packed]
+    assert offsets == [0, 4 * size[0], 4 * (size[0] + size[1])]
+    x = randn(3, 64, seed=3)
+    for w in ws:
+        assert torch.equal(native.linear(x, w), native.linear(x, w.clone()))
+
+
 def test_packing_can_be_turned_off(monkeypatch) -> None:
     from engine.kernel_settings import kernel_settings
     from kernels import select_kernels
