@@ -119,9 +119,9 @@ class NativeLayerOps(TorchLayerOps):
         stopping at every 4 KiB page)."""
         weights = [w for w in dict.fromkeys(weights)  # once each (tied weights)
                    if not isinstance(w, QuantizedWeight) and w.device.type == "cpu"]
-        self._pack_native(
-            [w for w in weights if w.dtype == torch.float32 and w.dim() == 2 and self._gemm],
-            allocate or _torch_empty)
+        if self._gemm:
+            self._pack_native([w for w in weights if w.dtype == torch.float32 and w.dim() == 2],
+                              allocate or _torch_empty)
         for w in weights:
             f32_packed = not self._gemm or self._packed_above_native
             if (w.dtype == torch.float32 and self._packing and f32_packed
