@@ -25,7 +25,7 @@ import platform
 import torch
 
 from engine import envs
-from kernels.cpu.memory import HUGE_PAGE, huge_empty
+from kernels.cpu.memory import HUGE_PAGE, advise_huge_pages, huge_empty
 
 __all__ = ["HUGE_PAGE", "empty", "enabled"]
 
@@ -38,13 +38,10 @@ def enabled() -> bool:
     return envs.hugepages() and platform.system() == "Linux" and hasattr(mmap, "MADV_HUGEPAGE")
 
 
-def _advise(mm: mmap.mmap) -> None:
-    mm.madvise(mmap.MADV_HUGEPAGE)
-
-
 def _try_advise(mm: mmap.mmap, length: int) -> None:
+    """:func:`kernels.cpu.memory.advise_huge_pages`, a refusal logged instead of raised."""
     try:
-        _advise(mm)
+        advise_huge_pages(mm, length)
     except OSError as exc:
         log.debug("madvise(MADV_HUGEPAGE) of %d bytes failed: %s", length, exc)
 

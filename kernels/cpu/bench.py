@@ -9,12 +9,20 @@ products), decodes of long contexts (GB/s of K/V read), and one 7,864-token deco
 through 30 layers laid out as the engine's KV cache (huge pages, blocks in order).
 ``--threads 1 --cpu-time`` measures one core by its thread CPU time, which holds on a
 machine shared with other work.
+
+It runs with ``GOMP_SPINCOUNT=1000``, as ``pagedserve`` runs the engine: unless that or
+``OMP_WAIT_POLICY`` is set already, it starts itself again with it set (libgomp reads it
+once, when torch loads). With libgomp's default spin, torch's idle OpenMP thread keeps
+the second core busy for milliseconds after every torch op, and a two-thread kernel
+called right after one runs at about one thread's speed.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -157,7 +165,26 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
              layers, context, best, kv / best / 1e6, torch.get_num_threads())  # fmt: skip
 
 
+def _omp_wait() -> str:
+    return " ".join(f"{k}={os.environ[k]}" for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+                    if k in os.environ)
+
+
+SPIN_COUNT = "1000"
+"""The OpenMP threads' idle spin the engine runs with (``engine.process_tuning``)."""
+
+
+def _run_with_engine_spin() -> None:
+    """Start this benchmark again with ``GOMP_SPINCOUNT`` set, unless the OpenMP wait is
+    set already (by the caller, or by this function before it started again)."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    os.execv(sys.executable, [sys.executable, "-m", "kernels.cpu.bench", *sys.argv[1:]])
+
+
 def main() -> None:
+    _run_with_engine_spin()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -175,6 +202,7 @@ def main() -> None:
     if args.long:
         from kernels.cpu import native as cpu_native
 
+        log.info("%s", _omp_wait())
         level = args.level or cpu_native.runnable_levels()[-1]
         bench_long(level, dtype, args.iters, args.cpu_time)
         bench_layers(level, dtype, args.iters)
@@ -182,8 +210,8 @@ def main() -> None:
     shapes = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(100, 401, (64,), generator=gen).tolist()
-    log.info("SmolLM2-135M shapes (Hq 9, Hkv 3, D 64, block 16), %s, %d threads",
-             args.dtype, torch.get_num_threads())  # fmt: skip
+    log.info("SmolLM2-135M shapes (Hq 9, Hkv 3, D 64, block 16), %s, %d threads, %s",
+             args.dtype, torch.get_num_threads(), _omp_wait())  # fmt: skip
     bench_step("64 decodes, ctx 100-400", make_step(ctx, [1] * 64, **shapes), args.iters)
     seq = ctx[:30] + [256, 512]
     q = [1] * 30 + [256, 256]

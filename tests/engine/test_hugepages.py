@@ -34,8 +34,9 @@ def advised(monkeypatch) -> list:
     if not hugepages.enabled():
         pytest.skip("no madvise(MADV_HUGEPAGE) on this platform")
     calls: list[int] = []
-    real = hugepages._advise
-    monkeypatch.setattr(hugepages, "_advise", lambda mm: calls.append(len(mm)) or real(mm))
+    real = hugepages.advise_huge_pages
+    monkeypatch.setattr(hugepages, "advise_huge_pages",
+                        lambda mm, length: calls.append(len(mm)) or real(mm, length))
     return calls
 
 
@@ -59,10 +60,10 @@ def test_small_buffers_or_the_switch_off_take_plain_memory(advised, monkeypatch)
 
 
 def test_a_refused_advice_still_gives_the_buffer(advised, monkeypatch, caplog) -> None:
-    def refuse(mm) -> None:
+    def refuse(mm, length) -> None:
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(hugepages, "_advise", refuse)
+    monkeypatch.setattr(hugepages, "advise_huge_pages", refuse)
     with caplog.at_level("DEBUG", logger="engine.hugepages"):
         t = hugepages.empty((3 * MIB,), torch.float32)
     assert t.numel() == 3 * MIB and t.fill_(2.0).sum().item() == 6 * MIB

@@ -32,3 +32,23 @@ def test_layers_bench_reads_the_engine_layout(caplog) -> None:
     (line,) = [r.getMessage() for r in caplog.records]
     m = re.match(rf"{level}\s+2 layers x ctx 100 decode: +([\d.]+) ms +([\d.]+) GB/s", line)
     assert m and all(float(x) > 0 for x in m.groups()), line
+
+
+def test_the_bench_runs_again_with_the_engine_spin_unless_the_wait_is_set(monkeypatch) -> None:
+    """Without ``GOMP_SPINCOUNT``, libgomp's idle thread would hold the second core after
+    every torch op and halve a two-thread kernel timed right after one."""
+    calls = []
+    monkeypatch.setattr(bench.os, "execv", lambda exe, argv: calls.append((exe, argv)))
+    monkeypatch.setattr(bench.sys, "argv", ["bench.py", "--long", "--threads", "2"])
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    bench._run_with_engine_spin()
+    assert calls == [(bench.sys.executable, [bench.sys.executable, "-m", "kernels.cpu.bench",
+                                             "--long", "--threads", "2"])]  # fmt: skip
+    assert bench.os.environ["GOMP_SPINCOUNT"] == "1000"
+    # Set already (this run, or the caller's choice): runs as it is.
+    bench._run_with_engine_spin()
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    bench._run_with_engine_spin()
+    assert len(calls) == 1
