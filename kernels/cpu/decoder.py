@@ -182,13 +182,9 @@ class FusedLayers:
             planes = [weight.qs, weight.d] + ([] if weight.m is None else [weight.m])
             if not all(p.is_contiguous() for p in planes):
                 return None
-            keep.extend(planes)
-            lin[C["LIN_FMT"]], lin[C["LIN_W"]] = format_code(weight), weight.qs.data_ptr()
-            if weight.fmt == "int8":
-                lin[C["LIN_SCALE"]] = weight.d.data_ptr()
-            else:
-                lin[C["LIN_D"]] = weight.d.data_ptr()
-                lin[C["LIN_MN"]] = 0 if weight.m is None else weight.m.data_ptr()
+            packed = self._ops.quant_packed(weight)
+            keep.append(packed)
+            lin[C["LIN_FMT"]], lin[C["LIN_W"]] = format_code(weight), packed.data_ptr()
             return lin, QUANT_DIRECT_MAX_ROWS
         packed = self._ops.native_packed(weight)
         if packed is None or tuple(weight.shape) != (n, k):

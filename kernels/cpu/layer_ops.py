@@ -24,7 +24,9 @@ builds without a vector path (2 to 1024 rows). The packed copy lives beside the 
 (the linear weights' memory twice); ``pack_weights=False`` (the engine's
 ``PAGEDSERVE_PACK_WEIGHTS=0``) turns packing off.
 :meth:`NativeLayerOps.paths` says which linear each dtype takes. Weight-only quantized
-weights are multiplied by ``csrc/qgemm_cpu.c`` (:mod:`kernels.cpu.quant`).
+weights are multiplied by ``csrc/qgemm_cpu.c`` (:mod:`kernels.cpu.quant`) from a copy
+packed at load in groups of output columns (beside the planes, which embedding lookups
+and prefill-sized products dequantize).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu.abi import MAX_HEAD_DIM
-from kernels.cpu.quant import native_dequantize, native_linear
+from kernels.cpu.quant import cached_pack, native_dequantize, native_linear, packed_size
 from kernels.layer_ops import TorchLayerOps, rms_norm
 from kernels.quant import QuantizedWeight
 
@@ -113,12 +115,15 @@ class NativeLayerOps(TorchLayerOps):
         self, weights: Iterable[torch.Tensor | QuantizedWeight],
         allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ) -> None:
-        """Pack every CPU float32/bfloat16 weight now rather than on the first step. The
-        native linear's panels of all the weights share one tensor from ``allocate`` (the
-        engine's: on huge pages, where the hardware prefetchers stream a panel without
-        stopping at every 4 KiB page)."""
-        weights = [w for w in dict.fromkeys(weights)  # once each (tied weights)
-                   if not isinstance(w, QuantizedWeight) and w.device.type == "cpu"]
+        """Pack every CPU float32/bfloat16 and quantized weight now rather than on the
+        first step. The native linear's panels of all the float32 weights share one
+        tensor from ``allocate`` (the engine's: on huge pages, where the hardware
+        prefetchers stream a panel without stopping at every 4 KiB page), as do the
+        quantized weights' packed copies."""
+        weights = [w for w in dict.fromkeys(weights) if w.device.type == "cpu"]  # tied: once
+        quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
+        weights = [w for w in weights if not isinstance(w, QuantizedWeight)]
+        self._pack_quantized(quantized, allocate or _torch_empty)
         if self._gemm:
             self._pack_native([w for w in weights if w.dtype == torch.float32 and w.dim() == 2],
                               allocate or _torch_empty)
@@ -158,7 +163,8 @@ class NativeLayerOps(TorchLayerOps):
                 and (bias is None or _native_dtype(bias) == "f32" and bias.is_contiguous())):  # fmt: skip
             return super().linear(x, weight, bias)
         if x.shape[0] <= QUANT_DIRECT_MAX_ROWS:
-            return native_linear(self._lib, x, weight, bias, torch.get_num_threads())
+            return native_linear(self._lib, x, weight, bias, torch.get_num_threads(),
+                                 self.quant_packed(weight))
         need = weight.n * weight.k
         if self._dequant_scratch.numel() < need:
             self._dequant_scratch = torch.empty(need, dtype=torch.float32)
@@ -198,6 +204,22 @@ class NativeLayerOps(TorchLayerOps):
                 and _native_dtype(weight) == "f32"):  # fmt: skip
             return None
         return self._native_packed(weight)
+
+    def quant_packed(self, weight: QuantizedWeight) -> torch.Tensor:
+        """A CPU quantized weight packed for the native kernel (cached on the weight,
+        packed again if its planes change)."""
+        return cached_pack(self._lib, weight)
+
+    def _pack_quantized(self, weights: list[QuantizedWeight],
+                        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
+        """Pack quantized ``weights`` for the native kernel into one tensor from
+        ``allocate``, each starting on a cache line."""
+        sizes = [-(-packed_size(self._lib, w) // 64) * 64 for w in weights]
+        if not sizes:
+            return
+        arena = allocate((sum(sizes),), torch.uint8)
+        for w, dst in zip(weights, arena.split(sizes), strict=True):
+            cached_pack(self._lib, w, dst)
 
     def _pack_native(self, weights: list[torch.Tensor],
                      allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:

@@ -28,17 +28,61 @@ def _planes(weight: QuantizedWeight) -> tuple[int | None, int | None, int | None
     return weight.d.data_ptr(), None if weight.m is None else weight.m.data_ptr(), None
 
 
+def packed_size(lib: ctypes.CDLL, weight: QuantizedWeight) -> int:
+    """Bytes of ``weight`` packed by :func:`native_pack` (this build's column groups)."""
+    size = lib.qgemm_packed_size(format_code(weight), weight.n, weight.k)
+    if size < 0:
+        raise ValueError(f"qgemm_pack refused a {weight.fmt} [{weight.n}, {weight.k}] weight")
+    return size
+
+
+def native_pack(lib: ctypes.CDLL, weight: QuantizedWeight,
+                dst: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight`` (contiguous planes) packed for :func:`native_linear`: uint8, in ``dst``
+    (uint8, at least :func:`packed_size` bytes) if given."""
+    size = packed_size(lib, weight)
+    packed = torch.empty(size, dtype=torch.uint8) if dst is None else dst[:size]
+    d, m, scale = _planes(weight)
+    lib.qgemm_pack(format_code(weight), weight.qs.data_ptr(), d, m, scale, weight.n, weight.k,
+                   packed.data_ptr())  # fmt: skip
+    return packed
+
+
+def _plane_versions(weight: QuantizedWeight) -> tuple[int, ...]:
+    return tuple(p._version for p in (weight.qs, weight.d, weight.m) if p is not None)
+
+
+def cached_pack(lib: ctypes.CDLL, weight: QuantizedWeight,
+                dst: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`native_pack` of ``weight`` (into ``dst`` if given), kept on the weight and
+    packed again if its planes change."""
+    cached = getattr(weight, "_pagedserve_qgemm_packed", None)
+    if cached is not None and cached[0] == _plane_versions(weight) and dst is None:
+        return cached[1]
+    packed = native_pack(lib, weight, dst)
+    weight._pagedserve_qgemm_packed = (_plane_versions(weight), packed)
+    return packed
+
+
 def native_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeight,
-                  bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
+                  bias: torch.Tensor | None, num_threads: int,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
     """The native product of float32 CPU ``x`` ``[rows, k]`` (unit column stride) and
-    ``weight`` (contiguous planes), plus ``bias`` (float32 ``[n]``)."""
+    ``weight``, plus ``bias`` (float32 ``[n]``): from ``packed`` (:func:`native_pack` of
+    this weight) if given, else from the weight's contiguous planes, packed for the call."""
     rows = x.shape[0]
     out = x.new_empty(rows, weight.n)
-    d, m, scale = _planes(weight)
-    status = lib.qgemm(format_code(weight), x.data_ptr(), x.stride(0), rows, weight.k,
-                       weight.qs.data_ptr(), d, m, scale, weight.n,
-                       None if bias is None else bias.data_ptr(), out.data_ptr(), weight.n,
-                       num_threads)  # fmt: skip
+    bias_ptr = None if bias is None else bias.data_ptr()
+    fmt = format_code(weight)
+    if packed is not None:
+        status = lib.qgemm_packed(fmt, x.data_ptr(), x.stride(0), rows, weight.k,
+                                  packed.data_ptr(), weight.n, bias_ptr, out.data_ptr(), weight.n,
+                                  num_threads)  # fmt: skip
+    else:
+        d, m, scale = _planes(weight)
+        status = lib.qgemm(fmt, x.data_ptr(), x.stride(0), rows, weight.k, weight.qs.data_ptr(),
+                           d, m, scale, weight.n, bias_ptr, out.data_ptr(), weight.n,
+                           num_threads)  # fmt: skip
     if status != 0:
         raise ValueError(f"qgemm refused a {weight.fmt} [{weight.n}, {weight.k}] weight")
     return out

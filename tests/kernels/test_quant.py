@@ -168,3 +168,48 @@ def test_quantization_arguments_are_checked(default_model_path) -> None:
         EngineConfig(quantization="int8", dtype="bfloat16")
     with pytest.raises(ValueError, match="quantization='gguf'.*model="):
         LLM(model=str(default_model_path), quantization="gguf")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_packed_copy_gives_the_planes_bits(native_lib, fmt) -> None:
+    """The engine's path (a copy packed once at load, in groups of output columns) and the
+    planes packed for one call are one kernel: the same bits, columns past the last whole
+    group included; a changed plane is packed again."""
+    k = 45 if fmt == "int8" else 96
+    w = random_weight(fmt, 37, k, seed=8)
+    assert quant.packed_size(native_lib, w) == native_lib.qgemm_packed_size(
+        quant.format_code(w), 37, k) > 0
+    packed = quant.cached_pack(native_lib, w)
+    assert quant.cached_pack(native_lib, w) is packed
+    g = torch.Generator().manual_seed(9)
+    x, bias = torch.randn(7, k, generator=g), torch.randn(37, generator=g)
+    for rows in (1, 2, 5, 7):
+        got = quant.native_linear(native_lib, x[:rows], w, bias, 2, packed)
+        assert torch.equal(got, quant.native_linear(native_lib, x[:rows], w, bias, 2))
+        assert_product_close(got, x[:rows], w, bias)
+    w.d.mul_(2)  # the planes change: the cached copy is packed again
+    again = quant.cached_pack(native_lib, w)
+    assert again is not packed
+    assert torch.equal(quant.native_linear(native_lib, x, w, None, 1, again),
+                       quant.native_linear(native_lib, x, w, None, 1))
+
+
+def test_prepare_weights_packs_quantized_weights_into_one_allocation(native_lib) -> None:
+    """The engine's huge-page allocator gets one request for every quantized weight's
+    packed copy, each on a cache line and a tied weight once; the linear then reads it."""
+    ws = [random_weight("q4_1", 40, 64, seed=1), random_weight("q8_0", 17, 96, seed=2)]
+    calls = []
+
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        calls.append((shape, dtype))
+        return torch.full(shape, 0xAB, dtype=dtype)
+
+    ops = NativeLayerOps(native_lib)
+    ops.prepare_weights([ws[0], ws[1], ws[0]], allocate)
+    sizes = [-(-quant.packed_size(native_lib, w) // 64) * 64 for w in ws]
+    assert calls == [((sum(sizes),), torch.uint8)]
+    first, second = (ops.quant_packed(w) for w in ws)
+    assert second.data_ptr() - first.data_ptr() == sizes[0]
+    x = torch.randn(3, 64)
+    assert torch.equal(ops.linear(x, ws[0]), quant.native_linear(native_lib, x, ws[0], None,
+                                                                 torch.get_num_threads()))

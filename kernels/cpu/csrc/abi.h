@@ -23,8 +23,8 @@
 #define KV_ROWS_FIRST 0 /* [num_blocks, block_size, num_kv_heads, head_dim] */
 #define KV_HEADS_FIRST 1 /* [num_blocks, num_kv_heads, block_size, head_dim] */
 
-/* Weight-only quantization formats (``fmt`` of qgemm and qdequant), and the weights per
- * block along k of the GGUF formats. */
+/* Weight-only quantization formats (``fmt`` of qgemm, qgemm_pack, qgemm_packed and
+ * qdequant), and the weights per block along k of the GGUF formats. */
 #define QF_Q8_0 0
 #define QF_Q4_0 1
 #define QF_Q4_1 2
@@ -64,22 +64,19 @@
 #define DL_K_CACHE 4
 #define DL_V_CACHE 5
 #define DL_QKV 6
-#define DL_O 14
-#define DL_GATE_UP 22
-#define DL_DOWN 30
-#define DL_SIZE 38
+#define DL_O 11
+#define DL_GATE_UP 16
+#define DL_DOWN 21
+#define DL_SIZE 26
 /* A linear's entries: its format (LIN_F32: a float32 weight packed for gemm_f32, else a
- * QF_* code), the weight (packed panels or quantized values), the QF_* planes, the bias,
- * and its shape. */
+ * QF_* code), the weight (gemm_f32's panels, or the quantized weight packed by
+ * qgemm_pack), the bias, and its shape. */
 #define LIN_FMT 0
 #define LIN_W 1
-#define LIN_D 2
-#define LIN_MN 3
-#define LIN_SCALE 4
-#define LIN_BIAS 5
-#define LIN_N 6
-#define LIN_K 7
-#define LIN_SIZE 8
+#define LIN_BIAS 2
+#define LIN_N 3
+#define LIN_K 4
+#define LIN_SIZE 5
 #define LIN_F32 -1
 /* decoder_layers' own status code (it also returns paged_attention's). */
 #define DEC_ERR_LINEAR -7 /* a quantized linear refused its format or shape */
@@ -127,6 +124,12 @@ void gemm_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *pa
 
 /* qgemm_cpu.c */
 int qgemm_row_bytes(int fmt, int64_t k);
+int64_t qgemm_packed_size(int fmt, int64_t n, int64_t k);
+int qgemm_pack(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
+               const float *scale, int64_t n, int64_t k, void *packed);
+int qgemm_packed(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k,
+                 const void *packed, int64_t n, const float *bias, float *y, int64_t ldy,
+                 int num_threads);
 int qgemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, const void *qs,
           const uint16_t *d, const uint16_t *mn, const float *scale, int64_t n,
           const float *bias, float *y, int64_t ldy, int num_threads);

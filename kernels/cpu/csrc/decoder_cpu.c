@@ -12,7 +12,8 @@
  * The model is described once by two int64 tables (the DM_* and DL_* offsets of
  * abi.h): its sizes, and per layer the addresses of its norms, KV caches and linears.
  * A linear is either a float32 weight packed for gemm_f32 (LIN_F32) or a weight-only
- * quantized one in a QF_* format for qgemm. Activations are float32 throughout.
+ * quantized one in a QF_* format packed for qgemm_packed. Activations are float32
+ * throughout.
  */
 #include <stdint.h>
 #include <string.h>
@@ -41,8 +42,8 @@ static int linear(const int64_t *lin, const float *x, int rows, float *y, int nu
         gemm_f32(x, k, rows, k, PTR(lin, LIN_W), n, bias, y, n, num_threads);
         return 0;
     }
-    return qgemm((int)lin[LIN_FMT], x, k, rows, k, PTR(lin, LIN_W), PTR(lin, LIN_D),
-                 PTR(lin, LIN_MN), PTR(lin, LIN_SCALE), n, bias, y, n, num_threads)
+    return qgemm_packed((int)lin[LIN_FMT], x, k, rows, k, PTR(lin, LIN_W), n, bias, y, n,
+                        num_threads)
                ? DEC_ERR_LINEAR
                : 0;
 }

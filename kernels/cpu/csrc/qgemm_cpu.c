@@ -11,21 +11,26 @@
  *   INT8  qs int8 ``[n, k]``,      s float32 ``[n]`` (one scale per output row)
  *
  * A Q4 block's 16 bytes hold its elements 0-15 in the low nibbles and 16-31 in the
- * high ones (GGML's order). For the GGUF formats every weight is dequantized exactly as
- * GGML's reference does (the product rounded, then the offset added), so the result
- * differs from ``F.linear(x, dequantize(W))`` only in the order of the sums. INT8
- * multiplies each row's sum by its scale once.
+ * high ones (GGML's order). :c:func:`qdequant` computes every weight exactly as GGML's
+ * reference does (the product rounded, then the offset added).
  *
- * A decode step reads each weight once for a few rows of x: the kernel is bound by
- * the bytes of W (4.5-8.5 bits a weight instead of 32) and by the work of unpacking
- * them. Threads take contiguous ranges of output columns; for every NC columns (two on
- * AVX-512), tiles of RT rows of x keep their sums in registers over the whole of k (one
- * vector of sums per vector of a block, so the chains are independent), so each
- * decoded block serves RT rows and each row of x loaded serves NC columns. Every build
- * level has this kernel; the portable one is plain C.
+ * The products run over a packed copy of W (:c:func:`qgemm_pack`, made once at load):
+ * groups of QG output columns (QG = the vector width; 8 in the portable build), and in
+ * each group, block by block, byte i of every column's block side by side, then the
+ * columns' scales (and offsets). One vector load then holds code i of QG columns: each
+ * element of x is broadcast once and multiplies QG columns with one FMA, and the sums
+ * of the QG columns are the lanes of one vector, so a column needs no horizontal sum.
+ * Per block, four chains of sums (x times codes), multiplied by the block's scales once;
+ * the Q4 formats add their offsets' share as the block's offset times the sum of x over
+ * the block (Q4_0's offset is -8 d). INT8 multiplies each column's sum by its scale
+ * once. Rows of x go in tiles of RT, each decoded vector of codes serving all of them;
+ * every output is the same sequence of operations whatever the tile, the thread and the
+ * other rows, so a row's result does not depend on the batch it came in.
+ * :c:func:`qgemm` takes the planes themselves and packs them for the one call.
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "abi.h"
 #include "pool.h"
@@ -63,11 +68,8 @@ static int64_t row_bytes(int fmt, int64_t k) {
 
 int qgemm_row_bytes(int fmt, int64_t k) { return (int)row_bytes(fmt, k); }
 
-/* ------------------------------------------------------------------------- */
-/* Portable reference path: one weight at a time.                            */
-/* ------------------------------------------------------------------------- */
-
-/* Element ``kk`` of row ``q`` (``dq``/``mq``: that row's scales and offsets). */
+/* Element ``kk`` of row ``q`` (``dq``/``mq``: that row's scales and offsets), as
+ * GGML's reference dequantizer makes it. */
 static inline float weight_at(int fmt, const uint8_t *q, const uint16_t *dq,
                               const uint16_t *mq, int64_t kk) {
     const int64_t b = kk / QK, i = kk % QK;
@@ -78,43 +80,212 @@ static inline float weight_at(int fmt, const uint8_t *q, const uint16_t *dq,
     return f16_bits_to_f32(dq[b]) * (float)v + f16_bits_to_f32(mq[b]);
 }
 
-#if !SIMD_VW
-static void cols_portable(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k,
-                          const uint8_t *qs, const uint16_t *d, const uint16_t *mn,
-                          const float *scale, const float *bias, float *y, int64_t ldy,
-                          int64_t j0, int64_t j1) {
-    const int64_t rb = row_bytes(fmt, k), nb = k / QK;
-    for (int64_t j = j0; j < j1; ++j) {
-        const uint8_t *q = qs + j * rb;
-        for (int64_t r = 0; r < m; ++r) {
-            const float *xr = x + r * ldx;
-            float acc = 0.0f;
-            if (fmt == QF_INT8) {
-                for (int64_t kk = 0; kk < k; ++kk) acc += xr[kk] * (float)((const int8_t *)q)[kk];
-                acc *= scale[j];
-            } else {
-                const uint16_t *dq = d + j * nb, *mq = mn ? mn + j * nb : 0;
-                for (int64_t kk = 0; kk < k; ++kk) acc += xr[kk] * weight_at(fmt, q, dq, mq, kk);
+/* ------------------------------------------------------------------------- */
+/* The packed layout.                                                         */
+/* ------------------------------------------------------------------------- */
+#if SIMD_VW
+#define QG SIMD_VW
+#else
+#define QG 8
+#endif
+
+static int is_q4(int fmt) { return fmt == QF_Q4_0 || fmt == QF_Q4_1; }
+
+/* Code bytes of one column's block. */
+static int block_codes(int fmt) { return is_q4(fmt) ? QK / 2 : QK; }
+
+/* Bytes of one block of a group: QG columns' codes, then (GGUF formats) their float16
+ * scales and (Q4_1) offsets. */
+static int64_t group_block_bytes(int fmt) {
+    const int64_t codes = (int64_t)block_codes(fmt) * QG;
+    return codes + (fmt == QF_INT8 ? 0 : fmt == QF_Q4_1 ? 4 * QG : 2 * QG);
+}
+
+/* Blocks along k (INT8: the last one partial when k is not a multiple of 32). */
+static int64_t k_blocks(int fmt, int64_t k) { return fmt == QF_INT8 ? (k + QK - 1) / QK : k / QK; }
+
+/* Bytes of one group: (INT8) its QG float32 scales, then its blocks. */
+static int64_t group_bytes(int fmt, int64_t k) {
+    return (fmt == QF_INT8 ? 4 * QG : 0) + k_blocks(fmt, k) * group_block_bytes(fmt);
+}
+
+static int valid(int fmt, int64_t n, int64_t k) {
+    return fmt >= QF_Q8_0 && fmt <= QF_INT8 && n >= 1 && k >= 1 && (fmt == QF_INT8 || k % QK == 0);
+}
+
+int64_t qgemm_packed_size(int fmt, int64_t n, int64_t k) {
+    return valid(fmt, n, k) ? (n + QG - 1) / QG * group_bytes(fmt, k) : -1;
+}
+
+int qgemm_pack(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
+               const float *scale, int64_t n, int64_t k, void *packed) {
+    if (!valid(fmt, n, k)) return -1;
+    const int64_t rb = row_bytes(fmt, k), nb = k_blocks(fmt, k), nbq = k / QK;
+    const int64_t bb = group_block_bytes(fmt), gb = group_bytes(fmt, k);
+    const int nc = block_codes(fmt);
+    uint8_t *out = packed;
+    memset(out, 0, (size_t)((n + QG - 1) / QG * gb)); /* padding columns: all zero */
+    for (int64_t g = 0; g * QG < n; ++g) {
+        const int cols = n - g * QG < QG ? (int)(n - g * QG) : QG;
+        uint8_t *go = out + g * gb;
+        if (fmt == QF_INT8) {
+            memcpy(go, scale + g * QG, sizeof(float) * (size_t)cols);
+            go += 4 * QG;
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t *bo = go + b * bb;
+            for (int c = 0; c < cols; ++c) {
+                const int64_t j = g * QG + c;
+                const uint8_t *src = (const uint8_t *)qs + j * rb + b * nc;
+                const int64_t have = fmt == QF_INT8 && k - b * QK < QK ? k - b * QK : nc;
+                for (int i = 0; i < have; ++i) bo[i * QG + c] = src[i];
+                if (fmt != QF_INT8) {
+                    uint16_t *dd = (uint16_t *)(bo + (int64_t)nc * QG);
+                    dd[c] = d[j * nbq + b];
+                    if (fmt == QF_Q4_1) dd[QG + c] = mn[j * nbq + b];
+                }
             }
-            y[r * ldy + j] = acc + (bias ? bias[j] : 0.0f);
+        }
+    }
+    return 0;
+}
+
+/* Per row of x, the sum of each block of 32 (the Q4 formats' offsets multiply it): the
+ * block's vectors added in order, then their lanes. */
+static void block_sums(const float *x, int64_t ldx, int64_t m, int64_t k, float *sx) {
+    const int64_t nb = k / QK;
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+            const float *xb = x + r * ldx + b * QK;
+#if SIMD_VW
+            vf s = vf_load(xb);
+            for (int v = 1; v < QK / SIMD_VW; ++v) s = vf_add(s, vf_load(xb + v * SIMD_VW));
+            sx[r * nb + b] = vf_reduce_add(s);
+#else
+            float s = 0.0f;
+            for (int i = 0; i < QK; ++i) s += xb[i];
+            sx[r * nb + b] = s;
+#endif
+        }
+}
+
+#if !SIMD_VW
+/* ------------------------------------------------------------------------- */
+/* Portable path: the vector path's sums, one lane at a time.                 */
+/* ------------------------------------------------------------------------- */
+static void group_rows(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k,
+                       const float *sx, const uint8_t *grp, const float *bias, float *y,
+                       int64_t ldy, int cols) {
+    const int64_t nb = k_blocks(fmt, k), bb = group_block_bytes(fmt);
+    const int nc = block_codes(fmt);
+    const uint8_t *blocks = grp + (fmt == QF_INT8 ? 4 * QG : 0);
+    for (int64_t r = 0; r < m; ++r) {
+        const float *xr = x + r * ldx;
+        float acc[QG] = {0};
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *cb = blocks + b * bb;
+            const uint16_t *dd = (const uint16_t *)(cb + (int64_t)nc * QG);
+            const int have = fmt == QF_INT8 && k - b * QK < QK ? (int)(k - b * QK) : nc;
+            for (int c = 0; c < QG; ++c) {
+                float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int i = 0; i < have; ++i) {
+                    const uint8_t byte = cb[i * QG + c];
+                    if (is_q4(fmt)) {
+                        s[i & 1] += xr[b * QK + i] * (float)(byte & 0x0F);
+                        s[2 + (i & 1)] += xr[b * QK + 16 + i] * (float)(byte >> 4);
+                    } else {
+                        s[i & 3] += xr[b * QK + i] * (float)(int8_t)byte;
+                    }
+                }
+                const float t = (s[0] + s[1]) + (s[2] + s[3]);
+                if (fmt == QF_INT8) {
+                    acc[c] += t;
+                } else {
+                    const float dv = f16_bits_to_f32(dd[c]), sb = is_q4(fmt) ? sx[r * nb + b] : 0.0f;
+                    if (fmt == QF_Q4_0) acc[c] += dv * (t - 8.0f * sb);
+                    else acc[c] += dv * t;
+                    if (fmt == QF_Q4_1) acc[c] += f16_bits_to_f32(dd[QG + c]) * sb;
+                }
+            }
+        }
+        for (int c = 0; c < cols; ++c) {
+            float v = acc[c];
+            if (fmt == QF_INT8) v *= ((const float *)grp)[c];
+            y[r * ldy + c] = v + (bias ? bias[c] : 0.0f);
         }
     }
 }
+#else
+#include "qgemm_vec.h"
 #endif
+
+typedef struct {
+    int fmt;
+    const float *x;
+    int64_t ldx, m, k;
+    const float *sx;
+    const uint8_t *packed;
+    int64_t n;
+    const float *bias;
+    float *y;
+    int64_t ldy;
+} qgemm_task_t;
+
+static void qgemm_groups(void *ctx, int64_t g0, int64_t g1, int worker) {
+    (void)worker;
+    const qgemm_task_t *t = ctx;
+    const int64_t gb = group_bytes(t->fmt, t->k);
+    for (int64_t g = g0; g < g1; ++g) {
+        const int64_t j = g * QG;
+        const int cols = t->n - j < QG ? (int)(t->n - j) : QG;
+        group_rows(t->fmt, t->x, t->ldx, t->m, t->k, t->sx, t->packed + g * gb,
+                   t->bias ? t->bias + j : 0, t->y + j, t->ldy, cols);
+    }
+}
+
+/* x ``[m, k]`` (row stride ldx) times W packed by qgemm_pack, plus bias ``[n]`` or
+ * NULL, into y ``[m, n]`` (row stride ldy). Returns 0, -1 for a format, n or k it does
+ * not take, -2 when out of memory. */
+int qgemm_packed(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k,
+                 const void *packed, int64_t n, const float *bias, float *y, int64_t ldy,
+                 int num_threads) {
+    if (!valid(fmt, n, k)) return -1;
+    if (m < 1) return 0;
+    float *sx = 0;
+    if (is_q4(fmt)) {
+        sx = malloc(sizeof(float) * (size_t)(m * (k / QK)));
+        if (!sx) return -2;
+        block_sums(x, ldx, m, k, sx);
+    }
+    const int64_t groups = (n + QG - 1) / QG;
+    const int nt = n * k * m >= PARALLEL_MIN_WORK && num_threads > 1 ? num_threads : 1;
+    qgemm_task_t task = {fmt, x, ldx, m, k, sx, packed, n, bias, y, ldy};
+    /* Chunks of groups: four per thread, so a thread that starts late or loses its core
+     * leaves its share to the others. */
+    pool_run(qgemm_groups, &task, groups, (groups + 4 * nt - 1) / (4 * nt), nt);
+    free(sx);
+    return 0;
+}
+
+/* The same product from W's planes (described at the top; ``d``/``mn`` unused by
+ * INT8, ``scale`` used only by it), packed for this call. */
+int qgemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, const void *qs,
+          const uint16_t *d, const uint16_t *mn, const float *scale, int64_t n,
+          const float *bias, float *y, int64_t ldy, int num_threads) {
+    const int64_t size = qgemm_packed_size(fmt, n, k);
+    if (size < 0) return -1;
+    void *packed = malloc((size_t)size);
+    if (!packed) return -2;
+    qgemm_pack(fmt, qs, d, mn, scale, n, k, packed);
+    const int status = qgemm_packed(fmt, x, ldx, m, k, packed, n, bias, y, ldy, num_threads);
+    free(packed);
+    return status;
+}
 
 #if SIMD_VW
-/* ------------------------------------------------------------------------- */
-/* Vector path.                                                               */
-/* ------------------------------------------------------------------------- */
 #define NVB (QK / SIMD_VW) /* vectors in a block */
-#if SIMD_VW == 16
-#define RT 4
-#else
-#define RT 2
-#endif
 
-/* One block's codes as float32, unscaled (Q4_0's are 0-15 here: its -8 is folded into
- * the offsets, see ``tile``). */
+/* One block's codes as float32, unscaled. */
 static inline __attribute__((always_inline)) void load_codes(int fmt, const uint8_t *q, vf *c) {
     if (fmt == QF_Q8_0 || fmt == QF_INT8) {
         for (int v = 0; v < NVB; ++v) c[v] = vf_load_i8((const int8_t *)q + v * SIMD_VW);
@@ -122,113 +293,7 @@ static inline __attribute__((always_inline)) void load_codes(int fmt, const uint
         vf_load_nibbles32(q, c);
     }
 }
-
-/* The offsets' share of row ``r``'s dot product: the sum over blocks of ``off_b *
- * sx_b`` with ``sx_b`` the sum of x over block b (Q4_1: off = m; Q4_0: off = -8 d). */
-static inline float offsets_dot(int fmt, const float *sx, int64_t nb, const uint16_t *dq,
-                                const uint16_t *mq) {
-    const uint16_t *off = fmt == QF_Q4_1 ? mq : dq;
-    vf acc = vf_zero();
-    int64_t b = 0;
-    for (; b + SIMD_VW <= nb; b += SIMD_VW)
-        acc = vf_fmadd(vf_load_f16(off + b), vf_load(sx + b), acc);
-    float t = vf_reduce_add(acc);
-    for (; b < nb; ++b) t += f16_to_f32_fast(off[b]) * sx[b];
-    return fmt == QF_Q4_1 ? t : -8.0f * t;
-}
-
-/* Scales converted ahead of the blocks that use them (16 or 8 at a time, instead of one
- * scalar conversion and a broadcast per block). */
-#define DCHUNK 256
-
-static inline void f16_to_f32_row(const uint16_t *src, int64_t n, float *dst) {
-    int64_t i = 0;
-    for (; i + SIMD_VW <= n; i += SIMD_VW) vf_store(dst + i, vf_load_f16(src + i));
-    for (; i < n; ++i) dst[i] = f16_to_f32_fast(src[i]);
-}
-
-#include "qgemm_vec.h"
-
-#define COLS_FOR(F)                                                                         \
-    static void cols_##F(const float *x, int64_t ldx, int64_t m, int64_t k,                \
-                         const float *sx, const uint8_t *qs, const uint16_t *d, const uint16_t *mn,         \
-                         const float *scale, const float *bias, float *y, int64_t ldy,     \
-                         int64_t j0, int64_t j1) {                                         \
-        cols_vec(QF_##F, x, ldx, m, k, sx, qs, d, mn, scale, bias, y, ldy, j0, j1);             \
-    }
-COLS_FOR(Q8_0)
-COLS_FOR(Q4_0)
-COLS_FOR(Q4_1)
-COLS_FOR(INT8)
 #endif
-
-typedef void (*cols_fn)(const float *, int64_t, int64_t, int64_t, const float *, const uint8_t *,
-                        const uint16_t *, const uint16_t *, const float *, const float *,
-                        float *, int64_t, int64_t, int64_t);
-
-static void cols_dispatch(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k,
-                          const float *sx, const uint8_t *qs, const uint16_t *d, const uint16_t *mn,
-                          const float *scale, const float *bias, float *y, int64_t ldy,
-                          int64_t j0, int64_t j1) {
-#if SIMD_VW
-    static const cols_fn fns[] = {cols_Q8_0, cols_Q4_0, cols_Q4_1, cols_INT8};
-    fns[fmt](x, ldx, m, k, sx, qs, d, mn, scale, bias, y, ldy, j0, j1);
-#else
-    (void)sx;
-    cols_portable(fmt, x, ldx, m, k, qs, d, mn, scale, bias, y, ldy, j0, j1);
-#endif
-}
-
-typedef struct {
-    int fmt;
-    const float *x;
-    int64_t ldx, m, k;
-    const float *sx;
-    const void *qs;
-    const uint16_t *d, *mn;
-    const float *scale, *bias;
-    float *y;
-    int64_t ldy;
-} qgemm_task_t;
-
-static void qgemm_cols(void *ctx, int64_t j0, int64_t j1, int worker) {
-    (void)worker;
-    const qgemm_task_t *t = ctx;
-    cols_dispatch(t->fmt, t->x, t->ldx, t->m, t->k, t->sx, t->qs, t->d, t->mn, t->scale,
-                  t->bias, t->y, t->ldy, j0, j1);
-}
-
-/* x ``[m, k]`` (row stride ldx), W in format ``fmt`` as described above (``d``/``mn``
- * unused by INT8, ``scale`` used only by it), bias ``[n]`` or NULL, y ``[m, n]`` (row
- * stride ldy). The GGUF formats need k a multiple of 32. Returns 0, or -1 for a format
- * or k it does not take. */
-int qgemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, const void *qs,
-          const uint16_t *d, const uint16_t *mn, const float *scale, int64_t n,
-          const float *bias, float *y, int64_t ldy, int num_threads) {
-    if (fmt < QF_Q8_0 || fmt > QF_INT8 || (fmt != QF_INT8 && k % QK)) return -1;
-    /* Per row of x, the sum of each block (the Q4 formats' offsets multiply it). */
-    float *sx = 0;
-#if SIMD_VW
-    if (fmt == QF_Q4_0 || fmt == QF_Q4_1) {
-        const int64_t nb = k / QK;
-        sx = malloc(sizeof(float) * (size_t)(m * nb > 0 ? m * nb : 1));
-        if (!sx) return -2;
-        for (int64_t r = 0; r < m; ++r)
-            for (int64_t b = 0; b < nb; ++b) {
-                vf s = vf_load(x + r * ldx + b * QK);
-                for (int v = 1; v < NVB; ++v) s = vf_add(s, vf_load(x + r * ldx + b * QK + v * SIMD_VW));
-                sx[r * nb + b] = vf_reduce_add(s);
-            }
-    }
-#endif
-    const int nt = n * k * m >= PARALLEL_MIN_WORK && num_threads > 1 ? num_threads : 1;
-    qgemm_task_t task = {fmt, x, ldx, m, k, sx, qs, d, mn, scale, bias, y, ldy};
-    /* Chunks of columns: four per thread, so a thread that starts late or loses its core
-     * leaves its share to the others. */
-    pool_run(qgemm_cols, &task, n, (n + 4 * nt - 1) / (4 * nt), nt);
-    free(sx);
-    return 0;
-}
 
 typedef struct {
     int fmt;

@@ -1,113 +1,109 @@
 /*
- * The tiles of qgemm_cpu.c's vector path, kept in their own file for length only: it is
- * included once, at this point of that source, whose helpers (load_codes, offsets_dot,
- * f16_to_f32_row, DCHUNK, NVB, RT) it uses, so the two form one translation unit.
+ * The vector path of qgemm_cpu.c over its packed layout, kept in its own file for length
+ * only: it is included once, at this point of that source, whose helpers (QG, is_q4,
+ * block_codes, group_block_bytes, k_blocks) it uses, so the two form one translation
+ * unit. One group of QG = VW output columns is one vector of sums.
  */
-/* Output columns a tile computes together: each decoded block then serves every row of
- * the tile and each loaded row of x serves every column (two with AVX-512's 32
- * registers; AVX2's 16 hold one). */
+/* Rows of x a tile takes: each vector of decoded codes serves all of them (AVX-512's
+ * 32 registers hold four rows' four chains and sums, AVX2's 16 two). */
 #if SIMD_VW == 16
-#define NC 2
+#define RT 4
 #else
-#define NC 1
+#define RT 2
 #endif
-/* Rows from which columns are paired: with fewer, the pair's extra registers cost more
- * than the shared loads save (measured on Zen 4: 5-25% slower at 1-8 rows, 10-75%
- * faster at 32). The results are the same either way. */
-#define NC_MIN_ROWS 16
 
-/* One block of the GGUF formats for ``nc`` columns (codes ``qb`` rb bytes apart, scales
- * ``dval`` DCHUNK apart): each row's products with a column's codes summed, scaled by
- * the block's d and added to accumulator ``slot`` of that row and column. */
-static inline __attribute__((always_inline)) void block_step(int fmt, int rt, int nc,
-                                                             const float *x, int64_t ldx,
-                                                             int64_t b, const uint8_t *qb,
-                                                             int64_t rb, const float *dval,
-                                                             vf acc[][NC][NVB], int slot) {
-    vf c[NC][NVB], d[NC];
-    for (int cc = 0; cc < nc; ++cc) {
-        load_codes(fmt, qb + cc * rb, c[cc]);
-        d[cc] = vf_set1(dval[cc * DCHUNK]);
-    }
-    for (int r = 0; r < rt; ++r) {
-        const float *xb = x + r * ldx + b * QK;
-        vf xv[NVB];
-        for (int v = 0; v < NVB; ++v) xv[v] = vf_load(xb + v * SIMD_VW);
-        for (int cc = 0; cc < nc; ++cc) {
-            vf s = vf_mul(xv[0], c[cc][0]);
-            for (int v = 1; v < NVB; ++v) s = vf_fmadd(xv[v], c[cc][v], s);
-            acc[r][cc][slot] = vf_fmadd(d[cc], s, acc[r][cc][slot]);
-        }
-    }
-}
-
-/* Columns ``j .. j + nc`` (their codes ``rb`` bytes apart, scales and offsets ``nb``
- * apart) for rows ``r0 .. r0 + rt`` of x (``rt`` <= RT, ``nc`` <= NC, both constant
- * after inlining). Per block, each row's products with the codes are summed and scaled
- * by the block's d once; the offsets' share is added at the end. Every output is the
- * same sequence of operations whatever ``rt``, ``nc`` and the other rows and columns,
- * so a row's result does not depend on the batch it came in. */
-static inline __attribute__((always_inline)) void tile(int fmt, int rt, int nc, const float *x,
-                                                       int64_t ldx, int64_t k, const float *sx,
-                                                       const uint8_t *q, int64_t rb,
-                                                       const uint16_t *dq, const uint16_t *mq,
-                                                       const float *post, const float *add,
-                                                       float *y, int64_t ldy) {
-    vf acc[RT][NC][NVB];
+/* One block of the group for ``rt`` rows (x at ``xb``, rows ``ldx`` apart): code i of
+ * the QG columns times element i of each row, in four chains a row (Q4: low nibbles into
+ * chains i % 2, high ones into 2 + i % 2; the others: chain i % 4). ``have``: the
+ * block's elements (fewer than 32 only in INT8's last block). */
+static inline __attribute__((always_inline)) void block_chains(int fmt, int rt, const float *xb,
+                                                               int64_t ldx, const uint8_t *cb,
+                                                               int have, vf s[RT][4]) {
     for (int r = 0; r < rt; ++r)
-        for (int cc = 0; cc < nc; ++cc)
-            for (int v = 0; v < NVB; ++v) acc[r][cc][v] = vf_zero();
-    const int64_t nb = k / QK, bbytes = fmt == QF_Q4_0 || fmt == QF_Q4_1 ? QK / 2 : QK;
-    if (fmt == QF_INT8) {
-        for (int64_t b = 0; b < nb; ++b) {
-            vf c[NC][NVB];
-            for (int cc = 0; cc < nc; ++cc) load_codes(fmt, q + cc * rb + b * bbytes, c[cc]);
-            for (int r = 0; r < rt; ++r)
-                for (int v = 0; v < NVB; ++v) {
-                    const vf xv = vf_load(x + r * ldx + b * QK + v * SIMD_VW);
-                    for (int cc = 0; cc < nc; ++cc)
-                        acc[r][cc][v] = vf_fmadd(xv, c[cc][v], acc[r][cc][v]);
+        for (int u = 0; u < 4; ++u) s[r][u] = vf_zero();
+    if (is_q4(fmt)) {
+        for (int i = 0; i < QK / 2; i += 2)
+            for (int u = 0; u < 2; ++u) {
+                vf lo, hi;
+                vf_load_nibble_lanes(cb + (i + u) * QG, &lo, &hi);
+                for (int r = 0; r < rt; ++r) {
+                    const float *xr = xb + r * ldx + i + u;
+                    s[r][u] = vf_fmadd(vf_set1(xr[0]), lo, s[r][u]);
+                    s[r][2 + u] = vf_fmadd(vf_set1(xr[QK / 2]), hi, s[r][2 + u]);
                 }
-        }
-    } else {
-        /* Two blocks a step, into alternate accumulators (block b into slot b % 2: DCHUNK
-         * is even), so consecutive blocks do not chain. */
-        float ds[NC * DCHUNK];
-        for (int64_t b0 = 0; b0 < nb; b0 += DCHUNK) {
-            const int64_t b1 = b0 + DCHUNK < nb ? b0 + DCHUNK : nb;
-            for (int cc = 0; cc < nc; ++cc) f16_to_f32_row(dq + cc * nb + b0, b1 - b0, ds + cc * DCHUNK);
-            int64_t b = b0;
-            for (; b + 2 <= b1; b += 2) {
-                block_step(fmt, rt, nc, x, ldx, b, q + b * bbytes, rb, ds + (b - b0), acc, 0);
-                block_step(fmt, rt, nc, x, ldx, b + 1, q + (b + 1) * bbytes, rb,
-                           ds + (b + 1 - b0), acc, 1);
             }
-            if (b < b1)
-                block_step(fmt, rt, nc, x, ldx, b, q + b * bbytes, rb, ds + (b - b0), acc, 0);
-        }
+        return;
     }
-    for (int r = 0; r < rt; ++r)
-        for (int cc = 0; cc < nc; ++cc) {
-            vf s = acc[r][cc][0];
-            for (int v = 1; v < NVB; ++v) s = vf_add(s, acc[r][cc][v]);
-            float t = vf_reduce_add(s);
-            if (fmt == QF_Q4_0 || fmt == QF_Q4_1)
-                t += offsets_dot(fmt, sx + r * nb, nb, dq + cc * nb, mq ? mq + cc * nb : 0);
-            /* INT8 rows whose k is not a multiple of 32: the tail, one weight at a time. */
-            const int8_t *qc = (const int8_t *)(q + cc * rb);
-            for (int64_t kk = nb * QK; kk < k; ++kk) t += x[r * ldx + kk] * (float)qc[kk];
-            y[r * ldy + cc] = t * post[cc] + add[cc];
-        }
+    if (have == QK) {
+        for (int i = 0; i < QK; i += 4)
+            for (int u = 0; u < 4; ++u) {
+                const vf c = vf_load_i8((const int8_t *)cb + (i + u) * QG);
+                for (int r = 0; r < rt; ++r)
+                    s[r][u] = vf_fmadd(vf_set1(xb[r * ldx + i + u]), c, s[r][u]);
+            }
+        return;
+    }
+    for (int i = 0; i < have; ++i) { /* the same chains, one element at a time */
+        const vf c = vf_load_i8((const int8_t *)cb + i * QG);
+        for (int r = 0; r < rt; ++r)
+            s[r][i & 3] = vf_fmadd(vf_set1(xb[r * ldx + i]), c, s[r][i & 3]);
+    }
 }
 
-/* Columns j .. j + nc for every row of x, in tiles of RT rows. */
-static inline __attribute__((always_inline)) void cols_tiles(
-    int fmt, int nc, const float *x, int64_t ldx, int64_t m, int64_t k, const float *sx,
-    const uint8_t *q, int64_t rb, const uint16_t *dq, const uint16_t *mq, const float *post,
-    const float *add, float *y, int64_t ldy) {
-    const int64_t nb = k / QK;
-#define TILE(RTN) tile(fmt, RTN, nc, x + r * ldx, ldx, k, sx ? sx + r * nb : 0, q, rb, dq, mq, \
-                       post, add, y + r * ldy, ldy)
+/* Rows ``0 .. rt`` of x (``rt`` <= RT, constant after inlining) against one group. */
+static inline __attribute__((always_inline)) void group_tile(int fmt, int rt, const float *x,
+                                                             int64_t ldx, int64_t k,
+                                                             const float *sx, const uint8_t *grp,
+                                                             const float *bias, float *y,
+                                                             int64_t ldy, int cols) {
+    const int64_t nb = k_blocks(fmt, k), bb = group_block_bytes(fmt), nbq = k / QK;
+    const int nc = block_codes(fmt);
+    const uint8_t *blocks = grp + (fmt == QF_INT8 ? 4 * QG : 0);
+    vf acc[RT];
+    for (int r = 0; r < rt; ++r) acc[r] = vf_zero();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *cb = blocks + b * bb;
+        const int have = fmt == QF_INT8 && k - b * QK < QK ? (int)(k - b * QK) : QK;
+        vf s[RT][4];
+        block_chains(fmt, rt, x + b * QK, ldx, cb, have, s);
+        const uint16_t *dd = (const uint16_t *)(cb + (int64_t)nc * QG);
+        const vf dv = fmt == QF_INT8 ? vf_zero() : vf_load_f16(dd);
+        for (int r = 0; r < rt; ++r) {
+            const vf t = vf_add(vf_add(s[r][0], s[r][1]), vf_add(s[r][2], s[r][3]));
+            if (fmt == QF_INT8) {
+                acc[r] = vf_add(acc[r], t);
+            } else if (fmt == QF_Q8_0) {
+                acc[r] = vf_fmadd(dv, t, acc[r]);
+            } else if (fmt == QF_Q4_0) {
+                acc[r] = vf_fmadd(dv, vf_sub(t, vf_set1(8.0f * sx[r * nbq + b])), acc[r]);
+            } else {
+                acc[r] = vf_fmadd(dv, t, acc[r]);
+                acc[r] = vf_fmadd(vf_load_f16(dd + QG), vf_set1(sx[r * nbq + b]), acc[r]);
+            }
+        }
+    }
+    const vf sc = fmt == QF_INT8 ? vf_load((const float *)grp) : vf_zero();
+    const vf bv = bias == 0 ? vf_zero() : cols == QG ? vf_load(bias) : vf_load_first(bias, cols);
+    for (int r = 0; r < rt; ++r) {
+        vf v = fmt == QF_INT8 ? vf_mul(acc[r], sc) : acc[r];
+        v = vf_add(v, bv);
+        if (cols == QG)
+            vf_store(y + r * ldy, v);
+        else
+            vf_store_first(y + r * ldy, cols, v);
+    }
+}
+
+/* Every row of x against one group, in tiles of RT rows. */
+static inline __attribute__((always_inline)) void group_rows_fmt(int fmt, const float *x,
+                                                                 int64_t ldx, int64_t m,
+                                                                 int64_t k, const float *sx,
+                                                                 const uint8_t *grp,
+                                                                 const float *bias, float *y,
+                                                                 int64_t ldy, int cols) {
+    const int64_t nbq = k / QK;
+#define TILE(RTN) group_tile(fmt, RTN, x + r * ldx, ldx, k, sx ? sx + r * nbq : 0, grp, bias, \
+                             y + r * ldy, ldy, cols)
     int64_t r = 0;
     for (; r + RT <= m; r += RT) TILE(RT);
     switch (m - r) {
@@ -123,27 +119,23 @@ static inline __attribute__((always_inline)) void cols_tiles(
 #undef TILE
 }
 
-static inline __attribute__((always_inline)) void cols_vec(
-    int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, const float *sx, const uint8_t *qs,
-    const uint16_t *d, const uint16_t *mn, const float *scale, const float *bias, float *y,
-    int64_t ldy, int64_t j0, int64_t j1) {
-    const int64_t rb = row_bytes(fmt, k), nb = k / QK;
-    const int pair = m >= NC_MIN_ROWS;
-    for (int64_t j = j0; j < j1;) {
-        const int nc = pair && j + NC <= j1 ? NC : 1;
-        float post[NC], add[NC];
-        for (int cc = 0; cc < nc; ++cc) {
-            post[cc] = fmt == QF_INT8 ? scale[j + cc] : 1.0f;
-            add[cc] = bias ? bias[j + cc] : 0.0f;
-        }
-        const uint8_t *q = qs + j * rb;
-        const uint16_t *dq = fmt == QF_INT8 ? 0 : d + j * nb;
-        const uint16_t *mq = fmt == QF_Q4_1 ? mn + j * nb : 0;
-        if (nc == NC)
-            cols_tiles(fmt, NC, x, ldx, m, k, sx, q, rb, dq, mq, post, add, y + j, ldy);
-        else
-            cols_tiles(fmt, 1, x, ldx, m, k, sx, q, rb, dq, mq, post, add, y + j, ldy);
-        j += nc;
+#define GROUP_ROWS_FOR(F)                                                                  \
+    static void group_rows_##F(const float *x, int64_t ldx, int64_t m, int64_t k,          \
+                               const float *sx, const uint8_t *grp, const float *bias,     \
+                               float *y, int64_t ldy, int cols) {                          \
+        group_rows_fmt(QF_##F, x, ldx, m, k, sx, grp, bias, y, ldy, cols);                 \
     }
-}
+GROUP_ROWS_FOR(Q8_0)
+GROUP_ROWS_FOR(Q4_0)
+GROUP_ROWS_FOR(Q4_1)
+GROUP_ROWS_FOR(INT8)
+#undef GROUP_ROWS_FOR
 
+static void group_rows(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k,
+                       const float *sx, const uint8_t *grp, const float *bias, float *y,
+                       int64_t ldy, int cols) {
+    typedef void (*fn)(const float *, int64_t, int64_t, int64_t, const float *,
+                       const uint8_t *, const float *, float *, int64_t, int);
+    static const fn fns[] = {group_rows_Q8_0, group_rows_Q4_0, group_rows_Q4_1, group_rows_INT8};
+    fns[fmt](x, ldx, m, k, sx, grp, bias, y, ldy, cols);
+}

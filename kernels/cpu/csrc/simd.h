@@ -84,6 +84,12 @@ static inline void vf_load_nibbles32(const uint8_t *p, vf *out) {
     out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
     out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
+/* VW bytes as two vectors: their low nibbles and their high nibbles, 0-15 each. */
+static inline void vf_load_nibble_lanes(const uint8_t *p, vf *lo, vf *hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
 static inline float f16_to_f32_fast(uint16_t h) { return _cvtsh_ss(h); }
 /* 1 / d: the hardware estimate refined by one Newton step (within an ulp or two). */
 static inline vf vf_rcp(vf d) {
@@ -207,6 +213,11 @@ static inline void vf_load_nibbles32(const uint8_t *p, vf *out) {
     out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));
     out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
     out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+}
+static inline void vf_load_nibble_lanes(const uint8_t *p, vf *lo, vf *hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
 static inline float f16_to_f32_fast(uint16_t h) { return _cvtsh_ss(h); }
 /* The 12-bit estimate and one Newton step: about 22 bits. */
