@@ -110,7 +110,7 @@ static int64_t group_bytes(int fmt, int64_t k) {
 }
 
 static int valid(int fmt, int64_t n, int64_t k) {
-    return fmt >= QF_Q8_0 && fmt <= QF_INT8 && n >= 1 && k >= 1 && (fmt == QF_INT8 || k % QK == 0);
+    return fmt >= QF_Q8_0 && fmt <= QF_INT8 && n >= 1 && k >= 1 && (fmt == QF_INT8 || !(k % QK));
 }
 
 int64_t qgemm_packed_size(int fmt, int64_t n, int64_t k) {
