@@ -11,7 +11,7 @@ A step is fused when its activations are float32, every linear of the model runs
 native library at the step's row count (float32 weights through the native linear, up to
 :data:`~kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, where this build has one;
 weight-only quantized ones in registers, up to
-:data:`~kernels.cpu.layer_ops.QUANT_DIRECT_MAX_ROWS`), and the caches are the contiguous
+:attr:`~kernels.cpu.layer_ops.NativeLayerOps.quant_max_rows`), and the caches are the contiguous
 CPU tensors the attention kernel takes. Weights must not change once a fused step has
 run (the tables hold their addresses; a rebuilt :class:`~kernels.interface.DecoderStack`
 gets new tables).
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu import abi
-from kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, QUANT_DIRECT_MAX_ROWS, NativeLayerOps
+from kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
 from kernels.cpu.native import DTYPE_CODES, kv_layout
 from kernels.cpu.quant import format_code
 from kernels.interface import DecoderStack, LayerWeights, Weight
@@ -185,7 +185,7 @@ class FusedLayers:
             packed = self._ops.quant_packed(weight)
             keep.append(packed)
             lin[C["LIN_FMT"]], lin[C["LIN_W"]] = format_code(weight), packed.data_ptr()
-            return lin, QUANT_DIRECT_MAX_ROWS
+            return lin, self._ops.quant_max_rows
         packed = self._ops.native_packed(weight)
         if packed is None or tuple(weight.shape) != (n, k):
             return None

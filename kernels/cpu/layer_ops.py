@@ -50,9 +50,10 @@ NATIVE_LINEAR_MAX_ROWS = 256
 PACKED_F32_ROWS = (2, 1024)
 """Without the native linear: row counts for which float32 uses oneDNN's packed weights
 (bfloat16: every count)."""
-QUANT_DIRECT_MAX_ROWS = 32
-"""Quantized weights: row counts up to which the native kernel multiplies in registers;
-larger batches dequantize the weight once and take a float product (see BENCHMARKS.md)."""
+QUANT_DIRECT_ROWS = {"avx512": 256, "avx2": 64, "portable": 32}
+"""Quantized weights: row counts up to which the native kernel multiplies in registers, by
+build level; larger batches dequantize the weight once and take a float product (where
+that measured faster: BENCHMARKS.md)."""
 
 
 _NATIVE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -84,6 +85,8 @@ class NativeLayerOps(TorchLayerOps):
     def __init__(self, lib: ctypes.CDLL, pack_weights: bool = True) -> None:
         self._lib = lib
         self.isa = lib.simd_isa().decode()
+        self.quant_max_rows = QUANT_DIRECT_ROWS.get(self.isa, QUANT_DIRECT_ROWS["portable"])
+        """Row counts up to which quantized weights take the native kernel."""
         # Reused float32 copy of a quantized weight for prefill-sized products.
         self._dequant_scratch = torch.empty(0, dtype=torch.float32)
         packing = pack_weights
@@ -108,7 +111,7 @@ class NativeLayerOps(TorchLayerOps):
             f32 = "torch"
         return {"layer_ops": self.isa, "linear_f32": f32,
                 "linear_bf16": "onednn-packed" if self._packing_bf16 else "torch",
-                "linear_quant": f"native-{self.isa} (1-{QUANT_DIRECT_MAX_ROWS} rows), "
+                "linear_quant": f"native-{self.isa} (1-{self.quant_max_rows} rows), "
                                 "dequantize + torch above"}
 
     def prepare_weights(
@@ -162,7 +165,7 @@ class NativeLayerOps(TorchLayerOps):
                 and weight.device.type == "cpu" and _native_dtype(x) == "f32"
                 and (bias is None or _native_dtype(bias) == "f32" and bias.is_contiguous())):  # fmt: skip
             return super().linear(x, weight, bias)
-        if x.shape[0] <= QUANT_DIRECT_MAX_ROWS:
+        if x.shape[0] <= self.quant_max_rows:
             return native_linear(self._lib, x, weight, bias, torch.get_num_threads(),
                                  self.quant_packed(weight))
         need = weight.n * weight.k

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.cpu import quant
-from kernels.cpu.layer_ops import QUANT_DIRECT_MAX_ROWS, NativeLayerOps
+from kernels.cpu.layer_ops import NativeLayerOps
 from kernels.layer_ops import TorchLayerOps
 from kernels.quant import FORMATS, QuantizedWeight, quantize_int8
 from tests.helpers.quant import assert_product_close, random_weight
@@ -69,10 +69,11 @@ def test_a_rows_product_does_not_depend_on_its_batch(native_lib, fmt) -> None:
     depend on what shares its step."""
     w = random_weight(fmt, 37, 320, seed=5)
     g = torch.Generator().manual_seed(6)
-    x, bias = torch.randn(QUANT_DIRECT_MAX_ROWS, 320, generator=g), torch.randn(37, generator=g)
+    most = NativeLayerOps(native_lib).quant_max_rows
+    x, bias = torch.randn(most, 320, generator=g), torch.randn(37, generator=g)
     alone = torch.cat([quant.native_linear(native_lib, x[i:i + 1], w, bias, 1)
                        for i in range(x.shape[0])])  # fmt: skip
-    for rows in (2, 5, 8, 13, QUANT_DIRECT_MAX_ROWS):
+    for rows in (2, 5, 8, 13, most):
         for threads in (1, 2, 3):
             got = quant.native_linear(native_lib, x[:rows], w, bias, threads)
             assert torch.equal(got, alone[:rows]), (rows, threads)
@@ -107,7 +108,7 @@ def test_layer_ops_route_quantized_weights(native_lib, fmt) -> None:
     ops, ref_ops = NativeLayerOps(native_lib), TorchLayerOps()
     w = random_weight(fmt, 96, 64, seed=5)
     bias = torch.randn(96)
-    for rows in (1, QUANT_DIRECT_MAX_ROWS, QUANT_DIRECT_MAX_ROWS + 1, 100):
+    for rows in (1, ops.quant_max_rows, ops.quant_max_rows + 1, 100):
         x = torch.randn(rows, 64)
         assert_product_close(ops.linear(x, w, bias), x, w, bias)
         assert_product_close(ref_ops.linear(x, w, bias), x, w, bias)

@@ -8,7 +8,7 @@ import torch
 
 from engine.models.decoder import DecoderForCausalLM, DecoderSpec, QuantLinear
 from kernels.cpu.backend import CpuBackend
-from kernels.cpu.layer_ops import QUANT_DIRECT_MAX_ROWS, NativeLayerOps
+from kernels.cpu.layer_ops import NativeLayerOps
 from kernels.interface import AttentionMetadata
 from tests.helpers.quant import random_weight
 
@@ -95,7 +95,8 @@ def _compare(native_lib, model, q_lens, ctx, expect_fused: bool,
     kv_loop = [(k.clone(), v.clone()) for k, v in kv_fused]
     fused.prepare(meta, BLOCK)
     with torch.inference_mode():
-        hidden = model.embed_tokens.weight[:positions.shape[0]].clone()
+        hidden = torch.randn(positions.shape[0], model.spec.hidden_size,
+                             generator=torch.Generator().manual_seed(3))
         took = fused.run_layers(model.decoder_stack(), hidden, positions, kv_fused, meta)
     assert (took is not None) == expect_fused
     kv_fused = _caches(model, num_blocks, kv_dtype)  # undo that probe's cache writes
@@ -134,7 +135,7 @@ def test_16bit_cache_fused_equals_loop(native_lib, kv_dtype, quant, q_lens, ctx)
 
 
 def test_steps_past_the_quantized_kernels_rows_take_the_loop(native_lib):
-    rows = QUANT_DIRECT_MAX_ROWS + 1
+    rows = NativeLayerOps(native_lib).quant_max_rows + 1
     _compare(native_lib, _model("llama", "q4_1"), [1, rows - 1], [10, 0], False)
     _compare(native_lib, _model("llama", "q4_1"), [1, rows - 2], [10, 0], True)
 
