@@ -238,16 +238,16 @@ class NativeLayerOps(TorchLayerOps):
     def _native_packed(self, weight: torch.Tensor,
                        dst: torch.Tensor | None = None) -> torch.Tensor:
         """``weight`` in the native linear's panels (in ``dst`` if given), cached on the
-        tensor (re-packed if it changes)."""
+        tensor (re-packed if it changes, or for another build level's panel width)."""
         cached = getattr(weight, "_pagedserve_native_packed", None)
-        if cached is not None and cached[0] == weight._version and dst is None:
+        if cached is not None and cached[0] == (weight._version, self.isa) and dst is None:
             return cached[1]
         w = weight.detach().contiguous()
         n, k = w.shape
         size = self._lib.gemm_f32_packed_size(n, k)
         packed = torch.empty(size, dtype=torch.float32) if dst is None else dst[:size]
         self._lib.gemm_f32_pack(w.data_ptr(), n, k, packed.data_ptr())
-        weight._pagedserve_native_packed = (weight._version, packed)
+        weight._pagedserve_native_packed = ((weight._version, self.isa), packed)
         return packed
 
     def _use_packed(self, x: torch.Tensor, weight: torch.Tensor) -> bool:

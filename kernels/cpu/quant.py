@@ -48,19 +48,21 @@ def native_pack(lib: ctypes.CDLL, weight: QuantizedWeight,
     return packed
 
 
-def _plane_versions(weight: QuantizedWeight) -> tuple[int, ...]:
-    return tuple(p._version for p in (weight.qs, weight.d, weight.m) if p is not None)
+def _pack_key(lib: ctypes.CDLL, weight: QuantizedWeight) -> tuple:
+    """What a packed copy depends on: the planes' versions and the build's vector width."""
+    planes = (weight.qs, weight.d, weight.m)
+    return (lib.simd_isa(), *(p._version for p in planes if p is not None))
 
 
 def cached_pack(lib: ctypes.CDLL, weight: QuantizedWeight,
                 dst: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`native_pack` of ``weight`` (into ``dst`` if given), kept on the weight and
-    packed again if its planes change."""
+    packed again if its planes change or another build level asks."""
     cached = getattr(weight, "_pagedserve_qgemm_packed", None)
-    if cached is not None and cached[0] == _plane_versions(weight) and dst is None:
+    if cached is not None and cached[0] == _pack_key(lib, weight) and dst is None:
         return cached[1]
     packed = native_pack(lib, weight, dst)
-    weight._pagedserve_qgemm_packed = (_plane_versions(weight), packed)
+    weight._pagedserve_qgemm_packed = (_pack_key(lib, weight), packed)
     return packed
 
 

@@ -214,3 +214,16 @@ def test_prepare_weights_packs_quantized_weights_into_one_allocation(native_lib)
     x = torch.randn(3, 64)
     assert torch.equal(ops.linear(x, ws[0]), quant.native_linear(native_lib, x, ws[0], None,
                                                                  torch.get_num_threads()))
+
+
+def test_a_packed_copy_is_made_again_for_another_build_level() -> None:
+    """The column groups are as wide as the build's vectors: a weight packed by one build
+    level is packed again when another asks (tests run every level in one process)."""
+    from kernels.cpu import native as cpu_native
+
+    w = random_weight("q4_1", 40, 64, seed=4)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5))
+    for level in (*cpu_native.runnable_levels(), *cpu_native.runnable_levels()[::-1]):
+        lib = cpu_native.build_library(level)
+        got = quant.native_linear(lib, x, w, None, 1, quant.cached_pack(lib, w))
+        assert torch.equal(got, quant.native_linear(lib, x, w, None, 1)), level
