@@ -104,9 +104,17 @@ static int64_t group_block_bytes(int fmt) {
 /* Blocks along k (INT8: the last one partial when k is not a multiple of 32). */
 static int64_t k_blocks(int fmt, int64_t k) { return fmt == QF_INT8 ? (k + QK - 1) / QK : k / QK; }
 
-/* Bytes of one group: (INT8) its QG float32 scales, then its blocks. */
+/* Codes a column has in block b: block_codes, fewer only in INT8's partial last block. */
+static int codes_in_block(int fmt, int64_t k, int64_t b) {
+    return fmt == QF_INT8 && k - b * QK < QK ? (int)(k - b * QK) : block_codes(fmt);
+}
+
+/* Bytes before a group's blocks: INT8's QG float32 scales. */
+static int64_t group_head_bytes(int fmt) { return fmt == QF_INT8 ? 4 * QG : 0; }
+
+/* Bytes of one group: its head, then its blocks. */
 static int64_t group_bytes(int fmt, int64_t k) {
-    return (fmt == QF_INT8 ? 4 * QG : 0) + k_blocks(fmt, k) * group_block_bytes(fmt);
+    return group_head_bytes(fmt) + k_blocks(fmt, k) * group_block_bytes(fmt);
 }
 
 static int valid(int fmt, int64_t n, int64_t k) {
@@ -128,16 +136,14 @@ int qgemm_pack(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
     for (int64_t g = 0; g * QG < n; ++g) {
         const int cols = n - g * QG < QG ? (int)(n - g * QG) : QG;
         uint8_t *go = out + g * gb;
-        if (fmt == QF_INT8) {
-            memcpy(go, scale + g * QG, sizeof(float) * (size_t)cols);
-            go += 4 * QG;
-        }
+        if (fmt == QF_INT8) memcpy(go, scale + g * QG, sizeof(float) * (size_t)cols);
+        go += group_head_bytes(fmt);
         for (int64_t b = 0; b < nb; ++b) {
             uint8_t *bo = go + b * bb;
+            const int have = codes_in_block(fmt, k, b);
             for (int c = 0; c < cols; ++c) {
                 const int64_t j = g * QG + c;
                 const uint8_t *src = (const uint8_t *)qs + j * rb + b * nc;
-                const int64_t have = fmt == QF_INT8 && k - b * QK < QK ? k - b * QK : nc;
                 for (int i = 0; i < have; ++i) bo[i * QG + c] = src[i];
                 if (fmt != QF_INT8) {
                     uint16_t *dd = (uint16_t *)(bo + (int64_t)nc * QG);
@@ -178,14 +184,14 @@ static void group_rows(int fmt, const float *x, int64_t ldx, int64_t m, int64_t 
                        int64_t ldy, int cols) {
     const int64_t nb = k_blocks(fmt, k), bb = group_block_bytes(fmt);
     const int nc = block_codes(fmt);
-    const uint8_t *blocks = grp + (fmt == QF_INT8 ? 4 * QG : 0);
+    const uint8_t *blocks = grp + group_head_bytes(fmt);
     for (int64_t r = 0; r < m; ++r) {
         const float *xr = x + r * ldx;
         float acc[QG] = {0};
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *cb = blocks + b * bb;
             const uint16_t *dd = (const uint16_t *)(cb + (int64_t)nc * QG);
-            const int have = fmt == QF_INT8 && k - b * QK < QK ? (int)(k - b * QK) : nc;
+            const int have = codes_in_block(fmt, k, b);
             for (int c = 0; c < QG; ++c) {
                 float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 for (int i = 0; i < have; ++i) {

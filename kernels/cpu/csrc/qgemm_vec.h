@@ -1,8 +1,9 @@
 /*
  * The vector path of qgemm_cpu.c over its packed layout, kept in its own file for length
  * only: it is included once, at this point of that source, whose helpers (QG, is_q4,
- * block_codes, group_block_bytes, k_blocks) it uses, so the two form one translation
- * unit. One group of QG = VW output columns is one vector of sums.
+ * block_codes, codes_in_block, group_head_bytes, group_block_bytes, k_blocks) it uses,
+ * so the two form one translation unit. One group of QG = VW output columns is one
+ * vector of sums.
  */
 /* Rows of x a tile takes: each vector of decoded codes serves all of them (AVX-512's
  * 32 registers hold four rows' four chains and sums, AVX2's 16 two). */
@@ -15,7 +16,7 @@
 /* One block of the group for ``rt`` rows (x at ``xb``, rows ``ldx`` apart): code i of
  * the QG columns times element i of each row, in four chains a row (Q4: low nibbles into
  * chains i % 2, high ones into 2 + i % 2; the others: chain i % 4). ``have``: the
- * block's elements (fewer than 32 only in INT8's last block). */
+ * block's codes (codes_in_block; only the Q8_0 and INT8 chains read it). */
 static inline __attribute__((always_inline)) void block_chains(int fmt, int rt, const float *xb,
                                                                int64_t ldx, const uint8_t *cb,
                                                                int have, vf s[RT][4]) {
@@ -58,12 +59,12 @@ static inline __attribute__((always_inline)) void group_tile(int fmt, int rt, co
                                                              int64_t ldy, int cols) {
     const int64_t nb = k_blocks(fmt, k), bb = group_block_bytes(fmt), nbq = k / QK;
     const int nc = block_codes(fmt);
-    const uint8_t *blocks = grp + (fmt == QF_INT8 ? 4 * QG : 0);
+    const uint8_t *blocks = grp + group_head_bytes(fmt);
     vf acc[RT];
     for (int r = 0; r < rt; ++r) acc[r] = vf_zero();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *cb = blocks + b * bb;
-        const int have = fmt == QF_INT8 && k - b * QK < QK ? (int)(k - b * QK) : QK;
+        const int have = codes_in_block(fmt, k, b);
         vf s[RT][4];
         block_chains(fmt, rt, x + b * QK, ldx, cb, have, s);
         const uint16_t *dd = (const uint16_t *)(cb + (int64_t)nc * QG);

@@ -76,15 +76,9 @@ static inline vf vf_load_f16(const uint16_t *p) {
 static inline vf vf_load_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-/* A GGML 4-bit block (16 bytes: elements 0-15 in the low nibbles, 16-31 in the high)
- * as 32 / VW vectors of its codes 0-15, in element order. Each byte is widened to a
- * lane first and split there (fewer operations than splitting bytes, then widening). */
-static inline void vf_load_nibbles32(const uint8_t *p, vf *out) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
-    out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-}
-/* VW bytes as two vectors: their low nibbles and their high nibbles, 0-15 each. */
+/* VW bytes as two vectors: their low nibbles and their high nibbles, 0-15 each. Each
+ * byte is widened to a lane first and split there (fewer operations than splitting
+ * bytes, then widening). */
 static inline void vf_load_nibble_lanes(const uint8_t *p, vf *lo, vf *hi) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
@@ -205,15 +199,6 @@ static inline vf vf_load_f16(const uint16_t *p) {
 static inline vf vf_load_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-static inline void vf_load_nibbles32(const uint8_t *p, vf *out) {
-    const __m256i low = _mm256_set1_epi32(0x0F);
-    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low));
-    out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));
-    out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
-    out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
-}
 static inline void vf_load_nibble_lanes(const uint8_t *p, vf *lo, vf *hi) {
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
@@ -251,6 +236,13 @@ VF_LANES_TREE(vf_max_lanes, vf_hmax_pairs, _mm256_max_ps)
 #endif
 
 #if SIMD_VW
+/* A GGML 4-bit block (16 bytes: elements 0-15 in the low nibbles, 16-31 in the high)
+ * as 32 / VW vectors of its codes 0-15, in element order. */
+static inline void vf_load_nibbles32(const uint8_t *p, vf *out) {
+    for (int h = 0; h < 16 / SIMD_VW; ++h)
+        vf_load_nibble_lanes(p + h * SIMD_VW, &out[h], &out[16 / SIMD_VW + h]);
+}
+
 /* exp(x) (Cephes' polynomial after n*ln2 range reduction; ~1 ulp). Inputs below -87
  * give about 1e-38 and above 88.7 overflow to +inf, as expf. */
 static inline vf vf_exp(vf x) {
