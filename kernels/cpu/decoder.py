@@ -11,8 +11,9 @@ A step is fused when its activations are float32, every linear of the model runs
 native library at the step's row count (float32 weights through the native linear, up to
 :data:`~kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, where this build has one;
 weight-only quantized ones in registers, up to
-:attr:`~kernels.cpu.layer_ops.NativeLayerOps.quant_max_rows`), and the caches are the contiguous
-CPU tensors the attention kernel takes. Weights must not change once a fused step has
+:attr:`~kernels.cpu.layer_ops.NativeLayerOps.quant_max_rows`; never more than
+:data:`~kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, since the call's scratch grows
+with its rows), and the caches are the contiguous CPU tensors the attention kernel takes. Weights must not change once a fused step has
 run (the tables hold their addresses; a rebuilt :class:`~kernels.interface.DecoderStack`
 gets new tables).
 """

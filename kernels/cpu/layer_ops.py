@@ -50,7 +50,7 @@ NATIVE_LINEAR_MAX_ROWS = 256
 PACKED_F32_ROWS = (2, 1024)
 """Without the native linear: row counts for which float32 uses oneDNN's packed weights
 (bfloat16: every count)."""
-QUANT_DIRECT_ROWS = {"avx512": 256, "avx2": 64, "portable": 32}
+QUANT_DIRECT_ROWS = {"avx512": 1024, "avx2": 64, "portable": 32}
 """Quantized weights: row counts up to which the native kernel multiplies in registers, by
 build level; larger batches dequantize the weight once and take a float product (where
 that measured faster: BENCHMARKS.md)."""
