@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu.abi import MAX_HEAD_DIM
+from kernels.cpu.native import isa as build_isa
 from kernels.cpu.quant import cached_pack, native_dequantize, native_linear, packed_size
 from kernels.layer_ops import TorchLayerOps, rms_norm
 from kernels.quant import QuantizedWeight
@@ -84,7 +85,7 @@ class NativeLayerOps(TorchLayerOps):
 
     def __init__(self, lib: ctypes.CDLL, pack_weights: bool = True) -> None:
         self._lib = lib
-        self.isa = lib.simd_isa().decode()
+        self.isa = build_isa(lib)
         self.quant_max_rows = QUANT_DIRECT_ROWS.get(self.isa, QUANT_DIRECT_ROWS["portable"])
         """Row counts up to which quantized weights take the native kernel."""
         # Reused float32 copy of a quantized weight for prefill-sized products.
