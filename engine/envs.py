@@ -62,8 +62,8 @@ CPU_ISA = Var("PAGEDSERVE_CPU_ISA", "the best the CPU runs",
               "build the native CPU kernels at a lower level: `portable`, `avx2` or `avx512`")
 PACK_WEIGHTS = Var("PAGEDSERVE_PACK_WEIGHTS", "1",
                    "keep packed copies of the float linear weights for the native and "
-                   "oneDNN linears (`0`: off, saving their memory; quantized weights keep "
-                   "theirs)")
+                   "oneDNN linears (`0`: off, saving their memory; quantized weights are held "
+                   "once, packed, either way)")
 FUSE_LAYERS = Var("PAGEDSERVE_FUSE_LAYERS", "1",
                   "on the CPU, run every decoder layer of a decode step in one native call "
                   "(`0`: one call per op, as `--op-times` does)")

@@ -96,6 +96,20 @@ def tune_malloc() -> bool:
     return ok
 
 
+def return_free_memory() -> bool:
+    """Give the heap's free memory back to the kernel now (glibc ``malloc_trim``), as
+    the tuned malloc no longer does by itself: once, after loading, when the memory a
+    load freed (a quantized model's planes, once packed) would otherwise stay with the
+    process. Returns whether anything was returned."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return libc.malloc_trim(0) == 1
+
+
 @dataclass(frozen=True)
 class Tuning:
     """What :func:`apply` found and did."""

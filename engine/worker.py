@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine import gguf_weights, hugepages
+from engine import gguf_weights, hugepages, process_tuning
 from engine.config import EngineConfig
 from engine.errors import EngineFatalError
 from engine.kernel_settings import kernel_settings
@@ -159,6 +159,7 @@ class Worker:
         else:
             self.cpu_paths = None
         self.attn.ops.prepare_weights(model.linear_weights(), hugepages.empty)
+        process_tuning.return_free_memory()  # the quantized planes the packing freed
         self.num_blocks = num_blocks = self._num_blocks() if self.tp is None else \
             self.tp.min_int(self._num_blocks())  # fmt: skip
         if self.tp is not None:

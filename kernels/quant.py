@@ -19,7 +19,7 @@ products of these weights are in :mod:`kernels.cpu.quant`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ class QuantizedWeight:
     """Scales: float16 ``[n, k/32]``, or float32 ``[n]`` for int8."""
     m: torch.Tensor | None = None
     """Offsets (q4_1 only): float16 ``[n, k/32]``."""
+    _released_nbytes: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -78,9 +79,35 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the planes (what one product reads)."""
+        """Bytes of the planes (what one product reads), released or not."""
+        if self._released_nbytes is not None:
+            return self._released_nbytes
         planes = (self.qs, self.d) if self.m is None else (self.qs, self.d, self.m)
         return sum(t.numel() * t.element_size() for t in planes)
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release_planes` dropped the planes."""
+        return self._released_nbytes is not None
+
+    def release_planes(self) -> None:
+        """Free the planes' memory once another copy serves every use of the weight (the
+        native CPU kernels' packed copy: ``kernels.cpu.layer_ops.NativeLayerOps``, which
+        multiplies and dequantizes from it). :attr:`nbytes` still counts them; the
+        methods that read them refuse to."""
+        if self.released:
+            return
+        nbytes = self.nbytes
+        self.qs, self.d = self.qs.new_empty(0), self.d.new_empty(0)
+        self.m = None if self.m is None else self.m.new_empty(0)
+        self._released_nbytes = nbytes
+
+    def require_planes(self, use: str) -> None:
+        """Refuse ``use`` (named in the error) once the planes are released."""
+        if self.released:
+            raise RuntimeError(
+                f"{use} needs the planes of this {self.fmt} [{self.n}, {self.k}] weight, "
+                "released once its packed copy was made: use the layer ops that packed it")
 
     @property
     def bits_per_weight(self) -> float:
@@ -88,6 +115,8 @@ class QuantizedWeight:
 
     def copy_rows_(self, offset: int, other: QuantizedWeight) -> None:
         """Rows ``offset .. offset + other.n`` := ``other`` (same format and k)."""
+        self.require_planes("copy_rows_")
+        other.require_planes("copy_rows_")
         if other.fmt != self.fmt or other.k != self.k or offset + other.n > self.n:
             raise ValueError(f"cannot put a {other.fmt} [{other.n}, {other.k}] weight at row "
                              f"{offset} of a {self.fmt} [{self.n}, {self.k}] one")  # fmt: skip
@@ -99,11 +128,13 @@ class QuantizedWeight:
 
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight of rows ``index`` (a permutation or a subset), same format."""
+        self.require_planes("select_rows")
         return QuantizedWeight(self.fmt, int(index.numel()), self.k, self.qs[index],
                                self.d[index], None if self.m is None else self.m[index])  # fmt: skip
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[n, k]`` (or the rows ``rows``): the torch reference."""
+        self.require_planes("dequantize")
         qs, d, m = self.qs, self.d, self.m
         if rows is not None:
             qs, d = qs[rows], d[rows]
@@ -124,6 +155,7 @@ class QuantizedWeight:
         return w.reshape(count, self.k)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
+        self.require_planes("to")
         return QuantizedWeight(self.fmt, self.n, self.k, self.qs.to(device), self.d.to(device),
                                None if self.m is None else self.m.to(device))  # fmt: skip
 

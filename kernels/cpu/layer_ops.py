@@ -25,8 +25,9 @@ builds without a vector path (2 to 1024 rows). The packed copy lives beside the 
 ``PAGEDSERVE_PACK_WEIGHTS=0``) turns packing off.
 :meth:`NativeLayerOps.paths` says which linear each dtype takes. Weight-only quantized
 weights are multiplied by ``csrc/qgemm_cpu.c`` (:mod:`kernels.cpu.quant`) from a copy
-packed at load in groups of output columns (beside the planes, which embedding lookups
-and prefill-sized products dequantize).
+packed at load in groups of output columns, which then replaces the planes: prefill-sized
+products and embedding lookups dequantize the packed copy (the same bits), and the planes'
+memory is freed, so a quantized model is held once.
 """
 
 from __future__ import annotations
@@ -165,7 +166,11 @@ class NativeLayerOps(TorchLayerOps):
         if not (x.dim() == 2 and x.shape[1] == weight.k and x.stride(1) == 1
                 and weight.device.type == "cpu" and _native_dtype(x) == "f32"
                 and (bias is None or _native_dtype(bias) == "f32" and bias.is_contiguous())):  # fmt: skip
-            return super().linear(x, weight, bias)
+            if not weight.released:
+                return super().linear(x, weight, bias)
+            w = native_dequantize(self._lib, weight, torch.get_num_threads(),
+                                  packed=self.quant_packed(weight))  # fmt: skip
+            return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
         if x.shape[0] <= self.quant_max_rows:
             return native_linear(self._lib, x, weight, bias, torch.get_num_threads(),
                                  self.quant_packed(weight))
@@ -173,12 +178,15 @@ class NativeLayerOps(TorchLayerOps):
         if self._dequant_scratch.numel() < need:
             self._dequant_scratch = torch.empty(need, dtype=torch.float32)
         w = self._dequant_scratch[:need].view(weight.n, weight.k)
-        return F.linear(x, native_dequantize(self._lib, weight, torch.get_num_threads(), out=w),
-                        bias)  # fmt: skip
+        return F.linear(x, native_dequantize(self._lib, weight, torch.get_num_threads(), out=w,
+                                             packed=self.quant_packed(weight)), bias)  # fmt: skip
 
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight) and weight.device.type == "cpu" and ids.is_cpu:
-            return native_dequantize(self._lib, weight, torch.get_num_threads(), rows=ids)
+            # A tied embedding is the logits' weight: its planes go once it is packed.
+            packed = self.quant_packed(weight) if weight.released else None
+            return native_dequantize(self._lib, weight, torch.get_num_threads(), rows=ids,
+                                     packed=packed)  # fmt: skip
         return super().embedding(ids, weight)
 
     def _use_native(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -217,13 +225,16 @@ class NativeLayerOps(TorchLayerOps):
     def _pack_quantized(self, weights: list[QuantizedWeight],
                         allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
         """Pack quantized ``weights`` for the native kernel into one tensor from
-        ``allocate``, each starting on a cache line."""
+        ``allocate``, each starting on a cache line, then release their planes: every
+        product, dequantization and embedding lookup through these ops reads the packed
+        copy, so the weights are held once, not twice."""
         sizes = [-(-packed_size(self._lib, w) // 64) * 64 for w in weights]
         if not sizes:
             return
         arena = allocate((sum(sizes),), torch.uint8)
         for w, dst in zip(weights, arena.split(sizes), strict=True):
             cached_pack(self._lib, w, dst)
+            w.release_planes()
 
     def _pack_native(self, weights: list[torch.Tensor],
                      allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:

@@ -2,8 +2,9 @@
 
 :func:`native_linear` multiplies float32 rows by a :class:`~kernels.quant.QuantizedWeight`
 dequantizing in registers (``csrc/qgemm_cpu.c``); :func:`native_dequantize` expands a
-weight, or some of its rows, to float32. Both take the weight's planes as they are; the
-format codes are those of ``csrc/abi.h``.
+weight, or some of its rows, to float32, from the weight's planes or from its packed copy
+(:func:`native_pack`), bit for bit the same. The format codes are those of
+``csrc/abi.h``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def format_code(weight: QuantizedWeight) -> int:
 
 def _planes(weight: QuantizedWeight) -> tuple[int | None, int | None, int | None]:
     """Pointers to (d, m, scale) as the C functions take them."""
+    weight.require_planes("a product, dequantization or packing from the planes")
     if weight.fmt == "int8":
         return None, None, weight.d.data_ptr()
     return weight.d.data_ptr(), None if weight.m is None else weight.m.data_ptr(), None
@@ -57,8 +59,14 @@ def _pack_key(lib: ctypes.CDLL, weight: QuantizedWeight) -> tuple:
 def cached_pack(lib: ctypes.CDLL, weight: QuantizedWeight,
                 dst: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`native_pack` of ``weight`` (into ``dst`` if given), kept on the weight and
-    packed again if its planes change or another build level asks."""
+    packed again if its planes change or another build level asks. Once the weight's
+    planes are released the kept copy is the weight: this build level's is returned, and
+    no other can be made."""
     cached = getattr(weight, "_pagedserve_qgemm_packed", None)
+    if weight.released:
+        if cached is None or cached[0][0] != lib.simd_isa() or dst is not None:
+            weight.require_planes("packing for another build level")
+        return cached[1]
     if cached is not None and cached[0] == _pack_key(lib, weight) and dst is None:
         return cached[1]
     packed = native_pack(lib, weight, dst)
@@ -91,17 +99,26 @@ def native_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeight,
 
 
 def native_dequantize(lib: ctypes.CDLL, weight: QuantizedWeight, num_threads: int,
-                      rows: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 ``[n, k]`` (or rows ``rows``, int64) dequantized by the native library."""
+                      rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      packed: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[n, k]`` (or rows ``rows``, int64) dequantized by the native library:
+    from ``packed`` (:func:`native_pack` of this weight at this build level) if given,
+    else from the weight's planes; the same values either way."""
     index = None if rows is None else rows.to(torch.int64).contiguous()
     count = weight.n if index is None else index.numel()
     if out is None:
         out = torch.empty(count, weight.k, dtype=torch.float32)
-    d, m, scale = _planes(weight)
-    status = lib.qdequant(format_code(weight), weight.qs.data_ptr(), d, m, scale, weight.k,
-                          None if index is None else index.data_ptr(), count, out.data_ptr(),
-                          num_threads)  # fmt: skip
+    index_ptr = None if index is None else index.data_ptr()
+    if packed is not None:
+        status = lib.qdequant_packed(format_code(weight), packed.data_ptr(), weight.n, weight.k,
+                                     index_ptr, count, out.data_ptr(), num_threads)  # fmt: skip
+        if status == -3:
+            raise IndexError(f"a row index outside 0..{weight.n - 1} of a "
+                             f"{weight.fmt} [{weight.n}, {weight.k}] weight")  # fmt: skip
+    else:
+        d, m, scale = _planes(weight)
+        status = lib.qdequant(format_code(weight), weight.qs.data_ptr(), d, m, scale, weight.k,
+                              index_ptr, count, out.data_ptr(), num_threads)  # fmt: skip
     if status != 0:
         raise ValueError(f"qdequant refused a {weight.fmt} [{weight.n}, {weight.k}] weight")
     return out

@@ -103,6 +103,27 @@ def test_native_dequantize_is_exact(native_lib, fmt) -> None:
     assert torch.equal(quant.native_dequantize(native_lib, w, 2, rows=rows), w.dequantize(rows))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantizing_the_packed_copy_gives_the_planes_bits(native_lib, fmt) -> None:
+    """Rows dequantized from the packed copy (column groups, the last one partial; INT8's
+    partial last block) are the planes' rows bit for bit; a row past the weight is
+    refused by index."""
+    k = 45 if fmt == "int8" else 96
+    w = random_weight(fmt, 37, k, seed=12)
+    packed = quant.native_pack(native_lib, w)
+    want = w.dequantize()
+    assert torch.equal(quant.native_dequantize(native_lib, w, 2, packed=packed), want)
+    rows = torch.tensor([36, 0, 17, 36, 8])
+    got = quant.native_dequantize(native_lib, w, 1, rows=rows, packed=packed)
+    assert torch.equal(got, want[rows])
+    for bad in (37, -1):
+        with pytest.raises(IndexError, match="0..36"):
+            quant.native_dequantize(native_lib, w, 1, rows=torch.tensor([3, bad]), packed=packed)
+    big = random_weight(fmt, 301, 1024, seed=13)  # enough work for two threads
+    got = quant.native_dequantize(native_lib, big, 2, packed=quant.native_pack(native_lib, big))
+    assert torch.equal(got, big.dequantize())
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
 def test_layer_ops_route_quantized_weights(native_lib, fmt) -> None:
     ops, ref_ops = NativeLayerOps(native_lib), TorchLayerOps()
@@ -197,8 +218,18 @@ def test_the_packed_copy_gives_the_planes_bits(native_lib, fmt) -> None:
 
 def test_prepare_weights_packs_quantized_weights_into_one_allocation(native_lib) -> None:
     """The engine's huge-page allocator gets one request for every quantized weight's
-    packed copy, each on a cache line and a tied weight once; the linear then reads it."""
+    packed copy, each on a cache line and a tied weight once; the linear then reads it,
+    and the planes are freed: the products (in registers and dequantized), embedding
+    lookups and the ops' fallback give the planes' results, and what reads planes
+    refuses by name."""
     ws = [random_weight("q4_1", 40, 64, seed=1), random_weight("q8_0", 17, 96, seed=2)]
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(3)
+    big = NativeLayerOps(native_lib).quant_max_rows + 1  # dequantized from the copy
+    xs = [torch.randn(5, 64, generator=g), torch.randn(big, 96, generator=g)]
+    before = [quant.native_linear(native_lib, x, w, None, threads) for x, w in zip(xs, ws, strict=True)]
+    ids = torch.tensor([16, 0, 3])
+    emb, nbytes = ws[1].dequantize(ids), [w.nbytes for w in ws]
     calls = []
 
     def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -211,9 +242,17 @@ def test_prepare_weights_packs_quantized_weights_into_one_allocation(native_lib)
     assert calls == [((sum(sizes),), torch.uint8)]
     first, second = (ops.quant_packed(w) for w in ws)
     assert second.data_ptr() - first.data_ptr() == sizes[0]
-    x = torch.randn(3, 64)
-    assert torch.equal(ops.linear(x, ws[0]), quant.native_linear(native_lib, x, ws[0], None,
-                                                                 torch.get_num_threads()))
+    assert all(w.released and w.qs.numel() == 0 for w in ws)
+    assert [w.nbytes for w in ws] == nbytes
+    assert torch.equal(ops.linear(xs[0], ws[0]), before[0])
+    torch.testing.assert_close(ops.linear(xs[1], ws[1]), before[1], rtol=1e-5, atol=1e-4)
+    assert torch.equal(ops.embedding(ids, ws[1]), emb)
+    strided = xs[0].t().contiguous().t()  # not unit-stride rows: the ops' fallback
+    torch.testing.assert_close(ops.linear(strided, ws[0]), before[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="dequantize needs the planes"):
+        ws[0].dequantize()
+    with pytest.raises(RuntimeError, match="a product, dequantization or packing"):
+        quant.native_linear(native_lib, xs[0], ws[0], None, 1)
 
 
 def test_a_packed_copy_is_made_again_for_another_build_level() -> None:

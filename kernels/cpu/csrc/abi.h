@@ -23,8 +23,8 @@
 #define KV_ROWS_FIRST 0 /* [num_blocks, block_size, num_kv_heads, head_dim] */
 #define KV_HEADS_FIRST 1 /* [num_blocks, num_kv_heads, block_size, head_dim] */
 
-/* Weight-only quantization formats (``fmt`` of qgemm, qgemm_pack, qgemm_packed and
- * qdequant), and the weights per block along k of the GGUF formats. */
+/* Weight-only quantization formats (``fmt`` of qgemm, qgemm_pack, qgemm_packed,
+ * qdequant and qdequant_packed), and the weights per block along k of the GGUF formats. */
 #define QF_Q8_0 0
 #define QF_Q4_0 1
 #define QF_Q4_1 2
@@ -136,6 +136,8 @@ int qgemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, const void
 int qdequant(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
              const float *scale, int64_t k, const int64_t *rows, int64_t count, float *out,
              int num_threads);
+int qdequant_packed(int fmt, const void *packed, int64_t n, int64_t k, const int64_t *rows,
+                    int64_t count, float *out, int num_threads);
 
 /* decoder_cpu.c */
 int64_t decoder_scratch_size(const int64_t *model, int rows);
