@@ -174,6 +174,10 @@ def test_gguf_model_keeps_its_weights_quantized() -> None:
     assert model.embed_tokens.weight.fmt == "q8_0"
     assert not any(p.dim() == 2 for p in model.parameters())  # no float matrix anywhere
     quant_bytes = sum(w.nbytes for w in model.linear_weights())
+    # Held once: packed for the native kernels, the planes released (the tied embedding's
+    # too: its lookups read the packed copy).
+    assert all(w.released and w.qs.numel() == 0 for w in model.linear_weights())
+    assert model.embed_tokens.weight.released
     # No larger than the file itself (its float32 expansion is ~540 MB).
     from engine.loader import default_gguf_path
 
