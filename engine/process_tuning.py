@@ -78,15 +78,20 @@ def omp_spin() -> str:
             "could be set; export it before starting Python)")  # fmt: skip
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc on Linux (whose malloc the functions below tune)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def tune_malloc() -> bool:
     """Apply the malloc settings above on glibc; returns whether they were applied."""
-    if not envs.malloc_tuning():
-        return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    libc = _glibc() if envs.malloc_tuning() else None
+    if libc is None:
         return False
     ok = all(libc.mallopt(param, value) == 1 for param, value in (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
@@ -101,13 +106,8 @@ def return_free_memory() -> bool:
     the tuned malloc no longer does by itself: once, after loading, when the memory a
     load freed (a quantized model's planes, once packed) would otherwise stay with the
     process. Returns whether anything was returned."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return libc.malloc_trim(0) == 1
+    libc = _glibc()
+    return libc is not None and libc.malloc_trim(0) == 1
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,25 @@ def test_malloc_tuning_applies_on_glibc_and_can_be_turned_off(monkeypatch) -> No
     assert process_tuning.tune_malloc() is False
 
 
+def test_free_memory_goes_back_to_the_kernel_on_glibc_only(monkeypatch) -> None:
+    # A freed 64 MiB block below the tuned mmap threshold stays in the heap until trimmed.
+    if platform.libc_ver()[0] == "glibc":
+        out = _python(
+            "import ctypes, re\n"
+            "from engine import process_tuning\n"
+            "process_tuning.tune_malloc()\n"
+            "libc = ctypes.CDLL('libc.so.6'); libc.malloc.restype = ctypes.c_void_p\n"
+            "rss = lambda: int(re.search(r'RssAnon:\\s+(\\d+)', open('/proc/self/status').read())[1])\n"
+            "ps = [libc.malloc(1 << 20) for _ in range(64)]\n"
+            "[ctypes.memset(p, 1, 1 << 20) for p in ps]\n"
+            "[libc.free(ctypes.c_void_p(p)) for p in ps]\n"
+            "kept = rss(); ok = process_tuning.return_free_memory()\n"
+            "print(ok, kept - rss() > 32 * 1024)")
+        assert out == "True True"
+    monkeypatch.setattr(platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert process_tuning.return_free_memory() is False
+
+
 def test_importing_engine_changes_nothing() -> None:
     """``import engine`` sets no variable and loads no torch (so no allocator or OpenMP
     setting); importing the engine's classes sets no variable either."""
