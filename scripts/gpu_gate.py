@@ -28,6 +28,8 @@ from typing import Any
 KERNEL_CASES = [(64, 1), (64, 16), (80, 7), (96, 1), (96, 16), (128, 7), (128, 16)]
 """(head_dim, GQA group): every head dim and every group at least once."""
 ENGINE_BATCHES = (3, 17, 255)
+KERNEL_CASE_BLOCKS = 96
+"""Cache size of the kernel cases: their 72 blocks and the null block fit."""
 LONG_PROMPTS = (3072, 3500, 4000)
 STEP_BATCHES = (1, 16, 64, 256)
 LOGPROB_TOL = 0.15
@@ -77,8 +79,12 @@ def cmd_gate(args: argparse.Namespace, before_cuda: Callable, emit: Callable,
 
 
 # -- kernels ---------------------------------------------------------------------------------
-def _kernel_case(d: int, group: int, num_blocks: int, top: bool, dtype) -> float:
-    """Max error of write + decode + prefill against the torch reference (nan: too big)."""
+def _kernel_case(d: int, group: int, num_blocks: int, top: bool, dtype, dev: str = "cuda") -> float:
+    """Max error of write + decode + prefill against the torch reference.
+
+    ``num_blocks`` is the cache's size; the five requests' 72 blocks sit right after the
+    null block 0 or (``top``) at the top of the cache.
+    """
     import torch
 
     from kernels import torch_ref
@@ -86,13 +92,15 @@ def _kernel_case(d: int, group: int, num_blocks: int, top: bool, dtype) -> float
     from kernels.triton.prefill import paged_prefill_attention
     from kernels.triton.write_kv import write_kv
 
-    dev, bs, hkv = "cuda", 16, 2 if group < 16 else 1
+    bs, hkv = 16, 2 if group < 16 else 1
     hq = group * hkv
     gen = torch.Generator(device=dev).manual_seed(d + group)
     k_cache = torch.zeros(num_blocks, bs, hkv, d, dtype=dtype, device=dev)
     v_cache = torch.zeros_like(k_cache)
     seq_lens, q_lens = [700, 33, 1, 300, 77], [1, 1, 1, 300, 20]
     per = [-(-s // bs) for s in seq_lens]
+    if num_blocks < sum(per) + 1:
+        raise ValueError(f"num_blocks={num_blocks}: the case needs at least {sum(per) + 1}")
     first = num_blocks - sum(per) if top else 1
     ids = torch.arange(first, first + sum(per), device=dev).to(torch.int32)
     tables = torch.zeros(len(seq_lens), max(per), dtype=torch.int32, device=dev)
@@ -138,7 +146,7 @@ def check_kernels(say: Callable[[str], None]) -> int:
 
     failed = 0
     for d, group in KERNEL_CASES:
-        err = _kernel_case(d, group, 64, False, torch.bfloat16)
+        err = _kernel_case(d, group, KERNEL_CASE_BLOCKS, False, torch.bfloat16)
         ok = err <= 3e-2
         failed += not ok
         say(f"gate kernels: D={d} group={group:2d} bf16 max err {err:.2e} "

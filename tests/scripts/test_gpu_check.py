@@ -100,3 +100,33 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path) -> None:
     lines = summary.read_text().splitlines()
     assert lines[0].startswith("bench eager : ") and " out tok/s " in lines[0], lines
     assert "KV blocks" in lines[0]
+
+
+_KERNEL_CASE = """
+import sys
+import torch
+sys.path[:0] = [{root!r}, {scripts!r}]
+import gpu_gate
+print("err", gpu_gate._kernel_case(64, 4, gpu_gate.KERNEL_CASE_BLOCKS, False, torch.float32,
+                                   dev="cpu"))
+print("top", gpu_gate._kernel_case(64, 16, 100, True, torch.float32, dev="cpu"))
+try:
+    gpu_gate._kernel_case(64, 4, 72, False, torch.float32, dev="cpu")
+except ValueError as exc:
+    print("refused", exc)
+"""
+
+
+def test_gate_kernel_case_runs_in_the_interpreter_and_fits_its_cache() -> None:
+    # The gate's kernel case on the CPU under the Triton interpreter: its requests' blocks
+    # fit the cache it allocates (an index past the cache is a device assert on a GPU), and
+    # the kernels match the reference in float32.
+    code = _KERNEL_CASE.format(root=str(ROOT), scripts=str(ROOT / "scripts"))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert float(lines["err"]) < 1e-4
+    assert float(lines["top"]) < 1e-4
+    assert lines["refused"] == "num_blocks=72: the case needs at least 73"
