@@ -188,7 +188,9 @@ class ModelRunner:
         """The step's arrays through the staging buffer (one host-to-device copy), the
         block tables updated with only the entries added since the last step."""
         bs = self.block_size
-        rows, flat_idx, new_ids, slots = [], [], [], []
+        rows, flat_idx, new_ids = [], [], []
+        one_slot: list[int] = []  # rows of one token (decodes, first in the order)
+        chunk_slots: list[np.ndarray] = []
         self.block_rows.ensure_width(max(len(self.requests[rid].block_ids) for rid, _ in order))
         for (rid, n), end in zip(order, seq_lens, strict=True):
             ids = self.requests[rid].block_ids
@@ -196,9 +198,14 @@ class ModelRunner:
             rows.append(row)
             flat_idx += idx
             new_ids += vals
-            pos = np.arange(end - n, end)
-            slots.append(np.asarray(ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
-        slots_a = np.concatenate(slots)
+            if n == 1:
+                one_slot.append(ids[(end - 1) // bs] * bs + (end - 1) % bs)
+            else:  # only the blocks the chunk writes
+                first = (end - n) // bs
+                pos = np.arange(end - n, end)
+                blocks = np.asarray(ids[first:(end - 1) // bs + 1], dtype=np.int64)
+                chunk_slots.append(blocks[pos // bs - first] * bs + pos % bs)
+        slots_a = np.concatenate([np.asarray(one_slot, dtype=np.int64), *chunk_slots])
         graph_step = self._stage_for_graphs(input_ids, positions, slots_a, qsl, seq_lens, rows,
                                             logits_idx, flat_idx, new_ids, num_decodes,
                                             sampling_ids, drafts_of)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from itertools import pairwise
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, backend_decode
 from engine.stop import StopChecker
 
 TEXTS = [
@@ -107,6 +108,32 @@ def test_window_stays_small_over_long_outputs(tokenizer) -> None:
         detok.decode_next(t)
     assert detok.output_text == "word 😀 " * 400
     assert max(calls) <= 8  # constant work per token, not the whole output
+
+
+def test_fast_tokenizer_decodes_through_its_backend_only_where_the_text_is_the_same(
+    tokenizer,
+) -> None:
+    # The default model's tokenizer: the Rust decode, called directly, is what the
+    # wrapper returns (the random-sequence test above compares streams through it).
+    fast = backend_decode(tokenizer, True)
+    assert fast is not None
+    ids = tokenizer.encode(TEXTS[3] + TEXTS[4], add_special_tokens=False) + [2, 0, 1]
+    for skip in (True, False):
+        assert backend_decode(tokenizer, skip)(ids) == tokenizer.decode(ids, skip_special_tokens=skip)
+    # Clean-up of tokenization spaces on, or a class with its own decode: the wrapper.
+    cleaning = copy.copy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert backend_decode(cleaning, True) is None
+
+    class OwnDecode(type(tokenizer)):
+        def decode(self, token_ids, **kw):
+            return super().decode(token_ids, **kw).upper()
+
+    own = copy.copy(tokenizer)
+    own.__class__ = OwnDecode
+    assert backend_decode(own, True) is None
+    ids = tokenizer.encode("Hello there, world", add_special_tokens=False)
+    assert "".join(stream(own, [], ids)) == "HELLO THERE, WORLD"
 
 
 # ---------------------------------------------------------------------------------- stop
