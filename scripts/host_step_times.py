@@ -1,0 +1,79 @@
+"""The host's share of an engine step: a model whose arithmetic is negligible (the tests'
+tiny random Llama with a 1,024-token vocabulary), ``B`` requests decoding together, and
+the median time of the last 32 steps of a second, timed ``generate``: the whole
+``LLMEngine.step``, ``ModelRunner.execute`` within it and ``ModelRunner.prepare`` within
+that.
+
+    python scripts/host_step_times.py --batch 256 [--profile]
+
+``--profile`` prints the timed run's top functions by their own time (cProfile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _timed(times: list[float], fn):
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    return wrapper
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+
+    from engine import LLM, SamplingParams
+    from tests.helpers.models import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_model(Path(tmp) / "tiny", vocab_size=1024)
+        llm = LLM(model=str(model), dtype="float32", max_num_seqs=max(args.batch, 1),
+                  max_model_len=1024, enable_prefix_caching=False, kv_cache_memory_gb=0.5)  # fmt: skip
+        runner = llm.engine.worker.runner
+        times: dict[str, list[float]] = {"step": [], "execute": [], "prepare": []}
+        runner.prepare = _timed(times["prepare"], runner.prepare)
+        runner.execute = _timed(times["execute"], runner.execute)
+        llm.engine.step = _timed(times["step"], llm.engine.step)
+        sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens,
+                            min_tokens=args.new_tokens)  # fmt: skip
+        prompts = [{"prompt_token_ids": [3 + i % 500, 503 + i % 400, 9 + i % 50] * 20}
+                   for i in range(args.batch)]  # fmt: skip
+        llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+        for v in times.values():
+            v.clear()
+        prof = cProfile.Profile() if args.profile else None
+        if prof is not None:
+            prof.enable()
+        llm.generate(prompts, sp, use_tqdm=False)
+        if prof is not None:
+            prof.disable()
+    med = {k: 1e6 * statistics.median(v[-32:]) for k, v in times.items()}
+    print(f"batch {args.batch}: step {med['step']:.0f} us, execute {med['execute']:.0f} us, "
+          f"prepare {med['prepare']:.0f} us")  # fmt: skip
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
