@@ -64,7 +64,7 @@ def test_dry_run_sets_up_every_python_part_and_stops_before_cuda() -> None:
 def test_part_limits_must_fit_the_budget() -> None:
     proc = _dry_run("env", budget=10)
     assert proc.returncode == 1
-    assert "part limits sum to 20s: OVER the 10s budget" in proc.stdout
+    assert "part limits sum to 15s: OVER the 10s budget" in proc.stdout
     assert "overall: FAIL (dry run)" in proc.stdout
 
 
