@@ -167,6 +167,16 @@ class ModelRunner:
             state = self.requests[rid]
             start = state.num_computed_tokens
             end = start + n
+            if n == 1 and rid not in spec:  # a plain decode (or a prompt's last token)
+                input_ids.append(state.all_token_ids[start])
+                positions.append(start)
+                qsl.append(qsl[-1] + 1)
+                seq_lens.append(end)
+                if end == len(state.all_token_ids):
+                    logits_idx.append(qsl[-1] - 1)
+                    sampling_ids.append(rid)
+                    drafts_of.append([])
+                continue
             drafts = spec.get(rid, ())
             input_ids.extend(state.all_token_ids[start:end - len(drafts)])
             input_ids.extend(drafts)
