@@ -229,7 +229,17 @@ EOF
 export -f env_check run_pytest
 export PY DRY_RUN DRY_NOTE
 
-HEADER="commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+local changes'); started $(date -u +%FT%TZ)"
+# The tree of the files as they are here (`git write-tree` through a scratch index): equal
+# to `git log --format=%T` of the commit whose files these are, even where the checkout's
+# .git is older than its files (a device machine may be sent a newer working tree).
+files_tree() {
+    local idx
+    idx=$(mktemp -u /tmp/gpu_check_index.XXXXXX)
+    GIT_INDEX_FILE=$idx git add -A . >/dev/null 2>&1 && GIT_INDEX_FILE=$idx git write-tree 2>/dev/null
+    rm -f "$idx"
+}
+TREE=$(files_tree)
+HEADER="commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+local changes'); files: tree ${TREE:0:12} (git log --format=%T); started $(date -u +%FT%TZ)"
 if wanted env; then
     part env none -- bash -c env_check
     HEADER="$HEADER
