@@ -130,3 +130,32 @@ def test_gate_kernel_case_runs_in_the_interpreter_and_fits_its_cache() -> None:
     assert float(lines["err"]) < 1e-4
     assert float(lines["top"]) < 1e-4
     assert lines["refused"] == "num_blocks=72: the case needs at least 73"
+
+
+def _header_tree(repo: Path) -> str:
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_PARTS="env")
+    env.pop("OUT", None)
+    proc = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--dry-run"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    return proc.stdout.split("files: tree ", 1)[1].split()[0]
+
+
+def test_summary_names_the_tree_of_the_files_it_ran(tmp_path) -> None:
+    # A clone of this repository's last commit: the header's tree is that commit's tree;
+    # with a file changed and not committed it differs, and a commit of the change makes
+    # them equal again (what tells a device run's files apart from its stale .git).
+    repo = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True, timeout=120)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                              text=True, timeout=60).stdout.strip()  # fmt: skip
+
+    assert git("log", "-1", "--format=%T").startswith(_header_tree(repo))
+    readme = repo / "README.md"
+    readme.write_text(readme.read_text() + "\nchanged\n")
+    changed = _header_tree(repo)
+    assert not git("log", "-1", "--format=%T").startswith(changed)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "change")
+    assert git("log", "-1", "--format=%T").startswith(changed)
