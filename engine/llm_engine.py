@@ -254,12 +254,29 @@ class LLMEngine:
         t2 = time.perf_counter()
         sampled = self.scheduler.update_from_output(sched, result)
         outputs = failed + self.output.process(sampled)
+        if result is not None and result.errors:
+            outputs += self._fail_rows(result.errors)
         counts = sched.num_scheduled_tokens.values()
         self.last_step = StepStats(
             sched.total_num_scheduled_tokens, len(counts), sum(1 for n in counts if n == 1),
             0 if result is None else len(result.req_ids), t1 - t0, t2 - t1,
             time.perf_counter() - t2)  # fmt: skip
         return outputs
+
+    def _fail_rows(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """End the requests whose step went wrong (the model side says why) with an error;
+        the outputs of their user requests that this changes (a finished group's final
+        output, a streamed group's delta)."""
+        groups = {}
+        for rid, why in errors.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            logger.error("request %s failed: %s", req.group.request_id, why)
+            self._finish([req], RequestStatus.FINISHED_ERROR)
+            groups[req.group.request_id] = req.group
+        outs = (self.output.make_output(g) for g in groups.values())
+        return [o for o in outs if o is not None]
 
     def _poll_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar finished compiling join the waiting queue; those whose

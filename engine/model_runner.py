@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphRunner
 
 logger = logging.getLogger("engine.model_runner")
+
+NONFINITE = ("the model's logit of the chosen token was NaN or infinite: its numbers overflowed "
+             "or broke down for this request (a float16 KV cache past 65,504, or bad weights)")
+"""Why a request whose sampled row was not finite ends with an error."""
 i64, i32 = torch.int64, torch.int32
 
 
@@ -288,6 +292,12 @@ class ModelRunner:
             out = self.sampler(logits, rows)
             tokens = [[t] for t in out.token_ids]
             logprobs = [None if lp is None else [lp] for lp in out.logprobs]
+            errors = {step.sampling_ids[i]: NONFINITE for i in out.nonfinite}
+            if errors:
+                keep = [i for i, rid in enumerate(step.sampling_ids) if rid not in errors]
+                self._advance_matchers([step.sampling_ids[i] for i in keep],
+                                       [tokens[i] for i in keep])  # fmt: skip
+                return ModelRunnerOutput(step.sampling_ids, tokens, logprobs, errors=errors)
             self._advance_matchers(step.sampling_ids, tokens)
         return ModelRunnerOutput(step.sampling_ids, tokens, logprobs,
                                  self._propose(step.sampling_ids, tokens))

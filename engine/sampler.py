@@ -17,8 +17,9 @@ share one batched draw from torch's global generator.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,6 +58,24 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     """Per row: raw-distribution logprobs when ``params.logprobs`` is set, else None."""
+    nonfinite: list[int] = field(default_factory=list)
+    """Rows whose chosen token's raw logit is NaN or infinite: the model's numbers broke
+    down for that request (its token is meaningless)."""
+
+
+def tokens_and_nonfinite(raw: torch.Tensor, tokens: torch.Tensor,
+                         one_transfer: bool | None = None) -> tuple[list[int], list[int]]:  # fmt: skip
+    """The chosen ``tokens`` as a list, and the rows whose chosen raw logit is not finite
+    (an all-NaN row has no meaningful argmax): off the CPU (``one_transfer`` None), both in
+    one transfer from the device."""
+    n = tokens.shape[0]
+    chosen = raw.gather(1, tokens.view(-1, 1).long()).view(-1)
+    if not (raw.device.type != "cpu" if one_transfer is None else one_transfer):
+        # No transfer to save: the fewest torch calls.
+        vals = chosen.tolist()
+        return tokens.tolist(), [i for i, v in enumerate(vals) if not math.isfinite(v)]
+    both = torch.cat([tokens.view(-1).long(), torch.isfinite(chosen).long()]).tolist()
+    return both[:n], [i for i in range(n) if not both[n + i]]
 
 
 def make_generator(
@@ -131,7 +150,8 @@ class Sampler:
         raw = logits[:, :vocab]
         special = [i for i, r in enumerate(rows) if not _is_plain_greedy(r)]
         if not special:
-            return SamplerOutput(self._argmax(raw).tolist(), [None] * len(rows))
+            token_list, bad = tokens_and_nonfinite(raw, self._argmax(raw))
+            return SamplerOutput(token_list, [None] * len(rows), bad)
 
         dev = logits.device
         staging = self.staging_on(dev)
@@ -165,12 +185,12 @@ class Sampler:
         else:
             tokens = self._argmax(raw)
             tokens.index_copy_(0, special_t, picked)
-        token_list = tokens.tolist()
+        token_list, bad = tokens_and_nonfinite(raw, tokens)
         lps = [None] * len(rows)
         if want:
             lps = logprobs_of(raw, rows, token_list, tokens,
                               None if h_want is None else v[h_want])
-        return SamplerOutput(token_list, lps)
+        return SamplerOutput(token_list, lps, bad)
 
 
 def _processing_copy(raw: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

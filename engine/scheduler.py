@@ -49,6 +49,9 @@ class ModelRunnerOutput:
     else None."""
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Draft tokens proposed for each request's next step (speculative decoding)."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """Requests whose step went wrong, and why: their tokens are not appended and the
+    engine ends them with an error."""
 
 
 @dataclass(slots=True)
@@ -315,7 +318,7 @@ class Scheduler:
         for rid, tokens, logprobs in zip(output.req_ids, output.sampled_token_ids,
                                          output.logprobs, strict=True):  # fmt: skip
             req = self.requests.get(rid)
-            if req is None or req.status.finished:
+            if req is None or req.status.finished or rid in output.errors:
                 continue
             drafts = spec.get(rid)
             if drafts:
