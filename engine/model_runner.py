@@ -9,7 +9,7 @@ objects or the block manager.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -143,10 +143,13 @@ class ModelRunner:
                              "manager")
         return self.structured.matcher(spec)
 
-    def _advance_matchers(self, req_ids: list[str], tokens: list[list[int]]) -> None:
+    def _advance_matchers(self, req_ids: list[str], tokens: list[list[int]],
+                          skip: Container[str] = ()) -> None:  # fmt: skip
+        """Feed each request's new tokens to its grammar matcher (none to those in
+        ``skip``, whose tokens are not kept)."""
         for rid, toks in zip(req_ids, tokens, strict=True):
             m = self.requests[rid].matcher
-            if m is None:
+            if m is None or rid in skip:
                 continue
             for t in toks:
                 if not m.accept_token(t):
@@ -285,6 +288,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.logits_indices], self.attn.ops)
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return None
+        errors: dict[str, str] = {}  # (verified drafts are not checked for finite logits)
         if any(step.drafts):
             tokens, logprobs = self._verify(logits, step)
         else:
@@ -293,14 +297,9 @@ class ModelRunner:
             tokens = [[t] for t in out.token_ids]
             logprobs = [None if lp is None else [lp] for lp in out.logprobs]
             errors = {step.sampling_ids[i]: NONFINITE for i in out.nonfinite}
-            if errors:
-                keep = [i for i, rid in enumerate(step.sampling_ids) if rid not in errors]
-                self._advance_matchers([step.sampling_ids[i] for i in keep],
-                                       [tokens[i] for i in keep])  # fmt: skip
-                return ModelRunnerOutput(step.sampling_ids, tokens, logprobs, errors=errors)
-            self._advance_matchers(step.sampling_ids, tokens)
+            self._advance_matchers(step.sampling_ids, tokens, skip=errors)
         return ModelRunnerOutput(step.sampling_ids, tokens, logprobs,
-                                 self._propose(step.sampling_ids, tokens))
+                                 self._propose(step.sampling_ids, tokens), errors)
 
     def _row(self, rid: str, drafts: list[int] = ()) -> SamplingRow:
         """A request's sampling state, with ``drafts`` taken as already output."""

@@ -70,8 +70,9 @@ def tokens_and_nonfinite(raw: torch.Tensor, tokens: torch.Tensor,
     one transfer from the device."""
     n = tokens.shape[0]
     chosen = raw.gather(1, tokens.view(-1, 1).long()).view(-1)
-    if not (raw.device.type != "cpu" if one_transfer is None else one_transfer):
-        # No transfer to save: the fewest torch calls.
+    if one_transfer is None:
+        one_transfer = raw.device.type != "cpu"
+    if not one_transfer:  # no transfer to save: the fewest torch calls
         vals = chosen.tolist()
         return tokens.tolist(), [i for i, v in enumerate(vals) if not math.isfinite(v)]
     both = torch.cat([tokens.view(-1).long(), torch.isfinite(chosen).long()]).tolist()

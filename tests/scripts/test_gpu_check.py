@@ -31,12 +31,14 @@ def _load_gpu_check():
 gpu_check = _load_gpu_check()
 
 
-def _dry_run(parts: str, budget: int = 450, timeout: int = 240) -> subprocess.CompletedProcess:
+def _dry_run(parts: str, budget: int = 450, timeout: int = 240,
+             repo: Path = ROOT) -> subprocess.CompletedProcess:  # fmt: skip
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_PARTS=parts,
                GPU_CHECK_BUDGET_S=str(budget))  # fmt: skip
     env.pop("OUT", None)
-    return subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(["bash", str(repo / SCRIPT.relative_to(ROOT)), "--dry-run"],
+                          cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
 
 
 def _status(stdout: str) -> dict[str, str]:
@@ -133,10 +135,7 @@ def test_gate_kernel_case_runs_in_the_interpreter_and_fits_its_cache() -> None:
 
 
 def _header_tree(repo: Path) -> str:
-    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_PARTS="env")
-    env.pop("OUT", None)
-    proc = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--dry-run"],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = _dry_run("env", timeout=120, repo=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     return proc.stdout.split("files: tree ", 1)[1].split()[0]
 
