@@ -288,9 +288,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.logits_indices], self.attn.ops)
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return None
-        errors: dict[str, str] = {}  # (verified drafts are not checked for finite logits)
         if any(step.drafts):
-            tokens, logprobs = self._verify(logits, step)
+            tokens, logprobs, bad = self._verify(logits, step)
+            errors = {step.sampling_ids[i]: NONFINITE for i in bad}
         else:
             rows = [self._row(rid) for rid in step.sampling_ids]
             out = self.sampler(logits, rows)
@@ -311,7 +311,8 @@ class ModelRunner:
                            matcher=state.matcher, key=None if drafts else rid)
 
     def _verify(self, logits: torch.Tensor, step: StepInputs):
-        """Rows for every draft of the step's requests; the tokens each keeps."""
+        """Rows for every draft of the step's requests; the tokens each keeps, their
+        logprobs, and the requests whose kept tokens' logits were not finite."""
         rows: list[SamplingRow] = []
         spans: list[Span] = []
         for rid, drafts in zip(step.sampling_ids, step.drafts, strict=True):

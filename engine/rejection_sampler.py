@@ -25,7 +25,15 @@ import torch
 
 from engine import penalties
 from engine.outputs import TokenLogprobs
-from engine.sampler import SamplingRow, is_greedy, logprobs_of, plan_draw, race, sampling_probs
+from engine.sampler import (
+    SamplingRow,
+    is_greedy,
+    logprobs_of,
+    plan_draw,
+    race,
+    sampling_probs,
+    tokens_and_nonfinite,
+)
 from engine.step_buffers import Pack, StagingBuffer
 
 
@@ -39,10 +47,12 @@ class Span:
 
 def verify(logits: torch.Tensor, rows: list[SamplingRow], spans: list[Span],
            vocab_size: int, staging: StagingBuffer,
-           ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:  # fmt: skip
+           ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None], list[int]]:  # fmt: skip
     """Per span, the tokens the request outputs this step (kept drafts, then one more)
-    and, where it asked for them, their logprobs (of the raw model distribution).
-    ``staging`` is on the logits' device."""
+    and, where it asked for them, their logprobs (of the raw model distribution); and the
+    spans one of whose output tokens has a NaN or infinite raw logit (the model's numbers
+    broke down for that request: its tokens are meaningless). ``staging`` is on the
+    logits' device."""
     vocab = min(vocab_size, logits.shape[1])
     raw = logits[:, :vocab]
     x = raw.float().clone()
@@ -62,7 +72,21 @@ def verify(logits: torch.Tensor, rows: list[SamplingRow], spans: list[Span],
             tokens.append(_accept_greedy(span, targets))
         else:
             tokens.append(_accept_sampled(span, probs, probs_at, row.generator))
-    return tokens, _logprobs(raw, rows, spans, tokens, staging)
+    bad = _nonfinite_spans(raw, spans, tokens, staging)
+    return tokens, _logprobs(raw, rows, spans, tokens, staging), bad
+
+
+def _nonfinite_spans(raw: torch.Tensor, spans: list[Span], tokens: list[list[int]],
+                     staging: StagingBuffer) -> list[int]:  # fmt: skip
+    """The spans whose output tokens' raw logits (row ``j`` of a span scores its ``j``-th
+    token) are not all finite. A rejected draft's row is not read: its NaN harms nothing."""
+    owner = [s for s, out in enumerate(tokens) for _ in out]
+    sel = [span.start + j for span, out in zip(spans, tokens, strict=True)
+           for j in range(len(out))]  # fmt: skip
+    flat = [t for out in tokens for t in out]
+    idx, tok = staging.stage([(sel, torch.int64), (flat, torch.int64)])
+    _, bad_rows = tokens_and_nonfinite(raw.index_select(0, idx), tok)
+    return sorted({owner[i] for i in bad_rows})
 
 
 def _accept_greedy(span: Span, targets: list[int]) -> list[int]:

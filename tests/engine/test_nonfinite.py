@@ -57,3 +57,42 @@ def test_a_request_gone_nan_errors_and_its_batch_mates_are_unharmed(tmp_path) ->
         if want.logprobs is not None:
             assert all(math.isfinite(lp.logprob) for lp in good.logprobs)
         assert kv.num_free_blocks == kv.num_blocks  # the failed request's blocks too
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3, "disable_by_batch_size": 8}  # fmt: skip
+
+
+def test_a_request_gone_nan_while_verifying_drafts_errors(tiny_model_factory) -> None:
+    """Speculative decoding checks the logits of the tokens it keeps: a request whose
+    verification rows go NaN ends with an error; its batch mate's tokens are those it
+    produces alone."""
+    path = str(tiny_model_factory("llama"))
+    llm = LLM(model=path, dtype="float32", speculative_config=SPEC, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, {"prompt_token_ids": [9, 10, 11] * 8}]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    runner = llm.engine.worker.runner
+    verify = runner._verify
+    poisoned: list[str] = []
+
+    def verify_one_poisoned(logits, step):
+        start = 0
+        for rid, drafts in zip(step.sampling_ids, step.drafts, strict=True):
+            if not poisoned and drafts and len(step.sampling_ids) == 2:
+                logits[start:start + len(drafts) + 1] = float("nan")  # this request's rows
+                poisoned.append(rid)
+            start += len(drafts) + 1
+        return verify(logits, step)
+
+    runner._verify = verify_one_poisoned
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert len(poisoned) == 1  # a two-request verification step happened
+    finish = [o.finish_reason for o in outs]
+    assert sorted(finish) == ["error", "length"]
+    bad, good = (0, 1) if finish[0] == "error" else (1, 0)
+    assert list(outs[good].token_ids) == list(want[good].token_ids)
+    # The failed request keeps the tokens it had before that step, and no token of it.
+    assert list(outs[bad].token_ids) == list(want[bad].token_ids)[: len(outs[bad].token_ids)]
+    assert len(outs[bad].token_ids) < len(want[bad].token_ids)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks

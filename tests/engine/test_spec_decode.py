@@ -65,10 +65,33 @@ def test_greedy_verification_keeps_the_agreeing_prefix() -> None:
     for row, tok in enumerate([3, 4, 9, 1]):
         logits[row, tok] = 5.0
     rows = _rows(4, temperature=0.0)
-    got, _ = verify(logits, rows, [Span(0, [3, 4, 5])], 10, StagingBuffer("cpu"))
+    got, _, bad = verify(logits, rows, [Span(0, [3, 4, 5])], 10, StagingBuffer("cpu"))
+    assert bad == []
     assert got == [[3, 4, 9]]  # 5 disagrees with row 2's 9: 9 is the next token
-    got, _ = verify(logits, rows, [Span(0, [3, 4, 9])], 10, StagingBuffer("cpu"))
+    got, _, bad = verify(logits, rows, [Span(0, [3, 4, 9])], 10, StagingBuffer("cpu"))
+    assert bad == []
     assert got == [[3, 4, 9, 1]]  # all kept, and row 3 gives one more
+
+
+def test_verification_names_requests_whose_kept_tokens_are_not_finite() -> None:
+    """A span whose output tokens include one scored by a NaN row is named; a NaN row
+    behind a rejected draft is never read, and its span is not."""
+    logits = torch.full((7, 10), -5.0)
+    for row, tok in enumerate([2, 0, 0, 5, 0, 0, 8]):
+        logits[row, tok] = 5.0
+    logits[1] = float("nan")  # span 0: behind draft 3, which row 0 (argmax 2) rejects
+    logits[4] = float("nan")  # span 1: behind draft 5, which row 3 keeps
+    spans = [Span(0, [3, 4]), Span(3, [5, 6]), Span(6, [])]
+    for params in (dict(temperature=0.0), dict(temperature=1.0, seed=5)):
+        rows = [SamplingRow(SamplingParams(**params), [1], [], None) for _ in range(7)]
+        for s in spans:  # a seeded request's rows share its generator
+            gen = torch.Generator().manual_seed(7) if "seed" in params else None
+            for i in range(s.start, s.start + len(s.drafts) + 1):
+                rows[i].generator = gen
+        got, _, bad = verify(logits, rows, spans, 10, StagingBuffer("cpu"))
+        assert bad == [1], params
+        if "seed" not in params:
+            assert got[0] == [2] and got[2] == [8]
 
 
 def _chi2_p_value(observed: list[int], expected: list[float]) -> float:
