@@ -34,6 +34,7 @@ from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
 from engine.structured.manager import StructuredOutputManager
 from kernels.cpu import paths as cpu_paths
+from kernels.interface import allocate_kv_cache
 from kernels.registry import get_attention_backend
 
 logger = logging.getLogger("engine")
@@ -168,16 +169,15 @@ class Worker:
                  self.spec.num_kv_heads, self.spec.head_dim)
         # The backend's layout in memory; every cache indexes as [blocks, block_size, Hkv,
         # D] (kernels.interface).
-        heads_first = getattr(self.attn, "kv_heads_first", False)
-        alloc = shape[:3] + (shape[4], shape[3], shape[5]) if heads_first else shape
-        if self.device.type == "cpu":
-            # Fresh memory reads as zeros; zero_() faults every page in now rather than
-            # during the first steps.
-            self.kv_cache = hugepages.empty(alloc, self.kv_dtype).zero_()
-        else:
-            self.kv_cache = torch.zeros(alloc, dtype=self.kv_dtype, device=self.device)
-        if heads_first:
-            self.kv_cache = self.kv_cache.transpose(-3, -2)
+        def empty(dims: tuple[int, ...]) -> torch.Tensor:
+            if self.device.type == "cpu":
+                # Fresh memory reads as zeros; zero_() faults every page in now rather
+                # than during the first steps.
+                return hugepages.empty(dims, self.kv_dtype).zero_()
+            return torch.zeros(dims, dtype=self.kv_dtype, device=self.device)
+
+        self.kv_cache = allocate_kv_cache(shape, getattr(self.attn, "kv_heads_first", False),
+                                          empty)  # fmt: skip
         kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend, self.tokenizer, self.vocab_size,

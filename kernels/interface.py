@@ -27,6 +27,7 @@ every layer's ``forward`` reads back with :meth:`AttentionMetadata.plan`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -38,6 +39,18 @@ from kernels.quant import QuantizedWeight
 Weight = torch.Tensor | QuantizedWeight
 
 PlanT = TypeVar("PlanT")
+
+
+def allocate_kv_cache(shape: tuple[int, ...], heads_first: bool,
+                      empty: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """A KV cache indexed as ``[..., num_blocks, block_size, num_kv_heads, head_dim]``
+    (``shape``), from ``empty(dims)`` memory laid out as a backend wants it: with
+    ``heads_first`` (the backend's ``kv_heads_first``), the view of contiguous ``[...,
+    num_blocks, num_kv_heads, block_size, head_dim]`` memory."""
+    if not heads_first:
+        return empty(shape)
+    *lead, block_size, num_kv_heads, head_dim = shape
+    return empty((*lead, num_kv_heads, block_size, head_dim)).transpose(-3, -2)
 
 
 @dataclass(slots=True)

@@ -140,16 +140,14 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
     from kernels.cpu import native as cpu_native
     from kernels.cpu.backend import CpuBackend
     from kernels.cpu.memory import huge_empty
+    from kernels.interface import allocate_kv_cache
 
     lib = cpu_native.build_library(level)
     block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
     num_blocks = -(-context // block_size) + 1  # block 0 unused, as the engine's padding
-    heads_first = CpuBackend.kv_heads_first
-    inner = (num_kv_heads, block_size) if heads_first else (block_size, num_kv_heads)
-    cache = huge_empty((layers, 2, num_blocks, *inner, head_dim), dtype)
+    cache = allocate_kv_cache((layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+                              CpuBackend.kv_heads_first, lambda dims: huge_empty(dims, dtype))  # fmt: skip
     cache.normal_(generator=torch.Generator().manual_seed(0))
-    if heads_first:
-        cache = cache.transpose(-3, -2)
     table = torch.arange(1, num_blocks, dtype=torch.int32)[None]
     lens = torch.tensor([context], dtype=torch.int32)
     query = torch.randn(1, num_heads, head_dim)

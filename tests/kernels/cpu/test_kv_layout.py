@@ -14,6 +14,7 @@ from kernels import write_kv
 from kernels.cpu import abi
 from kernels.cpu import native as cpu_native
 from kernels.cpu.synthetic import make_step
+from kernels.interface import allocate_kv_cache
 
 LENS = [1, 2, 15, 16, 17, 31, 33, 100, 257, 700]
 """Decode contexts: within a block, across blocks, and split among threads (700)."""
@@ -143,3 +144,26 @@ def test_an_unknown_layout_code_is_refused(lib) -> None:
     assert status == abi.CONSTANTS["PA_ERR_LAYOUT"]
     assert abi.ATTENTION_ERRORS[status] == "unknown KV cache layout"
     torch.testing.assert_close(k_cache, step.k_cache, atol=0, rtol=0, equal_nan=True)
+
+
+def test_allocated_caches_index_alike_in_either_layout() -> None:
+    """``allocate_kv_cache`` gives every backend the indexing ``[..., blocks, block_size,
+    Hkv, D]``; a heads-first backend's memory holds each KV head's rows of a block as one
+    run."""
+    shape = (2, 2, 5, 16, 3, 8)
+    made: list[tuple[int, ...]] = []
+
+    def zeros(dims: tuple[int, ...]) -> torch.Tensor:
+        made.append(dims)
+        return torch.zeros(dims)
+
+    for heads_first in (False, True):
+        made.clear()
+        cache = allocate_kv_cache(shape, heads_first, zeros)
+        assert cache.shape == shape
+        assert made == [(2, 2, 5, 3, 16, 8) if heads_first else shape]
+        assert cache.transpose(-3, -2).is_contiguous() == heads_first
+        assert cache.is_contiguous() != heads_first
+        cache[1, 0, 4, 15, 2, 7] = 1.0  # the last row of the last head of the last block
+        assert cache.untyped_storage().nbytes() == cache.numel() * 4
+        assert torch.nonzero(cache).tolist() == [[1, 0, 4, 15, 2, 7]]
