@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("engine.model_runner")
 
-NONFINITE = ("the model's logit of the chosen token was NaN or infinite: its numbers overflowed "
-             "or broke down for this request (a float16 KV cache past 65,504, or bad weights)")
+NONFINITE = ("the model's logits were NaN or infinite (at the chosen token, or anywhere in a "
+             "sampled distribution): its numbers overflowed or broke down for this request "
+             "(a float16 KV cache past 65,504, or bad weights)")
 """Why a request whose sampled row was not finite ends with an error."""
 i64, i32 = torch.int64, torch.int32
 

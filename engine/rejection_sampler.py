@@ -72,20 +72,29 @@ def verify(logits: torch.Tensor, rows: list[SamplingRow], spans: list[Span],
             tokens.append(_accept_greedy(span, targets))
         else:
             tokens.append(_accept_sampled(span, probs, probs_at, row.generator))
-    bad = _nonfinite_spans(raw, spans, tokens, staging)
+    bad = _nonfinite_spans(raw, spans, tokens, staging, probs, probs_at)
     return tokens, _logprobs(raw, rows, spans, tokens, staging), bad
 
 
 def _nonfinite_spans(raw: torch.Tensor, spans: list[Span], tokens: list[list[int]],
-                     staging: StagingBuffer) -> list[int]:  # fmt: skip
+                     staging: StagingBuffer, probs: torch.Tensor | None,
+                     probs_at: dict[int, int]) -> list[int]:  # fmt: skip
     """The spans whose output tokens' raw logits (row ``j`` of a span scores its ``j``-th
-    token) are not all finite. A rejected draft's row is not read: its NaN harms nothing."""
+    token) are not all finite, or, for a sampled span, whose distributions gave one of them
+    a probability that is NaN or not positive (a distribution with one NaN logit is NaN
+    everywhere). A rejected draft's row is not read: its NaN harms nothing."""
     owner = [s for s, out in enumerate(tokens) for _ in out]
     sel = [span.start + j for span, out in zip(spans, tokens, strict=True)
            for j in range(len(out))]  # fmt: skip
     flat = [t for out in tokens for t in out]
-    idx, tok = staging.stage([(sel, torch.int64), (flat, torch.int64)])
-    _, bad_rows = tokens_and_nonfinite(raw.index_select(0, idx), tok)
+    drawn = [i for i, row in enumerate(sel) if row in probs_at]
+    arrays = [(sel, torch.int64), (flat, torch.int64)]
+    if drawn:
+        arrays += [(drawn, torch.int64), ([probs_at[sel[i]] for i in drawn], torch.int64),
+                   ([flat[i] for i in drawn], torch.int64)]  # fmt: skip
+    idx, tok, *at = staging.stage(arrays)
+    p = None if not drawn else (at[0], probs[at[1], at[2]])
+    _, bad_rows = tokens_and_nonfinite(raw.index_select(0, idx), tok, drawn=p)
     return sorted({owner[i] for i in bad_rows})
 
 

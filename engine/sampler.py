@@ -64,18 +64,31 @@ class SamplerOutput:
 
 
 def tokens_and_nonfinite(raw: torch.Tensor, tokens: torch.Tensor,
-                         one_transfer: bool | None = None) -> tuple[list[int], list[int]]:  # fmt: skip
+                         one_transfer: bool | None = None,
+                         drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         ) -> tuple[list[int], list[int]]:  # fmt: skip
     """The chosen ``tokens`` as a list, and the rows whose chosen raw logit is not finite
     (an all-NaN row has no meaningful argmax): off the CPU (``one_transfer`` None), both in
-    one transfer from the device."""
+    one transfer from the device.
+
+    ``drawn``: the rows whose token was drawn from a distribution, and the probability of
+    the token each drew. Such a row also counts when that probability is NaN or not
+    positive: one NaN or infinite logit makes the whole distribution NaN, and the draw
+    then picks a token whose own logit may well be finite."""
     n = tokens.shape[0]
     chosen = raw.gather(1, tokens.view(-1, 1).long()).view(-1)
     if one_transfer is None:
         one_transfer = raw.device.type != "cpu"
-    if not one_transfer:  # no transfer to save: the fewest torch calls
+    if not one_transfer and drawn is None:  # no transfer to save: the fewest torch calls
         vals = chosen.tolist()
         return tokens.tolist(), [i for i, v in enumerate(vals) if not math.isfinite(v)]
-    both = torch.cat([tokens.view(-1).long(), torch.isfinite(chosen).long()]).tolist()
+    fine = torch.isfinite(chosen)
+    if drawn is not None:
+        rows, p = drawn
+        fine[rows] &= torch.isfinite(p) & (p > 0)
+    if not one_transfer:
+        return tokens.tolist(), [i for i, ok in enumerate(fine.tolist()) if not ok]
+    both = torch.cat([tokens.view(-1).long(), fine.long()]).tolist()
     return both[:n], [i for i in range(n) if not both[n + i]]
 
 
@@ -178,15 +191,19 @@ class Sampler:
             bitmask.apply(x, None if h_constrained is None else constrained, mask,
                           None if h_constrained is None else v[h_constrained])
         picked = self._argmax(x)
+        drawn = None
         if draw is not None:
-            picked.index_copy_(0, v[draw.rows], race(sampling_probs(x, draw, v), draw.gens,
-                                                     draw.unseeded_view(v)))
+            probs = sampling_probs(x, draw, v)
+            got = race(probs, draw.gens, draw.unseeded_view(v))
+            picked.index_copy_(0, v[draw.rows], got)
+            drawn = (v[draw.rows] if every else special_t[v[draw.rows]],
+                     probs.gather(1, got.view(-1, 1)).view(-1))  # fmt: skip
         if every:  # no argmax of the raw rows
             tokens = picked
         else:
             tokens = self._argmax(raw)
             tokens.index_copy_(0, special_t, picked)
-        token_list, bad = tokens_and_nonfinite(raw, tokens)
+        token_list, bad = tokens_and_nonfinite(raw, tokens, drawn=drawn)
         lps = [None] * len(rows)
         if want:
             lps = logprobs_of(raw, rows, token_list, tokens,

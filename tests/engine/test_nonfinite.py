@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.sampler import tokens_and_nonfinite
+from engine.sampler import Sampler, SamplingRow, make_generator, tokens_and_nonfinite
 from tests.helpers.models import write_tiny_model
 
 
@@ -23,6 +24,57 @@ def test_rows_whose_chosen_logit_is_not_finite_are_named() -> None:
         got, bad = tokens_and_nonfinite(raw, tokens, one_transfer)
         assert got == [0, 7, 2, 4, 9]
         assert bad == [1, 3]
+
+
+def test_drawn_rows_count_when_their_draw_probability_is_not_finite() -> None:
+    raw = torch.randn(4, 11)
+    tokens = torch.tensor([1, 2, 3, 4])
+    rows = torch.tensor([0, 2, 3])  # rows 0, 2 and 3 were drawn; row 1 took its argmax
+    p = torch.tensor([0.3, float("nan"), 0.0])
+    for one_transfer in (None, False, True):
+        got, bad = tokens_and_nonfinite(raw, tokens, one_transfer, drawn=(rows, p))
+        assert got == [1, 2, 3, 4] and bad == [2, 3]
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1},
+                                   {"logprobs": 1}, {"presence_penalty": 0.5}])  # fmt: skip
+@pytest.mark.parametrize("broken", [float("nan"), float("inf")])
+def test_one_broken_logit_fails_a_sampled_row_and_no_other(extra, broken) -> None:
+    """One NaN or infinite logit makes a row's whole sampling distribution NaN: the draw
+    then lands on some token whose own logit is finite, and the row must still count."""
+    sampler = Sampler(50)
+
+    def rows():
+        out = []
+        for i, sp in enumerate((SamplingParams(temperature=0.8, seed=1, **extra),
+                                SamplingParams(temperature=1.0, seed=9),
+                                SamplingParams(temperature=0.0))):  # fmt: skip
+            out.append(SamplingRow(sp, [1, 2], [3] * i, make_generator(sp)))
+        return out
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    healthy = sampler(logits.clone(), rows())
+    logits[0, 7] = broken
+    got = sampler(logits, rows())
+    assert got.nonfinite == [0]
+    assert got.token_ids[1:] == healthy.token_ids[1:] and healthy.nonfinite == []
+
+
+def test_a_broken_output_row_fails_greedy_and_sampled_requests(tmp_path) -> None:
+    """A NaN row of ``lm_head`` (bad weights) puts one NaN logit in every request's row:
+    greedy and sampled requests end with an error instead of emitting a token as if
+    nothing happened."""
+    path = write_tiny_model(tmp_path / "m", vocab_size=256)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["lm_head.weight"][100] = float("nan")
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    llm = _llm(path)
+    for sp in (SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+               SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True),
+               SamplingParams(temperature=0.7, top_p=0.9, max_tokens=6, ignore_eos=True)):
+        out = llm.generate([{"prompt_token_ids": [11, 12, 13]}], sp, use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "error" and list(out.outputs[0].token_ids) == []
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
 def _llm(path) -> LLM:

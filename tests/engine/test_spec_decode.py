@@ -92,6 +92,12 @@ def test_verification_names_requests_whose_kept_tokens_are_not_finite() -> None:
         assert bad == [1], params
         if "seed" not in params:
             assert got[0] == [2] and got[2] == [8]
+        # One NaN logit in the row that scores span 2's only token: its distribution is
+        # NaN everywhere, whatever token a draw then lands on.
+        one = logits.clone()
+        one[6, 3] = float("nan")
+        got, _, bad = verify(one, rows, spans, 10, StagingBuffer("cpu"))
+        assert bad == [1, 2], params
 
 
 def _chi2_p_value(observed: list[int], expected: list[float]) -> float:
