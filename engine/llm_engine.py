@@ -275,8 +275,7 @@ class LLMEngine:
             logger.error("request %s failed: %s", req.group.request_id, why)
             self._finish([req], RequestStatus.FINISHED_ERROR)
             groups[req.group.request_id] = req.group
-        outs = (self.output.make_output(g) for g in groups.values())
-        return [o for o in outs if o is not None]
+        return self.output.outputs_of(groups.values())
 
     def _poll_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar finished compiling join the waiting queue; those whose

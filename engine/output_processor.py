@@ -61,8 +61,13 @@ class OutputProcessor:
                                  s.req.group.request_id)
                 failed.add(id(s.req))
                 self._fail(s.req)
+        return self.outputs_of(touched.values())
+
+    def outputs_of(self, groups: Iterable[RequestGroup]) -> list[RequestOutput]:
+        """The outputs of ``groups`` that changed; a group whose output cannot be built
+        ends with an error (and that is its output)."""
         outs = []
-        for g in touched.values():
+        for g in groups:
             try:
                 o = self.make_output(g)
             except Exception:
