@@ -50,7 +50,7 @@ def verify(logits: torch.Tensor, rows: list[SamplingRow], spans: list[Span],
            ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None], list[int]]:  # fmt: skip
     """Per span, the tokens the request outputs this step (kept drafts, then one more)
     and, where it asked for them, their logprobs (of the raw model distribution); and the
-    spans one of whose output tokens has a NaN or infinite raw logit (the model's numbers
+    spans whose output tokens came from logits that were not finite (the model's numbers
     broke down for that request: its tokens are meaningless). ``staging`` is on the
     logits' device."""
     vocab = min(vocab_size, logits.shape[1])
