@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 
-from engine import frames
+from engine import frames, process_tuning
 from engine.async_engine import AsyncEngine, EngineSnapshot
 from engine.config import EngineConfig
 from engine.parallel.launch import die_with_parent
@@ -108,6 +108,7 @@ async def serve(config: EngineConfig, stdin, stdout) -> None:
     loop = asyncio.get_running_loop()
     out = frames.FrameWriter(stdout, loop)
     engine = await loop.run_in_executor(None, AsyncEngine.from_config, config)
+    process_tuning.freeze_startup_heap()  # as the server does: short full GC passes
     info = engine.info
     out.send(("ready", {
         "model_name": info.model_name, "model_path": info.model_path,
@@ -119,6 +120,7 @@ async def serve(config: EngineConfig, stdin, stdout) -> None:
                      daemon=True).start()  # fmt: skip
     await server.stopped.wait()
     await loop.run_in_executor(None, engine.shutdown)
+    process_tuning.unfreeze_heap()
     out.flush()
 
 

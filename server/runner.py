@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import socket
 
 from aiohttp import web
 
-from engine import AsyncEngine, EngineConfig, envs
+from engine import AsyncEngine, EngineConfig, envs, process_tuning
 from server.app import build_app
 from server.generation import ServerShutdown
 from server.state import ServeOptions, ServerState
@@ -59,10 +58,8 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     else:
         engine = await loop.run_in_executor(None, AsyncEngine.from_config, config)
     # What start-up allocated lives as long as the process: freezing it keeps the
-    # collector's full passes (which hold the GIL, loop included) short when a request
-    # allocates many objects.
-    gc.collect()
-    gc.freeze()
+    # collector's full passes (which hold the GIL, loop included) short.
+    process_tuning.freeze_startup_heap()
     engine.start(loop)
     state = ServerState(engine, options)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
@@ -81,7 +78,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     ready_logger.info("pagedserve ready on %s (model %s)", url_of(sock), ", ".join(state.model_names))
     await stop.wait()
     await _shutdown(state, runner, site)
-    gc.unfreeze()  # collectable again at exit, so extensions' objects are finalized
+    process_tuning.unfreeze_heap()
     if engine.error is not None:
         logger.error("exiting with status 1: the engine thread died (%r)", engine.error)
         return 1
