@@ -8,6 +8,7 @@ request through :meth:`Scheduler.finish_request`, in the same step that produced
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -29,8 +30,8 @@ class OutputProcessor:
         """One token's text decoded alone (cached); logprobs show it."""
         self.groups: dict[str, RequestGroup] = {}
         self._kind: dict[str, str] = {}
-        self._sent: dict[str, list[tuple[int, int]]] = {}
-        """Per user request and choice: (characters, tokens) already streamed."""
+        self._sent: dict[str, list[tuple[int, int, int]]] = {}
+        """Per user request and choice: (characters, tokens, logprobs) already streamed."""
         self.num_generation_tokens_total = 0
         self.finished_by_reason: dict[str, int] = {}
 
@@ -38,7 +39,7 @@ class OutputProcessor:
         rid = group.request_id
         self.groups[rid] = group
         self._kind[rid] = output_kind
-        self._sent[rid] = [(0, 0)] * len(group.members)
+        self._sent[rid] = [(0, 0, 0)] * len(group.members)
 
     def process(self, sampled: Iterable[SampledToken]) -> list[RequestOutput]:
         """Text, stop strings and logprobs of each sampled token; the outputs of the user
@@ -110,23 +111,25 @@ class OutputProcessor:
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
+        match = s.num_output >= req.params.min_tokens
+        if not s.stopped_by_token:
+            # Stop strings end the output only once min_tokens are out (one may begin
+            # before that).
+            self._feed(req, req.detok.decode_next(token), match, s.num_output)
         if s.logprobs is not None:
             lp = s.logprobs
             lp.decoded = self.token_text(lp.token_id)
             for cand in lp.top:
                 cand.decoded = self.token_text(cand.token_id)
             req.logprobs.append(lp)
+            req.logprob_text_ends.append(req.text_fed)
             req.cumulative_logprob += lp.logprob
-        match = s.num_output >= req.params.min_tokens
-        if not s.stopped_by_token:
-            # Stop strings end the output only once min_tokens are out (one may begin
-            # before that).
-            self._feed(req, req.detok.decode_next(token), match, s.num_output)
         if req.status.finished and s.num_output == req.num_output_tokens:
             self._finish_text(req, token, s.stopped_by_token, match)
         self.count_finished(req)
 
     def _feed(self, req: Request, text: str, match: bool, num_output: int) -> None:
+        req.text_fed += len(text)
         emitted, matched = req.stop_checker.feed(text, match=match)
         req.output_text += emitted
         if matched is not None:
@@ -179,13 +182,17 @@ class OutputProcessor:
         outs = []
         for req in group.members:
             text, lps = req.output_text, req.logprobs
-            t0 = i0 = 0
+            # Logprobs go out with their tokens' text: not while the stop checker holds
+            # it back, never for a stop string's tokens.
+            n_lps = 0 if lps is None else bisect.bisect_right(req.logprob_text_ends, len(text))
+            t0 = i0 = l0 = 0
             if kind == OUTPUT_DELTA and sent is not None:
                 # Slice only what is new: a stream costs O(new tokens) per step, not O(all).
-                t0, i0 = sent[req.index]
-                sent[req.index] = (len(text), req.num_output_tokens)
+                t0, i0, l0 = sent[req.index]
+                sent[req.index] = (len(text), req.num_output_tokens, n_lps)
                 text = text[t0:]
-                lps = lps[i0:] if lps is not None else None
+            if lps is not None:
+                lps = lps[l0:n_lps]
             outs.append(CompletionOutput(
                 index=req.index, text=text,
                 token_ids=req.all_token_ids[req.num_prompt_tokens + i0:],

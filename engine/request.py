@@ -80,6 +80,11 @@ class Request:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[TokenLogprobs] | None = None
+    logprob_text_ends: list[int] = field(default_factory=list)
+    """Per entry of ``logprobs``: the length of the text fed to the stop checker once that
+    token's text was in (the entry is output once ``output_text`` is that long)."""
+    text_fed: int = 0
+    """Characters fed to the stop checker so far (the output text and what it holds)."""
     detok: Any = None
     """The output processor's incremental detokenizer."""
     stop_checker: Any = None

@@ -91,6 +91,15 @@ def test_stop_strings_never_appear(llm):
                                                      include_stop_str_in_output=True),
                             use_tqdm=False)[0].outputs[0]
         assert kept.text == text[: text.find(stop) + len(stop)]
+        # Logprobs cover the tokens whose text is out, not the stop string's.
+        with_lp = llm.generate(o.prompt, SamplingParams(temperature=0, max_tokens=24,
+                                                        stop=[stop], logprobs=0),
+                               use_tqdm=False)[0].outputs[0]  # fmt: skip
+        assert with_lp.token_ids == out.token_ids
+        n = len(with_lp.logprobs)
+        assert n < len(with_lp.token_ids)
+        assert [lp.token_id for lp in with_lp.logprobs] == list(with_lp.token_ids[:n])
+        assert out.text.startswith(llm.get_tokenizer().decode(with_lp.token_ids[:n]))
 
 
 def test_output_ending_inside_a_character_keeps_its_text(llm):

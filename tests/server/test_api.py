@@ -83,6 +83,34 @@ def test_stop_string_never_leaks(client):
     assert text == expected and stop not in text
 
 
+COUNT = "1, 2, 3, 4,"  # the default model continues " 5, 6, 7, 8, 9, ..." greedily
+
+
+@pytest.mark.parametrize("stop", ["7, 8", "5, 7"])  # a stop string hit, and one held back
+def test_logprobs_go_out_with_their_text_and_never_for_a_stop_string(client, stop):
+    """Logprobs are the tokens of the text the client gets: a chunk whose text is held
+    back (it may start a stop string) holds back their logprobs too, and a stop string's
+    tokens have none."""
+    kw = dict(model="SmolLM2-135M-Instruct", prompt=COUNT, max_tokens=12, temperature=0,
+              stop=stop, logprobs=0)
+    whole = client.completions.create(**kw).choices[0]
+    assert "".join(whole.logprobs.tokens) == whole.text  # these tokens decode one by one
+    streamed = ""
+    for chunk in client.completions.create(**kw, stream=True):
+        (c,) = chunk.choices
+        tokens = c.logprobs.tokens if c.logprobs is not None else []
+        assert "".join(tokens) == c.text, chunk
+        streamed += c.text
+    assert streamed == whole.text
+    chat = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", max_tokens=60, temperature=0, stop="11, 12",
+        logprobs=True, messages=[{"role": "user", "content": "Count from 1 to 20 separated "
+                                  "by commas, like 1, 2, 3"}])  # fmt: skip
+    assert chat.choices[0].finish_reason == "stop"
+    content = chat.choices[0].message.content
+    assert "".join(t.token for t in chat.choices[0].logprobs.content) == content
+
+
 def test_include_stop_str_and_logit_bias(client, default_tokenizer):
     free = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
                                      max_tokens=24, temperature=0).choices[0].text
