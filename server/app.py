@@ -100,6 +100,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", info.models)
+    app.router.add_get("/v1/models/{model:.+}", info.model)  # served names may hold "/"
     app.router.add_get("/health", info.health)
     app.router.add_get("/metrics", info.metrics)
     app.router.add_get("/version", info.version)

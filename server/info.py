@@ -14,12 +14,22 @@ from server.sse import json_response
 from server.state import STATE_KEY, ServerState
 
 
+def _card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
+            "root": state.info.model_name, "max_model_len": state.max_model_len}
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    return json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
-         "root": state.info.model_name, "max_model_len": state.max_model_len}
-        for name in state.model_names]})
+    return json_response({"object": "list",
+                          "data": [_card(state, name) for name in state.model_names]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """One served model's card (``client.models.retrieve``); an unknown name is a 404
+    naming ``model``."""
+    state = request.app[STATE_KEY]
+    return json_response(_card(state, state.check_model(request.match_info["model"])))
 
 
 async def health(request: web.Request) -> web.Response:

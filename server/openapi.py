@@ -89,6 +89,10 @@ def build_document() -> dict[str, Any]:
             "/tokenize": _post("TokenizeRequest", "prompt or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "token ids to text"),
             "/v1/models": _get("served models"),
+            "/v1/models/{model}": {"get": {
+                **_get("one served model", codes=("401", "404"))["get"],
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string"}}]}},
             "/version": _get("server version"),
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/health": health,

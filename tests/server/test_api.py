@@ -36,6 +36,16 @@ def aclient_factory(server):
                                       max_retries=0)
 
 
+def test_models_list_and_retrieve(client):
+    (card,) = client.models.list().data
+    assert card.id == "SmolLM2-135M-Instruct" and card.object == "model"
+    got = client.models.retrieve("SmolLM2-135M-Instruct")
+    assert got.model_dump() == card.model_dump()
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("org/no-such-model")
+    assert err.value.body["param"] == "model" and "org/no-such-model" in err.value.body["message"]
+
+
 def test_chat_stream_equals_whole(client, default_tokenizer):
     chat_stream_equals_whole(client, default_tokenizer, CHAT)
 

@@ -25,6 +25,7 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1000"))
 """Generated requests per route (positive and negative together)."""
 ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
           ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
+          ("GET", "/v1/models/{model}"),
           ("GET", "/version"), ("GET", "/metrics"), ("GET", "/health"),
           ("GET", "/openapi.json")]
 
