@@ -29,6 +29,9 @@ def messages_to_dicts(messages: list[ChatMessage] | None) -> list[dict[str, Any]
                 f"{', '.join(ROLES)}", "messages")
         content = m.content
         if content is None:
+            if role != "assistant":  # only an assistant turn (its tool calls) may have none
+                raise bad_request(f"messages[{i}].content is required for role {m.role!r}",
+                                  "messages")
             content = ""
         elif isinstance(content, list):
             texts = []

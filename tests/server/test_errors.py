@@ -43,6 +43,8 @@ CASES = {
     "wrong_type_messages": (CHAT, {"messages": "hi"}, 400, "messages"),
     "missing_messages": (CHAT, {"max_tokens": 4}, 400, "messages"),
     "bad_role": (CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages"),
+    "null_user_content": (CHAT, chat(messages=[{"role": "user", "content": None}]), 400,
+                          "messages"),
     "image_part": (CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages"),
     "temperature_range": (CHAT, chat(temperature=-0.5), 400, "temperature"),
