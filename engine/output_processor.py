@@ -112,6 +112,7 @@ class OutputProcessor:
             m.first_token_time = now
         m.last_token_time = now
         match = s.num_output >= req.params.min_tokens
+        start = req.text_fed
         if not s.stopped_by_token:
             # Stop strings end the output only once min_tokens are out (one may begin
             # before that).
@@ -119,6 +120,7 @@ class OutputProcessor:
         if s.logprobs is not None:
             lp = s.logprobs
             lp.decoded = self.token_text(lp.token_id)
+            lp.text_offset = start
             for cand in lp.top:
                 cand.decoded = self.token_text(cand.token_id)
             req.logprobs.append(lp)

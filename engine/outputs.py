@@ -31,6 +31,9 @@ class TokenLogprobs(Mapping[int, Logprob]):
     """The sampled token's rank in the distribution (1 = most likely)."""
     decoded: str | None = None
     """The sampled token's text alone (filled by the engine)."""
+    text_offset: int | None = None
+    """Where the token's text begins in the output text, in characters (filled by the
+    engine; the tokens of one character all begin where it does)."""
 
     def _entries(self) -> dict[int, Logprob]:
         entries = {c.token_id: c for c in self.top}

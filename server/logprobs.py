@@ -82,13 +82,16 @@ def chat_logprobs(entries: list[TokenLogprobs], pieces: TokenPieces) -> list[dic
 class CompletionLogprobs:
     """Builds ``{"tokens","token_logprobs","top_logprobs","text_offset"}`` for one choice.
 
-    ``text_offset`` counts characters from the start of the choice's text (which
-    includes the prompt when echoing); it carries over from one streamed chunk to the next.
+    ``text_offset`` is where each token's text begins in the choice's text (which
+    includes the prompt when echoing), in characters: the engine's offset of the token in
+    the output, after ``start_offset`` characters of echoed prompt. (Without one, the
+    widths of the tokens decoded alone are summed, carried from one streamed chunk to
+    the next.)
     """
 
     def __init__(self, pieces: TokenPieces, start_offset: int = 0) -> None:
         self.pieces = pieces
-        self.offset = start_offset
+        self.start = self.offset = start_offset
 
     def build(self, entries: list[TokenLogprobs]) -> dict:
         tokens: list[str] = []
@@ -102,7 +105,7 @@ class CompletionLogprobs:
             cands = {self.pieces(c.token_id).text: c.logprob for c in e.top}
             cands.setdefault(piece.text, e.logprob)
             top.append(cands)
-            offsets.append(self.offset)
+            offsets.append(self.offset if e.text_offset is None else self.start + e.text_offset)
             self.offset += piece.width
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": offsets}

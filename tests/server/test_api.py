@@ -190,6 +190,23 @@ def test_completion_logprobs_shape(client):
     assert offsets == lp.text_offset
 
 
+def test_completion_text_offsets_index_the_text_past_split_characters(client):
+    """``text_offset`` is where each token's text begins in the text: a character split
+    over several tokens (CJK here) takes one place in the text, not one per token."""
+    kw = dict(model="SmolLM2-135M-Instruct", prompt="Chinese numbers: 一, 二, 三, 四,",
+              max_tokens=12, temperature=0, logprobs=0)
+    out = client.completions.create(**kw).choices[0]
+    text, lp = out.text, out.logprobs
+    assert any(t.startswith("bytes:") for t in lp.tokens)  # some tokens split a character
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    clean = [(t, o) for t, o in zip(lp.tokens, lp.text_offset, strict=True)
+             if not t.startswith("bytes:")]
+    assert clean and all(text[o:o + len(t)] == t for t, o in clean), (text, lp)
+    streamed = [o for c in client.completions.create(**kw, stream=True)
+                if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert streamed == lp.text_offset
+
+
 def test_logprobs_of_part_of_a_character(client, default_tokenizer):
     """A token holding only some bytes of a character: logprobs give its own bytes (not
     U+FFFD's), name it by them, and the text ends with U+FFFD as a full decode does."""
