@@ -116,8 +116,9 @@ def freeze_startup_heap() -> None:
     after a garbage pass: for a process that serves one engine for its lifetime (the
     server, a data-parallel replica), once the engine has started. The collector's full
     passes hold the GIL, engine thread included; over the ~400k objects torch,
-    transformers and the engine leave behind, one took 275 ms (a stall of every stream's
-    next token), against 16 ms over what is allocated after the freeze (BENCHMARKS.md).
+    transformers and the engine leave behind, one took 227-238 ms (a stall of every
+    stream's next token), against 8-13 ms over what is allocated after the freeze
+    (BENCHMARKS.md).
     :func:`unfreeze_heap` at exit."""
     gc.collect()
     gc.freeze()
