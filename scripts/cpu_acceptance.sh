@@ -61,11 +61,13 @@ run throughput_bfloat16.log "$PS" bench throughput --dtype bfloat16 --compare-hf
     --repeat 1 "${REQS[@]}" --save-result "$OUT/throughput_bfloat16.json"
 
 # -- 2. the long decode against its read time ---------------------------------------
+weights() {  # weights float32|gguf: the engine flags of that choice of weights
+    if [ "$1" = gguf ]; then echo --quantization gguf; else echo --dtype float32; fi
+}
 for q in float32 gguf; do
-    args=(--dtype float32)
-    [ $q = gguf ] && args=(--quantization gguf)
+    # shellcheck disable=SC2046  # two words, split on purpose
     run "decode_${LONG}_$q.log" "$PS" bench decode --prompt-len "$LONG" --batch-sizes 1 \
-        --steps "$STEPS" "${args[@]}"
+        --steps "$STEPS" $(weights $q)
 done
 
 # -- 3. side by side with llama.cpp --------------------------------------------------
@@ -117,9 +119,9 @@ else
     echo "no llama-server at $LLAMA: the llama.cpp runs are skipped" >&2
 fi
 for q in gguf float32; do
-    args=(--dtype float32)
-    [ $q = gguf ] && args=(--quantization gguf)
-    start_server "pagedserve_$q" "$PS" serve --port "$PORT" "${args[@]}" && side_by_side "pagedserve_$q"
+    # shellcheck disable=SC2046
+    start_server "pagedserve_$q" "$PS" serve --port "$PORT" $(weights $q) &&
+        side_by_side "pagedserve_$q"
     stop_server
 done
 
