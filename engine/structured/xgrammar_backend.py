@@ -10,7 +10,27 @@ import xgrammar as xgr
 
 from engine.structured.backend import compile_error
 from engine.structured.params import StructuredOutputsParams
-from engine.structured.schema import bounded_strings_as_patterns
+
+# xgrammar (0.2.x) writes a string's minLength / maxLength as a repeat of one rule whose
+# body is this class: raw control characters pass (not JSON) and no escape can be written.
+_BOUNDED_STRING_CHAR = r'(([^\"\\\r\n]))'
+# One character of a JSON string: as it is, or escaped. A \u escape names no surrogate,
+# so each repeat is one character of the decoded string, as minLength / maxLength count.
+_HEX = "[0-9a-fA-F]"
+_JSON_STRING_CHAR = (
+    r'(([^\"\\\0-\x1f]) | ("\\" [\"\\/bfnrt]) | ("\\u" '
+    f'(([0-9a-cA-Ce-fE-F] {_HEX} {_HEX} {_HEX}) | ([dD] [0-7] {_HEX} {_HEX}))))')
+
+
+def bounded_strings_with_escapes(ebnf: str) -> str:
+    """``ebnf`` (xgrammar's printed grammar) with each bounded string's character rule
+    taking any JSON string character, escapes included, and no raw control character."""
+    lines = []
+    for line in ebnf.splitlines():
+        name, sep, body = line.partition(" ::= ")
+        lines.append(f"{name}{sep}{_JSON_STRING_CHAR}" if body == _BOUNDED_STRING_CHAR
+                     else line)
+    return "\n".join(lines)
 
 
 class _Matcher:
@@ -57,9 +77,8 @@ class Backend:
         try:
             kind = spec.kind
             if kind == "json":
-                schema = bounded_strings_as_patterns(json.loads(spec.json))
-                g = c.compile_json_schema(json.dumps(schema, ensure_ascii=False),
-                                          any_whitespace=ws)
+                g = c.compile_grammar(bounded_strings_with_escapes(str(
+                    xgr.Grammar.from_json_schema(spec.json, any_whitespace=ws))))
             elif kind == "json_object":
                 g = c.compile_json_schema('{"type":"object"}', any_whitespace=ws,
                                           strict_mode=False)

@@ -1,20 +1,19 @@
-"""Schema rewrites for the grammar backends: bounded strings hold no raw control
-characters (xgrammar), objects are closed to unnamed properties (llguidance), and both
-backends accept and refuse the same JSON texts."""
+"""What the grammar backends make of a schema: bounded strings hold any JSON string
+character, escapes included, and no raw control character (xgrammar's grammar is mended
+for it); objects are closed to unnamed properties (llguidance's schema is rewritten for
+it); both backends accept and refuse the same JSON texts."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import xgrammar as xgr
 
 from engine.structured import StructuredOutputsParams
 from engine.structured import backend as backend_mod
-from engine.structured.schema import (
-    JSON_UNESCAPED_CHAR,
-    bounded_strings_as_patterns,
-    close_objects,
-)
+from engine.structured import xgrammar_backend as xb
+from engine.structured.schema import close_objects
 
 BOUNDED = {"type": "object", "properties": {
     "s": {"type": "string", "maxLength": 5},
@@ -24,16 +23,15 @@ BOUNDED = {"type": "object", "properties": {
 }, "required": ["s"]}
 
 
-def test_bounded_strings_become_patterns_over_unescaped_characters():
-    out = bounded_strings_as_patterns(BOUNDED)
-    props = out["properties"]
-    assert props["s"] == {"type": "string", "pattern": f"^{JSON_UNESCAPED_CHAR}{{0,5}}$"}
-    assert props["t"]["items"] == {"type": "string", "pattern": f"^{JSON_UNESCAPED_CHAR}{{2,}}$"}
-    assert props["u"]["anyOf"][0]["pattern"] == f"^{JSON_UNESCAPED_CHAR}{{1,3}}$"
-    assert props["p"] == BOUNDED["properties"]["p"]  # its own pattern wins: unchanged
-    assert BOUNDED["properties"]["s"] == {"type": "string", "maxLength": 5}  # not modified
-    bad = {"type": "string", "maxLength": -1}
-    assert bounded_strings_as_patterns(bad) == bad  # left for the backend to refuse
+def test_each_bounded_strings_character_rule_is_mended_in_xgrammars_grammar():
+    printed = str(xgr.Grammar.from_json_schema(json.dumps(BOUNDED), any_whitespace=False))
+    bodies = [line.partition(" ::= ")[2] for line in printed.splitlines()]
+    # s, t's items and u's first member: three rules; p keeps its own pattern.
+    assert bodies.count(xb._BOUNDED_STRING_CHAR) == 3, printed
+    mended = xb.bounded_strings_with_escapes(printed)
+    bodies = [line.partition(" ::= ")[2] for line in mended.splitlines()]
+    assert bodies.count(xb._JSON_STRING_CHAR) == 3 and xb._BOUNDED_STRING_CHAR not in bodies
+    xgr.Grammar.from_ebnf(mended)  # parses (what it accepts: the test below)
 
 
 def test_objects_without_a_word_on_other_properties_are_closed():
@@ -71,6 +69,11 @@ def _accepts(backend, tokenizer, schema, text) -> bool:
     ('{"s": "a\tb"}', False),  # a raw tab inside a JSON string: not JSON
     ('{"s": "a\x01"}', False),
     ('{"s": "a\nb"}', False),
+    ('{"s": "a\\"b\\\\c"}', True),  # escaped quote and backslash: one character each
+    ('{"s": "a\\nb\\t"}', True),
+    ('{"s": "\\"\\"\\"\\"\\""}', True),  # five escaped quotes: five characters
+    ('{"s": "\\"\\"\\"\\"\\"\\""}', False),
+    ('{"s": "a\\qb"}', False),  # not an escape JSON has
     ('{"s": "ab", "t": ["xy", "日本"]}', True),
     ('{"s": "ab", "t": ["x"]}', False),
     ('{"s": "ab", "zz": 1}', False),  # a property the schema does not name
@@ -80,3 +83,14 @@ def test_both_backends_agree_on_bounded_strings_and_closed_objects(
     assert _accepts(backend, default_tokenizer, BOUNDED, text) is ok, text
     if ok:
         json.loads(text)
+
+
+@pytest.mark.parametrize("text, xgrammar_ok, llguidance_ok", [
+    ('{"s": "\\u0001"}', True, True),  # a control character, escaped as it must be
+    ('{"s": "\\u00e9\\/"}', True, False),  # escapes llguidance keeps to their short form
+    ('{"s": "\\ud83d\\ude00"}', False, False),  # one character written as two escapes
+])
+def test_unicode_escapes_in_bounded_strings(
+        backend, default_tokenizer, text, xgrammar_ok, llguidance_ok):
+    ok = xgrammar_ok if backend.name == "xgrammar" else llguidance_ok
+    assert _accepts(backend, default_tokenizer, BOUNDED, text) is ok, text
