@@ -24,13 +24,21 @@ _JSON_STRING_CHAR = (
 
 def bounded_strings_with_escapes(ebnf: str) -> str:
     """``ebnf`` (xgrammar's printed grammar) with each bounded string's character rule
-    taking any JSON string character, escapes included, and no raw control character."""
-    lines = []
+    taking any JSON string character, escapes included, and no raw control character.
+    The character is one rule that they all name (compiled once, not once a string)."""
+    names = {line.partition(" ::= ")[0] for line in ebnf.splitlines()}
+    char = "json_string_char"
+    while char in names:
+        char += "_"
+    lines, mended = [], False
     for line in ebnf.splitlines():
         name, sep, body = line.partition(" ::= ")
-        lines.append(f"{name}{sep}{_JSON_STRING_CHAR}" if body == _BOUNDED_STRING_CHAR
-                     else line)
-    return "\n".join(lines)
+        if body == _BOUNDED_STRING_CHAR:
+            line, mended = f"{name}{sep}(({char}))", True
+        lines.append(line)
+    if not mended:
+        return ebnf
+    return "\n".join([*lines, f"{char} ::= {_JSON_STRING_CHAR}"])
 
 
 class _Matcher:

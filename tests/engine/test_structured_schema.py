@@ -29,8 +29,19 @@ def test_each_bounded_strings_character_rule_is_mended_in_xgrammars_grammar():
     # s, t's items and u's first member: three rules; p keeps its own pattern.
     assert bodies.count(xb._BOUNDED_STRING_CHAR) == 3, printed
     mended = xb.bounded_strings_with_escapes(printed)
-    bodies = [line.partition(" ::= ")[2] for line in mended.splitlines()]
-    assert bodies.count(xb._JSON_STRING_CHAR) == 3 and xb._BOUNDED_STRING_CHAR not in bodies
+    rules = dict(line.split(" ::= ", 1) for line in mended.splitlines())
+    assert list(rules.values()).count("((json_string_char))") == 3
+    assert rules["json_string_char"] == xb._JSON_STRING_CHAR
+    assert xb._BOUNDED_STRING_CHAR not in rules.values()
+    # A schema whose grammar already names the rule keeps its own.
+    taken = printed.rstrip() + "\njson_string_char ::= ((\"x\"))"
+    rules = dict(line.split(" ::= ", 1) for line in
+                 xb.bounded_strings_with_escapes(taken).splitlines())
+    assert rules["json_string_char"] == '(("x"))'
+    assert rules["json_string_char_"] == xb._JSON_STRING_CHAR
+    assert xb.bounded_strings_with_escapes(printed.replace(xb._BOUNDED_STRING_CHAR, "(([a]))")
+                                           ) == printed.replace(xb._BOUNDED_STRING_CHAR,
+                                                                "(([a]))")
     xgr.Grammar.from_ebnf(mended)  # parses (what it accepts: the test below)
 
 
