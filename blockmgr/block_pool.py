@@ -110,6 +110,16 @@ class BlockPool:
         self.keyed[block_id] = 0
         self.num_evictions += 1
 
+    def forget_keys(self, block_ids: Iterable[int]) -> int:
+        """Forget the keys of those of ``block_ids`` that hold one reference (their one
+        holder's alone); returns how many had one."""
+        n = 0
+        for b in block_ids:
+            if self.ref_counts[b] == 1 and self.block_hash[b] is not None:
+                self._evict(b)
+                n += 1
+        return n
+
     def evict_unreferenced(self) -> int:
         """Forget the keys of all free blocks (ref count 0); returns how many."""
         free = [b for b in self.cached.values() if self.ref_counts[b] == 0]

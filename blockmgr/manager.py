@@ -290,11 +290,13 @@ class KVCacheManager:
             logger.debug("fork %s -> %s: shared %s", parent.request_id, cid, shared)
         return n * bs
 
-    def free(self, req: KVRequest) -> None:
+    def free(self, req: KVRequest, *, keep_cached: bool = True) -> None:
         """Release all the request's blocks, tail first; no-op for an unknown request.
 
         A block whose ref count drops to 0 goes to the free-queue tail and keeps its key
-        (stays hittable) until it is taken for new use.
+        (stays hittable) until it is taken for new use. With ``keep_cached=False`` (a
+        request whose KV is not trusted) the blocks no other table holds lose their keys
+        first: no later request hits them.
         """
         rid = req.request_id
         if self._last_lookup is not None and self._last_lookup[0] == rid:
@@ -303,6 +305,8 @@ class KVCacheManager:
         if state is None:
             return
         blocks = state.block_ids
+        if not keep_cached:
+            self.pool.forget_keys(blocks)
         self.pool.release(reversed(blocks))
         self.num_slots_allocated -= len(blocks) * self.block_size
         self.num_slots_filled -= state.num_tokens

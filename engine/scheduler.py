@@ -153,7 +153,9 @@ class Scheduler:
             queue.remove(req)
         except ValueError:
             pass
-        self.kv.free(req)
+        # An errored request's KV is not trusted (non-finite values, a failed step): its
+        # blocks leave the prefix cache.
+        self.kv.free(req, keep_cached=status is not RequestStatus.FINISHED_ERROR)
         self.requests.pop(req.request_id, None)
         if req.runner_knows:
             self._finished_ids.append(req.request_id)

@@ -125,6 +125,25 @@ def test_freed_blocks_stay_hittable_until_reused_lru() -> None:
     assert mgr.get_computed_blocks(c) == (table[:2], 8)
 
 
+def test_an_untrusted_requests_own_blocks_leave_the_cache_shared_ones_stay() -> None:
+    mgr = KVCacheManager(16, BS)
+    a = FakeRequest("a", list(range(9)))  # 2 full blocks cached
+    admit(mgr, a)
+    b = FakeRequest("b", list(range(4)) + [70, 71, 72, 73, 74])  # shares a's first block
+    assert admit(mgr, b)[1] == 4
+    table_a, table_b = list(mgr.get_block_table("a")), list(mgr.get_block_table("b"))
+    assert len(mgr.pool.cached) == 3
+    mgr.free(b, keep_cached=False)  # b's KV is not trusted: its own full block goes
+    mgr.check_invariants()
+    assert mgr.num_free_blocks == 16 - 3
+    assert sorted(mgr.pool.cached.values()) == sorted(table_a[:2])
+    assert mgr.get_computed_blocks(FakeRequest("c", list(b.all_token_ids))) == (table_b[:1], 4)
+    mgr.free(a, keep_cached=False)  # now the shared block is a's alone: it goes too
+    mgr.check_invariants()
+    assert mgr.num_free_blocks == 16 and not mgr.pool.cached
+    assert mgr.get_computed_blocks(FakeRequest("d", list(range(9)))) == ([], 0)
+
+
 def test_reset_prefix_cache() -> None:
     mgr = KVCacheManager(8, BS)
     a = FakeRequest("a", list(range(9)))

@@ -111,6 +111,28 @@ def test_a_request_gone_nan_errors_and_its_batch_mates_are_unharmed(tmp_path) ->
         assert kv.num_free_blocks == kv.num_blocks  # the failed request's blocks too
 
 
+def test_a_failed_requests_blocks_leave_the_prefix_cache(tmp_path) -> None:
+    """Its KV is not trusted: a later request with its prompt must compute it again."""
+    path = write_tiny_model(tmp_path / "m", vocab_size=256)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["model.embed_tokens.weight"][200] = float("nan")
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory_gb=0.05, block_size=16,
+              enable_prefix_caching=True)  # fmt: skip
+    kv = llm.engine.kv
+    healthy, bad = list(range(20, 60)), [21, 200, *range(60, 98)]  # 2 full blocks each
+    sp = SamplingParams(temperature=0.0, max_tokens=1)
+    outs = llm.generate([{"prompt_token_ids": bad}, {"prompt_token_ids": healthy}], sp,
+                        use_tqdm=False)  # fmt: skip
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "length"]
+    assert kv.num_free_blocks == kv.num_blocks
+    assert len(kv.pool.cached) == 2  # the healthy prompt's blocks, none of the failed one's
+    out = llm.generate([{"prompt_token_ids": bad}], sp, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error" and out.num_cached_tokens == 0
+    assert llm.generate([{"prompt_token_ids": healthy}], sp, use_tqdm=False)[0] \
+        .num_cached_tokens == 32
+
+
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3, "disable_by_batch_size": 8}  # fmt: skip
 
