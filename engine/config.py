@@ -19,7 +19,7 @@ from kernels.registry import BACKENDS as ATTENTION_BACKENDS
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "llguidance")
 QUANTIZATIONS = ("gguf", "int8")
 
 
@@ -64,7 +64,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     """N-gram speculative decoding (:class:`engine.spec_config.SpeculativeConfig`; a dict
     or a JSON string of its fields is converted); None = off."""
-    structured_outputs_backend: str = "xgrammar"
+    structured_outputs_backend: str = "auto"
     """Grammar backend of structured outputs: xgrammar or llguidance (the
     ``structured`` extra installs both)."""
 

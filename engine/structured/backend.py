@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from engine.structured.params import StructuredOutputsError, StructuredOutputsParams
+from engine.structured.schema import has_bounded_pattern
 
 BACKENDS = {
     "xgrammar": ("engine.structured.xgrammar_backend", "xgrammar"),
     "llguidance": ("engine.structured.llguidance_backend", "llguidance"),
 }
 """Backend name -> (module, the package it needs)."""
+AUTO = "auto"
+"""xgrammar, and llguidance for what xgrammar does not honour (:func:`choose_backend`)."""
 
 _NATIVE_PREFIX = re.compile(r"^(\[[0-9:]+\] )?\S+\.(cc|cpp|h|rs):\d+: (Check failed: .*? is false: )?")
 
@@ -52,6 +56,8 @@ class GrammarBackend(Protocol):
 
 
 def package_of(name: str) -> str:
+    if name == AUTO:
+        return BACKENDS["xgrammar"][1]
     if name not in BACKENDS:
         raise ValueError(f"structured_outputs_backend={name!r} is invalid: use one of "
                          f"{', '.join(BACKENDS)}")
@@ -72,6 +78,22 @@ def load_backend(name: str, tokenizer: Any, vocab_size: int,
             f"{name!r}), which is not installed: pip install 'pagedserve[structured]'")
     module = importlib.import_module(BACKENDS[name][0])
     return module.Backend(tokenizer, vocab_size, tuple(eos_token_ids))
+
+
+def choose_backend(name: str, spec: StructuredOutputsParams) -> str:
+    """The backend that compiles ``spec``: ``name``; with ``auto``, xgrammar unless
+    ``spec`` is a JSON schema with a string whose length bounds sit beside a pattern
+    (xgrammar would drop the bounds) and llguidance is installed."""
+    if name != AUTO:
+        return name
+    if spec.kind == "json" and is_available("llguidance"):
+        try:
+            schema = json.loads(spec.json)
+        except ValueError:
+            schema = None  # the backend reports it
+        if has_bounded_pattern(schema):
+            return "llguidance"
+    return "xgrammar"
 
 
 def compile_error(spec: StructuredOutputsParams, exc: BaseException) -> StructuredOutputsError:

@@ -16,7 +16,15 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from engine.structured.backend import Grammar, GrammarBackend, Matcher, is_available, load_backend
+from engine.structured.backend import (
+    AUTO,
+    Grammar,
+    GrammarBackend,
+    Matcher,
+    choose_backend,
+    is_available,
+    load_backend,
+)
 from engine.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("engine.structured")
@@ -32,18 +40,21 @@ class StructuredOutputManager:
             logger.warning("structured outputs backend %r is not installed: requests with "
                            "structured outputs will be refused", backend)
         self._args = (tokenizer, vocab_size, tuple(eos_token_ids))
-        self._backend: GrammarBackend | None = None
+        self._backends: dict[str, GrammarBackend] = {}
         self._backend_lock = threading.Lock()
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future[Grammar]] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
         self.num_compiles = 0
 
-    def backend(self) -> GrammarBackend:
+    def backend(self, name: str | None = None) -> GrammarBackend:
+        """The backend ``name`` (by default the configured one; xgrammar for ``auto``),
+        loaded on first use."""
+        name = name or ("xgrammar" if self.backend_name == AUTO else self.backend_name)
         with self._backend_lock:
-            if self._backend is None:
-                self._backend = load_backend(self.backend_name, *self._args)
-            return self._backend
+            if name not in self._backends:
+                self._backends[name] = load_backend(name, *self._args)
+            return self._backends[name]
 
     def submit(self, spec: StructuredOutputsParams) -> Future[Grammar]:
         """The (cached) compile of ``spec``; its exception is a
@@ -62,7 +73,7 @@ class StructuredOutputManager:
 
     def _compile(self, spec: StructuredOutputsParams) -> Grammar:
         self.num_compiles += 1
-        return self.backend().compile(spec)
+        return self.backend(choose_backend(self.backend_name, spec)).compile(spec)
 
     def matcher(self, spec: StructuredOutputsParams) -> Matcher:
         """A new matcher of a compiled spec (blocks if it is still compiling)."""

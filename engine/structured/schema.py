@@ -4,8 +4,10 @@ llguidance leaves objects open to properties the schema does not name; xgrammar'
 default (strict) does not. :func:`close_objects` gives llguidance the same outputs by
 making ``additionalProperties`` false where the schema leaves it unsaid. (xgrammar's
 bounded strings are mended in its grammar: ``xgrammar_backend.bounded_strings_with_escapes``.)
+:func:`has_bounded_pattern` finds what xgrammar does not honour (the ``auto`` backend
+gives such a schema to llguidance).
 
-It returns a new schema; the input is not modified. Torch-free.
+Rewrites return a new schema; the input is not modified. Torch-free.
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ def map_subschemas(schema: Any, fn: Rewrite, in_all_of: bool = False) -> Any:
             v = map_subschemas(v, fn)
         out[k] = v
     return fn(out, in_all_of)
+
+
+def has_bounded_pattern(schema: Any) -> bool:
+    """Whether a string of ``schema`` has a ``pattern`` and ``minLength`` / ``maxLength``
+    (xgrammar 0.2.x keeps the pattern and drops the bounds)."""
+    found = []
+
+    def look(s: dict, _in_all_of: bool) -> dict:
+        if "pattern" in s and ("minLength" in s or "maxLength" in s):
+            found.append(s)
+        return s
+
+    map_subschemas(schema, look)
+    return bool(found)
 
 
 def _closed_object(s: dict, in_all_of: bool) -> dict:

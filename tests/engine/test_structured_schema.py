@@ -6,6 +6,7 @@ it); both backends accept and refuse the same JSON texts."""
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import xgrammar as xgr
@@ -13,7 +14,9 @@ import xgrammar as xgr
 from engine.structured import StructuredOutputsParams
 from engine.structured import backend as backend_mod
 from engine.structured import xgrammar_backend as xb
-from engine.structured.schema import close_objects
+from engine.structured.backend import choose_backend
+from engine.structured.manager import StructuredOutputManager
+from engine.structured.schema import close_objects, has_bounded_pattern
 
 BOUNDED = {"type": "object", "properties": {
     "s": {"type": "string", "maxLength": 5},
@@ -105,3 +108,30 @@ def test_unicode_escapes_in_bounded_strings(
         backend, default_tokenizer, text, xgrammar_ok, llguidance_ok):
     ok = xgrammar_ok if backend.name == "xgrammar" else llguidance_ok
     assert _accepts(backend, default_tokenizer, BOUNDED, text) is ok, text
+
+
+S = StructuredOutputsParams
+PATTERN_WITH_BOUNDS = {"type": "object", "properties": {
+    "p": {"type": "string", "minLength": 2, "maxLength": 4, "pattern": "^[a-z]+$"}},
+    "required": ["p"]}
+
+
+def test_auto_gives_llguidance_the_bounds_xgrammar_would_drop(default_tokenizer):
+    assert has_bounded_pattern(BOUNDED) and has_bounded_pattern(PATTERN_WITH_BOUNDS)
+    plain = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}}
+    assert not has_bounded_pattern(plain)
+    assert choose_backend("auto", S(json=PATTERN_WITH_BOUNDS)) == "llguidance"
+    assert choose_backend("auto", S(json=plain)) == "xgrammar"
+    assert choose_backend("auto", S(regex="[a-z]{2,4}")) == "xgrammar"
+    assert choose_backend("xgrammar", S(json=PATTERN_WITH_BOUNDS)) == "xgrammar"
+    tok = default_tokenizer
+    mgr = StructuredOutputManager("auto", tok, 49152, (tok.eos_token_id,))
+    compiled = types.SimpleNamespace(compile=lambda spec: mgr.submit(spec).result())
+    try:
+        for text, ok in [('{"p": "abcd"}', True), ('{"p": "abcdefgh"}', False),
+                         ('{"p": "a"}', False), ('{"p": "AB"}', False)]:
+            assert _accepts(compiled, tok, PATTERN_WITH_BOUNDS, text) is ok, text
+        assert _accepts(compiled, tok, plain, '{"s": "a\\"b"}')  # xgrammar's escapes
+        assert sorted(mgr._backends) == ["llguidance", "xgrammar"]
+    finally:
+        mgr.shutdown()
