@@ -97,7 +97,7 @@ class LLMEngine:
             eos_token_ids=tuple(w.eos_token_ids), max_num_seqs=config.max_num_seqs,
             limits=self.limits)  # fmt: skip
         """What front ends read of the engine."""
-        self.output = OutputProcessor(self.scheduler, self.token_text)
+        self.output = OutputProcessor(self.scheduler, self.token_text, self.tokenizer)
         self.eos_token_ids = w.eos_token_ids
         self.vocab_size = w.vocab_size
         self._counter = itertools.count()
@@ -163,6 +163,8 @@ class LLMEngine:
                 "this engine was started with (speculative_config)")
         now = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), params, now)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = []
         for i in range(params.n):
             req = Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
@@ -252,6 +254,8 @@ class LLMEngine:
                 self.output.count_finished(req)
             return [self.output.make_output(g, force=True) for g in groups.values()]
         t2 = time.perf_counter()
+        if result is not None and result.prompt_logprobs:  # before a request finishes
+            self.output.add_prompt_logprobs(result.prompt_logprobs)
         sampled = self.scheduler.update_from_output(sched, result)
         outputs = failed + self.output.process(sampled)
         if result is not None and result.errors:

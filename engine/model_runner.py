@@ -19,8 +19,9 @@ import torch
 from engine import rejection_sampler
 from engine.models import DecoderForCausalLM
 from engine.ngram_proposer import NgramProposer
+from engine.outputs import TokenLogprobs
 from engine.rejection_sampler import Span
-from engine.sampler import Sampler, SamplingRow, make_generator
+from engine.sampler import Sampler, SamplingRow, make_generator, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
@@ -40,6 +41,8 @@ NONFINITE = ("the model's logits were NaN or infinite (at the chosen token, or a
              "sampled distribution): its numbers overflowed or broke down for this request "
              "(a float16 KV cache past 65,504, or bad weights)")
 """Why a request whose sampled row was not finite ends with an error."""
+PROMPT_LOGPROB_ROWS = 256
+"""Prompt rows whose logits are computed at once (each a vocabulary of float32)."""
 i64, i32 = torch.int64, torch.int32
 
 
@@ -56,6 +59,9 @@ class CachedRequestState:
     matcher: Matcher | None = None
     """Structured outputs: advanced once per sampled token (recomputing a preempted
     request samples nothing, so it never advances twice)."""
+    prompt_logprobs_done: int = 0
+    """Prompt positions whose next token's logprob was reported (recomputing a preempted
+    request reports none twice)."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -100,6 +106,8 @@ class ModelRunner:
         self.block_rows = BlockTableRows(max_blocks_per_seq, device)
         self.decode_graphs: DecodeGraphRunner | None = None
         """Set on CUDA (``engine.cuda_graphs``): runs decode-only steps as CUDA graphs."""
+        self._prompt_lp: set[str] = set()
+        """Requests whose prompt logprobs are not all reported yet."""
 
     def instrument(self, wrap: Callable[[AttentionBackend], AttentionBackend] | None) -> None:
         """Run the layers through ``wrap(backend)`` from the next step on (an object of the
@@ -111,6 +119,7 @@ class ModelRunner:
         """Bring the per-request state up to date with the step's description."""
         for rid in sched.finished_req_ids:
             self.requests.pop(rid, None)
+            self._prompt_lp.discard(rid)
             self.block_rows.release(rid)
             self.sampler.release(rid)
         for rid in sched.preempted_req_ids:
@@ -119,6 +128,9 @@ class ModelRunner:
             self.requests[rid].block_ids = []
             self.block_rows.release(rid)
         for new in sched.new_requests:
+            if (new.params is not None and new.params.prompt_logprobs is not None
+                    and new.sample_index == 0):
+                self._prompt_lp.add(new.req_id)  # siblings share the first one's
             self.requests[new.req_id] = CachedRequestState(
                 prompt_token_ids=new.prompt_token_ids,
                 all_token_ids=[*new.prompt_token_ids, *new.output_token_ids],
@@ -226,7 +238,7 @@ class ModelRunner:
         slots_a = np.concatenate([np.asarray(one_slot, dtype=np.int64), *chunk_slots])
         graph_step = self._stage_for_graphs(input_ids, positions, slots_a, qsl, seq_lens, rows,
                                             logits_idx, flat_idx, new_ids, num_decodes,
-                                            sampling_ids, drafts_of)  # fmt: skip
+                                            sampling_ids, drafts_of, order)  # fmt: skip
         if graph_step is not None:
             return graph_step
         ids_t, pos_t, slot_t, qsl_t, lens_t, logit_t, rows_t, idx_t, vals_t = self.staging.stage(
@@ -241,10 +253,11 @@ class ModelRunner:
             max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
         )  # fmt: skip
         return StepInputs(input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logit_t,
-                          sampling_ids=sampling_ids, drafts=drafts_of)  # fmt: skip
+                          sampling_ids=sampling_ids, drafts=drafts_of,
+                          scheduled=order)  # fmt: skip
 
     def _stage_for_graphs(self, input_ids, positions, slots, qsl, seq_lens, rows, logits_idx,
-                          flat_idx, new_ids, num_decodes, sampling_ids, drafts_of,
+                          flat_idx, new_ids, num_decodes, sampling_ids, drafts_of, order,
                           ) -> StepInputs | None:  # fmt: skip
         """A decode step the CUDA graphs replay, staged straight into their static
         buffers in the one copy (rows padded to every buffer row; the block table
@@ -271,7 +284,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens)  # fmt: skip
         return StepInputs(input_ids=bufs.input_ids[:n], positions=bufs.positions[:n],
                           meta=meta, logits_indices=logit_t, sampling_ids=sampling_ids,
-                          drafts=drafts_of, graph_batch=batch)  # fmt: skip
+                          drafts=drafts_of, scheduled=order, graph_batch=batch)  # fmt: skip
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -284,8 +297,10 @@ class ModelRunner:
             self.attn.prepare(step.meta, self.block_size)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
                                 self.attn)
+        prompt_lps = self._prompt_logprobs(step, hidden) if self._prompt_lp else {}
         if not step.sampling_ids:
-            return None
+            return ModelRunnerOutput([], [], [], prompt_logprobs=prompt_lps) \
+                if prompt_lps else None
         logits = self.model.compute_logits(hidden[step.logits_indices], self.attn.ops)
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return None
@@ -300,7 +315,50 @@ class ModelRunner:
             errors = {step.sampling_ids[i]: NONFINITE for i in out.nonfinite}
             self._advance_matchers(step.sampling_ids, tokens, skip=errors)
         return ModelRunnerOutput(step.sampling_ids, tokens, logprobs,
-                                 self._propose(step.sampling_ids, tokens), errors)
+                                 self._propose(step.sampling_ids, tokens), errors, prompt_lps)
+
+    def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,
+                         ) -> dict[str, list[TokenLogprobs]]:  # fmt: skip
+        """The logprobs of the prompt tokens this step's rows predict, per request that
+        asks for them (each position once, in order). Every tensor-parallel rank computes
+        the same rows' logits (their gather is collective); rank 0 reports them."""
+        qsl = step.meta.query_start_loc_cpu
+        rows: list[int] = []
+        spans: list[tuple[str, int, int, int]] = []  # request, first position, count, k
+        for i, (rid, n) in enumerate(step.scheduled):
+            if rid not in self._prompt_lp:
+                continue
+            state = self.requests[rid]
+            last = len(state.prompt_token_ids) - 1  # the last position predicts an output
+            start = state.num_computed_tokens
+            lo, hi = max(start, state.prompt_logprobs_done), min(start + n, last)
+            if lo < hi:
+                rows.extend(range(qsl[i] + lo - start, qsl[i] + hi - start))
+                spans.append((rid, lo, hi - lo, state.params.prompt_logprobs))
+                state.prompt_logprobs_done = hi
+            if state.prompt_logprobs_done >= last:
+                self._prompt_lp.discard(rid)
+        if not rows:
+            return {}
+        targets = [t for rid, lo, cnt, _ in spans
+                   for t in self.requests[rid].prompt_token_ids[lo + 1:lo + 1 + cnt]]
+        ks = [k for _, _, cnt, k in spans for _ in range(cnt)]
+        entries: list[TokenLogprobs] = []
+        for a in range(0, len(rows), PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] memory
+            idx = torch.tensor(rows[a:a + PROMPT_LOGPROB_ROWS], device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx), self.attn.ops)
+            if logits is None:  # a tensor-parallel rank other than 0
+                continue
+            tok = targets[a:a + PROMPT_LOGPROB_ROWS]
+            entries += token_logprobs(logits[:, :self.vocab_size], tok,
+                                      torch.tensor(tok, device=logits.device),
+                                      ks[a:a + PROMPT_LOGPROB_ROWS])  # fmt: skip
+        if not self.samples:
+            return {}
+        out, j = {}, 0
+        for rid, _, cnt, _ in spans:
+            out[rid], j = entries[j:j + cnt], j + cnt
+        return out
 
     def _row(self, rid: str, drafts: list[int] = ()) -> SamplingRow:
         """A request's sampling state, with ``drafts`` taken as already output."""

@@ -12,8 +12,10 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.request import Request, RequestGroup, RequestStatus
 from engine.scheduler import SampledToken, Scheduler
 
@@ -24,8 +26,11 @@ OUTPUT_DELTA = "delta"
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, token_text: Callable[[int], str]) -> None:
+    def __init__(self, scheduler: Scheduler, token_text: Callable[[int], str],
+                 tokenizer: Any = None) -> None:
         self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        """Decodes prompts whose logprobs were asked for (their tokens' offsets)."""
         self.token_text = token_text
         """One token's text decoded alone (cached); logprobs show it."""
         self.groups: dict[str, RequestGroup] = {}
@@ -63,6 +68,30 @@ class OutputProcessor:
                 failed.add(id(s.req))
                 self._fail(s.req)
         return self.outputs_of(touched.values())
+
+    def add_prompt_logprobs(self, entries: dict[str, list[TokenLogprobs]]) -> None:
+        """A step's prompt logprobs, to their user requests; once a prompt's are all in,
+        each entry's text and where it begins in the prompt's text (as ``echo`` decodes
+        the prompt: special tokens kept)."""
+        for rid, lps in entries.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.group.prompt_logprobs is None:
+                continue
+            group = req.group
+            group.prompt_logprobs += lps
+            if len(group.prompt_logprobs) == len(group.prompt_token_ids) - 1:
+                self._describe_prompt_logprobs(group)
+
+    def _describe_prompt_logprobs(self, group: RequestGroup) -> None:
+        ids = group.prompt_token_ids
+        detok = IncrementalDetokenizer(self.tokenizer, [], skip_special_tokens=False)
+        offset = len(detok.decode_next(ids[0]))
+        for token, lp in zip(ids[1:], group.prompt_logprobs, strict=True):
+            lp.decoded = self.token_text(lp.token_id)
+            lp.text_offset = offset
+            for cand in lp.top:
+                cand.decoded = self.token_text(cand.token_id)
+            offset += len(detok.decode_next(token))
 
     def outputs_of(self, groups: Iterable[RequestGroup]) -> list[RequestOutput]:
         """The outputs of ``groups`` that changed; a group whose output cannot be built
@@ -174,6 +203,19 @@ class OutputProcessor:
             reason = req.finish_reason or "error"
             self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
 
+    @staticmethod
+    def _prompt_logprobs_of(group: RequestGroup, kind: str) -> list | None:
+        """``[None, entry, ...]`` (the first prompt token has none) once every entry is
+        in; a stream carries them once."""
+        lps = group.prompt_logprobs
+        if lps is None or len(lps) < len(group.prompt_token_ids) - 1:
+            return None
+        if kind == OUTPUT_DELTA:
+            if group.prompt_logprobs_sent:
+                return None
+            group.prompt_logprobs_sent = True
+        return [None, *lps]
+
     def make_output(self, group: RequestGroup, force: bool = False) -> RequestOutput | None:
         rid = group.request_id
         kind = self._kind.get(rid, OUTPUT_FINAL)
@@ -206,6 +248,7 @@ class OutputProcessor:
             request_id=rid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=outs, finished=finished, metrics=first.metrics,
             num_cached_tokens=max(first.num_cached_tokens, 0), error=group.error,
+            prompt_logprobs=self._prompt_logprobs_of(group, kind),
         )  # fmt: skip
         if finished:
             self.groups.pop(rid, None)

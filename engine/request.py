@@ -52,6 +52,10 @@ class RequestGroup:
     members: list[Request] = field(default_factory=list)
     error: Exception | None = None
     """Why the request failed before it ran (a grammar that did not compile)."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """When asked for: an entry per prompt token after the first, as they are computed."""
+    prompt_logprobs_sent: bool = False
+    """A streamed request's prompt logprobs went out (with its first output after them)."""
 
     @property
     def finished(self) -> bool:

@@ -326,16 +326,25 @@ def logprobs_of(raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int],
         lp, chosen_t = raw.float(), tokens_t
     else:
         lp, chosen_t = raw.index_select(0, want).float(), tokens_t.index_select(0, want)
-    lp = torch.log_softmax(lp, dim=-1)
-    chosen = lp.gather(1, chosen_t.unsqueeze(1).to(torch.int64))
-    kmax = max(rows[i].params.logprobs or 0 for i in sel)
+    entries = token_logprobs(lp, [tokens[i] for i in sel], chosen_t,
+                             [rows[i].params.logprobs or 0 for i in sel])
+    for j, i in enumerate(sel):
+        out[i] = entries[j]
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], tokens_t: torch.Tensor,
+                   ks: list[int]) -> list[TokenLogprobs]:
+    """Per row of ``logits`` (float32): the log-probability of ``tokens[j]`` (also
+    ``tokens_t`` on the device), its rank, and the ``ks[j]`` most likely candidates."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(1, tokens_t.unsqueeze(1).to(torch.int64))
+    kmax = max(ks, default=0)
     chosen_l = chosen.squeeze(1).tolist()
     ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
     if kmax:
         top = lp.topk(kmax, dim=-1)
         top_v, top_i = top.values.tolist(), top.indices.tolist()
-    for j, i in enumerate(sel):
-        k = rows[i].params.logprobs or 0
-        cands = [Logprob(top_i[j][r], top_v[j][r], r + 1) for r in range(k)] if k else []
-        out[i] = TokenLogprobs(tokens[i], chosen_l[j], cands, ranks[j])
-    return out
+    return [TokenLogprobs(tokens[j], chosen_l[j],
+                          [Logprob(top_i[j][r], top_v[j][r], r + 1) for r in range(k)],
+                          ranks[j]) for j, k in enumerate(ks)]  # fmt: skip

@@ -58,7 +58,9 @@ class SamplingParams:
     logprobs: int | None = None
     """Number of top logprobs per sampled token (0 = only the sampled one)."""
     prompt_logprobs: int | None = None
-    """Not supported: anything but None is refused."""
+    """Number of top logprobs per prompt token (0 = only the prompt token's own); each
+    prompt token's logprob given the tokens before it. A request asking for them reads
+    nothing from the prefix cache (every prompt token is computed)."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -131,9 +133,11 @@ class SamplingParams:
         if self.logprobs is not None and (not is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise _err("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
-        if self.prompt_logprobs is not None:
+        if self.prompt_logprobs is not None and (
+                not is_int(self.prompt_logprobs)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise _err("prompt_logprobs", self.prompt_logprobs,
-                       "prompt logprobs are not supported by this engine (leave it None)")
+                       f"must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):

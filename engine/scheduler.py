@@ -52,6 +52,9 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     """Requests whose step went wrong, and why: their tokens are not appended and the
     engine ends them with an error."""
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    """Per request asking for prompt logprobs: a ``TokenLogprobs`` for each prompt token
+    this step's rows predicted, in order."""
 
 
 @dataclass(slots=True)
@@ -224,7 +227,9 @@ class Scheduler:
             req = self.waiting[0]
             computed_blocks: list[int] = []
             num_cached = 0
-            if req.num_computed_tokens == 0:
+            # Prompt logprobs need every prompt token computed (the first sibling's).
+            whole = req.index == 0 and req.params.prompt_logprobs is not None
+            if req.num_computed_tokens == 0 and not whole:
                 computed_blocks, num_cached = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_cached
             if not self.enable_chunked_prefill and num_new > budget:
@@ -233,7 +238,7 @@ class Scheduler:
             num_needed = cdiv(num_cached + num_new, kv.block_size) - len(computed_blocks)
             if kv.num_free_blocks - num_needed < self.num_watermark_blocks and self.running:
                 break
-            forked = 0 if computed_blocks else self._fork_from_sibling(req, scheduled)
+            forked = 0 if computed_blocks or whole else self._fork_from_sibling(req, scheduled)
             if forked:
                 num_cached = req.num_computed_tokens = forked
                 num_new = min(req.num_tokens - forked, budget)

@@ -21,6 +21,8 @@ class StepInputs:
     verifying drafts, one logit row per draft and one more)."""
     drafts: list[list[int]] = field(default_factory=list)
     """Per sampling request, the drafts it verifies (most often none)."""
+    scheduled: list[tuple[str, int]] = field(default_factory=list)
+    """``(request id, tokens)`` in the order of the step's rows (decodes first)."""
     graph_batch: int | None = None
     """Set when the step was staged straight into the decode graphs' static buffers:
     the captured batch size its rows are padded to."""

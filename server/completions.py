@@ -1,15 +1,19 @@
 """``POST /v1/completions``: every prompt is its own set of ``n`` choices.
 
-Choice ``index`` = ``prompt_index * n + i``.
+Choice ``index`` = ``prompt_index * n + i``. With ``echo`` a choice's text begins with its
+prompt, and with ``logprobs`` too its logprobs begin with the prompt's tokens (the first
+has none); ``echo`` with ``max_tokens=0`` gives the prompt back and generates nothing.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from aiohttp import web
 
+from engine import CompletionOutput
 from server.errors import APIError
 from server.generation import (
     ChoiceTally,
@@ -22,7 +26,7 @@ from server.generation import (
 )
 from server.logprobs import CompletionLogprobs, merge_completion_logprobs
 from server.param_names import COMPLETIONS
-from server.params import completion_params
+from server.params import completion_params, echo_only
 from server.prompts import completion_prompts, echo_texts
 from server.protocol import CompletionRequest, read_request
 from server.sse import DONE, event, json_response, open_stream, send_error_and_done
@@ -38,6 +42,7 @@ class _Ctx:
     n: int
     prompts: list[Prompt]
     echo_texts: list[str] | None
+    echo_only: bool
     want_logprobs: bool
     include_usage: bool
 
@@ -63,7 +68,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo = await echo_texts(state, prompts) if req.echo else None
     ctx = _Ctx(
         id=f"cmpl-{random_id()}", created=int(time.time()), model=model, n=params.n,
-        prompts=prompts, echo_texts=echo, want_logprobs=req.logprobs is not None,
+        prompts=prompts, echo_texts=echo, echo_only=echo_only(req),
+        want_logprobs=req.logprobs is not None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage))
     async with Generation(state, prompts, params, COMPLETIONS, arrival) as gen:
         if req.stream:
@@ -89,8 +95,24 @@ def _logprob_builders(state: ServerState, ctx: _Ctx) -> list[CompletionLogprobs]
 
 
 def _usage(ctx: _Ctx, tally: ChoiceTally) -> dict:
-    return usage_dict(sum(len(p.token_ids) for p in ctx.prompts), tally.completion_tokens,
-                      tally.cached_tokens)
+    return usage_dict(sum(len(p.token_ids) for p in ctx.prompts),
+                      0 if ctx.echo_only else tally.completion_tokens, tally.cached_tokens)
+
+
+def _shown(ctx: _Ctx, c: CompletionOutput) -> CompletionOutput:
+    """What a choice shows of an engine output: with ``echo_only`` nothing generated, and
+    it ends ``length`` (no token was asked for)."""
+    if not ctx.echo_only:
+        return c
+    return CompletionOutput(c.index, "", [], None, None,
+                            None if c.finish_reason is None else "length")
+
+
+def _prompt_logprobs(ctx: _Ctx, tally: ChoiceTally, builders: list[CompletionLogprobs],
+                     pidx: int) -> dict:
+    """The echoed prompt's logprob columns (the same for each of its ``n`` choices)."""
+    return builders[pidx * ctx.n].build_prompt(ctx.prompts[pidx].token_ids[0],
+                                               tally.prompt_logprobs[pidx][1:])
 
 
 async def _stream(request: web.Request, state: ServerState, gen: Generation,
@@ -98,21 +120,30 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
     resp = await open_stream(request)
     builders = _logprob_builders(state, ctx)
     tally = ChoiceTally()
+    # Echo with logprobs: a prompt's echo goes out with its logprobs once they are in
+    # (held: what its choices produce before that, e.g. a sibling served from the cache).
+    held: dict[int, list[bytes]] | None = None
     try:
-        if ctx.echo_texts:
-            await resp.write(b"".join(
-                _chunk(ctx, [{"index": k, "text": ctx.echo_texts[k // ctx.n],
-                              "logprobs": None, "finish_reason": None}])
-                for k in range(ctx.num_choices)))
+        if ctx.echo_texts and builders is not None:
+            held = {p: [] for p in range(len(ctx.prompts))}
+        elif ctx.echo_texts:
+            await resp.write(b"".join(_echo_chunks(ctx, range(len(ctx.prompts)))))
         async for updates in choice_updates(gen, ctx.n, tally):
             frames = []
+            if held is not None:
+                for pidx in sorted(held.keys() & tally.prompt_logprobs.keys()):
+                    frames += _echo_chunks(ctx, [pidx],
+                                           _prompt_logprobs(ctx, tally, builders, pidx))
+                    frames += held.pop(pidx)
             for k, c in updates:
+                c = _shown(ctx, c)
                 has_lp = builders is not None and bool(c.logprobs)
                 if not c.text and c.finish_reason is None and not has_lp:
                     continue
-                frames.append(_chunk(ctx, [with_finish({
+                frame = _chunk(ctx, [with_finish({
                     "index": k, "text": c.text,
-                    "logprobs": builders[k].build(c.logprobs) if has_lp else None}, c)]))
+                    "logprobs": builders[k].build(c.logprobs) if has_lp else None}, c)])
+                (held[k // ctx.n] if held and k // ctx.n in held else frames).append(frame)
             if frames:
                 await resp.write(b"".join(frames))
         if ctx.include_usage:
@@ -123,6 +154,13 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
     except ConnectionResetError:
         pass  # the client went away; leaving the Generation aborts the request
     return resp
+
+
+def _echo_chunks(ctx: _Ctx, prompt_indices: Iterable[int],
+                 logprobs: dict | None = None) -> list[bytes]:
+    return [_chunk(ctx, [{"index": p * ctx.n + i, "text": ctx.echo_texts[p],
+                          "logprobs": logprobs, "finish_reason": None}])
+            for p in prompt_indices for i in range(ctx.n)]
 
 
 async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response:
@@ -136,11 +174,15 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
     tally = ChoiceTally()
     async for updates in choice_updates(gen, ctx.n, tally):
         for k, c in updates:
+            c = _shown(ctx, c)
             texts[k].append(c.text)
             if builders is not None and c.logprobs:
                 lps[k].append(builders[k].build(c.logprobs))
             reasons[k] = c.finish_reason
             stop_reasons[k] = c.stop_reason
+    if builders is not None and ctx.echo_texts:
+        for k in range(m):
+            lps[k].insert(0, _prompt_logprobs(ctx, tally, builders, k // ctx.n))
     choices = [{"index": k, "text": "".join(texts[k]),
                 "logprobs": merge_completion_logprobs(lps[k]) if builders is not None else None,
                 "finish_reason": reasons[k], "stop_reason": stop_reasons[k]}

@@ -120,6 +120,8 @@ class ChoiceTally:
     completion_tokens: int = 0
     cached: dict[int, int] = field(default_factory=dict)
     """Prompt index -> cached prompt tokens."""
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)
+    """Prompt index -> the engine's prompt logprobs (``[None, entry, ...]``), once in."""
 
     @property
     def cached_tokens(self) -> int:
@@ -135,6 +137,8 @@ async def choice_updates(
     finished: set[int] = set()
     async for pidx, out in gen:
         tally.cached[pidx] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            tally.prompt_logprobs[pidx] = out.prompt_logprobs
         updates = []
         for c in out.outputs:
             k = pidx * n + c.index

@@ -95,8 +95,8 @@ class CompletionLogprobs:
 
     def build(self, entries: list[TokenLogprobs]) -> dict:
         tokens: list[str] = []
-        token_logprobs: list[float] = []
-        top: list[dict[str, float]] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
         offsets: list[int] = []
         for e in entries:
             piece = self.pieces(e.token_id)
@@ -109,6 +109,17 @@ class CompletionLogprobs:
             self.offset += piece.width
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": offsets}
+
+    def build_prompt(self, first_token: int, entries: list[TokenLogprobs]) -> dict:
+        """The columns of an echoed prompt (``entries``: the engine's prompt logprobs
+        after the first token, which has none: ``null`` in ``token_logprobs`` and
+        ``top_logprobs``); offsets from the start of the prompt's text."""
+        cols = CompletionLogprobs(self.pieces).build(entries)
+        cols["tokens"].insert(0, self.pieces(first_token).text)
+        cols["token_logprobs"].insert(0, None)
+        cols["top_logprobs"].insert(0, None)
+        cols["text_offset"].insert(0, 0)
+        return cols
 
 
 def merge_completion_logprobs(parts: list[dict]) -> dict | None:

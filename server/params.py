@@ -80,6 +80,12 @@ def chat_params(req: ChatCompletionRequest, structured: StructuredOutputsParams 
     return _build(kw, route), route
 
 
+def echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens=0``: the prompt (and its logprobs) back, nothing
+    generated (how evaluation harnesses score a text)."""
+    return bool(req.echo) and req.max_tokens == 0
+
+
 def completion_params(req: CompletionRequest,
                       structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Sampling parameters of a completions request (``max_tokens`` defaults to 16)."""
@@ -88,13 +94,13 @@ def completion_params(req: CompletionRequest,
                           "suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("best_of different from n is not supported", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request(
-            "echo with logprobs needs prompt logprobs, which this server does not compute",
-            "echo")
     kw = _common(req)
     kw["max_tokens"] = (req.max_tokens if req.max_tokens is not None
                         else COMPLETION_DEFAULT_MAX_TOKENS)
+    if echo_only(req):
+        kw["max_tokens"] = 1  # one token is generated and not shown
     kw["logprobs"] = req.logprobs
+    if req.echo and req.logprobs is not None:
+        kw["prompt_logprobs"] = req.logprobs  # the echoed prompt's tokens get theirs
     kw["structured_outputs"] = structured
     return _build(kw, COMPLETIONS)

@@ -234,8 +234,10 @@ def _abandon_groups() -> None:
 
 def for_workers(sched: SchedulerOutput) -> SchedulerOutput:
     """``sched`` as the other ranks need it: their runners sample nothing, so the new
-    requests travel without their sampling parameters."""
+    requests travel without their sampling parameters (but those asking for prompt
+    logprobs: every rank computes those rows' logits)."""
     if not sched.new_requests:
         return sched
     return dataclasses.replace(sched, new_requests=[
-        dataclasses.replace(r, params=None) for r in sched.new_requests])
+        r if r.params.prompt_logprobs is not None else dataclasses.replace(r, params=None)
+        for r in sched.new_requests])  # fmt: skip

@@ -236,7 +236,8 @@ def test_chat_template(llm):
     ({"stop_token_ids": 5}, "stop_token_ids"),
     ({"logit_bias": {5.7: 1.0}}, "logit_bias"),
     ({"logit_bias": {True: 1.0}}, "logit_bias"),
-    ({"prompt_logprobs": 2}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": True}, "prompt_logprobs"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"skip_special_tokens": None}, "skip_special_tokens"),
 ])

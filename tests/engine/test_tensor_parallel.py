@@ -79,6 +79,31 @@ def test_tp2_equals_tp1(arch, tiny_model_factory):
             assert max(abs(a - b) for (_, a), (_, b) in zip(g, w, strict=True)) < 1e-4
 
 
+def test_tp2_prompt_logprobs_equal_tp1(tiny_model_factory):
+    """Every rank computes the prompt rows' logits (their gather is collective); rank 0
+    reports them. Every other request asks for them, beside ones that do not."""
+    path = str(tiny_model_factory("llama"))
+    sps = [SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2 if i % 2 else None)
+           for i in range(16)]  # fmt: skip
+
+    def prompt_logprobs(llm):
+        outs = llm.generate(prompts(), sps, use_tqdm=False)
+        return [None if o.prompt_logprobs is None else
+                [(e.token_id, e.logprob, [c.token_id for c in e.top])
+                 for e in o.prompt_logprobs[1:]] for o in outs]  # fmt: skip
+
+    with LLM(path, **ENGINE) as one:
+        want = prompt_logprobs(one)
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as two:
+        got = prompt_logprobs(two)
+        assert two.engine.kv.stats().num_free_blocks == two.engine.kv.num_blocks
+    assert [g is None for g in got] == [i % 2 == 0 for i in range(16)]
+    for g, w in zip(got, want, strict=True):
+        if g is not None:
+            assert [(t, c) for t, _, c in g] == [(t, c) for t, _, c in w]
+            assert max(abs(a - b) for (_, a, _), (_, b, _) in zip(g, w, strict=True)) < 1e-4
+
+
 def test_tp2_on_the_padded_decode_buffers_equals_tp1(tiny_model_factory, monkeypatch):
     """The CUDA graph path's inputs under tensor parallel, run eagerly: every rank pads
     the same decode steps to the same captured sizes (their collectives match), and the

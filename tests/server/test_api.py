@@ -10,6 +10,7 @@ import openai
 import pytest
 import requests
 
+from tests.helpers.hf import PROMPT_LOGPROB_TOL, hf_prompt_logprobs
 from tests.helpers.server import ServerProcess, sse_events
 from tests.helpers.server_checks import chat_prompt_len, chat_stream_equals_whole
 
@@ -319,3 +320,59 @@ def test_metrics_exposition(server, client):
                  "pagedserve:e2e_request_latency_seconds_bucket",
                  "pagedserve:request_queue_time_seconds_bucket"):
         assert name in text, name
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, default_model_path, default_tokenizer):
+    """How evaluation harnesses score a text: the prompt's tokens each with its logprob
+    given those before it (the first has none), then what was generated."""
+    tok = default_tokenizer
+    ids = tok.encode(PROMPT)
+    p = len(ids)
+    (chosen, _, top_v, _), = hf_prompt_logprobs(default_model_path, [ids], 2)
+    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=1,
+                                    temperature=0, echo=True, logprobs=2)
+    c = out.choices[0]
+    lp = c.logprobs
+    assert c.text.startswith(PROMPT) and len(lp.tokens) == p + 1
+    assert lp.tokens[:p] == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, p):
+        assert abs(lp.token_logprobs[i] - chosen[i - 1]) < PROMPT_LOGPROB_TOL
+        best = max(lp.top_logprobs[i].values())
+        assert abs(best - top_v[i - 1][0]) < PROMPT_LOGPROB_TOL
+        assert lp.tokens[i] in lp.top_logprobs[i] and 2 <= len(lp.top_logprobs[i]) <= 3
+    assert lp.text_offset == [len(tok.decode(ids[:i])) for i in range(p)] + [len(PROMPT)]
+    assert out.usage.prompt_tokens == p and out.usage.completion_tokens == 1
+    # max_tokens=0: the prompt and its logprobs back, nothing generated.
+    only = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                     max_tokens=0, temperature=0, echo=True, logprobs=2)
+    assert only.choices[0].text == PROMPT and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:p]
+    assert only.choices[0].logprobs.text_offset == lp.text_offset[:p]
+    assert only.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as err:  # nothing to give back
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"
+
+
+def test_echo_with_logprobs_streamed_equals_whole(server):
+    body = {"prompt": [PROMPT, "Hi there"], "max_tokens": 4, "temperature": 0, "n": 2,
+            "echo": True, "logprobs": 1}
+    whole = requests.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    _, raw = asyncio.run(_raw_stream(server.url + "/v1/completions", {**body, "stream": True}))
+    events = sse_events(raw)
+    assert events[-1] == b"[DONE]"
+    texts: dict[int, list[str]] = {}
+    cols: dict[int, dict[str, list]] = {}
+    for e in events[:-1]:
+        (ch,) = json.loads(e)["choices"]
+        k = ch["index"]
+        if k not in texts:  # each choice opens with its prompt and the prompt's logprobs
+            assert ch["text"] == [PROMPT, "Hi there"][k // 2]
+            assert ch["logprobs"]["token_logprobs"][0] is None
+        texts.setdefault(k, []).append(ch["text"])
+        for name, v in ch["logprobs"].items():
+            cols.setdefault(k, {}).setdefault(name, []).extend(v)
+    for ch in whole["choices"]:
+        k = ch["index"]
+        assert "".join(texts[k]) == ch["text"] and cols[k] == ch["logprobs"]
