@@ -17,7 +17,7 @@ BENCHMARKS: list[tuple[str, str, str]] = [
      "prefix caching on/off on a shared-prefix and a zero-reuse workload"),
     ("decode", "loadtest.decode_bench",
      "decode latency per step at a few batch sizes, bytes read against the read bandwidth"),
-    ("serve", "loadtest.serve_bench",
+    ("serve", "loadtest.serve_bench_cli",
      "online serving: streaming requests at a running server (TTFT, TPOT, ITL, throughput)"),
     ("soak", "loadtest.soak",
      "a long run of mixed traffic, disconnects, bad requests and bursts; what leaked"),

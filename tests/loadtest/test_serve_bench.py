@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from loadtest import serve_bench as sb
+from loadtest import serve_bench_cli as sbc
 from loadtest.datasets import (
     GROUNDED_TASKS,
     SampleRequest,
@@ -258,7 +259,7 @@ def _cli(argv: list[str]) -> argparse.Namespace:
 
 def test_cli_registration_and_defaults() -> None:
     a = _cli(["bench", "serve"])
-    assert a._bench_main is sb.main
+    assert a._bench_main is sbc.main
     assert a.endpoint == "/v1/completions" and math.isinf(a.request_rate)
     assert a.dataset == "random" and a.max_concurrency is None and a.strict_streams
     a = _cli(["bench", "serve", "--sweep", "1,8,32", "--request-rate", "4",
@@ -275,7 +276,7 @@ def test_main_sweep_saves_json_and_plot(fake_server: str, tmp_path: Path, capsys
     args = _cli(["bench", "serve", "--base-url", fake_server, "--num-prompts", "6",
                  "--random-input-len", "8", "--random-output-len", "3", "--sweep", "1,2",
                  "--save-result", str(out), "--check-metrics", "--fail-on-error"])
-    reports = sb.main(args)
+    reports = sbc.main(args)
     assert [r["max_concurrency"] for r in reports] == [1, 2]
     saved = json.loads(out.read_text())
     assert [r["successful_requests"] for r in saved] == [6, 6]
@@ -291,7 +292,7 @@ def test_main_conversation_chat(fake_server: str, tmp_path: Path) -> None:
                  "--endpoint", "/v1/chat/completions", "--num-prompts", "5",
                  "--conversation-output-len", "4", "--max-concurrency", "2",
                  "--save-result", str(tmp_path / "r.json"), "--save-detailed"])
-    r = sb.main(args)
+    r = sbc.main(args)
     assert r["successful_requests"] == 5 and r["total_output_tokens"] == 20
     assert len(json.loads((tmp_path / "r.json").read_text())["requests"]) == 5
 
@@ -306,7 +307,7 @@ def test_main_names_bad_arguments_and_an_unreachable_server() -> None:
                           (["--port", str(unused_tcp_port), "--num-prompts", "1"],
                            "could not read the model name")):
         with pytest.raises(SystemExit) as e:
-            sb.main(_cli(["bench", "serve", *argv]))
+            sbc.main(_cli(["bench", "serve", *argv]))
         assert str(e.value).startswith("error: ") and message in str(e.value)
 
 
