@@ -39,12 +39,11 @@ for _path in (ROOT, ROOT / "scripts"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+import gpu_bandwidth  # noqa: E402  (scripts/gpu_bandwidth.py: the decode-attention part)
 import gpu_gate  # noqa: E402  (scripts/gpu_gate.py: the bf16 gate part)
+from random_models import model_config, write_random_model  # noqa: E402
 
 logger = logging.getLogger("gpu_check")
-
-H200_PEAK_TBS = 4.8
-"""HBM3e bandwidth of the H200 by its datasheet, TB/s."""
 
 
 class DryRunStop(Exception):
@@ -65,88 +64,7 @@ def emit(summary: str | None, line: str) -> None:
             f.write(line + "\n")
 
 
-# -- random models -------------------------------------------------------------------------
-def synthetic_tokenizer(vocab_size: int):
-    """A word-level tokenizer over ``w3 .. w{V-1}`` with ``<unk> <s> </s>`` = 0, 1, 2."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="</s>")  # fmt: skip
-
-
-def model_config(preset: str):
-    """HF config of a preset: ``llama``/``qwen2``/``qwen3`` (tiny, as the CPU equivalence
-    tests) or ``llama-1b`` (Llama-3.2-1B's shape, for the throughput bench)."""
-    import transformers
-
-    tiny = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=2,
-    )  # fmt: skip
-    if preset == "llama":
-        return transformers.LlamaConfig(
-            **tiny, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
-                                     "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 256})  # fmt: skip
-    if preset == "qwen2":
-        return transformers.Qwen2Config(**tiny, rope_theta=10000.0)
-    if preset == "qwen3":
-        return transformers.Qwen3Config(**tiny, head_dim=32, rope_theta=10000.0)
-    if preset == "llama-1b":
-        return transformers.LlamaConfig(
-            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-            num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-            max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True,
-            bos_token_id=1, eos_token_id=2, pad_token_id=2,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        )  # fmt: skip
-    raise ValueError(f"unknown preset {preset!r}")
-
-
-def write_random_model(out: Path, preset: str, std: float, seed: int = 0,
-                       device: str = "cpu", save_dtype: str = "float32",
-                       cfg: Any = None) -> Path:  # fmt: skip
-    """Random weights (matrices ~ N(0, std), norms ~ 1 + N(0, 0.05), biases ~ N(0, 0.05))
-    drawn on ``device``, saved as one safetensors file with the config and tokenizer
-    (``cfg``: an HF config instead of the preset's)."""
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-
-    cfg = model_config(preset) if cfg is None else cfg
-    with torch.device("meta"):
-        meta_model = transformers.AutoModelForCausalLM.from_config(cfg)
-    shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
-    del meta_model
-    gen = torch.Generator(device=device).manual_seed(seed)
-    dtype = getattr(torch, save_dtype)
-    tensors = {}
-    for name, shape in shapes.items():
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-        if len(shape) > 1:
-            x *= std
-        elif name.endswith("bias"):
-            x *= 0.05
-        else:
-            x = 1.0 + 0.05 * x
-        tensors[name] = x.to(dtype).cpu().contiguous()
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg.save_pretrained(out)
-    synthetic_tokenizer(cfg.vocab_size).save_pretrained(out)
-    return out
-
-
+# -- random models (scripts/random_models.py) ----------------------------------------------
 def cmd_make_model(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cfg = model_config(args.preset)
@@ -328,109 +246,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-# -- decode attention bandwidth ------------------------------------------------------------
-BW_CASES = [
-    # (batch, context, Hq, Hkv, head_dim, block_size)
-    (64, 4096, 32, 8, 128, 16),
-    (256, 1024, 32, 8, 128, 16),
-    (8, 32768, 32, 8, 128, 16),
-    (128, 2048, 9, 3, 64, 16),
-]
-CPU_CASES = [(2, 80, 4, 2, 32, 16)]
-
-
-def _paged_case(batch: int, ctx: int, hq: int, hkv: int, d: int, bs: int, dtype, device: str,
-                seed: int = 0):  # fmt: skip
-    import torch
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    nb_per = -(-ctx // bs)
-    num_blocks = batch * nb_per + 1
-    perm = torch.randperm(num_blocks - 1, generator=gen, device=device) + 1
-    tables = perm.view(batch, nb_per).to(torch.int32)
-    k = torch.randn(num_blocks, bs, hkv, d, generator=gen, device=device).to(dtype)
-    v = torch.randn(num_blocks, bs, hkv, d, generator=gen, device=device).to(dtype)
-    q = torch.randn(batch, hq, d, generator=gen, device=device).to(dtype)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    return q, k, v, tables, seq_lens
-
-
-def _copy_bandwidth(device: str) -> float:
-    """Device-to-device copy of 2 GiB, bytes read + written per second (TB/s)."""
-    import torch
-    from triton.testing import do_bench
-
-    n = 2**30 // 2
-    a = torch.empty(n, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-
-    def copy() -> None:
-        b.copy_(a)
-
-    ms = do_bench(copy, warmup=5, rep=50, return_mode="median")
-    return 2 * n * 4 / (ms * 1e-3) / 1e12
-
-
-def cmd_bandwidth(args: argparse.Namespace) -> int:
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-    import torch
-
-    from kernels import torch_ref
-    from kernels.triton.decode import choose_num_splits, device_num_sms, paged_decode_attention
-
-    device = args.device
-    dtype = getattr(torch, args.dtype if device == "cuda" else "float32")
-    cases = BW_CASES if device == "cuda" else CPU_CASES
-    failed = 0
-    before_cuda(args, f"{len(cases)} {str(dtype)[6:]} decode cases on {device}")
-    # Correctness of the measured kernel on a reduced case first.
-    q, k, v, bt, sl = _paged_case(3, 700, 8, 2, 64, 16, dtype, device)
-    sl = torch.tensor([700, 33, 512], dtype=torch.int32, device=device)
-    scale = 64**-0.5
-    ref = torch_ref.paged_decode_attention(q, k, v, bt, sl, scale)
-    out = paged_decode_attention(q, k, v, bt, sl, scale, max_seq_len=700)
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    ok = torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol)
-    failed += not ok
-    emit(args.summary, f"bandwidth: kernel vs torch reference {'PASS' if ok else 'FAIL'} "
-                       f"(max err {(out.float() - ref.float()).abs().max().item():.2e})")  # fmt: skip
-    if device == "cuda":
-        copy_tbs = _copy_bandwidth(device)
-        emit(args.summary, f"bandwidth: device copy {copy_tbs:.2f} TB/s "
-                           f"({100 * copy_tbs / H200_PEAK_TBS:.0f}% of {H200_PEAK_TBS} TB/s)")  # fmt: skip
-    for batch, ctx, hq, hkv, d, bs in cases:
-        q, k, v, bt, sl = _paged_case(batch, ctx, hq, hkv, d, bs, dtype, device)
-        out = torch.empty_like(q)
-        splits = choose_num_splits(batch, hkv, ctx, device_num_sms(torch.device(device)))
-
-        def run(q=q, k=k, v=v, bt=bt, sl=sl, out=out, ctx=ctx, d=d) -> None:
-            paged_decode_attention(q, k, v, bt, sl, d**-0.5, max_seq_len=ctx, out=out)
-
-        if device == "cuda":
-            from triton.testing import do_bench
-
-            ms = do_bench(run, warmup=25, rep=100, return_mode="median")
-        else:
-            run()
-            t0 = time.perf_counter()
-            run()
-            ms = 1e3 * (time.perf_counter() - t0)
-        elem = q.element_size()
-        kv_bytes = batch * ctx * hkv * d * 2 * elem
-        other = 2 * q.numel() * elem + bt.numel() * 4 + sl.numel() * 4
-        tbs = (kv_bytes + other) / (ms * 1e-3) / 1e12
-        what = (f"{100 * tbs / H200_PEAK_TBS:5.1f}% of {H200_PEAK_TBS} TB/s"
-                if device == "cuda" else "interpreted: not a measurement")  # fmt: skip
-        emit(args.summary,
-             f"bandwidth: B={batch:3d} ctx={ctx:5d} Hq/Hkv={hq}/{hkv} D={d} {str(dtype)[6:]} "
-             f"splits={splits:2d}: {ms * 1e3:8.1f} us, "
-             f"{kv_bytes / 2**20:7.1f} MiB K/V, {tbs:.3f} TB/s ({what})")  # fmt: skip
-        del q, k, v, bt, sl, out
-        gc.collect()
-    return 1 if failed else 0
-
-
 # -- CLI -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -478,8 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "gate":
             return gpu_gate.cmd_gate(args, before_cuda, emit, lambda out, cfg: write_random_model(
                 out, "llama", 0.15, save_dtype="bfloat16", cfg=cfg))  # fmt: skip
-        return {"make-model": cmd_make_model, "hf-equivalence": cmd_hf_equivalence,
-                "bandwidth": cmd_bandwidth}[args.cmd](args)  # fmt: skip
+        if args.cmd == "bandwidth":
+            return gpu_bandwidth.cmd_bandwidth(args, before_cuda, emit)
+        return {"make-model": cmd_make_model,
+                "hf-equivalence": cmd_hf_equivalence}[args.cmd](args)  # fmt: skip
     except DryRunStop as stop:
         emit(args.summary, f"dry run: {args.cmd} set up; stopped before the first CUDA "
                            f"call ({stop})")  # fmt: skip
