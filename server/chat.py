@@ -17,7 +17,7 @@ from server.generation import (
     usage_dict,
     with_finish,
 )
-from server.logprobs import chat_logprobs
+from server.logprobs import chat_logprobs, prompt_logprobs_json
 from server.params import chat_params
 from server.prompts import chat_prompt
 from server.protocol import ChatCompletionRequest, read_request
@@ -36,6 +36,7 @@ class _Ctx:
     n: int
     prompt_tokens: int
     want_logprobs: bool
+    want_prompt_logprobs: bool
     include_usage: bool
     tools: ToolPlan
 
@@ -69,6 +70,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = _Ctx(
         id=f"chatcmpl-{random_id()}", created=int(time.time()), model=model, n=params.n,
         prompt_tokens=len(prompt.token_ids), want_logprobs=bool(req.logprobs),
+        want_prompt_logprobs=req.prompt_logprobs is not None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         tools=tools)
     async with Generation(state, [prompt], params, route, arrival) as gen:
@@ -179,7 +181,10 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
                 "logprobs": _lp(state, ctx, lps[i]),
                 "finish_reason": _reason(parsers[i], reasons[i]),
                 "stop_reason": stop_reasons[i]} for i in range(ctx.n)]
-    return json_response({
+    body = {
         "id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
         "choices": choices,
-        "usage": usage_dict(ctx.prompt_tokens, tally.completion_tokens, tally.cached_tokens)})
+        "usage": usage_dict(ctx.prompt_tokens, tally.completion_tokens, tally.cached_tokens)}
+    if ctx.want_prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs_json(tally.prompt_logprobs[0])
+    return json_response(body)

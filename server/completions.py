@@ -24,7 +24,11 @@ from server.generation import (
     usage_dict,
     with_finish,
 )
-from server.logprobs import CompletionLogprobs, merge_completion_logprobs
+from server.logprobs import (
+    CompletionLogprobs,
+    merge_completion_logprobs,
+    prompt_logprobs_json,
+)
 from server.param_names import COMPLETIONS
 from server.params import completion_params, echo_only
 from server.prompts import completion_prompts, echo_texts
@@ -44,6 +48,7 @@ class _Ctx:
     echo_texts: list[str] | None
     echo_only: bool
     want_logprobs: bool
+    want_prompt_logprobs: bool
     include_usage: bool
 
     @property
@@ -70,6 +75,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         id=f"cmpl-{random_id()}", created=int(time.time()), model=model, n=params.n,
         prompts=prompts, echo_texts=echo, echo_only=echo_only(req),
         want_logprobs=req.logprobs is not None,
+        want_prompt_logprobs=req.prompt_logprobs is not None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage))
     async with Generation(state, prompts, params, COMPLETIONS, arrival) as gen:
         if req.stream:
@@ -187,6 +193,9 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
                 "logprobs": merge_completion_logprobs(lps[k]) if builders is not None else None,
                 "finish_reason": reasons[k], "stop_reason": stop_reasons[k]}
                for k in range(m)]
+    if ctx.want_prompt_logprobs:
+        for k, choice in enumerate(choices):
+            choice["prompt_logprobs"] = prompt_logprobs_json(tally.prompt_logprobs[k // ctx.n])
     return json_response({
         "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
         "choices": choices, "usage": _usage(ctx, tally)})

@@ -122,6 +122,15 @@ class CompletionLogprobs:
         return cols
 
 
+def prompt_logprobs_json(entries: list[TokenLogprobs | None]) -> list[dict | None]:
+    """The engine's prompt logprobs as vLLM's ``prompt_logprobs``: per prompt token,
+    ``null`` for the first, else ``{token id: {"logprob", "rank", "decoded_token"}}`` over
+    the prompt token and its most likely candidates."""
+    return [None if e is None else
+            {str(tid): {"logprob": c.logprob, "rank": c.rank, "decoded_token": c.decoded}
+             for tid, c in e.items()} for e in entries]  # fmt: skip
+
+
 def merge_completion_logprobs(parts: list[dict]) -> dict | None:
     """Concatenate the per-step column dicts of one choice."""
     if not parts:

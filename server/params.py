@@ -35,6 +35,11 @@ def _common(req: _Sampling) -> dict[str, Any]:
     }
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise bad_request("prompt_logprobs is not available with stream=true",
+                              "prompt_logprobs")
+        kw["prompt_logprobs"] = req.prompt_logprobs
     return kw
 
 
@@ -100,7 +105,7 @@ def completion_params(req: CompletionRequest,
     if echo_only(req):
         kw["max_tokens"] = 1  # one token is generated and not shown
     kw["logprobs"] = req.logprobs
-    if req.echo and req.logprobs is not None:
-        kw["prompt_logprobs"] = req.logprobs  # the echoed prompt's tokens get theirs
+    if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get theirs
+        kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     kw["structured_outputs"] = structured
     return _build(kw, COMPLETIONS)

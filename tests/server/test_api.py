@@ -376,3 +376,33 @@ def test_echo_with_logprobs_streamed_equals_whole(server):
     for ch in whole["choices"]:
         k = ch["index"]
         assert "".join(texts[k]) == ch["text"] and cols[k] == ch["logprobs"]
+
+
+def test_prompt_logprobs_field_on_both_routes(server, default_model_path, default_tokenizer):
+    """vLLM's ``prompt_logprobs``: per prompt token null for the first, else {token id:
+    {logprob, rank, decoded_token}} over the prompt token and its top candidates."""
+    ids = default_tokenizer.encode(PROMPT)
+    (chosen, ranks, top_v, top_i), = hf_prompt_logprobs(default_model_path, [ids], 1)
+    url = server.url + "/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1, "n": 2}
+    out = requests.post(url, json=body, timeout=60).json()
+    assert out["choices"][0]["prompt_logprobs"] == out["choices"][1]["prompt_logprobs"]
+    plp = out["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for i, entry in enumerate(plp[1:]):
+        mine = entry[str(ids[i + 1])]
+        assert abs(mine["logprob"] - chosen[i]) < PROMPT_LOGPROB_TOL
+        assert ranks[i][0] <= mine["rank"] <= ranks[i][1]
+        assert mine["decoded_token"] == default_tokenizer.decode([ids[i + 1]])
+        best = min(entry.values(), key=lambda c: c["rank"])
+        assert best["rank"] == 1 and abs(best["logprob"] - top_v[i][0]) < PROMPT_LOGPROB_TOL
+        assert len(entry) in (1, 2)
+    chat = requests.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": CHAT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat_prompt_len(default_tokenizer, CHAT)
+    assert chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # 0: the token's own
+    r = requests.post(url, json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    r = requests.post(url, json={**body, "prompt_logprobs": 21}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
