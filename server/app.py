@@ -13,6 +13,7 @@ from aiohttp import web
 from server import info, playground
 from server.chat import chat_completions
 from server.completions import completions
+from server.cors import Cors
 from server.errors import APIError, timed_out
 from server.openapi import openapi
 from server.sse import STREAM_KEY, send_error_and_done
@@ -93,9 +94,14 @@ async def inflight_middleware(request: web.Request, handler: Handler) -> web.Str
 
 
 def build_app(state: ServerState) -> web.Application:
+    origins = state.options.allowed_origins
+    cors = Cors(origins) if origins else None
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware, inflight_middleware],
+        middlewares=[*([cors.middleware] if cors else []), error_middleware, auth_middleware,
+                     inflight_middleware],
         client_max_size=state.options.max_body_bytes)
+    if cors is not None:
+        app.on_response_prepare.append(cors.on_response_prepare)
     app[STATE_KEY] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

@@ -37,3 +37,6 @@ class ServeOptions:
     tool_call_parser: str | None = None
     chat_template: str | None = None
     """A chat template (its text) used instead of the tokenizer's."""
+    allowed_origins: tuple[str, ...] = ("*",)
+    """Origins whose pages may call the API from a browser (CORS); ``*`` any, none: no
+    CORS headers (:mod:`server.cors`)."""

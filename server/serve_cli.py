@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from engine import envs
+from server.cors import parse_origins
 from server.engine_args import add_engine_args, config_from_args
 from server.options import ServeOptions
 
@@ -87,6 +88,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the tokenizer's "
                         "(e.g. one that renders tools)")
+    s.add_argument("--allowed-origins", default="*", metavar="ORIGINS",
+                   help="origins whose pages may call the API from a browser (CORS), "
+                        "comma-separated (https://app.example.com,http://localhost:3000); "
+                        "'*' any, '' none (default: %(default)s)")
     s.add_argument("--data-parallel-size", type=int, default=1, metavar="M",
                    help="engine replicas, each its own process with its own KV cache, on "
                         "its share of the cores; requests go to the least loaded (or to "
@@ -152,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             raise SystemExit(f"error: --chat-template {args.chat_template}: {e}") from None
     try:
+        origins = parse_origins(args.allowed_origins)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    try:
         config = config_from_args(args)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
@@ -165,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         chat_template=template,
+        allowed_origins=origins,
         keep_alive_timeout=args.keep_alive_timeout,
         body_timeout=args.body_timeout,
         request_timeout=args.request_timeout,

@@ -112,3 +112,11 @@ def test_exposed_without_key_warns(caplog):
         warn_if_exposed(ServeOptions(host="0.0.0.0"))
     (rec,) = caplog.records
     assert "0.0.0.0 without an API key" in rec.getMessage()
+
+
+def test_allowed_origins_flag():
+    from server.serve_cli import run
+
+    assert _parse().allowed_origins == "*"
+    with pytest.raises(SystemExit, match="'example.com' is not an origin"):
+        run(_parse("--allowed-origins", "https://a.example,example.com"))
