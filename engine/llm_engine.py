@@ -255,9 +255,11 @@ class LLMEngine:
             return [self.output.make_output(g, force=True) for g in groups.values()]
         t2 = time.perf_counter()
         if result is not None and result.prompt_logprobs:  # before a request finishes
-            self.output.add_prompt_logprobs(result.prompt_logprobs)
+            failed += self.output.add_prompt_logprobs(result.prompt_logprobs)
         sampled = self.scheduler.update_from_output(sched, result)
         outputs = failed + self.output.process(sampled)
+        if self.scheduler.ended_without_tokens:
+            outputs += self._ended_without_tokens()
         if result is not None and result.errors:
             outputs += self._fail_rows(result.errors)
         counts = sched.num_scheduled_tokens.values()
@@ -266,6 +268,13 @@ class LLMEngine:
             0 if result is None else len(result.req_ids), t1 - t0, t2 - t1,
             time.perf_counter() - t2)  # fmt: skip
         return outputs
+
+    def _ended_without_tokens(self) -> list[RequestOutput]:
+        """The outputs of the requests with ``max_tokens=0`` whose prompts were computed."""
+        reqs, self.scheduler.ended_without_tokens = self.scheduler.ended_without_tokens, []
+        for req in reqs:
+            self.output.count_finished(req)
+        return self.output.outputs_of({r.group.request_id: r.group for r in reqs}.values())
 
     def _fail_rows(self, errors: dict[str, str]) -> list[RequestOutput]:
         """End the requests whose step went wrong (the model side says why) with an error;

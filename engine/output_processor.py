@@ -69,10 +69,13 @@ class OutputProcessor:
                 self._fail(s.req)
         return self.outputs_of(touched.values())
 
-    def add_prompt_logprobs(self, entries: dict[str, list[TokenLogprobs]]) -> None:
+    def add_prompt_logprobs(self, entries: dict[str, list[TokenLogprobs]],
+                            ) -> list[RequestOutput]:  # fmt: skip
         """A step's prompt logprobs, to their user requests; once a prompt's are all in,
-        each entry's text and where it begins in the prompt's text (as ``echo`` decodes
-        the prompt: special tokens kept)."""
+        each entry's text and where it begins in the prompt's text (the prompt's tokens
+        decoded, special tokens kept). A request whose entries cannot be described ends
+        with an error: its final output is returned."""
+        failed = []
         for rid, lps in entries.items():
             req = self.scheduler.requests.get(rid)
             if req is None or req.group.prompt_logprobs is None:
@@ -80,7 +83,13 @@ class OutputProcessor:
             group = req.group
             group.prompt_logprobs += lps
             if len(group.prompt_logprobs) == len(group.prompt_token_ids) - 1:
-                self._describe_prompt_logprobs(group)
+                try:
+                    self._describe_prompt_logprobs(group)
+                except Exception:
+                    logger.exception("describing the prompt logprobs of %s failed; failing "
+                                     "it", group.request_id)  # fmt: skip
+                    failed.append(self._error_output(group))
+        return failed
 
     def _describe_prompt_logprobs(self, group: RequestGroup) -> None:
         ids = group.prompt_token_ids

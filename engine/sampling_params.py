@@ -53,7 +53,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
-    """None = up to the end of the context."""
+    """None = up to the end of the context; 0 = compute the prompt, generate nothing
+    (with ``prompt_logprobs``: score a text)."""
     min_tokens: int = 0
     logprobs: int | None = None
     """Number of top logprobs per sampled token (0 = only the sampled one)."""
@@ -124,8 +125,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0:
                 raise _err("stop_token_ids", t, "must be non-negative integers")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise _err("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
+            raise _err("max_tokens", self.max_tokens, "must be an integer >= 0")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise _err("min_tokens", self.min_tokens, "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

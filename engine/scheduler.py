@@ -111,6 +111,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec = speculative_config
         self.spec_stats = SpecStats()
+        self.ended_without_tokens: list[Request] = []
+        """Requests with ``max_tokens=0`` that ended once their prompt was computed (the
+        engine reports them; no token of theirs was appended)."""
         self._finished_ids: list[str] = []
         """Finished since the last schedule(): the model side drops their state."""
 
@@ -227,8 +230,10 @@ class Scheduler:
             req = self.waiting[0]
             computed_blocks: list[int] = []
             num_cached = 0
-            # Prompt logprobs need every prompt token computed (the first sibling's).
-            whole = req.index == 0 and req.params.prompt_logprobs is not None
+            # Prompt logprobs need every prompt token computed (the first sibling's), until
+            # they are all in (a request preempted after that may hit the cache).
+            lps = req.group.prompt_logprobs
+            whole = req.index == 0 and lps is not None and len(lps) < req.num_prompt_tokens - 1
             if req.num_computed_tokens == 0 and not whole:
                 computed_blocks, num_cached = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_cached
@@ -346,6 +351,10 @@ class Scheduler:
 
     def _append(self, req: Request, tokens: list[int], logprobs: list | None,
                 appended: list[SampledToken]) -> None:
+        if req.max_tokens == 0:  # the prompt is computed; nothing is to be generated
+            self.finish_request(req, RequestStatus.FINISHED_LENGTH)
+            self.ended_without_tokens.append(req)
+            return
         for j, token in enumerate(tokens):
             req.all_token_ids.append(token)
             status = self._check_stop_token(req, token)

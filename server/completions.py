@@ -2,7 +2,8 @@
 
 Choice ``index`` = ``prompt_index * n + i``. With ``echo`` a choice's text begins with its
 prompt, and with ``logprobs`` too its logprobs begin with the prompt's tokens (the first
-has none); ``echo`` with ``max_tokens=0`` gives the prompt back and generates nothing.
+has none) and the echoed prompt is those tokens decoded (what the offsets index);
+``echo`` with ``max_tokens=0`` gives the prompt back and generates nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from engine import CompletionOutput
 from server.errors import APIError
 from server.generation import (
     ChoiceTally,
@@ -30,7 +30,7 @@ from server.logprobs import (
     prompt_logprobs_json,
 )
 from server.param_names import COMPLETIONS
-from server.params import completion_params, echo_only
+from server.params import completion_params
 from server.prompts import completion_prompts, echo_texts
 from server.protocol import CompletionRequest, read_request
 from server.sse import DONE, event, json_response, open_stream, send_error_and_done
@@ -46,7 +46,6 @@ class _Ctx:
     n: int
     prompts: list[Prompt]
     echo_texts: list[str] | None
-    echo_only: bool
     want_logprobs: bool
     want_prompt_logprobs: bool
     include_usage: bool
@@ -70,10 +69,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = await completion_prompts(state, req.prompt)
     for p in prompts:
         state.fit(len(p.token_ids), params, COMPLETIONS)
-    echo = await echo_texts(state, prompts) if req.echo else None
+    echo = await echo_texts(state, prompts, decoded=req.logprobs is not None) \
+        if req.echo else None
     ctx = _Ctx(
         id=f"cmpl-{random_id()}", created=int(time.time()), model=model, n=params.n,
-        prompts=prompts, echo_texts=echo, echo_only=echo_only(req),
+        prompts=prompts, echo_texts=echo,
         want_logprobs=req.logprobs is not None,
         want_prompt_logprobs=req.prompt_logprobs is not None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage))
@@ -101,17 +101,8 @@ def _logprob_builders(state: ServerState, ctx: _Ctx) -> list[CompletionLogprobs]
 
 
 def _usage(ctx: _Ctx, tally: ChoiceTally) -> dict:
-    return usage_dict(sum(len(p.token_ids) for p in ctx.prompts),
-                      0 if ctx.echo_only else tally.completion_tokens, tally.cached_tokens)
-
-
-def _shown(ctx: _Ctx, c: CompletionOutput) -> CompletionOutput:
-    """What a choice shows of an engine output: with ``echo_only`` nothing generated, and
-    it ends ``length`` (no token was asked for)."""
-    if not ctx.echo_only:
-        return c
-    return CompletionOutput(c.index, "", [], None, None,
-                            None if c.finish_reason is None else "length")
+    return usage_dict(sum(len(p.token_ids) for p in ctx.prompts), tally.completion_tokens,
+                      tally.cached_tokens)
 
 
 def _prompt_logprobs(ctx: _Ctx, tally: ChoiceTally, builders: list[CompletionLogprobs],
@@ -127,7 +118,8 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
     builders = _logprob_builders(state, ctx)
     tally = ChoiceTally()
     # Echo with logprobs: a prompt's echo goes out with its logprobs once they are in
-    # (held: what its choices produce before that, e.g. a sibling served from the cache).
+    # (held: what its choices produce before that; the first sibling computes the prompt
+    # before the others are admitted, so this is a guard).
     held: dict[int, list[bytes]] | None = None
     try:
         if ctx.echo_texts and builders is not None:
@@ -142,7 +134,6 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
                                            _prompt_logprobs(ctx, tally, builders, pidx))
                     frames += held.pop(pidx)
             for k, c in updates:
-                c = _shown(ctx, c)
                 has_lp = builders is not None and bool(c.logprobs)
                 if not c.text and c.finish_reason is None and not has_lp:
                     continue
@@ -180,7 +171,6 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
     tally = ChoiceTally()
     async for updates in choice_updates(gen, ctx.n, tally):
         for k, c in updates:
-            c = _shown(ctx, c)
             texts[k].append(c.text)
             if builders is not None and c.logprobs:
                 lps[k].append(builders[k].build(c.logprobs))

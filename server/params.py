@@ -78,17 +78,14 @@ def chat_params(req: ChatCompletionRequest, structured: StructuredOutputsParams 
     kw = _common(req)
     route = CHAT_MAX_COMPLETION_TOKENS if req.max_completion_tokens is not None else CHAT
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if limit == 0:
+        raise bad_request(f"{route.max_tokens}=0 is invalid: must be an integer >= 1",
+                          route.max_tokens)  # fmt: skip
     kw["max_tokens"] = limit
     kw["structured_outputs"] = structured
     if req.logprobs:
         kw["logprobs"] = req.top_logprobs or 0
     return _build(kw, route), route
-
-
-def echo_only(req: CompletionRequest) -> bool:
-    """``echo`` with ``max_tokens=0``: the prompt (and its logprobs) back, nothing
-    generated (how evaluation harnesses score a text)."""
-    return bool(req.echo) and req.max_tokens == 0
 
 
 def completion_params(req: CompletionRequest,
@@ -102,8 +99,9 @@ def completion_params(req: CompletionRequest,
     kw = _common(req)
     kw["max_tokens"] = (req.max_tokens if req.max_tokens is not None
                         else COMPLETION_DEFAULT_MAX_TOKENS)
-    if echo_only(req):
-        kw["max_tokens"] = 1  # one token is generated and not shown
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens=0 is invalid: must be an integer >= 1 (0 is for echo: "
+                          "the prompt back, nothing generated)", "max_tokens")
     kw["logprobs"] = req.logprobs
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get theirs
         kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)

@@ -148,12 +148,15 @@ async def completion_prompts(state: ServerState, prompt: str | list[Any] | None)
     return await state.offload(_completion_prompts, state, prompt)
 
 
-def _echo_texts(state: ServerState, prompts: list[Prompt]) -> list[str]:
-    return [p.text if p.text is not None else state.tokenizer.decode(p.token_ids)
-            for p in prompts]
+def _echo_texts(state: ServerState, prompts: list[Prompt], decoded: bool) -> list[str]:
+    return [p.text if p.text is not None and not decoded
+            else state.tokenizer.decode(p.token_ids) for p in prompts]
 
 
-async def echo_texts(state: ServerState, prompts: list[Prompt]) -> list[str]:
+async def echo_texts(state: ServerState, prompts: list[Prompt], decoded: bool = False,
+                     ) -> list[str]:  # fmt: skip
     """The text of each prompt, as ``echo`` repeats it (token-id prompts decoded off the
-    event loop)."""
-    return await state.offload(_echo_texts, state, prompts)
+    event loop). ``decoded``: every prompt's tokens decoded (special tokens kept), the
+    text that logprobs' tokens spell and their ``text_offset`` indexes (a tokenizer may
+    add a BOS token, or not give a text back exactly as it was sent)."""
+    return await state.offload(_echo_texts, state, prompts, decoded)

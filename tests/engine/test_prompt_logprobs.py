@@ -129,3 +129,21 @@ def test_a_one_token_prompt_has_only_its_none():
     llm = LLM(dtype="float32")
     (out,) = generate(llm, [[42]], greedy())
     assert out.prompt_logprobs == [None]
+
+
+def test_max_tokens_0_scores_a_prompt_that_fills_the_context(prompts, reference):
+    """Nothing is generated: the prompt is computed, its logprobs come back, and a
+    prompt of the whole context fits."""
+    llm = LLM(dtype="float32", max_model_len=len(prompts[-1]), max_num_batched_tokens=64)
+    sp = SamplingParams(max_tokens=0, prompt_logprobs=K, n=2)
+    outs = generate(llm, prompts, sp)
+    check(outs, prompts, reference)
+    for o in outs:
+        assert [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] == \
+            [([], "", "length")] * 2
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    plain = generate(llm, prompts[:2], SamplingParams(max_tokens=0))  # a cache warm-up
+    assert all(o.outputs[0].finish_reason == "length" and o.prompt_logprobs is None
+               for o in plain)  # fmt: skip
+    with pytest.raises(ValueError, match="max_tokens=-1"):
+        SamplingParams(max_tokens=-1)

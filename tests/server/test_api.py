@@ -350,9 +350,18 @@ def test_echo_with_logprobs_scores_the_prompt(client, default_model_path, defaul
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:p]
     assert only.choices[0].logprobs.text_offset == lp.text_offset[:p]
     assert only.usage.completion_tokens == 0
+    # A prompt of the whole context (--max-model-len 2048) needs no room for a token.
+    full = client.completions.create(model="SmolLM2-135M-Instruct", prompt=(ids * 500)[:2048],
+                                     max_tokens=0, echo=True, logprobs=0)
+    assert len(full.choices[0].logprobs.tokens) == 2048 and full.usage.completion_tokens == 0
     with pytest.raises(openai.BadRequestError) as err:  # nothing to give back
         client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=0)
     assert err.value.body["param"] == "max_tokens"
+    for name in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
+                                           **{name: 0})
+        assert err.value.body["param"] == name
 
 
 def test_echo_with_logprobs_streamed_equals_whole(server):
