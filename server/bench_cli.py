@@ -17,6 +17,8 @@ BENCHMARKS: list[tuple[str, str, str]] = [
      "prefix caching on/off on a shared-prefix and a zero-reuse workload"),
     ("decode", "loadtest.decode_bench",
      "decode latency per step at a few batch sizes, bytes read against the read bandwidth"),
+    ("score", "loadtest.score_bench",
+     "scoring prompts: prompt tokens/s with prompt logprobs against plain prefill"),
     ("serve", "loadtest.serve_bench_cli",
      "online serving: streaming requests at a running server (TTFT, TPOT, ITL, throughput)"),
     ("soak", "loadtest.soak",
