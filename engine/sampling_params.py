@@ -18,6 +18,9 @@ from engine.structured.params import StructuredOutputsParams
 __all__ = ["MAX_LOGPROBS", "SamplingParamError", "SamplingParams", "StructuredOutputsParams"]
 
 MAX_LOGPROBS = 20
+MIN_REPETITION_PENALTY = 0.01
+"""A repeated token's positive logit is divided by the penalty: far below this it leaves
+float32's range (a penalty of 1e-40 is 0 in float32), and the row's logits are infinite."""
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")
 """A ``logit_bias`` key given as text: the ASCII decimal of a token id."""
 
@@ -99,8 +102,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not is_num(v) or not -2.0 <= v <= 2.0:
                 raise _err(name, v, "must be in [-2, 2]")
-        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
-            raise _err("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
+        if (not is_num(self.repetition_penalty)
+                or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0):
+            raise _err("repetition_penalty", self.repetition_penalty,
+                       f"must be in [{MIN_REPETITION_PENALTY}, 2]")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise _err("logit_bias", self.logit_bias, "must map token ids to biases")

@@ -237,6 +237,8 @@ def test_chat_template(llm):
     ({"logit_bias": {5.7: 1.0}}, "logit_bias"),
     ({"logit_bias": {True: 1.0}}, "logit_bias"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"repetition_penalty": 3e-299}, "repetition_penalty"),  # infinite logits otherwise
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"prompt_logprobs": True}, "prompt_logprobs"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"skip_special_tokens": None}, "skip_special_tokens"),
