@@ -82,7 +82,7 @@ class OutputProcessor:
                 continue
             group = req.group
             group.prompt_logprobs += lps
-            if len(group.prompt_logprobs) == len(group.prompt_token_ids) - 1:
+            if not group.prompt_logprobs_pending:
                 try:
                     self._describe_prompt_logprobs(group)
                 except Exception:
@@ -96,11 +96,15 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, [], skip_special_tokens=False)
         offset = len(detok.decode_next(ids[0]))
         for token, lp in zip(ids[1:], group.prompt_logprobs, strict=True):
-            lp.decoded = self.token_text(lp.token_id)
-            lp.text_offset = offset
-            for cand in lp.top:
-                cand.decoded = self.token_text(cand.token_id)
+            self._describe(lp, offset)
             offset += len(detok.decode_next(token))
+
+    def _describe(self, lp: TokenLogprobs, text_offset: int) -> None:
+        """Fill in the text of an entry and its candidates, and where it begins."""
+        lp.decoded = self.token_text(lp.token_id)
+        lp.text_offset = text_offset
+        for cand in lp.top:
+            cand.decoded = self.token_text(cand.token_id)
 
     def outputs_of(self, groups: Iterable[RequestGroup]) -> list[RequestOutput]:
         """The outputs of ``groups`` that changed; a group whose output cannot be built
@@ -157,10 +161,7 @@ class OutputProcessor:
             self._feed(req, req.detok.decode_next(token), match, s.num_output)
         if s.logprobs is not None:
             lp = s.logprobs
-            lp.decoded = self.token_text(lp.token_id)
-            lp.text_offset = start
-            for cand in lp.top:
-                cand.decoded = self.token_text(cand.token_id)
+            self._describe(lp, start)
             req.logprobs.append(lp)
             req.logprob_text_ends.append(req.text_fed)
             req.cumulative_logprob += lp.logprob
@@ -217,7 +218,7 @@ class OutputProcessor:
         """``[None, entry, ...]`` (the first prompt token has none) once every entry is
         in; a stream carries them once."""
         lps = group.prompt_logprobs
-        if lps is None or len(lps) < len(group.prompt_token_ids) - 1:
+        if lps is None or group.prompt_logprobs_pending:
             return None
         if kind == OUTPUT_DELTA:
             if group.prompt_logprobs_sent:

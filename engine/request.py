@@ -61,6 +61,12 @@ class RequestGroup:
     def finished(self) -> bool:
         return all(m.status.finished for m in self.members)
 
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt logprobs were asked for and are not all in yet."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < len(self.prompt_token_ids) - 1
+
 
 @dataclass(eq=False)
 class Request:

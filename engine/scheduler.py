@@ -232,8 +232,7 @@ class Scheduler:
             num_cached = 0
             # Prompt logprobs need every prompt token computed (the first sibling's), until
             # they are all in (a request preempted after that may hit the cache).
-            lps = req.group.prompt_logprobs
-            whole = req.index == 0 and lps is not None and len(lps) < req.num_prompt_tokens - 1
+            whole = req.index == 0 and req.group.prompt_logprobs_pending
             if req.num_computed_tokens == 0 and not whole:
                 computed_blocks, num_cached = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_cached

@@ -177,15 +177,18 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
             reasons[k] = c.finish_reason
             stop_reasons[k] = c.stop_reason
     if builders is not None and ctx.echo_texts:
+        cols = [_prompt_logprobs(ctx, tally, builders, p) for p in range(len(ctx.prompts))]
         for k in range(m):
-            lps[k].insert(0, _prompt_logprobs(ctx, tally, builders, k // ctx.n))
+            lps[k].insert(0, cols[k // ctx.n])
     choices = [{"index": k, "text": "".join(texts[k]),
                 "logprobs": merge_completion_logprobs(lps[k]) if builders is not None else None,
                 "finish_reason": reasons[k], "stop_reason": stop_reasons[k]}
                for k in range(m)]
     if ctx.want_prompt_logprobs:
+        per_prompt = [prompt_logprobs_json(tally.prompt_logprobs[p])
+                      for p in range(len(ctx.prompts))]
         for k, choice in enumerate(choices):
-            choice["prompt_logprobs"] = prompt_logprobs_json(tally.prompt_logprobs[k // ctx.n])
+            choice["prompt_logprobs"] = per_prompt[k // ctx.n]
     return json_response({
         "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
         "choices": choices, "usage": _usage(ctx, tally)})
