@@ -36,6 +36,7 @@ _EXPORTS = {
     "MAX_LOGPROBS": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
     "StructuredOutputsParams": "engine.structured.params",
+    "ReasoningGate": "engine.structured.params",
     "StructuredOutputsError": "engine.structured.params",
 }
 """Public name -> the module that defines it."""

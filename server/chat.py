@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
@@ -21,6 +21,7 @@ from server.logprobs import chat_logprobs, prompt_logprobs_json
 from server.params import chat_params
 from server.prompts import chat_prompt
 from server.protocol import ChatCompletionRequest, read_request
+from server.reasoning import ReasoningParser, grammar_gate
 from server.sse import DONE, event, json_response, open_stream, send_error_and_done
 from server.state import STATE_KEY, ServerState
 from server.structured import check_compiles, request_constraint
@@ -39,12 +40,40 @@ class _Ctx:
     want_prompt_logprobs: bool
     include_usage: bool
     tools: ToolPlan
+    reasoning_parser: str | None = None
+    include_reasoning: bool = True
+    prompt_text: str | None = None
 
-    def parsers(self) -> list[ToolCallParser | None]:
-        """One tool-call parser per choice (None where the text is all content)."""
+    def parsers(self) -> list[_ChoiceParser]:
+        """One parser per choice."""
         t = self.tools
-        return [None if t.parser is None else ToolCallParser(t.parser, t.function_name)
-                for _ in range(self.n)]
+        return [_ChoiceParser(
+            None if self.reasoning_parser is None
+            else ReasoningParser(self.reasoning_parser, self.prompt_text),
+            None if t.parser is None else ToolCallParser(t.parser, t.function_name))
+            for _ in range(self.n)]
+
+
+@dataclass(slots=True)
+class _ChoiceParser:
+    """A choice's text split into reasoning, content and tool calls: the reasoning
+    parser first (when the server has one), then the tool-call parser on the content."""
+
+    reasoning: ReasoningParser | None
+    tools: ToolCallParser | None
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[dict]]:
+        """The new ``(reasoning, content, delta.tool_calls entries)``."""
+        thought, content = ("", text) if self.reasoning is None else \
+            self.reasoning.feed(text, final)
+        if self.tools is None:
+            return thought, content, []
+        content, calls = self.tools.feed(content, final)
+        return thought, content, calls
+
+    @property
+    def made_calls(self) -> bool:
+        return self.tools is not None and bool(self.tools.calls)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -65,14 +94,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.check_sampling_token_ids(params, route)
     state.admit()
     prompt = await chat_prompt(state, req.messages, req.add_generation_prompt is not False,
-                               tools.tools)
+                               tools.tools, req.chat_template_kwargs)
+    if params.structured_outputs is not None and state.options.reasoning_parser is not None:
+        gate = grammar_gate(state.tokenizer, state.options.reasoning_parser, prompt.text)
+        params.structured_outputs = replace(params.structured_outputs, reasoning=gate)
     state.fit(len(prompt.token_ids), params, route)
     ctx = _Ctx(
         id=f"chatcmpl-{random_id()}", created=int(time.time()), model=model, n=params.n,
         prompt_tokens=len(prompt.token_ids), want_logprobs=bool(req.logprobs),
         want_prompt_logprobs=req.prompt_logprobs is not None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        tools=tools)
+        tools=tools, reasoning_parser=state.options.reasoning_parser,
+        include_reasoning=req.include_reasoning is not False, prompt_text=prompt.text)
     async with Generation(state, [prompt], params, route, arrival) as gen:
         if req.stream:
             return await _stream(request, state, gen, ctx)
@@ -107,7 +140,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
             frames = []
             for i, c in updates:
                 has_lp = ctx.want_logprobs and bool(c.logprobs)
-                delta, reason = _delta(parsers[i], c.text, c.finish_reason)
+                delta, reason = _delta(ctx, parsers[i], c.text, c.finish_reason)
                 if not delta and reason is None and not has_lp:
                     continue  # nothing new to show (text held back by a possible stop string)
                 if has_lp and "content" not in delta:
@@ -129,17 +162,14 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
     return resp
 
 
-def _delta(parser: ToolCallParser | None, text: str, finish: str | None
+def _delta(ctx: _Ctx, parser: _ChoiceParser, text: str, finish: str | None
            ) -> tuple[dict, str | None]:
-    """A choice's stream delta for new ``text`` (tool calls parsed out of it) and its
-    finish reason (``tool_calls`` when it made calls and stopped)."""
-    if parser is None:
-        return ({"content": text} if text else {}), finish
-    content, calls = parser.feed(text)
-    if finish is not None:
-        more, more_calls = parser.finish()
-        content, calls = content + more, calls + more_calls
+    """A choice's stream delta for new ``text`` (reasoning and tool calls parsed out of
+    it) and its finish reason (``tool_calls`` when it made calls and stopped)."""
+    thought, content, calls = parser.feed(text, finish is not None)
     delta: dict = {}
+    if thought and ctx.include_reasoning:
+        delta["reasoning_content"] = delta["reasoning"] = thought
     if content:
         delta["content"] = content
     if calls:
@@ -147,18 +177,19 @@ def _delta(parser: ToolCallParser | None, text: str, finish: str | None
     return delta, _reason(parser, finish)
 
 
-def _reason(parser: ToolCallParser | None, finish: str | None) -> str | None:
-    return "tool_calls" if parser is not None and parser.calls and finish == "stop" else finish
+def _reason(parser: _ChoiceParser, finish: str | None) -> str | None:
+    return "tool_calls" if parser.made_calls and finish == "stop" else finish
 
 
-def _message(parser: ToolCallParser | None, text: str) -> dict:
-    if parser is None:
-        return {"role": "assistant", "content": text}
-    parser.feed(text)
-    parser.finish()
-    msg: dict = {"role": "assistant", "content": parser.final_content}
-    if parser.calls:
-        msg["tool_calls"] = parser.calls
+def _message(ctx: _Ctx, parser: _ChoiceParser, text: str) -> dict:
+    thought, content, _ = parser.feed(text, True)
+    calls = parser.tools.calls if parser.tools is not None else []
+    msg: dict = {"role": "assistant",
+                 "content": None if not content and (calls or thought) else content}
+    if thought and ctx.include_reasoning:
+        msg["reasoning_content"] = msg["reasoning"] = thought
+    if calls:
+        msg["tool_calls"] = calls
     return msg
 
 
@@ -177,7 +208,7 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
             stop_reasons[i] = c.stop_reason
     parsers = ctx.parsers()
     choices = [{"index": i,
-                "message": _message(parsers[i], "".join(texts[i])),
+                "message": _message(ctx, parsers[i], "".join(texts[i])),
                 "logprobs": _lp(state, ctx, lps[i]),
                 "finish_reason": _reason(parsers[i], reasons[i]),
                 "stop_reason": stop_reasons[i]} for i in range(ctx.n)]

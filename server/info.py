@@ -55,8 +55,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if req.messages is not None:
-        ids = (await chat_prompt(state, req.messages,
-                                 req.add_generation_prompt is not False)).token_ids
+        ids = (await chat_prompt(state, req.messages, req.add_generation_prompt is not False,
+                                 template_kwargs=req.chat_template_kwargs)).token_ids
     else:
         ids = await state.offload(state.tokenizer.encode, req.prompt,
                                   add_special_tokens=req.add_special_tokens is not False)

@@ -35,6 +35,9 @@ class ServeOptions:
     """Engine replicas, each its own process (:mod:`engine.dp_engine`)."""
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    """``qwen3`` or ``deepseek_r1``: chat outputs' thinking goes to ``reasoning_content``
+    (:mod:`server.reasoning`)."""
     chat_template: str | None = None
     """A chat template (its text) used instead of the tokenizer's."""
     allowed_origins: tuple[str, ...] = ("*",)

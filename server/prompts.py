@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -49,6 +50,9 @@ def messages_to_dicts(messages: list[ChatMessage] | None) -> list[dict[str, Any]
             d["tool_calls"] = _template_tool_calls(m.tool_calls, i)
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if thought is not None and role == "assistant":
+            d["reasoning_content"] = thought  # what reasoning models' templates read
         out.append(d)
     return out
 
@@ -73,30 +77,51 @@ def _template_tool_calls(calls: list[Any], i: int) -> list[dict[str, Any]]:
     return out
 
 
+def _template_kwargs(tok: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs``: variables for the template (``enable_thinking``), none
+    of which may be a parameter of the rendering itself."""
+    if not kwargs:
+        return {}
+    own = set(inspect.signature(tok.apply_chat_template).parameters) | {
+        "messages", "conversation", "tools", "documents"}
+    taken = sorted(k for k in kwargs if k in own)
+    if taken:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}: they are "
+                          "request fields or parameters of the template's rendering",
+                          "chat_template_kwargs")
+    return kwargs
+
+
 def _render_chat(state: ServerState, conv: list[dict[str, Any]],
-                 add_generation_prompt: bool, tools: list[dict] | None = None) -> Prompt:
+                 add_generation_prompt: bool, tools: list[dict] | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> Prompt:
     tok = state.tokenizer
+    extra = _template_kwargs(tok, template_kwargs)
     try:
         text = tok.apply_chat_template(conv, tokenize=False, tools=tools,
                                        chat_template=state.options.chat_template,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # template errors (e.g. role order) are the client's to fix
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
     return Prompt(tok.encode(text, add_special_tokens=False), text)
 
 
 def _chat_prompt(state: ServerState, messages: list[ChatMessage] | None,
-                 add_generation_prompt: bool, tools: list[dict] | None) -> Prompt:
-    return _render_chat(state, messages_to_dicts(messages), add_generation_prompt, tools)
+                 add_generation_prompt: bool, tools: list[dict] | None,
+                 template_kwargs: dict[str, Any] | None) -> Prompt:
+    return _render_chat(state, messages_to_dicts(messages), add_generation_prompt, tools,
+                        template_kwargs)
 
 
 async def chat_prompt(state: ServerState, messages: list[ChatMessage] | None,
                       add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None) -> Prompt:
+                      tools: list[dict] | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> Prompt:
     """The templated and tokenized conversation (with ``tools`` for templates that render
-    them), prepared off the event loop: its cost grows with the number of messages as
-    well as their text."""
-    return await state.offload(_chat_prompt, state, messages, add_generation_prompt, tools)
+    them, and ``template_kwargs``, the request's ``chat_template_kwargs``), prepared off
+    the event loop: its cost grows with the number of messages as well as their text."""
+    return await state.offload(_chat_prompt, state, messages, add_generation_prompt, tools,
+                               template_kwargs)
 
 
 def _is_int(v: Any) -> bool:

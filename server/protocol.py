@@ -37,6 +37,8 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -103,6 +105,8 @@ class ChatCompletionRequest(_Sampling):
     modalities: list[str] | None = None
     audio: Any = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -120,6 +124,7 @@ class TokenizeRequest(msgspec.Struct):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool | None = None
     add_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct):

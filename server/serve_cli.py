@@ -9,6 +9,7 @@ from engine import envs
 from server.cors import parse_origins
 from server.engine_args import add_engine_args, config_from_args
 from server.options import ServeOptions
+from server.reasoning import PARSERS as REASONING_PARSERS
 
 logger = logging.getLogger("server")
 
@@ -85,6 +86,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                    help="how tool calls are read from free text: hermes "
                         "(<tool_call>{json}</tool_call>, Qwen2.5/Qwen3)")
+    s.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a reasoning model's <think>...</think> from its answer: "
+                        "chat completions return it as reasoning_content (Qwen3, QwQ, "
+                        "DeepSeek-R1)")
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the tokenizer's "
                         "(e.g. one that renders tools)")
@@ -173,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         chat_template=template,
         allowed_origins=origins,
         keep_alive_timeout=args.keep_alive_timeout,

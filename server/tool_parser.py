@@ -80,7 +80,7 @@ def call_view(body: str, final: bool) -> CallView:
     return CallView(name, body[a.end():end] if end is not None else body[a.end():])
 
 
-def _held(tail: str, marker: str) -> str:
+def held(tail: str, marker: str) -> str:
     """``tail`` less a suffix that may be the start of ``marker``."""
     for k in range(min(len(marker) - 1, len(tail)), 0, -1):
         if marker.startswith(tail[-k:]):
@@ -96,13 +96,13 @@ def hermes_view(text: str, final: bool) -> tuple[str, list[CallView]]:
         start = text.find(OPEN, pos)
         if start < 0:
             tail = text[pos:]
-            content.append(tail if final else _held(tail, OPEN).rstrip())
+            content.append(tail if final else held(tail, OPEN).rstrip())
             break
         content.append(text[pos:start].rstrip())
         end = text.find(CLOSE, start)
         body = text[start + len(OPEN):end if end >= 0 else len(text)]
         if end < 0 and not final:
-            body = _held(body, CLOSE)
+            body = held(body, CLOSE)
         calls.append(call_view(body, final or end >= 0))
         if end < 0:
             break

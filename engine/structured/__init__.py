@@ -5,6 +5,10 @@ pool and the per-step token bitmask.
 imported only when an engine first compiles a grammar.
 """
 
-from engine.structured.params import StructuredOutputsError, StructuredOutputsParams
+from engine.structured.params import (
+    ReasoningGate,
+    StructuredOutputsError,
+    StructuredOutputsParams,
+)
 
-__all__ = ["StructuredOutputsError", "StructuredOutputsParams"]
+__all__ = ["ReasoningGate", "StructuredOutputsError", "StructuredOutputsParams"]

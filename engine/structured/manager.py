@@ -25,6 +25,7 @@ from engine.structured.backend import (
     is_available,
     load_backend,
 )
+from engine.structured.gate import GatedMatcher
 from engine.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("engine.structured")
@@ -76,8 +77,10 @@ class StructuredOutputManager:
         return self.backend(choose_backend(self.backend_name, spec)).compile(spec)
 
     def matcher(self, spec: StructuredOutputsParams) -> Matcher:
-        """A new matcher of a compiled spec (blocks if it is still compiling)."""
-        return self.submit(spec).result().matcher()
+        """A new matcher of a compiled spec (blocks if it is still compiling); with
+        ``spec.reasoning``, one that applies the grammar after the reasoning."""
+        m = self.submit(spec).result().matcher()
+        return m if spec.reasoning is None else GatedMatcher(m, spec.reasoning)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -28,6 +28,31 @@ class StructuredOutputsError(EngineInputError):
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningGate:
+    """The grammar applies after the model's reasoning (``<think> ... </think>``).
+
+    ``end``: the token ids of the end tag; the grammar applies from the token after
+    them. ``started``: the prompt opened the reasoning. Otherwise the reasoning starts
+    only if the first token is ``start`` (the start tag as one token id), which the
+    first token may be beside what the grammar allows; any other first token is the
+    grammar's. Tokens inside the reasoning are unconstrained.
+    """
+
+    end: tuple[int, ...]
+    start: int | None = None
+    started: bool = False
+
+    def __post_init__(self) -> None:
+        if (not isinstance(self.end, tuple) or not self.end
+                or not all(isinstance(t, int) and t >= 0 for t in self.end)):
+            raise StructuredOutputsError("structured_outputs.reasoning.end must be a "
+                                         "non-empty tuple of token ids", "reasoning")
+        if not self.started and not (isinstance(self.start, int) and self.start >= 0):
+            raise StructuredOutputsError("structured_outputs.reasoning needs a start token "
+                                         "id unless started is true", "reasoning")
+
+
+@dataclass(frozen=True, slots=True)
 class StructuredOutputsParams:
     json: str | dict | None = None
     regex: str | None = None
@@ -37,6 +62,8 @@ class StructuredOutputsParams:
     any_whitespace: bool = False
     """JSON grammars allow only fixed whitespace (``{"a": 1, "b": 2}``, no newlines or
     runs of spaces) unless this is true: small models tend to loop on free whitespace."""
+    reasoning: ReasoningGate | None = None
+    """Apply the grammar only after the model's reasoning (None: from the first token)."""
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -44,6 +71,9 @@ class StructuredOutputsParams:
             raise StructuredOutputsError(
                 "structured_outputs must set exactly one of json, regex, choice, grammar, "
                 f"json_object; got {', '.join(given) or 'none'}")
+        if self.reasoning is not None and not isinstance(self.reasoning, ReasoningGate):
+            raise StructuredOutputsError("structured_outputs.reasoning must be a "
+                                         "ReasoningGate", "reasoning")
         if not isinstance(self.any_whitespace, bool):
             raise StructuredOutputsError("structured_outputs.any_whitespace must be true "
                                          "or false", "any_whitespace")
