@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "llguidance")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("gguf", "int8")
 
 
@@ -56,6 +57,10 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    """fcfs: requests in arrival order; priority: by each request's ``priority`` (lower
+    first, then arrival), and a waiting request preempts running ones of lower priority
+    when it has no seat or blocks."""
     # Execution
     device: str = "auto"
     attention_backend: str = "auto"
@@ -107,6 +112,9 @@ class EngineConfig:
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise bad("structured_outputs_backend", self.structured_outputs_backend,
                       f"must be one of {STRUCTURED_OUTPUTS_BACKENDS}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise bad("scheduling_policy", self.scheduling_policy,
+                      f"must be one of {SCHEDULING_POLICIES}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise bad("block_size", self.block_size, "must be one of 8, 16, 32, 64, 128")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -38,6 +38,7 @@ class InputField(str, enum.Enum):
     SKIP_SPECIAL_TOKENS = "skip_special_tokens"
     SPACES_BETWEEN_SPECIAL_TOKENS = "spaces_between_special_tokens"
     STRUCTURED_OUTPUTS = "structured_outputs"
+    PRIORITY = "priority"
 
 
 class EngineInputError(ValueError):

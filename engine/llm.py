@@ -60,16 +60,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt in one continuous batch; outputs are in input order.
 
         A prompt is a string, ``{"prompt": "..."}`` or ``{"prompt_token_ids": [...]}``
         (optionally with ``"prompt"``); either dict may carry ``"cache_salt"``.
+        ``priority``: one per prompt (``scheduling_policy="priority"``; lower first).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority has {len(priority)} entries for "
+                                 f"{len(prompts)} prompts")
+            params = [sp.clone(priority=p) for sp, p in zip(params, priority, strict=True)]
         tok = self.engine.tokenizer
         requests = []
         for i, (p, sp) in enumerate(zip(prompts, params, strict=False)):

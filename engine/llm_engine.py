@@ -86,6 +86,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             speculative_config=config.speculative_config,
+            scheduling_policy=config.scheduling_policy,
         )  # fmt: skip
         self.limits = InputLimits(
             vocab_size=w.vocab_size, max_model_len=w.max_model_len,
@@ -156,11 +157,8 @@ class LLMEngine:
         limits.check_token_ids(prompt_token_ids)
         limits.check_sampling_token_ids(params)
         max_tokens = limits.resolve_max_tokens(len(prompt_token_ids), params)
+        self._check_config_allows(params)
         spec = params.structured_outputs
-        if spec is not None and self.config.speculative_config is not None:
-            raise StructuredOutputsError(
-                "structured_outputs cannot be combined with speculative decoding, which "
-                "this engine was started with (speculative_config)")
         now = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), params, now)
         if params.prompt_logprobs is not None:
@@ -192,6 +190,19 @@ class LLMEngine:
             self.scheduler.add_request(req)
         self.num_prompt_tokens_total += len(prompt_token_ids)
         return group
+
+    def _check_config_allows(self, params: SamplingParams) -> None:
+        """What the engine's configuration rules out: a priority under fcfs, structured
+        outputs with speculative decoding."""
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise EngineInputError(
+                f"priority={params.priority} is invalid: this engine schedules first come, "
+                "first served (scheduling_policy='fcfs'); start it with "
+                "scheduling_policy='priority'", InputField.PRIORITY)
+        if params.structured_outputs is not None and self.config.speculative_config is not None:
+            raise StructuredOutputsError(
+                "structured_outputs cannot be combined with speculative decoding, which "
+                "this engine was started with (speculative_config)")
 
     def self_check_request(self) -> str:
         """Queue a one-token greedy request that checks the model still steps after a

@@ -25,6 +25,9 @@ _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")
 """A ``logit_bias`` key given as text: the ASCII decimal of a token id."""
 
 
+PRIORITY_LIMIT = 2**31
+
+
 def _err(param: str, value: Any, limit: str) -> SamplingParamError:
     return SamplingParamError(param, f"{param}={value!r} is invalid: {limit}")
 
@@ -69,6 +72,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar."""
+    priority: int = 0
+    """Under ``scheduling_policy="priority"``: lower runs first (ties in arrival order);
+    any other value than 0 is refused under ``fcfs``."""
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(
@@ -144,6 +150,9 @@ class SamplingParams:
                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise _err("prompt_logprobs", self.prompt_logprobs,
                        f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if not is_int(self.priority) or not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
+            raise _err("priority", self.priority,
+                       f"must be an integer in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT})")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -10,6 +10,14 @@ later; it goes back to the head of the waiting queue). The oldest running reques
 never a victim, so every request eventually becomes the oldest and finishes: none is
 preempted forever.
 
+Under ``scheduling_policy="priority"`` "oldest" reads "first by (priority, arrival)":
+the waiting queue and the running list are kept in that order, so the step serves the
+most urgent first and preempts the least urgent first. A waiting request that outranks
+the least urgent running one, and finds no seat (``max_num_seqs``) or not the blocks for
+its first chunk, preempts it before the step is scheduled. The most urgent running
+request is never a victim; a request of low priority may wait as long as more urgent
+ones keep arriving.
+
 The step contract: the scheduler owns the :class:`KVCacheManager` and every request's
 state. :meth:`Scheduler.schedule` returns a :class:`SchedulerOutput` of plain data (what
 the model side needs, as diffs against what it was sent before);
@@ -24,37 +32,22 @@ Imports no torch.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from blockmgr import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SpecStats,
+)
 from engine.spec_config import SpeculativeConfig
+from engine.waiting_queue import WaitingQueue, priority_key
 
 logger = logging.getLogger("engine.scheduler")
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    """What the model side returns for a step, per request that caught up with its tokens
-    (in the order of ``req_ids``): the tokens it sampled (one, or with speculation the
-    accepted drafts and one more) and their logprobs."""
-
-    req_ids: list[str]
-    sampled_token_ids: list[list[int]]
-    logprobs: list
-    """Per request: a ``TokenLogprobs`` per sampled token when it asked for logprobs,
-    else None."""
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    """Draft tokens proposed for each request's next step (speculative decoding)."""
-    errors: dict[str, str] = field(default_factory=dict)
-    """Requests whose step went wrong, and why: their tokens are not appended and the
-    engine ends them with an error."""
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
-    """Per request asking for prompt logprobs: a ``TokenLogprobs`` for each prompt token
-    this step's rows predicted, in order."""
 
 
 @dataclass(slots=True)
@@ -71,16 +64,6 @@ class SampledToken:
     """The request's output tokens up to and including this one."""
 
 
-@dataclass(slots=True)
-class SpecStats:
-    """Speculative decoding counters (cumulative)."""
-
-    num_drafts: int = 0
-    """Requests-steps that verified draft tokens."""
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-
 class Scheduler:
     def __init__(
         self,
@@ -93,6 +76,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
         speculative_config: SpeculativeConfig | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
@@ -104,7 +88,7 @@ class Scheduler:
         # requests can grow a little before anyone is preempted.
         self.num_watermark_blocks = int(watermark * num_blocks)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(scheduling_policy)
         self.running: list[Request] = []
         self.waiting_for_grammar: dict[str, Request] = {}
         """Requests whose grammar is compiling: skipped until :meth:`grammar_ready`."""
@@ -124,14 +108,14 @@ class Scheduler:
         if req.status is RequestStatus.WAITING_FOR_GRAMMAR:
             self.waiting_for_grammar[req.request_id] = req
         else:
-            self.waiting.append(req)
+            self.waiting.add(req)
 
     def grammar_ready(self, req: Request) -> None:
         """Its grammar compiled: the request joins the waiting queue (arrival order among
         those that arrive later)."""
         if self.waiting_for_grammar.pop(req.request_id, None) is not None:
             req.status = RequestStatus.WAITING
-            self.waiting.append(req)
+            self.waiting.add(req)
 
     @property
     def num_waiting(self) -> int:
@@ -171,8 +155,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int]] = []
+        if self.waiting.by_priority:
+            self.running.sort(key=priority_key)
+            self._preempt_for_priority(out)
+        num_preempted = len(out.preempted_req_ids)
         budget = self._schedule_running(scheduled, out)
-        if not out.preempted_req_ids:
+        if len(out.preempted_req_ids) == num_preempted:  # blocks did not run out
             self._admit_waiting(scheduled, budget)
         for req, n in scheduled:
             out.num_scheduled_tokens[req.request_id] = n
@@ -217,6 +205,22 @@ class Scheduler:
             budget -= num_new
             idx += 1
         return budget
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """The waiting request that comes first takes the place of the least urgent
+        running ones while it outranks them and has no seat or no blocks for its first
+        chunk (cache hits are not counted: it may preempt one more than it needed)."""
+        while self.waiting and self.running:
+            head, low = self.waiting[0], self.running[-1]
+            if low.params.priority <= head.params.priority:
+                return
+            chunk = min(head.num_tokens, self.max_num_batched_tokens)
+            need = cdiv(chunk, self.kv.block_size)
+            if (len(self.running) < self.max_num_seqs
+                    and self.kv.num_free_blocks - need >= self.num_watermark_blocks):
+                return
+            self._preempt(low)
+            out.preempted_req_ids.append(low.request_id)
 
     def _max_drafts(self, req: Request, budget: int) -> int:
         """Drafts a decode may verify: within the step's budget, and so that accepting all
@@ -305,7 +309,7 @@ class Scheduler:
         req.num_sent_blocks = 0  # its next description carries the whole new table
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.put_back(req)
         logger.info(
             "preempted request %s (%d tokens, preemption #%d); it will be recomputed",
             req.request_id, req.num_tokens, req.metrics.num_preemptions,

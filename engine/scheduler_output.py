@@ -60,3 +60,34 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What the model side returns for a step, per request that caught up with its tokens
+    (in the order of ``req_ids``): the tokens it sampled (one, or with speculation the
+    accepted drafts and one more) and their logprobs."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list
+    """Per request: a ``TokenLogprobs`` per sampled token when it asked for logprobs,
+    else None."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens proposed for each request's next step (speculative decoding)."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """Requests whose step went wrong, and why: their tokens are not appended and the
+    engine ends them with an error."""
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    """Per request asking for prompt logprobs: a ``TokenLogprobs`` for each prompt token
+    this step's rows predicted, in order."""
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding counters (cumulative)."""
+
+    num_drafts: int = 0
+    """Requests-steps that verified draft tokens."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

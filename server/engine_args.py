@@ -33,6 +33,9 @@ HELP: dict[str, str] = {
     "max_num_seqs": "Most sequences running at once.",
     "max_num_batched_tokens": "Token budget of one step (default: 2048 with chunked prefill).",
     "enable_chunked_prefill": "Split long prompts across steps.",
+    "scheduling_policy": "fcfs (arrival order) or priority (by each request's priority, "
+                         "lower first; a waiting request preempts less urgent running ones "
+                         "when it finds no seat or blocks).",
     "device": "Device: auto, cpu or cuda.",
     "attention_backend": "Attention kernels: auto (cpu on the CPU when the native library "
                          "builds, else torch; triton on CUDA), cpu (the native library), torch "

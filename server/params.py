@@ -32,6 +32,7 @@ def _common(req: _Sampling) -> dict[str, Any]:
         "min_tokens": req.min_tokens,
         "skip_special_tokens": req.skip_special_tokens,
         "spaces_between_special_tokens": req.spaces_between_special_tokens,
+        "priority": req.priority,
     }
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")

@@ -83,6 +83,7 @@ class _Sampling(msgspec.Struct):
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None
+    priority: int | None = None
     # Structured outputs (vLLM's spellings)
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
