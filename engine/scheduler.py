@@ -31,6 +31,7 @@ Imports no torch.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -207,20 +208,20 @@ class Scheduler:
         return budget
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """The waiting request that comes first takes the place of the least urgent
-        running ones while it outranks them and has no seat or no blocks for its first
-        chunk (cache hits are not counted: it may preempt one more than it needed)."""
-        while self.waiting and self.running:
-            head, low = self.waiting[0], self.running[-1]
-            if low.params.priority <= head.params.priority:
-                return
-            chunk = min(head.num_tokens, self.max_num_batched_tokens)
-            need = cdiv(chunk, self.kv.block_size)
-            if (len(self.running) < self.max_num_seqs
-                    and self.kv.num_free_blocks - need >= self.num_watermark_blocks):
-                return
-            self._preempt(low)
-            out.preempted_req_ids.append(low.request_id)
+        """Waiting requests, first first, take the places of the least urgent running
+        ones they outrank when they would find no seat or no blocks for their first
+        chunk (cache hits are not counted: one more may be preempted than needed)."""
+        seats, free = len(self.running), self.kv.num_free_blocks
+        for head in list(itertools.islice(self.waiting, self.max_num_seqs)):
+            need = cdiv(min(head.num_tokens, self.max_num_batched_tokens), self.kv.block_size)
+            while seats >= self.max_num_seqs or free - need < self.num_watermark_blocks:
+                low = self.running[-1] if self.running else None
+                if low is None or low.params.priority <= head.params.priority:
+                    return
+                self._preempt(low)
+                out.preempted_req_ids.append(low.request_id)
+                seats, free = seats - 1, self.kv.num_free_blocks
+            seats, free = seats + 1, free - need
 
     def _max_drafts(self, req: Request, budget: int) -> int:
         """Drafts a decode may verify: within the step's budget, and so that accepting all

@@ -16,6 +16,7 @@ from server.completions import completions
 from server.cors import Cors
 from server.errors import APIError, timed_out
 from server.openapi import openapi
+from server.responses import responses
 from server.sse import STREAM_KEY, send_error_and_done
 from server.state import STATE_KEY, ServerState
 
@@ -25,7 +26,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 OPEN_PATHS = frozenset({"/health"}) | playground.OPEN_PATHS
 """Routes that need no API key (the health check and the page's static files)."""
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 _KEPT_HEADERS = ("Allow", "Retry-After")
 
 
@@ -105,6 +106,7 @@ def build_app(state: ServerState) -> web.Application:
     app[STATE_KEY] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", info.models)
     app.router.add_get("/v1/models/{model:.+}", info.model)  # served names may hold "/"
     app.router.add_get("/health", info.health)

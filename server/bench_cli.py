@@ -19,6 +19,8 @@ BENCHMARKS: list[tuple[str, str, str]] = [
      "decode latency per step at a few batch sizes, bytes read against the read bandwidth"),
     ("score", "loadtest.score_bench",
      "scoring prompts: prompt tokens/s with prompt logprobs against plain prefill"),
+    ("priority", "loadtest.priority_bench",
+     "a batch job and interactive requests under fcfs and priority scheduling"),
     ("serve", "loadtest.serve_bench_cli",
      "online serving: streaming requests at a running server (TTFT, TPOT, ITL, throughput)"),
     ("soak", "loadtest.soak",

@@ -44,10 +44,10 @@ class _Ctx:
     include_reasoning: bool = True
     prompt_text: str | None = None
 
-    def parsers(self) -> list[_ChoiceParser]:
+    def parsers(self) -> list[ChoiceParser]:
         """One parser per choice."""
         t = self.tools
-        return [_ChoiceParser(
+        return [ChoiceParser(
             None if self.reasoning_parser is None
             else ReasoningParser(self.reasoning_parser, self.prompt_text),
             None if t.parser is None else ToolCallParser(t.parser, t.function_name))
@@ -55,7 +55,7 @@ class _Ctx:
 
 
 @dataclass(slots=True)
-class _ChoiceParser:
+class ChoiceParser:
     """A choice's text split into reasoning, content and tool calls: the reasoning
     parser first (when the server has one), then the tool-call parser on the content."""
 
@@ -162,7 +162,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
     return resp
 
 
-def _delta(ctx: _Ctx, parser: _ChoiceParser, text: str, finish: str | None
+def _delta(ctx: _Ctx, parser: ChoiceParser, text: str, finish: str | None
            ) -> tuple[dict, str | None]:
     """A choice's stream delta for new ``text`` (reasoning and tool calls parsed out of
     it) and its finish reason (``tool_calls`` when it made calls and stopped)."""
@@ -177,11 +177,11 @@ def _delta(ctx: _Ctx, parser: _ChoiceParser, text: str, finish: str | None
     return delta, _reason(parser, finish)
 
 
-def _reason(parser: _ChoiceParser, finish: str | None) -> str | None:
+def _reason(parser: ChoiceParser, finish: str | None) -> str | None:
     return "tool_calls" if parser.made_calls and finish == "stop" else finish
 
 
-def _message(ctx: _Ctx, parser: _ChoiceParser, text: str) -> dict:
+def _message(ctx: _Ctx, parser: ChoiceParser, text: str) -> dict:
     thought, content, _ = parser.feed(text, True)
     calls = parser.tools.calls if parser.tools is not None else []
     msg: dict = {"role": "assistant",

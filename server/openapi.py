@@ -14,6 +14,7 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 
@@ -75,7 +76,8 @@ def _get(summary: str, content_type: str = "application/json",
 def build_document() -> dict[str, Any]:
     """The OpenAPI document of every route."""
     _, components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest],
+        [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest,
+         DetokenizeRequest],
         ref_template=_REF)
     components["Error"] = _ERROR
     health = _get("200 while the engine is alive and progressing, else 503", "",
@@ -86,6 +88,7 @@ def build_document() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _post("ChatCompletionRequest", "chat completion", True),
             "/v1/completions": _post("CompletionRequest", "text completion", True),
+            "/v1/responses": _post("ResponsesRequest", "a response (Responses API)", True),
             "/tokenize": _post("TokenizeRequest", "prompt or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "token ids to text"),
             "/v1/models": _get("served models"),

@@ -119,6 +119,29 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
 
+class ResponsesRequest(_Sampling):
+    """``POST /v1/responses`` (the Responses API): stateless, function tools only."""
+
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
 class TokenizeRequest(msgspec.Struct):
     model: str | None = None
     prompt: str | None = None

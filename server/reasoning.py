@@ -71,6 +71,12 @@ class ReasoningParser:
         self.reasoning = ""
         self.content = ""
 
+    @property
+    def in_reasoning(self) -> bool:
+        """The text fed last ended inside the reasoning (or may still open it)."""
+        return self._phase == _REASONING or (self._phase == _START
+                                               and self._default == _REASONING)
+
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         self._buf += text
         if self._phase == _START and not self._decide(final):

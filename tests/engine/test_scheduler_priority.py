@@ -181,3 +181,18 @@ def test_the_server_passes_priority_and_names_it_in_a_400(tmp_path, default_mode
     (status, err), _ = answers("fcfs")
     assert status == 400 and err["error"]["param"] == "priority"
     assert "scheduling_policy='fcfs'" in err["error"]["message"]
+
+
+def test_several_urgent_requests_take_their_seats_in_one_step():
+    s, runner = make_scheduler(max_num_seqs=3, budget=64, scheduling_policy="priority"), \
+        FakeRunner()
+    for rid, p in (("b1", 4), ("b2", 6), ("b3", 5)):
+        s.add_request(_prio(rid, p, max_tokens=20))
+    run_step(s, runner)
+    for rid in ("u1", "u2", "late"):
+        s.add_request(_prio(rid, {"u1": 0, "u2": 1, "late": 5}[rid]))
+    out = run_step(s, runner)
+    # u1 and u2 outrank b2 (6) and b3 (5); "late" (5) does not outrank b1 (4) or b3 (5)
+    assert out.preempted_req_ids == ["b2", "b3"]
+    assert [n.req_id for n in out.new_requests] == ["u1", "u2"]
+    assert [r.request_id for r in s.waiting] == ["b3", "late", "b2"]

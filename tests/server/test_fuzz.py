@@ -23,7 +23,7 @@ KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1000"))
 """Generated requests per route (positive and negative together)."""
-ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
           ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
           ("GET", "/v1/models/{model}"),
           ("GET", "/version"), ("GET", "/metrics"), ("GET", "/health"),

@@ -1,0 +1,281 @@
+"""``POST /v1/responses``: the Responses API over the chat machinery, whole or streamed.
+
+The request becomes a chat request (:mod:`server.responses_input`): the same template,
+sampling, tools, constraints and reasoning parser. The output is a list of items: a
+``reasoning`` item (with ``--reasoning-parser``), a ``message`` with one ``output_text``
+part, and a ``function_call`` item per call. Streamed, each item opens with
+``response.output_item.added``, grows by deltas and closes with
+``response.output_item.done``, between ``response.created`` / ``response.in_progress``
+and ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it);
+every event is ``event: <type>`` and ``data: <json>`` with a ``sequence_number``. A
+failure after the 200 is a ``response.failed`` event.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from server.chat import ChoiceParser
+from server.errors import APIError, bad_request
+from server.generation import ChoiceTally, Generation, choice_updates
+from server.params import chat_params
+from server.prompts import chat_prompt
+from server.protocol import ResponsesRequest, read_request
+from server.reasoning import ReasoningParser, grammar_gate
+from server.responses_input import RESPONSES, chat_request, text_constraint
+from server.sse import json_response, open_stream
+from server.state import STATE_KEY
+from server.structured import check_compiles, request_constraint
+from server.tool_parser import ToolCallParser
+from server.tools import tool_plan
+
+_encode = msgspec.json.Encoder().encode
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    arrival = time.monotonic()
+    req = await read_request(request, ResponsesRequest)
+    model = state.check_model(req.model)
+    chat = chat_request(req)
+    tools = tool_plan(chat, state.options)
+    constraint = text_constraint(req)
+    other = request_constraint(chat)
+    if constraint is not None and other is not None:
+        raise bad_request(f"set at most one of text.format and {other.param}", other.param)
+    constraint = constraint or other
+    if constraint is not None and tools.constraint is not None:
+        raise bad_request(f"{constraint.param} cannot be combined with tool_choice "
+                          f"{req.tool_choice!r}, which constrains the output itself",
+                          constraint.param)
+    constraint = constraint or tools.constraint
+    if constraint is not None:
+        await check_compiles(state, constraint)
+    params, _ = chat_params(chat, constraint and constraint.spec)
+    state.check_sampling_token_ids(params, RESPONSES)
+    state.admit()
+    try:
+        prompt = await chat_prompt(state, chat.messages, True, tools.tools,
+                                   chat.chat_template_kwargs)
+    except APIError as e:  # the template's complaint is about the input items
+        raise (bad_request(str(e), "input") if e.param == "messages" else e) from None
+    reasoning = state.options.reasoning_parser
+    if params.structured_outputs is not None and reasoning is not None:
+        params.structured_outputs = replace(
+            params.structured_outputs,
+            reasoning=grammar_gate(state.tokenizer, reasoning, prompt.text))
+    state.fit(len(prompt.token_ids), params, RESPONSES)
+    out = _Output(
+        base=_base(req, model), input_tokens=len(prompt.token_ids),
+        parser=ChoiceParser(
+            None if reasoning is None else ReasoningParser(reasoning, prompt.text),
+            None if tools.parser is None else ToolCallParser(tools.parser,
+                                                             tools.function_name)))
+    async with Generation(state, [prompt], params, RESPONSES, arrival) as gen:
+        if req.stream:
+            return await _stream(request, gen, out)
+        async for _ in out.run(gen):
+            pass
+        return json_response(out.response())
+
+
+def _base(req: ResponsesRequest, model: str) -> dict[str, Any]:
+    """The response object's fields that echo the request."""
+    fmt = (req.text or {}).get("format") or {"type": "text"}
+    return {
+        "id": _id("resp"), "object": "response", "created_at": int(time.time()),
+        "model": model, "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": None, "reasoning": req.reasoning or {"effort": None,
+                                                                     "summary": None},
+        "store": False, "temperature": req.temperature, "top_p": req.top_p,
+        "text": {**(req.text or {}), "format": fmt},
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": req.tools or [], "truncation": req.truncation or "disabled",
+        "user": req.user,
+    }
+
+
+@dataclass
+class _Item:
+    """One output item as it grows."""
+
+    kind: str
+    """``reasoning``, ``message`` or ``function_call``."""
+    id: str
+    text: str = ""
+    call_id: str = ""
+    name: str = ""
+
+    def body(self, status: str) -> dict[str, Any]:
+        if self.kind == "reasoning":
+            return {"id": self.id, "type": "reasoning", "summary": [], "status": status,
+                    "content": [{"type": "reasoning_text", "text": self.text}]}
+        if self.kind == "message":
+            return {"id": self.id, "type": "message", "role": "assistant", "status": status,
+                    "content": [] if status == "in_progress" else [self.part()]}
+        return {"id": self.id, "type": "function_call", "status": status,
+                "call_id": self.call_id, "name": self.name, "arguments": self.text}
+
+    def part(self, text: str | None = None) -> dict[str, Any]:
+        text = self.text if text is None else text
+        if self.kind == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+@dataclass
+class _Output:
+    """The response's items, built from the generation's text; with :meth:`run`, the
+    stream events of each step."""
+
+    base: dict[str, Any]
+    input_tokens: int
+    parser: ChoiceParser
+    items: list[_Item] = field(default_factory=list)
+    calls: dict[int, _Item] = field(default_factory=dict)
+    """Tool call index -> its item."""
+    open: _Item | None = None
+    tally: ChoiceTally = field(default_factory=ChoiceTally)
+    reasoning_tokens: int = 0
+    finish: str | None = None
+    seq: int = 0
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        obj = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _encode(obj) + b"\n\n"
+
+    def response(self, status: str | None = None) -> dict[str, Any]:
+        if status is None:
+            status = "incomplete" if self.finish == "length" else "completed"
+        done = status != "in_progress"
+        t = self.tally
+        return {**self.base, "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"}
+                if status == "incomplete" else None,
+                "output": [it.body(self._item_status()) for it in self.items] if done else [],
+                "usage": None if not done else {
+                    "input_tokens": self.input_tokens,
+                    "input_tokens_details": {"cached_tokens": t.cached_tokens},
+                    "output_tokens": t.completion_tokens,
+                    "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                    "total_tokens": self.input_tokens + t.completion_tokens}}
+
+    def _item_status(self) -> str:
+        return "incomplete" if self.finish == "length" else "completed"
+
+    async def run(self, gen: Generation):
+        """Feed the generation through the parsers; yields each step's events."""
+        yield self.event("response.created", response=self.response("in_progress"))
+        yield self.event("response.in_progress", response=self.response("in_progress"))
+        async for updates in choice_updates(gen, 1, self.tally):
+            for _, c in updates:
+                yield b"".join(self._feed(c.text, len(c.token_ids), c.finish_reason))
+        if not self.items:  # nothing at all was generated: one empty message
+            yield self._add(_Item("message", _id("msg")))
+        yield self._close()
+        kind = "response.incomplete" if self.finish == "length" else "response.completed"
+        yield self.event(kind, response=self.response())
+
+    def _feed(self, text: str, num_tokens: int, finish: str | None) -> list[bytes]:
+        rp = self.parser.reasoning
+        before = rp is not None and rp.in_reasoning
+        thought, content, calls = self.parser.feed(text, finish is not None)
+        if before or (rp is not None and rp.in_reasoning):
+            self.reasoning_tokens += num_tokens
+        if finish is not None:
+            self.finish = finish
+        out = []
+        if thought:
+            out += self._grow("reasoning", thought, "response.reasoning_text.delta")
+        if content:
+            out += self._grow("message", content, "response.output_text.delta",
+                              logprobs=[])
+        for call in calls:
+            item = self.calls.get(call["index"])
+            if item is None:
+                out.append(self._close())
+                item = self.calls[call["index"]] = _Item(
+                    "function_call", _id("fc"), call_id=call["id"],
+                    name=call["function"]["name"])
+                out.append(self._add(item))
+            args = call["function"].get("arguments", "")
+            if args:
+                item.text += args
+                out.append(self.event("response.function_call_arguments.delta",
+                                      item_id=item.id, output_index=self._index(item),
+                                      delta=args))
+        return out
+
+    def _index(self, item: _Item) -> int:
+        return self.items.index(item)
+
+    def _add(self, item: _Item) -> bytes:
+        self.items.append(item)
+        self.open = item
+        added = self.event("response.output_item.added", output_index=self._index(item),
+                           item=item.body("in_progress"))
+        if item.kind == "function_call":
+            return added
+        return added + self.event("response.content_part.added", item_id=item.id,
+                                  output_index=self._index(item), content_index=0,
+                                  part=item.part(""))
+
+    def _grow(self, kind: str, piece: str, delta_event: str, **extra: Any) -> list[bytes]:
+        out = []
+        if self.open is None or self.open.kind != kind:
+            out += [self._close(), self._add(_Item(kind, _id("rs" if kind == "reasoning"
+                                                           else "msg")))]
+        item = self.open
+        item.text += piece
+        out.append(self.event(delta_event, item_id=item.id, output_index=self._index(item),
+                              content_index=0, delta=piece, **extra))
+        return out
+
+    def _close(self) -> bytes:
+        """Events that close the open item (none if no item is open)."""
+        item, self.open = self.open, None
+        if item is None:
+            return b""
+        i, status = self._index(item), self._item_status()
+        if item.kind == "function_call":
+            out = self.event("response.function_call_arguments.done", item_id=item.id,
+                             output_index=i, name=item.name, arguments=item.text)
+        else:
+            done = ("response.reasoning_text.done" if item.kind == "reasoning"
+                    else "response.output_text.done")
+            extra = {} if item.kind == "reasoning" else {"logprobs": []}
+            out = self.event(done, item_id=item.id, output_index=i, content_index=0,
+                             text=item.text, **extra)
+            out += self.event("response.content_part.done", item_id=item.id,
+                              output_index=i, content_index=0, part=item.part())
+        return out + self.event("response.output_item.done", output_index=i,
+                                item=item.body(status))
+
+
+async def _stream(request: web.Request, gen: Generation, out: _Output) -> web.StreamResponse:
+    resp = await open_stream(request)
+    try:
+        async for frames in out.run(gen):
+            if frames:
+                await resp.write(frames)
+    except APIError as err:
+        failed = {**out.response("failed"), "error": {"code": "server_error" if
+                                                      err.status >= 500 else "invalid_request",
+                                                      "message": str(err)}}
+        await resp.write(out.event("response.failed", response=failed))
+    except ConnectionResetError:
+        pass  # the client went away; leaving the Generation aborts the request
+    return resp

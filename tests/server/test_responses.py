@@ -1,0 +1,182 @@
+"""``/v1/responses`` through the real ``openai`` SDK (its stream helper checks the
+events' order and indexes as it assembles them): the same text as chat completions,
+function calls and their round trip, ``text.format``, reasoning items, exact SSE
+framing, and 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+import requests
+
+from tests.helpers.server import ServerProcess
+
+DATA = Path(__file__).parent / "data"
+ARGS = ["--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25", "--max-model-len",
+        "2048", "--dtype", "float32", "--log-level", "warning"]
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"},
+               "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}
+GREEDY = {"model": MODEL, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path):
+    args = [*ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--chat-template", str(DATA / "tools_template.jinja")]
+    with ServerProcess(args) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _streamed(client, **kw):
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        # A cut response ends with response.incomplete, which carries it (the helper's
+        # get_final_response() waits for response.completed).
+        final = events[-1].response if events[-1].type == "response.incomplete" else \
+            stream.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    return events, final
+
+
+@pytest.mark.parametrize("limit", [4, 200])
+def test_text_equals_chat_whole_and_streamed(client, limit):
+    instructions, question = "Answer briefly.", "What is 2+2?"
+    chat = client.chat.completions.create(
+        messages=[{"role": "system", "content": instructions},
+                  {"role": "user", "content": question}],
+        max_completion_tokens=limit, **GREEDY)
+    r = client.responses.create(instructions=instructions, input=question,
+                                max_output_tokens=limit, **GREEDY)
+    text = chat.choices[0].message.content
+    assert r.output_text == text and text
+    cut = chat.choices[0].finish_reason == "length"
+    assert cut == (limit == 4)
+    assert r.status == ("incomplete" if cut else "completed")
+    assert (r.incomplete_details and r.incomplete_details.reason) == (
+        "max_output_tokens" if cut else None)
+    assert [o.type for o in r.output] == ["message"]
+    assert r.output[0].status == r.status
+    u, cu = r.usage, chat.usage
+    assert (u.input_tokens, u.output_tokens, u.total_tokens) == (
+        cu.prompt_tokens, cu.completion_tokens, cu.total_tokens)
+    assert u.output_tokens_details.reasoning_tokens == 0
+
+    events, final = _streamed(client, instructions=instructions, input=question,
+                              max_output_tokens=limit, **GREEDY)
+    assert final.output_text == text and final.status == r.status
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == text
+    assert events[-1].type == ("response.incomplete" if cut else "response.completed")
+
+
+def test_sse_framing_is_event_then_data(server):
+    r = requests.post(server.url + "/v1/responses", json={
+        "input": "Hi", "max_output_tokens": 3, "stream": True, **GREEDY}, timeout=60)
+    assert r.headers["Content-Type"] == "text/event-stream"
+    raw = r.content.decode()
+    assert raw.endswith("\n\n")
+    for k, block in enumerate(raw[:-2].split("\n\n")):
+        head, data = block.split("\n")
+        assert head.startswith("event: ") and data.startswith("data: ")
+        obj = json.loads(data[len("data: "):])
+        assert obj["type"] == head[len("event: "):] and obj["sequence_number"] == k
+
+
+def test_function_calls_validate_and_round_trip(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.responses.create(input=ask, tools=[WEATHER], tool_choice="required",
+                                max_output_tokens=100, **GREEDY)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and r.status == "completed"
+    for c in calls:
+        assert c.name == "get_weather" and c.call_id.startswith("call_")
+        jsonschema.validate(json.loads(c.arguments), WEATHER["parameters"])
+    events, final = _streamed(client, input=ask, tools=[WEATHER], tool_choice="required",
+                              max_output_tokens=100, **GREEDY)
+    assert [(o.name, o.arguments) for o in final.output] == [(c.name, c.arguments)
+                                                              for c in calls]
+    assert any(e.type == "response.function_call_arguments.delta" for e in events)
+
+    named = client.responses.create(input=ask, tools=[WEATHER], max_output_tokens=100,
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    **GREEDY)
+    assert [o.type for o in named.output] == ["function_call"]
+    # The second turn: the call and its result go back as input items.
+    follow = [*ask, *[o.model_dump(exclude_none=True) for o in r.output],
+              *[{"type": "function_call_output", "call_id": c.call_id,
+                 "output": json.dumps({"temperature": 21})} for c in calls]]
+    second = client.responses.create(input=follow, tools=[WEATHER], tool_choice="none",
+                                     max_output_tokens=20, **GREEDY)
+    assert second.output_text and second.usage.input_tokens > r.usage.input_tokens
+
+
+def test_text_format_json_schema(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.responses.create(
+        input="Invent a person.", max_output_tokens=80, **GREEDY,
+        text={"format": {"type": "json_schema", "name": "person", "schema": schema,
+                         "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
+    ({"input": []}, "input"),
+    ({"input": None}, "input"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"n": 2}, "n"),
+    ({"tool_choice": {"type": "file_search"}, "tools": [WEATHER]}, "tool_choice"),
+    ({"text": {"format": {"type": "grammar"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"max_output_tokens": 5000}, "max_output_tokens"),
+])
+def test_bad_requests_are_400s_naming_the_field(server, extra, param):
+    body = {"model": MODEL, "input": "Hi", **extra}
+    r = requests.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_reasoning_items_with_a_reasoning_parser(default_model_path):
+    """A template that opens the thinking: the output is a reasoning item whose text is
+    chat's reasoning_content, and every output token counts as a reasoning token."""
+    args = [*ARGS, "--reasoning-parser", "qwen3",
+            "--chat-template", str(DATA / "thinking_template.jinja")]
+    with ServerProcess(args) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        ask = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = c.chat.completions.create(messages=ask, max_completion_tokens=10, **GREEDY)
+        thought = chat.choices[0].message.model_extra["reasoning_content"]
+        r = c.responses.create(input=ask, max_output_tokens=10, **GREEDY)
+        events, final = _streamed(c, input=ask, max_output_tokens=10, **GREEDY)
+    assert thought
+    for resp in (r, final):
+        assert [o.type for o in resp.output] == ["reasoning"]
+        assert resp.output[0].content[0].text == thought and resp.output_text == ""
+        u = resp.usage
+        assert u.output_tokens_details.reasoning_tokens == u.output_tokens == chat.usage.completion_tokens
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == thought
