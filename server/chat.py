@@ -61,6 +61,7 @@ class ChoiceParser:
 
     reasoning: ReasoningParser | None
     tools: ToolCallParser | None
+    fed_tools: bool = False
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[dict]]:
         """The new ``(reasoning, content, delta.tool_calls entries)``."""
@@ -68,6 +69,9 @@ class ChoiceParser:
             self.reasoning.feed(text, final)
         if self.tools is None:
             return thought, content, []
+        if not content and (not final or not self.fed_tools):
+            return thought, content, []  # no answer yet (still reasoning): no calls either
+        self.fed_tools = True
         content, calls = self.tools.feed(content, final)
         return thought, content, calls
 

@@ -101,6 +101,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None

@@ -6,9 +6,9 @@ and ``</think>`` before they answer. With a parser the thinking goes to the mess
 (and on to the tool-call parser); streamed, to ``delta.reasoning_content`` and
 ``delta.content``.
 
-Where the output starts is read from the prompt: a chat template that leaves a
-``<think>`` open at its end (DeepSeek-R1, Qwen3's thinking-only models) starts the
-output inside the reasoning; otherwise the output is reasoning only if it begins with
+Where the output starts is read from the prompt: a chat template that ends the prompt
+with ``<think>`` (DeepSeek-R1, Qwen3's thinking-only models) starts the output inside
+the reasoning; otherwise the output is reasoning only if it begins with
 ``<think>`` (Qwen3 with thinking on). Qwen3 with ``enable_thinking: false`` writes an
 empty ``<think></think>`` into the prompt, and its output is all content. An output that
 ends before ``</think>`` (its token limit) is all reasoning. Whitespace that touches a
@@ -31,14 +31,14 @@ PARSERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think
 _START, _REASONING, _CONTENT = range(3)
 
 
-def opens_reasoning(prompt_text: str | None, start: str, end: str) -> bool:
-    """The prompt leaves a reasoning block open: its last ``start`` tag is unclosed."""
-    text = prompt_text or ""
-    return text.rfind(start) > text.rfind(end)
+def opens_reasoning(prompt_text: str | None, start: str) -> bool:
+    """The prompt ends by opening the reasoning (its generation prompt ends with the
+    start tag); a tag elsewhere in the prompt, in a message's text, does not count."""
+    return (prompt_text or "").rstrip().endswith(start)
 
 
 def starts_in_reasoning(name: str, prompt_text: str | None) -> bool:
-    return opens_reasoning(prompt_text, *PARSERS[name])
+    return opens_reasoning(prompt_text, PARSERS[name][0])
 
 
 def grammar_gate(tokenizer: Any, name: str, prompt_text: str | None) -> ReasoningGate | None:
@@ -48,7 +48,7 @@ def grammar_gate(tokenizer: Any, name: str, prompt_text: str | None) -> Reasonin
     grammar applies from the first token (and leaves no room for reasoning)."""
     start, end = PARSERS[name]
     end_ids = tuple(tokenizer.encode(end, add_special_tokens=False))
-    if opens_reasoning(prompt_text, start, end):
+    if opens_reasoning(prompt_text, start):
         return ReasoningGate(end_ids, started=True)
     start_ids = tokenizer.encode(start, add_special_tokens=False)
     return ReasoningGate(end_ids, start=start_ids[0]) if len(start_ids) == 1 else None
@@ -62,8 +62,7 @@ class ReasoningParser:
         if name not in PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}")
         self.start, self.end = PARSERS[name]
-        self._default = (_REASONING if opens_reasoning(prompt_text, self.start, self.end)
-                         else _CONTENT)
+        self._default = _REASONING if opens_reasoning(prompt_text, self.start) else _CONTENT
         self._phase = _START
         self._buf = ""
         self._lead = True

@@ -117,6 +117,7 @@ class _Item:
     text: str = ""
     call_id: str = ""
     name: str = ""
+    status: str = "in_progress"
 
     def body(self, status: str) -> dict[str, Any]:
         if self.kind == "reasoning":
@@ -165,7 +166,7 @@ class _Output:
         return {**self.base, "status": status, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"}
                 if status == "incomplete" else None,
-                "output": [it.body(self._item_status()) for it in self.items] if done else [],
+                "output": [it.body(it.status) for it in self.items] if done else [],
                 "usage": None if not done else {
                     "input_tokens": self.input_tokens,
                     "input_tokens_details": {"cached_tokens": t.cached_tokens},
@@ -197,27 +198,29 @@ class _Output:
             self.reasoning_tokens += num_tokens
         if finish is not None:
             self.finish = finish
-        out = []
+        # The rest of a call already open comes before any text or call after it.
+        out = [self._arguments(c) for c in calls if c["index"] in self.calls]
         if thought:
             out += self._grow("reasoning", thought, "response.reasoning_text.delta")
         if content:
             out += self._grow("message", content, "response.output_text.delta",
                               logprobs=[])
         for call in calls:
-            item = self.calls.get(call["index"])
-            if item is None:
+            if call["index"] not in self.calls:
                 out.append(self._close())
-                item = self.calls[call["index"]] = _Item(
-                    "function_call", _id("fc"), call_id=call["id"],
-                    name=call["function"]["name"])
-                out.append(self._add(item))
-            args = call["function"].get("arguments", "")
-            if args:
-                item.text += args
-                out.append(self.event("response.function_call_arguments.delta",
-                                      item_id=item.id, output_index=self._index(item),
-                                      delta=args))
+                self.calls[call["index"]] = _Item("function_call", _id("fc"),
+                                                  call_id=call["id"],
+                                                  name=call["function"]["name"])
+                out += [self._add(self.calls[call["index"]]), self._arguments(call)]
         return out
+
+    def _arguments(self, call: dict[str, Any]) -> bytes:
+        item, args = self.calls[call["index"]], call["function"].get("arguments", "")
+        if not args:
+            return b""
+        item.text += args
+        return self.event("response.function_call_arguments.delta", item_id=item.id,
+                          output_index=self._index(item), delta=args)
 
     def _index(self, item: _Item) -> int:
         return self.items.index(item)
@@ -249,7 +252,8 @@ class _Output:
         item, self.open = self.open, None
         if item is None:
             return b""
-        i, status = self._index(item), self._item_status()
+        i = self._index(item)
+        status = item.status = self._item_status()
         if item.kind == "function_call":
             out = self.event("response.function_call_arguments.done", item_id=item.id,
                              output_index=i, name=item.name, arguments=item.text)
@@ -272,9 +276,8 @@ async def _stream(request: web.Request, gen: Generation, out: _Output) -> web.St
             if frames:
                 await resp.write(frames)
     except APIError as err:
-        failed = {**out.response("failed"), "error": {"code": "server_error" if
-                                                      err.status >= 500 else "invalid_request",
-                                                      "message": str(err)}}
+        failed = {**out.response("failed"),
+                  "error": {"code": "server_error", "message": str(err)}}
         await resp.write(out.event("response.failed", response=failed))
     except ConnectionResetError:
         pass  # the client went away; leaving the Generation aborts the request

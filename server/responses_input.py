@@ -36,6 +36,9 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if limit is not None and (isinstance(limit, bool) or limit < 1):
         raise bad_request(f"max_output_tokens={limit!r} is invalid: must be an integer >= 1",
                           "max_output_tokens")
+    if req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported on /v1/responses; use "
+                          "/v1/completions", "prompt_logprobs")
     if req.top_logprobs:
         raise bad_request("top_logprobs is not supported on /v1/responses; use "
                           "/v1/chat/completions", "top_logprobs")
@@ -44,6 +47,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         **fields, messages=input_messages(req.input, req.instructions),
         max_completion_tokens=limit, tools=chat_tools(req.tools),
         tool_choice=chat_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls,
         chat_template_kwargs=req.chat_template_kwargs)
 
 
@@ -108,6 +112,9 @@ def input_messages(items: str | list[dict[str, Any]] | None,
                                     tool_call_id=item["call_id"]))
         elif kind == "reasoning":
             parts = item.get("content") or []
+            if not isinstance(parts, list):
+                raise bad_request(f"{where}.content (reasoning) must be a list of "
+                                  "reasoning_text parts", "input")
             thought = "\n".join(p["text"] for p in parts if isinstance(p, dict)
                                 and isinstance(p.get("text"), str)) or None
         else:

@@ -3,7 +3,8 @@
 ``none``: the tools are rendered, nothing is parsed. ``auto``: the model chooses; its
 text goes through the server's ``--tool-call-parser``. ``required`` and a named function
 are enforced by a grammar built from the tools' JSON schemas: a JSON array of
-``{"name", "arguments"}`` calls, or the named function's arguments.
+``{"name", "arguments"}`` calls (one, with ``parallel_tool_calls: false``), or the named
+function's arguments.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def tool_plan(req: ChatCompletionRequest, options: ServeOptions) -> ToolPlan:
             "name": {"const": t["function"]["name"]}, "arguments": _params_of(t)},
             "required": ["name", "arguments"]} for t in tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if req.parallel_tool_calls is False:
+            schema["maxItems"] = 1
         return ToolPlan(tools, "required", None, _make("tools", names, json=schema))
     name = _named(choice)
     match = [t for t in tools if t["function"]["name"] == name]

@@ -46,6 +46,8 @@ CASES = [
     (OPEN_PROMPT, "never closed", "never closed", ""),
     (OPEN_PROMPT, "a </th b </think>c", "a </th b", "c"),
     (OPEN_PROMPT + "x</think>", "plain", "", "plain"),
+    # a tag in a message's text opens nothing: only the prompt's end counts
+    ("<|im_start|>user\nWhat is <think> for?<|im_end|>\n" + QWEN3_ON, "A tag.", "", "A tag."),
 ]
 
 
@@ -262,3 +264,23 @@ def test_a_real_model_thinks_and_chat_template_kwargs_turn_it_off(default_model_
     for status, err in out["bad"]:
         assert status == 400 and err["error"]["param"] == "chat_template_kwargs", err
     assert "tokenize" in out["bad"][0][1]["error"]["message"]
+
+
+def test_a_named_call_waits_for_the_reasoning_to_end(monkeypatch):
+    """With a named tool_choice the arguments follow the thinking: no call is announced
+    while the model thinks, and its arguments are the text after </think>."""
+    out = '<think>Oslo, in celsius.</think>{"city": "Oslo"}'
+    tools = ToolPlan(tools=[{"type": "function"}], parser="named", function_name="get_weather")
+    for size in (1, 4, len(out)):
+        chunks = _serve_fake(_ctx(QWEN3_ON, tools), _pieces(out, size), True, monkeypatch)
+        deltas = [c["delta"] for c in chunks]
+        first_call = next(k for k, d in enumerate(deltas) if d.get("tool_calls"))
+        thought = "".join(d.get("reasoning_content", "") for d in deltas)
+        assert thought == "Oslo, in celsius."
+        assert "".join(d.get("reasoning_content", "") for d in deltas[:first_call + 1]) == thought
+        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        assert calls[0]["function"]["name"] == "get_weather"
+        assert "".join(tc["function"]["arguments"] for tc in calls) == '{"city": "Oslo"}'
+    cut = _serve_fake(_ctx(QWEN3_ON, tools), ["<think>still thinking"], False, monkeypatch)
+    msg = cut["choices"][0]["message"]
+    assert "tool_calls" not in msg and msg["reasoning_content"] == "still thinking"

@@ -152,6 +152,8 @@ def test_text_format_json_schema(client):
     ({"text": {"format": {"type": "grammar"}}}, "text"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),
+    ({"input": [{"type": "reasoning", "content": 5}]}, "input"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, extra, param):
     body = {"model": MODEL, "input": "Hi", **extra}
@@ -180,3 +182,52 @@ def test_reasoning_items_with_a_reasoning_parser(default_model_path):
         assert u.output_tokens_details.reasoning_tokens == u.output_tokens == chat.usage.completion_tokens
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
     assert "".join(deltas) == thought
+
+
+def _events(frames: bytes) -> list[dict]:
+    return [json.loads(block.split("\ndata: ", 1)[1])
+            for block in frames.decode().split("\n\n") if block]
+
+
+def test_a_calls_last_arguments_come_before_the_text_that_follows_it():
+    """One step may end a call and start text after it: the call's arguments are
+    complete when its item is done, and nothing is added to it afterwards."""
+    from server.chat import ChoiceParser
+    from server.responses import _Output
+    from server.tool_parser import ToolCallParser
+
+    out = _Output(base={}, input_tokens=1,
+                  parser=ChoiceParser(None, ToolCallParser("hermes")))
+    steps = ['Sure.<tool_call>\n{"name": "f", "arguments": {"a": ', '1}}\n</tool_call>\nafter']
+    frames = b"".join(b"".join(out._feed(t, 1, None)) for t in steps)
+    frames += b"".join(out._feed("", 0, "stop")) + out._close()
+    events = _events(frames)
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    assert done["arguments"] == '{"a": 1}'
+    item_id = done["item_id"]
+    after = events[events.index(done):]
+    assert not any(e.get("item_id") == item_id and e["type"].endswith(".delta") for e in after)
+    args = "".join(e["delta"] for e in events
+                   if e["type"] == "response.function_call_arguments.delta")
+    assert args == '{"a": 1}'
+    assert [i.kind for i in out.items] == ["message", "function_call", "message"]
+    assert [i.status for i in out.items] == ["completed"] * 3
+
+
+def test_parallel_tool_calls_false_allows_one_required_call(client):
+    import json as _json
+
+    from server.options import ServeOptions
+    from server.protocol import ChatCompletionRequest
+    from server.tools import tool_plan
+
+    chat_tool = {"type": "function", "function": {k: WEATHER[k] for k in ("name",
+                                                                           "parameters")}}
+    for parallel, most in ((None, None), (False, 1)):
+        plan = tool_plan(ChatCompletionRequest(tools=[chat_tool], tool_choice="required",
+                                               parallel_tool_calls=parallel), ServeOptions())
+        assert _json.loads(plan.constraint.spec.json).get("maxItems") == most
+    r = client.responses.create(input="Weather in Paris, London and Rome?", tools=[WEATHER],
+                                tool_choice="required", parallel_tool_calls=False,
+                                max_output_tokens=120, **GREEDY)
+    assert [o.type for o in r.output] == ["function_call"] and r.parallel_tool_calls is False
