@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from engine import TokenLogprobs
-from server.errors import APIError, bad_request
+from server.errors import APIError
 from server.generation import (
     ChoiceTally,
     Generation,
@@ -21,12 +21,12 @@ from server.logprobs import chat_logprobs, prompt_logprobs_json
 from server.params import chat_params
 from server.prompts import chat_prompt
 from server.protocol import ChatCompletionRequest, read_request
-from server.reasoning import ReasoningParser, grammar_gate
+from server.reasoning import ReasoningParser, gate_after_reasoning
 from server.sse import DONE, event, json_response, open_stream, send_error_and_done
 from server.state import STATE_KEY, ServerState
 from server.structured import check_compiles, request_constraint
 from server.tool_parser import ToolCallParser
-from server.tools import ToolPlan, tool_plan
+from server.tools import ToolPlan, tool_plan, with_tool_constraint
 
 
 @dataclass(slots=True)
@@ -62,17 +62,29 @@ class ChoiceParser:
     reasoning: ReasoningParser | None
     tools: ToolCallParser | None
     fed_tools: bool = False
+    thought: str = ""
+    """All the reasoning so far."""
+    content: str = ""
+    """All the content so far."""
+    reasoning_tokens: int = 0
+    """Tokens of the steps whose text was (or ended) inside the reasoning."""
 
-    def feed(self, text: str, final: bool) -> tuple[str, str, list[dict]]:
-        """The new ``(reasoning, content, delta.tool_calls entries)``."""
-        thought, content = ("", text) if self.reasoning is None else \
-            self.reasoning.feed(text, final)
-        if self.tools is None:
-            return thought, content, []
-        if not content and (not final or not self.fed_tools):
-            return thought, content, []  # no answer yet (still reasoning): no calls either
-        self.fed_tools = True
-        content, calls = self.tools.feed(content, final)
+    def feed(self, text: str, final: bool, num_tokens: int = 0
+             ) -> tuple[str, str, list[dict]]:  # fmt: skip
+        """The new ``(reasoning, content, delta.tool_calls entries)`` of a step's
+        ``text`` (``num_tokens`` tokens)."""
+        rp = self.reasoning
+        before = rp is not None and rp.in_reasoning
+        thought, content = ("", text) if rp is None else rp.feed(text, final)
+        if before or (rp is not None and rp.in_reasoning):
+            self.reasoning_tokens += num_tokens
+        calls: list[dict] = []
+        # No call before the answer starts: a named call would be announced at once.
+        if self.tools is not None and (content or (final and self.fed_tools)):
+            self.fed_tools = True
+            content, calls = self.tools.feed(content, final)
+        self.thought += thought
+        self.content += content
         return thought, content, calls
 
     @property
@@ -86,12 +98,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_request(request, ChatCompletionRequest)
     model = state.check_model(req.model)
     tools = tool_plan(req, state.options)
-    constraint = request_constraint(req)
-    if constraint is not None and tools.constraint is not None:
-        raise bad_request(f"{constraint.param} cannot be combined with tool_choice "
-                          f"{req.tool_choice!r}, which constrains the output itself",
-                          constraint.param)
-    constraint = constraint or tools.constraint
+    constraint = with_tool_constraint(request_constraint(req), tools, req.tool_choice)
     if constraint is not None:
         await check_compiles(state, constraint)
     params, route = chat_params(req, constraint and constraint.spec)
@@ -99,9 +106,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.admit()
     prompt = await chat_prompt(state, req.messages, req.add_generation_prompt is not False,
                                tools.tools, req.chat_template_kwargs)
-    if params.structured_outputs is not None and state.options.reasoning_parser is not None:
-        gate = grammar_gate(state.tokenizer, state.options.reasoning_parser, prompt.text)
-        params.structured_outputs = replace(params.structured_outputs, reasoning=gate)
+    gate_after_reasoning(params, state.tokenizer, state.options.reasoning_parser, prompt.text)
     state.fit(len(prompt.token_ids), params, route)
     ctx = _Ctx(
         id=f"chatcmpl-{random_id()}", created=int(time.time()), model=model, n=params.n,
@@ -144,7 +149,8 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
             frames = []
             for i, c in updates:
                 has_lp = ctx.want_logprobs and bool(c.logprobs)
-                delta, reason = _delta(ctx, parsers[i], c.text, c.finish_reason)
+                delta, reason = _delta(ctx, parsers[i], c.text, c.finish_reason,
+                                       len(c.token_ids))
                 if not delta and reason is None and not has_lp:
                     continue  # nothing new to show (text held back by a possible stop string)
                 if has_lp and "content" not in delta:
@@ -156,8 +162,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
             if frames:
                 await resp.write(b"".join(frames))
         if ctx.include_usage:
-            await resp.write(_chunk(ctx, [], usage_dict(
-                ctx.prompt_tokens, tally.completion_tokens, tally.cached_tokens)))
+            await resp.write(_chunk(ctx, [], _usage(ctx, tally, parsers)))
         await resp.write(DONE)
     except APIError as err:
         await send_error_and_done(resp, err)
@@ -166,11 +171,19 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
     return resp
 
 
-def _delta(ctx: _Ctx, parser: ChoiceParser, text: str, finish: str | None
-           ) -> tuple[dict, str | None]:
+def _usage(ctx: _Ctx, tally: ChoiceTally, parsers: list[ChoiceParser]) -> dict:
+    usage = usage_dict(ctx.prompt_tokens, tally.completion_tokens, tally.cached_tokens)
+    if ctx.reasoning_parser is not None:
+        usage["completion_tokens_details"] = {
+            "reasoning_tokens": sum(p.reasoning_tokens for p in parsers)}
+    return usage
+
+
+def _delta(ctx: _Ctx, parser: ChoiceParser, text: str, finish: str | None,
+           num_tokens: int) -> tuple[dict, str | None]:
     """A choice's stream delta for new ``text`` (reasoning and tool calls parsed out of
     it) and its finish reason (``tool_calls`` when it made calls and stopped)."""
-    thought, content, calls = parser.feed(text, finish is not None)
+    thought, content, calls = parser.feed(text, finish is not None, num_tokens)
     delta: dict = {}
     if thought and ctx.include_reasoning:
         delta["reasoning_content"] = delta["reasoning"] = thought
@@ -185,8 +198,9 @@ def _reason(parser: ChoiceParser, finish: str | None) -> str | None:
     return "tool_calls" if parser.made_calls and finish == "stop" else finish
 
 
-def _message(ctx: _Ctx, parser: ChoiceParser, text: str) -> dict:
-    thought, content, _ = parser.feed(text, True)
+def _message(ctx: _Ctx, parser: ChoiceParser) -> dict:
+    """The whole message of a choice whose text was all fed to ``parser``."""
+    thought, content = parser.thought, parser.content
     calls = parser.tools.calls if parser.tools is not None else []
     msg: dict = {"role": "assistant",
                  "content": None if not content and (calls or thought) else content}
@@ -198,28 +212,26 @@ def _message(ctx: _Ctx, parser: ChoiceParser, text: str) -> dict:
 
 
 async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response:
-    texts: list[list[str]] = [[] for _ in range(ctx.n)]
+    parsers = ctx.parsers()
     lps: list[list[TokenLogprobs]] = [[] for _ in range(ctx.n)]
     reasons: list[str | None] = [None] * ctx.n
     stop_reasons: list[int | str | None] = [None] * ctx.n
     tally = ChoiceTally()
     async for updates in choice_updates(gen, ctx.n, tally):
         for i, c in updates:
-            texts[i].append(c.text)
+            parsers[i].feed(c.text, c.finish_reason is not None, len(c.token_ids))
             if c.logprobs:
                 lps[i].extend(c.logprobs)
             reasons[i] = c.finish_reason
             stop_reasons[i] = c.stop_reason
-    parsers = ctx.parsers()
     choices = [{"index": i,
-                "message": _message(ctx, parsers[i], "".join(texts[i])),
+                "message": _message(ctx, parsers[i]),
                 "logprobs": _lp(state, ctx, lps[i]),
                 "finish_reason": _reason(parsers[i], reasons[i]),
                 "stop_reason": stop_reasons[i]} for i in range(ctx.n)]
     body = {
         "id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
-        "choices": choices,
-        "usage": usage_dict(ctx.prompt_tokens, tally.completion_tokens, tally.cached_tokens)}
+        "choices": choices, "usage": _usage(ctx, tally, parsers)}
     if ctx.want_prompt_logprobs:
         body["prompt_logprobs"] = prompt_logprobs_json(tally.prompt_logprobs[0])
     return json_response(body)

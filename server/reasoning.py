@@ -20,6 +20,7 @@ Structured outputs (``response_format``, ``structured_outputs``, the grammars of
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from engine.structured.params import ReasoningGate
@@ -52,6 +53,15 @@ def grammar_gate(tokenizer: Any, name: str, prompt_text: str | None) -> Reasonin
         return ReasoningGate(end_ids, started=True)
     start_ids = tokenizer.encode(start, add_special_tokens=False)
     return ReasoningGate(end_ids, start=start_ids[0]) if len(start_ids) == 1 else None
+
+
+def gate_after_reasoning(params: Any, tokenizer: Any, name: str | None,
+                         prompt_text: str | None) -> None:
+    """With a reasoning parser ``name``, ``params``' structured output (if any) applies
+    after the reasoning."""
+    if params.structured_outputs is not None and name is not None:
+        params.structured_outputs = replace(
+            params.structured_outputs, reasoning=grammar_gate(tokenizer, name, prompt_text))
 
 
 class ReasoningParser:

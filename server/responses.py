@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -27,13 +27,13 @@ from server.generation import ChoiceTally, Generation, choice_updates
 from server.params import chat_params
 from server.prompts import chat_prompt
 from server.protocol import ResponsesRequest, read_request
-from server.reasoning import ReasoningParser, grammar_gate
+from server.reasoning import ReasoningParser, gate_after_reasoning
 from server.responses_input import RESPONSES, chat_request, text_constraint
 from server.sse import json_response, open_stream
 from server.state import STATE_KEY
 from server.structured import check_compiles, request_constraint
 from server.tool_parser import ToolCallParser
-from server.tools import tool_plan
+from server.tools import tool_plan, with_tool_constraint
 
 _encode = msgspec.json.Encoder().encode
 
@@ -54,11 +54,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if constraint is not None and other is not None:
         raise bad_request(f"set at most one of text.format and {other.param}", other.param)
     constraint = constraint or other
-    if constraint is not None and tools.constraint is not None:
-        raise bad_request(f"{constraint.param} cannot be combined with tool_choice "
-                          f"{req.tool_choice!r}, which constrains the output itself",
-                          constraint.param)
-    constraint = constraint or tools.constraint
+    constraint = with_tool_constraint(constraint, tools, req.tool_choice)
     if constraint is not None:
         await check_compiles(state, constraint)
     params, _ = chat_params(chat, constraint and constraint.spec)
@@ -70,10 +66,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     except APIError as e:  # the template's complaint is about the input items
         raise (bad_request(str(e), "input") if e.param == "messages" else e) from None
     reasoning = state.options.reasoning_parser
-    if params.structured_outputs is not None and reasoning is not None:
-        params.structured_outputs = replace(
-            params.structured_outputs,
-            reasoning=grammar_gate(state.tokenizer, reasoning, prompt.text))
+    gate_after_reasoning(params, state.tokenizer, reasoning, prompt.text)
     state.fit(len(prompt.token_ids), params, RESPONSES)
     out = _Output(
         base=_base(req, model), input_tokens=len(prompt.token_ids),
@@ -149,7 +142,6 @@ class _Output:
     """Tool call index -> its item."""
     open: _Item | None = None
     tally: ChoiceTally = field(default_factory=ChoiceTally)
-    reasoning_tokens: int = 0
     finish: str | None = None
     seq: int = 0
 
@@ -171,7 +163,8 @@ class _Output:
                     "input_tokens": self.input_tokens,
                     "input_tokens_details": {"cached_tokens": t.cached_tokens},
                     "output_tokens": t.completion_tokens,
-                    "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                    "output_tokens_details": {
+                        "reasoning_tokens": self.parser.reasoning_tokens},
                     "total_tokens": self.input_tokens + t.completion_tokens}}
 
     def _item_status(self) -> str:
@@ -191,11 +184,7 @@ class _Output:
         yield self.event(kind, response=self.response())
 
     def _feed(self, text: str, num_tokens: int, finish: str | None) -> list[bytes]:
-        rp = self.parser.reasoning
-        before = rp is not None and rp.in_reasoning
-        thought, content, calls = self.parser.feed(text, finish is not None)
-        if before or (rp is not None and rp.in_reasoning):
-            self.reasoning_tokens += num_tokens
+        thought, content, calls = self.parser.feed(text, finish is not None, num_tokens)
         if finish is not None:
             self.finish = finish
         # The rest of a call already open comes before any text or call after it.

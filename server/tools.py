@@ -88,6 +88,17 @@ def tool_plan(req: ChatCompletionRequest, options: ServeOptions) -> ToolPlan:
     return ToolPlan(tools, "named", name, _make("tools", names, json=_params_of(match[0])))
 
 
+def with_tool_constraint(constraint: Constraint | None, plan: ToolPlan,
+                         tool_choice: Any) -> Constraint | None:
+    """The request's one constraint: its own (``response_format``, ...) or that of its
+    ``tool_choice``; both at once is a 400."""
+    if constraint is not None and plan.constraint is not None:
+        raise bad_request(f"{constraint.param} cannot be combined with tool_choice "
+                          f"{tool_choice!r}, which constrains the output itself",
+                          constraint.param)
+    return constraint or plan.constraint
+
+
 def _named(choice: Any) -> str:
     fn = choice.get("function") if isinstance(choice, dict) else None
     if (not isinstance(choice, dict) or choice.get("type") != "function"

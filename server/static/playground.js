@@ -117,6 +117,17 @@ async function send(chat, text) {
       const choice = event.choices && event.choices[0];
       if (!choice) continue;
       if (choice.finish_reason) finish = choice.finish_reason;
+      const thought = choice.delta && choice.delta.reasoning_content;
+      if (thought) {  // a reasoning model's thinking (--reasoning-parser), shown apart
+        let box = msg.querySelector(".thinking");
+        if (!box) {
+          box = document.createElement("span");
+          box.className = "thinking";
+          msg.insertBefore(box, body);
+        }
+        if (tFirst === null) tFirst = performance.now();
+        box.textContent += thought;
+      }
       const piece = choice.delta && choice.delta.content;
       if (piece) {
         if (tFirst === null) tFirst = performance.now();

@@ -246,12 +246,15 @@ def test_a_real_model_thinks_and_chat_template_kwargs_turn_it_off(default_model_
     msg = whole["choices"][0]["message"]
     assert msg["reasoning_content"] == msg["reasoning"] == on_text.strip()
     assert msg["content"] is None
+    usage = whole["usage"]  # every token was generated inside the reasoning
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": usage["completion_tokens"]}
     status, chunks = out["streamed"]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == on_text.strip()
     assert all(d.get("content", "") == "" for d in deltas)
     status, whole = out["off whole"]
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": off_text}
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
 
     # Structured outputs wait for the reasoning: the thinking is the model's own; with
     # thinking off the grammar applies from the first token.
