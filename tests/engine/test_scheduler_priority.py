@@ -139,16 +139,10 @@ def test_priority_is_validated_and_refused_under_fcfs(tmp_path_factory, default_
 
 def test_the_server_passes_priority_and_names_it_in_a_400(tmp_path, default_model_path,
                                                           make_tiny):  # fmt: skip
-    import asyncio
-
-    from aiohttp.test_utils import TestClient, TestServer
-
     from engine import EngineConfig
-    from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
-    from server.app import build_app
     from server.options import ServeOptions
-    from server.state import ServerState
+    from tests.helpers.server import run_in_process
 
     path = make_tiny("llama", tmp_path / "m", default_model_path)
 
@@ -157,23 +151,15 @@ def test_the_server_passes_priority_and_names_it_in_a_400(tmp_path, default_mode
             model=str(path), dtype="float32", kv_cache_memory_gb=0.02,
             scheduling_policy=policy))
 
-        async def main():
-            ae = AsyncEngine(engine)
-            ae.start(asyncio.get_running_loop())
-            state = ServerState(ae, ServeOptions())
-            try:
-                async with TestClient(TestServer(build_app(state))) as client:
-                    out = []
-                    for body in ({"prompt": "a b", "max_tokens": 2, "priority": -4},
-                                 {"prompt": "a b", "max_tokens": 2, "priority": "high"}):
-                        r = await client.post("/v1/completions", json=body)
-                        out.append((r.status, await r.json()))
-                    return out
-            finally:
-                ae.shutdown()
-                state.close()
+        async def script(client):
+            out = []
+            for body in ({"prompt": "a b", "max_tokens": 2, "priority": -4},
+                         {"prompt": "a b", "max_tokens": 2, "priority": "high"}):
+                r = await client.post("/v1/completions", json=body)
+                out.append((r.status, await r.json()))
+            return out
 
-        return asyncio.run(main())
+        return run_in_process(engine, ServeOptions(), script)
 
     (ok, body), (bad_type, err) = answers("priority")
     assert ok == 200 and body["usage"]["completion_tokens"] == 2

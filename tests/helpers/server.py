@@ -140,3 +140,29 @@ def process_alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def run_in_process(engine, options, script):
+    """``await script(client)`` against the app of ``engine`` (an ``LLMEngine``) served
+    in this process with ``options`` (a ``ServeOptions``); its result. The engine thread
+    stops afterwards."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from engine.async_engine import AsyncEngine
+    from server.app import build_app
+    from server.state import ServerState
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.start(asyncio.get_running_loop())
+        state = ServerState(ae, options)
+        try:
+            async with TestClient(TestServer(build_app(state))) as client:
+                return await script(client)
+        finally:
+            ae.shutdown()
+            state.close()
+
+    return asyncio.run(main())

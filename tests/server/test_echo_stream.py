@@ -18,7 +18,7 @@ from server.generation import Prompt
 from server.logprobs import TokenPiece
 from server.options import ServeOptions
 from server.state import STATE_KEY
-from tests.helpers.server import sse_events
+from tests.helpers.server import run_in_process, sse_events
 
 
 def _out(index: int, text: str, token: int | None, finish: str | None = None):
@@ -72,10 +72,7 @@ def test_offsets_index_the_echo_when_the_tokenizer_adds_a_bos(tmp_path, make_tin
     """With logprobs the echo is the prompt's tokens decoded (here with the BOS the
     tokenizer adds), and every ``text_offset`` is where its token's text begins."""
     from engine import EngineConfig
-    from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
-    from server.app import build_app
-    from server.state import ServerState
 
     path = make_tiny("llama", tmp_path / "bos", default_model_path)
     tok_file = path / "tokenizer.json"
@@ -92,21 +89,13 @@ def test_offsets_index_the_echo_when_the_tokenizer_adds_a_bos(tmp_path, make_tin
                                                 kv_cache_memory_gb=0.02))
     prompt = "Hello world, how are you"
 
-    async def main():
-        ae = AsyncEngine(engine)
-        ae.start(asyncio.get_running_loop())
-        state = ServerState(ae, ServeOptions())
-        try:
-            async with TestClient(TestServer(build_app(state))) as client:
-                r = await client.post("/v1/completions", json={
-                    "prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": True,
-                    "logprobs": 1, "ignore_eos": True})
-                return await r.json()
-        finally:
-            ae.shutdown()
-            state.close()
+    async def script(client):
+        r = await client.post("/v1/completions", json={
+            "prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": True,
+            "logprobs": 1, "ignore_eos": True})
+        return await r.json()
 
-    choice = asyncio.run(main())["choices"][0]
+    choice = run_in_process(engine, ServeOptions(), script)["choices"][0]
     text, lp = choice["text"], choice["logprobs"]
     assert text.startswith("<|im_start|>" + prompt)
     assert lp["tokens"][0] == "<|im_start|>" and lp["token_logprobs"][0] is None

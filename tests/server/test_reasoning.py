@@ -19,7 +19,7 @@ from server.options import ServeOptions
 from server.reasoning import ReasoningParser
 from server.state import STATE_KEY
 from server.tools import ToolPlan
-from tests.helpers.server import sse_events
+from tests.helpers.server import run_in_process, sse_events
 
 TEMPLATE = (Path(__file__).parent / "data" / "thinking_template.jinja").read_text()
 OPEN_PROMPT = "<|im_start|>assistant\n<think>\n"
@@ -178,26 +178,12 @@ def _with_real_server(default_model_path, script):
     ``--reasoning-parser qwen3`` and a template that opens the thinking unless
     ``enable_thinking`` is false."""
     from engine import EngineConfig
-    from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
-    from server.app import build_app
-    from server.state import ServerState
 
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(default_model_path), dtype="float32",
                                                 kv_cache_memory_gb=0.05, max_model_len=1024))
-
-    async def main():
-        ae = AsyncEngine(engine)
-        ae.start(asyncio.get_running_loop())
-        state = ServerState(ae, ServeOptions(reasoning_parser="qwen3", chat_template=TEMPLATE))
-        try:
-            async with TestClient(TestServer(build_app(state))) as client:
-                return await script(client)
-        finally:
-            ae.shutdown()
-            state.close()
-
-    return asyncio.run(main())
+    return run_in_process(
+        engine, ServeOptions(reasoning_parser="qwen3", chat_template=TEMPLATE), script)
 
 
 def test_a_real_model_thinks_and_chat_template_kwargs_turn_it_off(default_model_path):
