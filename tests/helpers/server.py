@@ -166,3 +166,24 @@ def run_in_process(engine, options, script):
             state.close()
 
     return asyncio.run(main())
+
+
+def post_to_handler(state, handler) -> bytes:
+    """The body of a POST to an app whose one route is ``handler``, with ``state`` (a
+    real or fake ``ServerState``) as its server state: a route's response code on a
+    fake engine."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from server.state import STATE_KEY
+
+    async def main():
+        app = web.Application()
+        app[STATE_KEY] = state
+        app.router.add_post("/", handler)
+        async with TestClient(TestServer(app)) as client:
+            return await (await client.post("/")).read()
+
+    return asyncio.run(main())

@@ -4,17 +4,12 @@ in ``--allowed-origins`` gets nothing a browser would let its page read."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
-from engine.async_engine import AsyncEngine
-from server.app import build_app
 from server.cors import parse_origins
-from server.state import ServeOptions, ServerState
+from server.state import ServeOptions
 from tests.helpers.models import write_tiny_model
-from tests.helpers.server import sse_events
+from tests.helpers.server import run_in_process, sse_events
 
 APP = "https://chat.example.com"
 PREFLIGHT = {"Origin": APP, "Access-Control-Request-Method": "POST",
@@ -33,18 +28,7 @@ def engine(tmp_path_factory):
 
 
 def serve(engine, fn, **options):
-    async def main():
-        ae = AsyncEngine(engine)
-        ae.start(asyncio.get_running_loop())
-        state = ServerState(ae, ServeOptions(**options))
-        try:
-            async with TestClient(TestServer(build_app(state))) as client:
-                return await fn(client)
-        finally:
-            ae.shutdown()
-            state.close()
-
-    return asyncio.run(main())
+    return run_in_process(engine, ServeOptions(**options), fn)
 
 
 def test_any_origin_by_default_with_an_api_key(engine):

@@ -5,20 +5,15 @@ engine side is a fake here."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import types
-
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
 from engine import CompletionOutput, TokenLogprobs
 from server import completions
 from server.generation import Prompt
 from server.logprobs import TokenPiece
 from server.options import ServeOptions
-from server.state import STATE_KEY
-from tests.helpers.server import run_in_process, sse_events
+from tests.helpers.server import post_to_handler, run_in_process, sse_events
 
 
 def _out(index: int, text: str, token: int | None, finish: str | None = None):
@@ -46,15 +41,7 @@ def test_a_siblings_tokens_wait_for_the_prompts_echo(monkeypatch):
     async def handler(request):
         return await completions._stream(request, state, None, ctx)
 
-    async def main():
-        app = web.Application()
-        app[STATE_KEY] = state
-        app.router.add_post("/", handler)
-        async with TestClient(TestServer(app)) as client:
-            r = await client.post("/")
-            return sse_events(await r.read())
-
-    events = asyncio.run(main())
+    events = sse_events(post_to_handler(state, handler))
     assert events[-1] == b"[DONE]"
     choices = [json.loads(e)["choices"][0] for e in events[:-1]]
     for k in (0, 1):

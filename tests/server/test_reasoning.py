@@ -4,22 +4,18 @@ whole; ``chat_template_kwargs`` reaching the chat template."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import types
 from pathlib import Path
 
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
 from engine import CompletionOutput
 from server import chat
 from server.options import ServeOptions
 from server.reasoning import ReasoningParser
-from server.state import STATE_KEY
 from server.tools import ToolPlan
-from tests.helpers.server import run_in_process, sse_events
+from tests.helpers.server import post_to_handler, run_in_process, sse_events
 
 TEMPLATE = (Path(__file__).parent / "data" / "thinking_template.jinja").read_text()
 OPEN_PROMPT = "<|im_start|>assistant\n<think>\n"
@@ -101,15 +97,7 @@ def _serve_fake(ctx: chat._Ctx, pieces: list[str], stream: bool, monkeypatch) ->
             return await chat._stream(request, state, None, ctx)
         return await chat._whole(state, None, ctx)
 
-    async def main():
-        app = web.Application()
-        app[STATE_KEY] = state
-        app.router.add_post("/", handler)
-        async with TestClient(TestServer(app)) as client:
-            r = await client.post("/")
-            return await r.read()
-
-    raw = asyncio.run(main())
+    raw = post_to_handler(state, handler)
     if not stream:
         return json.loads(raw)
     events = sse_events(raw)
