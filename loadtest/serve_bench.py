@@ -115,7 +115,7 @@ async def send_request(session: Any, url: str, payload: dict[str, Any], *,
         res.output_tokens = int(usage["completion_tokens"])
         res.prompt_tokens = int(usage.get("prompt_tokens") or prompt_len)
     elif count_tokens is not None:
-        res.output_tokens = count_tokens(res.text)
+        res.output_tokens = count_tokens(checker.reasoning + res.text)
     else:
         res.output_tokens = len(times)
     if checker.error is not None:

@@ -11,8 +11,9 @@ class StreamChecker:
     """Incremental parser and validator of one OpenAI SSE response body.
 
     Feed it the body as it arrives (:meth:`feed`, any split of the bytes), then call
-    :meth:`close`. It records the arrival time of every chunk that carries content,
-    the generated text, the ``usage`` object, an in-stream ``error`` and every
+    :meth:`close`. It records the arrival time of every chunk that carries content
+    (a reasoning model's ``delta.reasoning_content`` counts: it is generated text too),
+    the generated text (:attr:`text`, the answer; :attr:`reasoning`, the thinking), the ``usage`` object, an in-stream ``error`` and every
     violation of the streaming contract:
 
     - an event that is not exactly ``data: <payload>`` followed by a blank line;
@@ -32,6 +33,7 @@ class StreamChecker:
         self.closed = False
         self.content_times: list[float] = []
         self.text_parts: list[str] = []
+        self.reasoning_parts: list[str] = []
         self.finish_counts: dict[int, int] = {}
         self.finish_reasons: dict[int, str] = {}
         self.usage: dict[str, Any] | None = None
@@ -42,6 +44,11 @@ class StreamChecker:
     def text(self) -> str:
         """The concatenated content of every choice, in arrival order."""
         return "".join(self.text_parts)
+
+    @property
+    def reasoning(self) -> str:
+        """The concatenated ``reasoning_content`` of every choice, in arrival order."""
+        return "".join(self.reasoning_parts)
 
     def _violation(self, msg: str) -> None:
         if msg not in self.violations:
@@ -100,10 +107,14 @@ class StreamChecker:
             delta = choice.get("delta")
             content = (delta.get("content") if isinstance(delta, dict)
                        else choice.get("text"))
-            if content:
+            thought = delta.get("reasoning_content") if isinstance(delta, dict) else None
+            if content or thought:
                 if self.finish_counts.get(idx):
                     self._violation(f"choice {idx} has content after its finish chunk")
-                self.text_parts.append(content)
+                if content:
+                    self.text_parts.append(content)
+                if thought:
+                    self.reasoning_parts.append(thought)
                 has_content = True
             if choice.get("finish_reason") is not None:
                 self.finish_counts[idx] = self.finish_counts.get(idx, 0) + 1

@@ -123,6 +123,16 @@ def test_checker_flags_each_violation(mode: str, expected: str) -> None:
     assert any(expected in v for v in c.violations), c.violations
 
 
+def test_checker_counts_reasoning_as_generated_chunks() -> None:
+    def think(text: str) -> bytes:
+        return b"data: " + json.dumps({"choices": [{"index": 0, "delta": {
+            "reasoning_content": text}, "finish_reason": None}]}).encode() + b"\n\n"
+
+    c = check([think("hm"), think(" ok"), *GOOD])
+    assert c.violations == [] and c.text == "ab" and c.reasoning == "hm ok"
+    assert len(c.content_times) == 4  # the first token is the first thought
+
+
 def test_checker_flags_truncation_and_missing_usage() -> None:
     c = check([_chunk("a"), _chunk("b", finish="length"), b"data: [DONE]\n\n"])
     assert any("no usage" in v for v in c.violations)
