@@ -33,7 +33,7 @@ from types import SimpleNamespace
 from engine import envs, frames
 from engine.async_engine import EngineDeadError, EngineSnapshot, StepItem
 from engine.config import EngineConfig
-from engine.engine_info import EngineInfo
+from engine.engine_info import EngineInfo, generation_defaults
 from engine.kv_state import DEFAULT_MAX_CELLS, KVState
 from engine.loader import load_tokenizer
 from engine.parallel.launch import core_share
@@ -228,7 +228,8 @@ class DataParallelEngine:
         self.info = EngineInfo(
             model_name=first["model_name"], model_path=first["model_path"],
             tokenizer=tokenizer, eos_token_ids=tuple(first["eos_token_ids"]),
-            max_num_seqs=first["max_num_seqs"] * len(replicas), limits=first["limits"])
+            max_num_seqs=first["max_num_seqs"] * len(replicas), limits=first["limits"],
+            generation_defaults=generation_defaults(first["model_path"]))
         self.engine = SimpleNamespace(config=config, structured=_front_end_grammars(
             config, tokenizer, first))  # fmt: skip
         """What the server's grammar check reads of an engine (compiles in this process

@@ -7,7 +7,9 @@ Torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from blockmgr import cdiv
@@ -109,6 +111,24 @@ class InputLimits:
         return max_tokens
 
 
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""The ``generation_config.json`` fields that are sampling defaults."""
+
+
+def generation_defaults(model_path: str | Path) -> dict[str, Any]:
+    """The sampling defaults a model's ``generation_config.json`` sets (e.g. Qwen3's
+    temperature 0.6, top_p 0.95, top_k 20); empty without the file."""
+    path = Path(model_path) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    return {k: config[k] for k in GENERATION_FIELDS
+            if isinstance(config.get(k), (int, float)) and not isinstance(config[k], bool)}
+
+
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     """All a front end reads of the engine: names, limits and the tokenizer."""
@@ -120,6 +140,8 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     max_num_seqs: int
     limits: InputLimits
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    """The model's own sampling defaults (:func:`generation_defaults`)."""
 
     @property
     def max_model_len(self) -> int:

@@ -126,10 +126,15 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    @staticmethod
-    def _params_list(sp, n: int) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of ``generate(prompts)`` without any: the model's
+        ``generation_config.json`` sampling fields (temperature, top_p, top_k, min_p,
+        repetition_penalty) over the engine's defaults."""
+        return SamplingParams(**self.engine.info.generation_defaults)
+
+    def _params_list(self, sp, n: int) -> list[SamplingParams]:
         if sp is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sp, SamplingParams):
             return [sp] * n
         sp = list(sp)

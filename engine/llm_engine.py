@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from engine import process_tuning
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_info import EngineInfo, InputLimits
+from engine.engine_info import EngineInfo, InputLimits, generation_defaults
 from engine.errors import EngineFatalError, EngineInputError, InputField
 from engine.output_processor import OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor
 from engine.outputs import RequestOutput
@@ -96,7 +96,7 @@ class LLMEngine:
         self.info = EngineInfo(
             model_name=w.model_name, model_path=str(w.model_path), tokenizer=w.tokenizer,
             eos_token_ids=tuple(w.eos_token_ids), max_num_seqs=config.max_num_seqs,
-            limits=self.limits)  # fmt: skip
+            limits=self.limits, generation_defaults=generation_defaults(w.model_path))  # fmt: skip
         """What front ends read of the engine."""
         self.output = OutputProcessor(self.scheduler, self.token_text, self.tokenizer)
         self.eos_token_ids = w.eos_token_ids

@@ -101,7 +101,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     constraint = with_tool_constraint(request_constraint(req), tools, req.tool_choice)
     if constraint is not None:
         await check_compiles(state, constraint)
-    params, route = chat_params(req, constraint and constraint.spec)
+    params, route = chat_params(req, constraint and constraint.spec, state.sampling_defaults)
     state.check_sampling_token_ids(params, route)
     state.admit()
     prompt = await chat_prompt(state, req.messages, req.add_generation_prompt is not False,

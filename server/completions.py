@@ -63,7 +63,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     constraint = request_constraint(req)
     if constraint is not None:
         await check_compiles(state, constraint)
-    params = completion_params(req, constraint and constraint.spec)
+    params = completion_params(req, constraint and constraint.spec, state.sampling_defaults)
     state.check_sampling_token_ids(params, COMPLETIONS)
     state.admit()
     prompts = await completion_prompts(state, req.prompt)

@@ -35,6 +35,9 @@ class ServeOptions:
     """Engine replicas, each its own process (:mod:`engine.dp_engine`)."""
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    generation_config: str = "auto"
+    """``auto``: the model's ``generation_config.json`` sampling fields are the defaults
+    of requests that leave them unset (as in vLLM); ``vllm``: the engine's defaults."""
     reasoning_parser: str | None = None
     """``qwen3`` or ``deepseek_r1``: chat outputs' thinking goes to ``reasoning_content``
     (:mod:`server.reasoning`)."""

@@ -12,8 +12,9 @@ from server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
-def _common(req: _Sampling) -> dict[str, Any]:
-    """Sampling keyword arguments shared by chat and completions (None = default)."""
+def _common(req: _Sampling, defaults: dict[str, Any] | None) -> dict[str, Any]:
+    """Sampling keyword arguments shared by chat and completions (None = default:
+    ``defaults``, the model's own, or the engine's)."""
     kw: dict[str, Any] = {
         "n": req.n,
         "temperature": req.temperature,
@@ -34,6 +35,9 @@ def _common(req: _Sampling) -> dict[str, Any]:
         "spaces_between_special_tokens": req.spaces_between_special_tokens,
         "priority": req.priority,
     }
+    for name, value in (defaults or {}).items():
+        if kw.get(name) is None:
+            kw[name] = value
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     if req.prompt_logprobs is not None:
@@ -58,8 +62,8 @@ def _unsupported(value: Any, allowed: tuple, param: str, what: str) -> None:
         raise bad_request(f"{param} is not supported by this server: {what}", param)
 
 
-def chat_params(req: ChatCompletionRequest, structured: StructuredOutputsParams | None = None
-                ) -> tuple[SamplingParams, Route]:
+def chat_params(req: ChatCompletionRequest, structured: StructuredOutputsParams | None = None,
+                defaults: dict[str, Any] | None = None) -> tuple[SamplingParams, Route]:
     """Sampling parameters of a chat request and how the request names its fields (its
     token limit is ``max_completion_tokens`` or ``max_tokens``). ``structured`` is the
     request's constraint (``server.structured``, ``server.tools``).
@@ -76,7 +80,7 @@ def chat_params(req: ChatCompletionRequest, structured: StructuredOutputsParams 
                               f"integer in [0, {MAX_LOGPROBS}]", "top_logprobs")  # fmt: skip
         if req.top_logprobs > 0 and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    kw = _common(req)
+    kw = _common(req, defaults)
     route = CHAT_MAX_COMPLETION_TOKENS if req.max_completion_tokens is not None else CHAT
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if limit == 0:
@@ -90,14 +94,15 @@ def chat_params(req: ChatCompletionRequest, structured: StructuredOutputsParams 
 
 
 def completion_params(req: CompletionRequest,
-                      structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                      structured: StructuredOutputsParams | None = None,
+                      defaults: dict[str, Any] | None = None) -> SamplingParams:
     """Sampling parameters of a completions request (``max_tokens`` defaults to 16)."""
     if req.suffix:
         raise bad_request("suffix is not supported by this server (no fill-in-the-middle)",
                           "suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("best_of different from n is not supported", "best_of")
-    kw = _common(req)
+    kw = _common(req, defaults)
     kw["max_tokens"] = (req.max_tokens if req.max_tokens is not None
                         else COMPLETION_DEFAULT_MAX_TOKENS)
     if req.max_tokens == 0 and not req.echo:

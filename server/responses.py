@@ -57,7 +57,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     constraint = with_tool_constraint(constraint, tools, req.tool_choice)
     if constraint is not None:
         await check_compiles(state, constraint)
-    params, _ = chat_params(chat, constraint and constraint.spec)
+    params, _ = chat_params(chat, constraint and constraint.spec, state.sampling_defaults)
     state.check_sampling_token_ids(params, RESPONSES)
     state.admit()
     try:

@@ -75,6 +75,10 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     if options.exit_on_engine_death:
         engine.on_death = lambda exc: stop.set()
     warn_if_exposed(options)
+    if state.sampling_defaults:
+        logger.info("requests that leave them unset sample with the model's generation "
+                    "config: %s (--generation-config vllm for the engine's defaults)",
+                    ", ".join(f"{k}={v}" for k, v in state.sampling_defaults.items()))
     ready_logger.info("pagedserve ready on %s (model %s)", url_of(sock), ", ".join(state.model_names))
     await stop.wait()
     await _shutdown(state, runner, site)

@@ -86,6 +86,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                    help="how tool calls are read from free text: hermes "
                         "(<tool_call>{json}</tool_call>, Qwen2.5/Qwen3)")
+    s.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: the model's generation_config.json (temperature, top_p, "
+                        "top_k, min_p, repetition_penalty) sets the defaults of requests "
+                        "that leave them unset; vllm: the engine's own defaults "
+                        "(default: %(default)s)")
     s.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a reasoning model's <think>...</think> from its answer: "
                         "chat completions return it as reasoning_content (Qwen3, QwQ, "
@@ -179,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        generation_config=args.generation_config,
         chat_template=template,
         allowed_origins=origins,
         keep_alive_timeout=args.keep_alive_timeout,

@@ -30,6 +30,10 @@ class ServerState:
         self.options = options
         self.model_names = options.served_model_names or (info.model_name,)
         self.max_model_len = info.max_model_len
+        self.sampling_defaults: dict = (dict(info.generation_defaults)
+                                        if options.generation_config == "auto" else {})
+        """What a request's unset sampling fields default to (the model's
+        ``generation_config.json`` under ``--generation-config auto``)."""
         self.created = int(time.time())
         replicas = (lambda: self.engine.replica_snapshots) \
             if hasattr(engine, "replica_snapshots") else None  # fmt: skip
