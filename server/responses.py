@@ -29,7 +29,7 @@ from server.prompts import chat_prompt
 from server.protocol import ResponsesRequest, read_request
 from server.reasoning import ReasoningParser, gate_after_reasoning
 from server.responses_input import RESPONSES, chat_request, text_constraint
-from server.sse import json_response, open_stream
+from server.sse import STREAM_ERROR_KEY, json_response, open_stream, send_error_and_done
 from server.state import STATE_KEY
 from server.structured import check_compiles, request_constraint
 from server.tool_parser import ToolCallParser
@@ -167,6 +167,12 @@ class _Output:
                         "reasoning_tokens": self.parser.reasoning_tokens},
                     "total_tokens": self.input_tokens + t.completion_tokens}}
 
+    def failed(self, err: APIError) -> bytes:
+        """The ``response.failed`` event of an error after the 200."""
+        failed = {**self.response("failed"),
+                  "error": {"code": "server_error", "message": str(err)}}
+        return self.event("response.failed", response=failed)
+
     def _item_status(self) -> str:
         return "incomplete" if self.finish == "length" else "completed"
 
@@ -260,14 +266,13 @@ class _Output:
 
 async def _stream(request: web.Request, gen: Generation, out: _Output) -> web.StreamResponse:
     resp = await open_stream(request)
+    request[STREAM_ERROR_KEY] = out.failed  # also for a deadline the middleware enforces
     try:
         async for frames in out.run(gen):
             if frames:
                 await resp.write(frames)
     except APIError as err:
-        failed = {**out.response("failed"),
-                  "error": {"code": "server_error", "message": str(err)}}
-        await resp.write(out.event("response.failed", response=failed))
+        await send_error_and_done(resp, err)
     except ConnectionResetError:
         pass  # the client went away; leaving the Generation aborts the request
     return resp

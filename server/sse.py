@@ -22,6 +22,9 @@ def event(obj: Any) -> bytes:
 
 STREAM_KEY = web.RequestKey("stream", web.StreamResponse)
 """The request's open event stream (``request[STREAM_KEY]``), once the 200 is sent."""
+STREAM_ERROR_KEY = web.RequestKey("stream_error", object)
+"""A route's own frames for an error after the 200 (``err -> bytes``; the Responses
+API's ``response.failed``); without it, :func:`send_error_and_done`'s."""
 
 
 class _EventStream(web.StreamResponse):
@@ -61,8 +64,11 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
 
 
 async def send_error_and_done(resp: web.StreamResponse, err: APIError) -> None:
-    """An error after the 200: an error event, then ``[DONE]``."""
-    await resp.write(event(err.body()) + DONE)
+    """An error after the 200: an error event, then ``[DONE]`` (or the route's own
+    frames, :data:`STREAM_ERROR_KEY`)."""
+    request = getattr(resp, "request", None)
+    frames = request.get(STREAM_ERROR_KEY) if request is not None else None
+    await resp.write(frames(err) if frames is not None else event(err.body()) + DONE)
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:

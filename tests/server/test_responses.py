@@ -231,3 +231,31 @@ def test_parallel_tool_calls_false_allows_one_required_call(client):
                                 tool_choice="required", parallel_tool_calls=False,
                                 max_output_tokens=120, **GREEDY)
     assert [o.type for o in r.output] == ["function_call"] and r.parallel_tool_calls is False
+
+
+def test_a_deadline_mid_stream_ends_with_response_failed(default_model_path):
+    """Past --request-timeout the stream ends with a response.failed event (the
+    Responses API's own error frame, not chat's), and the request is aborted."""
+    from engine import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from server.options import ServeOptions
+    from tests.helpers.server import run_in_process
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(default_model_path), dtype="float32",
+                                                kv_cache_memory_gb=0.05, max_model_len=1024))
+
+    async def script(client):
+        r = await client.post("/v1/responses", json={
+            "input": "Count to a thousand.", "max_output_tokens": 900, "ignore_eos": True,
+            "stream": True, **GREEDY, "model": None})
+        return await r.read()
+
+    raw = run_in_process(engine, ServeOptions(request_timeout=1.0), script)
+    events = _events(raw)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created"
+    last = events[-1]
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+    assert "--request-timeout" in last["response"]["error"]["message"]
+    assert any(e["type"] == "response.output_text.delta" for e in events)
+    assert engine.scheduler.kv.stats().num_used_blocks == 0
