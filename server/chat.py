@@ -19,7 +19,7 @@ from server.generation import (
 )
 from server.logprobs import chat_logprobs, prompt_logprobs_json
 from server.params import chat_params
-from server.prompts import chat_prompt
+from server.prompts import chat_prompt, truncate_prompts
 from server.protocol import ChatCompletionRequest, read_request
 from server.reasoning import ReasoningParser, gate_after_reasoning
 from server.sse import DONE, event, json_response, open_stream, send_error_and_done
@@ -40,6 +40,9 @@ class _Ctx:
     want_prompt_logprobs: bool
     include_usage: bool
     tools: ToolPlan
+    continuous_usage: bool = False
+    """``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+    usage_now: dict | None = None
     reasoning_parser: str | None = None
     include_reasoning: bool = True
     prompt_text: str | None = None
@@ -106,15 +109,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.admit()
     prompt = await chat_prompt(state, req.messages, req.add_generation_prompt is not False,
                                tools.tools, req.chat_template_kwargs)
-    gate_after_reasoning(params, state.tokenizer, state.options.reasoning_parser, prompt.text)
+    rendered = prompt.text  # where a reasoning parser looks: its end survives a cut
+    gate_after_reasoning(params, state.tokenizer, state.options.reasoning_parser, rendered)
+    prompt = truncate_prompts([prompt], req.truncate_prompt_tokens, state.max_model_len)[0]
     state.fit(len(prompt.token_ids), params, route)
     ctx = _Ctx(
         id=f"chatcmpl-{random_id()}", created=int(time.time()), model=model, n=params.n,
         prompt_tokens=len(prompt.token_ids), want_logprobs=bool(req.logprobs),
         want_prompt_logprobs=req.prompt_logprobs is not None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
         tools=tools, reasoning_parser=state.options.reasoning_parser,
-        include_reasoning=req.include_reasoning is not False, prompt_text=prompt.text)
+        include_reasoning=req.include_reasoning is not False, prompt_text=rendered)
     async with Generation(state, [prompt], params, route, arrival) as gen:
         if req.stream:
             return await _stream(request, state, gen, ctx)
@@ -125,7 +131,7 @@ def _chunk(ctx: _Ctx, choices: list[dict], usage: dict | None = None) -> bytes:
     obj = {"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created,
            "model": ctx.model, "choices": choices}
     if ctx.include_usage:
-        obj["usage"] = usage
+        obj["usage"] = usage if usage is not None or not ctx.continuous_usage else ctx.usage_now
     return event(obj)
 
 
@@ -138,15 +144,16 @@ def _lp(state: ServerState, ctx: _Ctx, entries: list[TokenLogprobs] | None) -> d
 async def _stream(request: web.Request, state: ServerState, gen: Generation,
                   ctx: _Ctx) -> web.StreamResponse:
     resp = await open_stream(request)
+    tally = ChoiceTally()
+    parsers = ctx.parsers()
+    ctx.usage_now = _usage(ctx, tally, parsers)
     await resp.write(b"".join(
         _chunk(ctx, [{"index": i, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None}])
         for i in range(ctx.n)))
-    tally = ChoiceTally()
-    parsers = ctx.parsers()
     try:
         async for updates in choice_updates(gen, ctx.n, tally):
-            frames = []
+            choices = []
             for i, c in updates:
                 has_lp = ctx.want_logprobs and bool(c.logprobs)
                 delta, reason = _delta(ctx, parsers[i], c.text, c.finish_reason,
@@ -158,9 +165,10 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
                 choice = with_finish({"index": i, "delta": delta, "logprobs":
                                       _lp(state, ctx, c.logprobs) if has_lp else None}, c)
                 choice["finish_reason"] = reason
-                frames.append(_chunk(ctx, [choice]))
-            if frames:
-                await resp.write(b"".join(frames))
+                choices.append(choice)
+            if choices:
+                ctx.usage_now = _usage(ctx, tally, parsers) if ctx.continuous_usage else None
+                await resp.write(b"".join(_chunk(ctx, [ch]) for ch in choices))
         if ctx.include_usage:
             await resp.write(_chunk(ctx, [], _usage(ctx, tally, parsers)))
         await resp.write(DONE)

@@ -31,7 +31,7 @@ from server.logprobs import (
 )
 from server.param_names import COMPLETIONS
 from server.params import completion_params
-from server.prompts import completion_prompts, echo_texts
+from server.prompts import completion_prompts, echo_texts, truncate_prompts
 from server.protocol import CompletionRequest, read_request
 from server.sse import DONE, event, json_response, open_stream, send_error_and_done
 from server.state import STATE_KEY, ServerState
@@ -49,6 +49,9 @@ class _Ctx:
     want_logprobs: bool
     want_prompt_logprobs: bool
     include_usage: bool
+    continuous_usage: bool = False
+    """``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+    usage_now: dict | None = None
 
     @property
     def num_choices(self) -> int:
@@ -66,7 +69,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = completion_params(req, constraint and constraint.spec, state.sampling_defaults)
     state.check_sampling_token_ids(params, COMPLETIONS)
     state.admit()
-    prompts = await completion_prompts(state, req.prompt)
+    prompts = truncate_prompts(await completion_prompts(state, req.prompt),
+                               req.truncate_prompt_tokens, state.max_model_len)
     for p in prompts:
         state.fit(len(p.token_ids), params, COMPLETIONS)
     echo = await echo_texts(state, prompts, decoded=req.logprobs is not None) \
@@ -76,7 +80,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompts=prompts, echo_texts=echo,
         want_logprobs=req.logprobs is not None,
         want_prompt_logprobs=req.prompt_logprobs is not None,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats))
     async with Generation(state, prompts, params, COMPLETIONS, arrival) as gen:
         if req.stream:
             return await _stream(request, state, gen, ctx)
@@ -87,7 +92,7 @@ def _chunk(ctx: _Ctx, choices: list[dict], usage: dict | None = None) -> bytes:
     obj = {"id": ctx.id, "object": "text_completion", "created": ctx.created,
            "model": ctx.model, "choices": choices}
     if ctx.include_usage:
-        obj["usage"] = usage
+        obj["usage"] = usage if usage is not None or not ctx.continuous_usage else ctx.usage_now
     return event(obj)
 
 
@@ -117,6 +122,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
     resp = await open_stream(request)
     builders = _logprob_builders(state, ctx)
     tally = ChoiceTally()
+    ctx.usage_now = _usage(ctx, tally)
     # Echo with logprobs: a prompt's echo goes out with its logprobs once they are in
     # (held: what its choices produce before that; the first sibling computes the prompt
     # before the others are admitted, so this is a guard).
@@ -128,6 +134,8 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
             await resp.write(b"".join(_echo_chunks(ctx, range(len(ctx.prompts)))))
         async for updates in choice_updates(gen, ctx.n, tally):
             frames = []
+            if ctx.continuous_usage:
+                ctx.usage_now = _usage(ctx, tally)
             if held is not None:
                 for pidx in sorted(held.keys() & tally.prompt_logprobs.keys()):
                     frames += _echo_chunks(ctx, [pidx],

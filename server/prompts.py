@@ -124,6 +124,21 @@ async def chat_prompt(state: ServerState, messages: list[ChatMessage] | None,
                                template_kwargs)
 
 
+def truncate_prompts(prompts: list[Prompt], keep: int | None,
+                     max_model_len: int) -> list[Prompt]:
+    """``truncate_prompt_tokens``: each prompt cut to its last ``keep`` tokens (``-1``:
+    ``max_model_len``). A cut prompt keeps no text: an echo shows its tokens decoded."""
+    if keep is None:
+        return prompts
+    if not _is_int(keep) or keep == 0 or keep < -1 or keep > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens={keep!r} is invalid: must be -1 (the "
+                          f"context length) or an integer in [1, {max_model_len}]",
+                          "truncate_prompt_tokens")
+    keep = max_model_len if keep == -1 else keep
+    return [p if len(p.token_ids) <= keep else Prompt(p.token_ids[-keep:], None)
+            for p in prompts]
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -43,6 +43,7 @@ class ChatMessage(msgspec.Struct):
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 class JsonSchemaFormat(msgspec.Struct):
@@ -84,6 +85,7 @@ class _Sampling(msgspec.Struct):
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None
     priority: int | None = None
+    truncate_prompt_tokens: int | None = None
     # Structured outputs (vLLM's spellings)
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None

@@ -25,7 +25,7 @@ from server.chat import ChoiceParser
 from server.errors import APIError, bad_request
 from server.generation import ChoiceTally, Generation, choice_updates
 from server.params import chat_params
-from server.prompts import chat_prompt
+from server.prompts import chat_prompt, truncate_prompts
 from server.protocol import ResponsesRequest, read_request
 from server.reasoning import ReasoningParser, gate_after_reasoning
 from server.responses_input import RESPONSES, chat_request, text_constraint
@@ -66,12 +66,14 @@ async def responses(request: web.Request) -> web.StreamResponse:
     except APIError as e:  # the template's complaint is about the input items
         raise (bad_request(str(e), "input") if e.param == "messages" else e) from None
     reasoning = state.options.reasoning_parser
-    gate_after_reasoning(params, state.tokenizer, reasoning, prompt.text)
+    rendered = prompt.text
+    gate_after_reasoning(params, state.tokenizer, reasoning, rendered)
+    prompt = truncate_prompts([prompt], req.truncate_prompt_tokens, state.max_model_len)[0]
     state.fit(len(prompt.token_ids), params, RESPONSES)
     out = _Output(
         base=_base(req, model), input_tokens=len(prompt.token_ids),
         parser=ChoiceParser(
-            None if reasoning is None else ReasoningParser(reasoning, prompt.text),
+            None if reasoning is None else ReasoningParser(reasoning, rendered),
             None if tools.parser is None else ToolCallParser(tools.parser,
                                                              tools.function_name)))
     async with Generation(state, [prompt], params, RESPONSES, arrival) as gen:

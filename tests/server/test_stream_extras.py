@@ -1,0 +1,98 @@
+"""vLLM's request extras on the OpenAI routes: ``stream_options.continuous_usage_stats``
+(every chunk carries the usage so far) and ``truncate_prompt_tokens`` (a prompt cut to
+its last k tokens: the same output as sending those k tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import EngineConfig
+from engine.llm_engine import LLMEngine
+from server.options import ServeOptions
+from tests.helpers.server import run_in_process, sse_events
+
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, default_model_path, make_tiny):
+    path = make_tiny("llama", tmp_path_factory.mktemp("extras"), default_model_path)
+    return LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32",
+                                              kv_cache_memory_gb=0.02, max_model_len=MAX_LEN))
+
+
+def _serve(engine, script):
+    return run_in_process(engine, ServeOptions(), script)
+
+
+async def _post(client, path, body):
+    r = await client.post(path, json=body)
+    raw = await r.read()
+    if body.get("stream") and r.status == 200:
+        return r.status, [json.loads(e) for e in sse_events(raw)[:-1]]
+    return r.status, json.loads(raw)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(engine, route):
+    ask = ({"prompt": [5, 6, 7, 8]} if route == "/v1/completions"
+           else {"messages": [{"role": "user", "content": "hi"}]})
+    body = {**ask, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def script(client):
+        return [await _post(client, route, {**body, "stream_options": opts}) for opts in (
+            {"include_usage": True, "continuous_usage_stats": True},
+            {"include_usage": True})]
+
+    (s1, chunks), (s2, plain) = _serve(engine, script)
+    assert s1 == s2 == 200
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages)
+    prompt = usages[-1]["prompt_tokens"]
+    done = [u["completion_tokens"] for u in usages]
+    assert done == sorted(done) and done[-1] == 6 and usages[-1]["total_tokens"] == prompt + 6
+    assert all(u["prompt_tokens"] == prompt for u in usages)
+    if route.endswith("chat/completions"):
+        assert done[0] == 0  # the role chunk, before any token
+    else:
+        assert done[0] >= 1
+    # without the flag only the last (usage-only) chunk has usage
+    assert [c["usage"] is None for c in plain] == [True] * (len(plain) - 1) + [False]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(engine):
+    ids = list(range(100, 160))
+    gen = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+    async def script(client):
+        out = {"cut": await _post(client, "/v1/completions", {
+            "prompt": ids, "truncate_prompt_tokens": 12, "echo": True, **gen}),
+            "tail": await _post(client, "/v1/completions", {"prompt": ids[-12:], **gen}),
+            "short": await _post(client, "/v1/completions", {
+                "prompt": ids[:5], "truncate_prompt_tokens": 12, **gen}),
+            "chat": await _post(client, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hello " * 40}],
+                "truncate_prompt_tokens": 20, **gen}),
+            "responses": await _post(client, "/v1/responses", {
+                "input": "hello " * 40, "truncate_prompt_tokens": 20, "max_output_tokens": 3,
+                "temperature": 0}),
+            "whole": await _post(client, "/v1/completions", {
+                "prompt": ids, "truncate_prompt_tokens": -1, **gen})}
+        out["bad"] = [await _post(client, "/v1/completions", {
+            "prompt": ids, "truncate_prompt_tokens": k, **gen}) for k in (0, -2, MAX_LEN + 1)]
+        out["detok"] = await _post(client, "/detokenize", {"tokens": ids[-12:]})
+        return out
+
+    out = _serve(engine, script)
+    (s, cut), (_, tail) = out["cut"], out["tail"]
+    assert s == 200 and cut["usage"]["prompt_tokens"] == 12
+    text = cut["choices"][0]["text"]
+    assert text == out["detok"][1]["prompt"] + tail["choices"][0]["text"]  # echo: the cut
+    assert out["short"][1]["usage"]["prompt_tokens"] == 5  # shorter prompts are untouched
+    assert out["chat"][1]["usage"]["prompt_tokens"] == 20
+    assert out["responses"][1]["usage"]["input_tokens"] == 20
+    assert out["whole"][1]["usage"]["prompt_tokens"] == 60
+    for status, err in out["bad"]:
+        assert status == 400 and err["error"]["param"] == "truncate_prompt_tokens", err
