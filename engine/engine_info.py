@@ -51,6 +51,14 @@ class InputLimits:
             if not 0 <= tid < vocab:
                 raise TokenIdError(f"stop_token_ids entry {tid} is outside [0, {vocab})",
                                    InputField.STOP_TOKEN_IDS)  # fmt: skip
+        for tid in params.allowed_token_ids or ():
+            if not 0 <= tid < vocab:
+                raise TokenIdError(f"allowed_token_ids entry {tid} is outside [0, {vocab})",
+                                   InputField.ALLOWED_TOKEN_IDS)  # fmt: skip
+        for seq in params.bad_words_token_ids or ():
+            if not all(0 <= tid < vocab for tid in seq):
+                raise TokenIdError(f"bad_words token ids {seq} are not all inside [0, "
+                                   f"{vocab})", InputField.BAD_WORDS)  # fmt: skip
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The request's limit on output tokens: ``params.max_tokens``, or with None what

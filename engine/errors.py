@@ -39,6 +39,8 @@ class InputField(str, enum.Enum):
     SPACES_BETWEEN_SPECIAL_TOKENS = "spaces_between_special_tokens"
     STRUCTURED_OUTPUTS = "structured_outputs"
     PRIORITY = "priority"
+    ALLOWED_TOKEN_IDS = "allowed_token_ids"
+    BAD_WORDS = "bad_words"
 
 
 class EngineInputError(ValueError):

@@ -22,6 +22,7 @@ from engine.engine_info import EngineInfo, InputLimits, generation_defaults
 from engine.errors import EngineFatalError, EngineInputError, InputField
 from engine.output_processor import OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor
 from engine.outputs import RequestOutput
+from engine.penalties import bad_word_sequences
 from engine.request import Request, RequestGroup, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -153,11 +154,11 @@ class LLMEngine:
         if request_id in self.output.groups:
             raise EngineInputError(f"request_id={request_id!r} is already in use",
                                    InputField.REQUEST_ID)  # fmt: skip
+        self._prepare(params)
         limits = self.limits
         limits.check_token_ids(prompt_token_ids)
         limits.check_sampling_token_ids(params)
         max_tokens = limits.resolve_max_tokens(len(prompt_token_ids), params)
-        self._check_config_allows(params)
         spec = params.structured_outputs
         now = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), params, now)
@@ -191,9 +192,11 @@ class LLMEngine:
         self.num_prompt_tokens_total += len(prompt_token_ids)
         return group
 
-    def _check_config_allows(self, params: SamplingParams) -> None:
-        """What the engine's configuration rules out: a priority under fcfs, structured
-        outputs with speculative decoding."""
+    def _prepare(self, params: SamplingParams) -> None:
+        """What the engine's configuration rules out (a priority under fcfs, structured
+        outputs with speculative decoding); ``bad_words`` as token sequences."""
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_word_sequences(self.tokenizer, params.bad_words)
         if params.priority and self.config.scheduling_policy != "priority":
             raise EngineInputError(
                 f"priority={params.priority} is invalid: this engine schedules first come, "

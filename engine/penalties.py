@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -50,6 +50,29 @@ def min_tokens_banned(params: SamplingParams, eos_token_ids: Sequence[int]) -> l
     if not params.ignore_eos:
         banned.extend(eos_token_ids)
     return banned
+
+
+def bad_word_sequences(tokenizer: Any, words: Sequence[str]) -> list[list[int]]:
+    """Each of ``words`` as token ids, as the tokenizer spells it alone and after a space
+    (where that differs), without special tokens."""
+    seqs: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                seqs[ids] = None
+    return [list(s) for s in seqs]
+
+
+def bad_word_bans(seqs: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """Tokens a row may not sample next: the last token of each sequence whose other
+    tokens end the output."""
+    out = []
+    for seq in seqs:
+        k = len(seq) - 1
+        if k == 0 or (len(output) >= k and list(output[len(output) - k:]) == list(seq[:k])):
+            out.append(seq[-1])
+    return out
 
 
 def _flat(ids: Sequence[int], base: int, vocab: int) -> np.ndarray:
@@ -163,6 +186,9 @@ class PenaltyPlan:
 
     bias: tuple[int, int, int] | None
     banned: tuple[int, int] | None
+    allowed: tuple[int, int, int, int] | None
+    """Rows with ``allowed_token_ids``: their indices, and (position among them, token)
+    pairs of what they may sample."""
     counted: _CountsPlan | _FreshPlan | None
     """Counts of the rows in ``counted_rows``."""
     rep: tuple[int, int] | None
@@ -191,16 +217,20 @@ def plan(rows: Sequence[RowLike], vocab: int, pack: Pack,
             bias_r.append(np.full(int(keep.sum()), i, dtype=np.int64))
             bias_v.append(np.fromiter(p.logit_bias.values(), dtype=np.float32,
                                       count=len(t))[keep])  # fmt: skip
+        bans = bad_word_bans(p.bad_words_token_ids, r.output_token_ids) \
+            if p.bad_words_token_ids else []
         if len(r.output_token_ids) < p.min_tokens:
-            for tid in min_tokens_banned(p, r.eos_token_ids):
-                if 0 <= tid < vocab:
-                    ban_r.append(i)
-                    ban_t.append(tid)
+            bans += min_tokens_banned(p, r.eos_token_ids)
+        for tid in bans:
+            if 0 <= tid < vocab:
+                ban_r.append(i)
+                ban_t.append(tid)
     bias = None
     if bias_r:
         bias = (pack.add(np.concatenate(bias_r), i64), pack.add(np.concatenate(bias_t), i64),
                 pack.add(np.concatenate(bias_v), f32))  # fmt: skip
     banned = (pack.add(ban_r, i64), pack.add(ban_t, i64)) if ban_r else None
+    allowed = _allowed(rows, vocab, pack)
 
     rep_sel = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     pf_sel = [i for i, r in enumerate(rows)
@@ -208,7 +238,7 @@ def plan(rows: Sequence[RowLike], vocab: int, pack: Pack,
               and r.output_token_ids]  # fmt: skip
     sel = sorted(set(rep_sel) | set(pf_sel))
     if not sel:
-        return PenaltyPlan(bias, banned, None, None, None, -1)
+        return PenaltyPlan(bias, banned, allowed, None, None, None, -1)
     pos = {row: j for j, row in enumerate(sel)}
     sub = [rows[i] for i in sel]
     if counts is not None and all(r.key is not None for r in sub):
@@ -224,7 +254,20 @@ def plan(rows: Sequence[RowLike], vocab: int, pack: Pack,
         presfreq = (pack.add([pos[i] for i in pf_sel], i64),
                     pack.add([rows[i].params.frequency_penalty for i in pf_sel], f32),
                     pack.add([rows[i].params.presence_penalty for i in pf_sel], f32))
-    return PenaltyPlan(bias, banned, counted, rep, presfreq, pack.add(sel, i64))
+    return PenaltyPlan(bias, banned, allowed, counted, rep, presfreq, pack.add(sel, i64))
+
+
+def _allowed(rows: Sequence[RowLike], vocab: int, pack: Pack
+             ) -> tuple[int, int, int, int] | None:  # fmt: skip
+    sel = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    if not sel:
+        return None
+    at, tok = [], []
+    for j, i in enumerate(sel):
+        ids = [t for t in rows[i].params.allowed_token_ids if 0 <= t < vocab]
+        at += [j] * len(ids)
+        tok += ids
+    return pack.add(sel, i64), pack.add(at, i64), pack.add(tok, i64), len(sel)
 
 
 def _fresh_indices(rows: Sequence[RowLike], vocab: int, pack: Pack) -> tuple[int, int]:
@@ -243,6 +286,13 @@ def apply(logits: torch.Tensor, pl: PenaltyPlan, v: list[torch.Tensor]) -> None:
     if pl.banned is not None:
         r, t = (v[h] for h in pl.banned)
         logits.index_put_((r, t), torch.full((), float("-inf"), device=logits.device))
+    if pl.allowed is not None:
+        rows_h, at_h, tok_h, n = pl.allowed
+        mask = torch.full((n, logits.shape[1]), float("-inf"), dtype=logits.dtype,
+                          device=logits.device)
+        mask.index_put_((v[at_h], v[tok_h]), torch.zeros((), dtype=logits.dtype,
+                                                          device=logits.device))
+        logits.index_add_(0, v[rows_h], mask)
     if pl.counted is None:
         return
     counts, prompt_seen = pl.counted.tensors(v)

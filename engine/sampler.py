@@ -120,6 +120,8 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
         and row.matcher is None
         and p.logprobs is None
         and not p.logit_bias
+        and not p.allowed_token_ids
+        and not p.bad_words_token_ids
         and p.repetition_penalty == 1.0
         and not p.presence_penalty
         and not p.frequency_penalty

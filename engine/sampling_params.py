@@ -26,6 +26,7 @@ _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")
 
 
 PRIORITY_LIMIT = 2**31
+MAX_BAD_WORDS = 100
 
 
 def _err(param: str, value: Any, limit: str) -> SamplingParamError:
@@ -75,12 +76,23 @@ class SamplingParams:
     priority: int = 0
     """Under ``scheduling_policy="priority"``: lower runs first (ties in arrival order);
     any other value than 0 is refused under ``fcfs``."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled (vLLM's extra)."""
+    bad_words: list[str] | None = None
+    """Words the output must not contain (vLLM's extra): the last token of a word is
+    masked when the output ends with the word's other tokens; each word as the
+    tokenizer spells it alone and after a space (the engine fills
+    ``bad_words_token_ids``)."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """The token sequences that are masked; set directly, or by the engine from
+    ``bad_words``."""
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(
             "stop", self.stop, "must be a string or a list of strings")
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
                                        "must be a list of token ids")
+        self._validate_token_lists()
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -158,6 +170,31 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise _err(name, getattr(self, name), "must be true or false")
         self._validate_structured()
+
+    def _validate_token_lists(self) -> None:
+        """``allowed_token_ids``, ``bad_words`` and ``bad_words_token_ids``."""
+        def ids_ok(v: Any) -> bool:
+            return (isinstance(v, (list, tuple)) and len(v) > 0 and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v))
+
+        if self.allowed_token_ids is not None:
+            if not ids_ok(self.allowed_token_ids):
+                raise _err("allowed_token_ids", self.allowed_token_ids,
+                           "must be a non-empty list of token ids")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or len(self.bad_words) > \
+                    MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip()
+                                             for w in self.bad_words):
+                raise _err("bad_words", self.bad_words,
+                           f"must be a list of at most {MAX_BAD_WORDS} non-blank strings")
+            self.bad_words = list(self.bad_words)
+        seqs = self.bad_words_token_ids
+        if seqs is not None:
+            if not isinstance(seqs, (list, tuple)) or not all(ids_ok(s) for s in seqs):
+                raise _err("bad_words", seqs, "token sequences must be non-empty lists of "
+                                              "token ids")
+            self.bad_words_token_ids = [list(s) for s in seqs]
 
     def _validate_structured(self) -> None:
         so = self.structured_outputs

@@ -34,6 +34,8 @@ def _common(req: _Sampling, defaults: dict[str, Any] | None) -> dict[str, Any]:
         "skip_special_tokens": req.skip_special_tokens,
         "spaces_between_special_tokens": req.spaces_between_special_tokens,
         "priority": req.priority,
+        "allowed_token_ids": req.allowed_token_ids,
+        "bad_words": req.bad_words,
     }
     for name, value in (defaults or {}).items():
         if kw.get(name) is None:

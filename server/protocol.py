@@ -86,6 +86,8 @@ class _Sampling(msgspec.Struct):
     prompt_logprobs: int | None = None
     priority: int | None = None
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Structured outputs (vLLM's spellings)
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
