@@ -57,8 +57,8 @@ class InputLimits:
                                    InputField.ALLOWED_TOKEN_IDS)  # fmt: skip
         for seq in params.bad_words_token_ids or ():
             if not all(0 <= tid < vocab for tid in seq):
-                raise TokenIdError(f"bad_words token ids {seq} are not all inside [0, "
-                                   f"{vocab})", InputField.BAD_WORDS)  # fmt: skip
+                raise TokenIdError(f"bad_words_token_ids entry {seq} is not all inside [0, "
+                                   f"{vocab})", InputField.BAD_WORDS_TOKEN_IDS)  # fmt: skip
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The request's limit on output tokens: ``params.max_tokens``, or with None what

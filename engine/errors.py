@@ -41,6 +41,7 @@ class InputField(str, enum.Enum):
     PRIORITY = "priority"
     ALLOWED_TOKEN_IDS = "allowed_token_ids"
     BAD_WORDS = "bad_words"
+    BAD_WORDS_TOKEN_IDS = "bad_words_token_ids"
 
 
 class EngineInputError(ValueError):

@@ -192,8 +192,8 @@ class SamplingParams:
         seqs = self.bad_words_token_ids
         if seqs is not None:
             if not isinstance(seqs, (list, tuple)) or not all(ids_ok(s) for s in seqs):
-                raise _err("bad_words", seqs, "token sequences must be non-empty lists of "
-                                              "token ids")
+                raise _err("bad_words_token_ids", seqs,
+                           "must be a list of non-empty lists of token ids")
             self.bad_words_token_ids = [list(s) for s in seqs]
 
     def _validate_structured(self) -> None:

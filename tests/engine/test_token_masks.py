@@ -64,7 +64,7 @@ def test_the_engine_fills_bad_words_token_ids(tiny):
     ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
     ({"bad_words": ["ok", "  "]}, "bad_words"),
     ({"bad_words": "word"}, "bad_words"),
-    ({"bad_words_token_ids": [[1], []]}, "bad_words"),
+    ({"bad_words_token_ids": [[1], []]}, "bad_words_token_ids"),
 ])
 def test_bad_values_name_the_field(kw, message):
     with pytest.raises(SamplingParamError, match=message) as e:
@@ -99,3 +99,14 @@ def test_the_server_applies_and_checks_them(tmp_path, default_model_path, make_t
     assert pieces <= {engine.token_text(300), engine.token_text(4000)}
     assert s1 == 400 and e1["error"]["param"] == "allowed_token_ids"
     assert s2 == 400 and e2["error"]["param"] == "bad_words"
+
+
+def test_ids_outside_the_vocabulary_are_refused(tiny):
+    from engine import EngineInputError
+
+    for kw, field in (({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+                      ({"bad_words_token_ids": [[5, 10**7]]}, "bad_words_token_ids")):
+        with pytest.raises(EngineInputError, match="outside|not all inside") as e:
+            tiny.generate(["a"], SamplingParams(max_tokens=2, **kw), use_tqdm=False)
+        assert e.value.param == field
+    assert tiny.engine.kv.stats().num_used_blocks == 0
