@@ -38,10 +38,6 @@ def opens_reasoning(prompt_text: str | None, start: str) -> bool:
     return (prompt_text or "").rstrip().endswith(start)
 
 
-def starts_in_reasoning(name: str, prompt_text: str | None) -> bool:
-    return opens_reasoning(prompt_text, PARSERS[name][0])
-
-
 def grammar_gate(tokenizer: Any, name: str, prompt_text: str | None) -> ReasoningGate | None:
     """How a request's structured output waits for the reasoning to end: from the
     prompt's open tag, or from a start tag the model may generate first (when the tag is
@@ -77,8 +73,6 @@ class ReasoningParser:
         self._buf = ""
         self._lead = True
         """Whitespace at the start of the current part is dropped."""
-        self.reasoning = ""
-        self.content = ""
 
     @property
     def in_reasoning(self) -> bool:
@@ -97,8 +91,6 @@ class ReasoningParser:
                 self._buf = self._buf.lstrip()
                 self._lead = not self._buf
             content, self._buf = self._buf, ""
-        self.reasoning += reasoning
-        self.content += content
         return reasoning, content
 
     def finish(self) -> tuple[str, str]:
