@@ -72,6 +72,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     state.fit(len(prompt.token_ids), params, RESPONSES)
     out = _Output(
         base=_base(req, model), input_tokens=len(prompt.token_ids),
+        streaming=bool(req.stream),
         parser=ChoiceParser(
             None if reasoning is None else ReasoningParser(reasoning, rendered),
             None if tools.parser is None else ToolCallParser(tools.parser,
@@ -146,15 +147,24 @@ class _Output:
     tally: ChoiceTally = field(default_factory=ChoiceTally)
     finish: str | None = None
     seq: int = 0
+    streaming: bool = True
+    """Events are encoded (a whole response needs only its items)."""
 
     def event(self, kind: str, **fields: Any) -> bytes:
-        obj = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
+        if not self.streaming:
+            return b""
+        obj = {"type": kind, "sequence_number": self.seq - 1, **fields}
         return b"event: " + kind.encode() + b"\ndata: " + _encode(obj) + b"\n\n"
 
+    @property
+    def status(self) -> str:
+        """The end status (of the response and of the item open at the end):
+        ``incomplete`` when the token limit cut it."""
+        return "incomplete" if self.finish == "length" else "completed"
+
     def response(self, status: str | None = None) -> dict[str, Any]:
-        if status is None:
-            status = "incomplete" if self.finish == "length" else "completed"
+        status = status or self.status
         done = status != "in_progress"
         t = self.tally
         return {**self.base, "status": status, "error": None,
@@ -175,9 +185,6 @@ class _Output:
                   "error": {"code": "server_error", "message": str(err)}}
         return self.event("response.failed", response=failed)
 
-    def _item_status(self) -> str:
-        return "incomplete" if self.finish == "length" else "completed"
-
     async def run(self, gen: Generation):
         """Feed the generation through the parsers; yields each step's events."""
         yield self.event("response.created", response=self.response("in_progress"))
@@ -188,8 +195,7 @@ class _Output:
         if not self.items:  # nothing at all was generated: one empty message
             yield self._add(_Item("message", _id("msg")))
         yield self._close()
-        kind = "response.incomplete" if self.finish == "length" else "response.completed"
-        yield self.event(kind, response=self.response())
+        yield self.event(f"response.{self.status}", response=self.response())
 
     def _feed(self, text: str, num_tokens: int, finish: str | None) -> list[bytes]:
         thought, content, calls = self.parser.feed(text, finish is not None, num_tokens)
@@ -250,7 +256,7 @@ class _Output:
         if item is None:
             return b""
         i = self._index(item)
-        status = item.status = self._item_status()
+        status = item.status = self.status
         if item.kind == "function_call":
             out = self.event("response.function_call_arguments.done", item_id=item.id,
                              output_index=i, name=item.name, arguments=item.text)
