@@ -64,7 +64,6 @@ class ChoiceParser:
 
     reasoning: ReasoningParser | None
     tools: ToolCallParser | None
-    fed_tools: bool = False
     thought: str = ""
     """All the reasoning so far."""
     content: str = ""
@@ -83,8 +82,7 @@ class ChoiceParser:
             self.reasoning_tokens += num_tokens
         calls: list[dict] = []
         # No call before the answer starts: a named call would be announced at once.
-        if self.tools is not None and (content or (final and self.fed_tools)):
-            self.fed_tools = True
+        if self.tools is not None and (content or (final and self.tools.text)):
             content, calls = self.tools.feed(content, final)
         self.thought += thought
         self.content += content
