@@ -12,9 +12,10 @@ Because every key covers its parent's key, equal keys mean equal whole prefixes,
 just equal blocks. The digest is 128 bits, so an accidental collision is not a practical
 concern (about 2**64 distinct blocks before a collision becomes likely).
 
-Extra keys are a tuple so more kinds can join later (LoRA ids, multimodal hashes); today
-the only one is the request's ``cache_salt``, which goes into the FIRST block's key so
-requests with different salts never share any block.
+Extra keys are a tuple so more kinds can join later (multimodal hashes). Today they are
+the request's ``cache_salt`` and its LoRA adapter's key, which go into the FIRST block's
+key so requests with different salts or adapters never share any block. The adapter
+enters as two keys (a marker, then its key) so no salt alone can produce its keys.
 
 Cost: one C-level pass over the block's tokens (packing) and one blake2b call per full
 block; no per-token Python work.
@@ -61,8 +62,14 @@ def hash_block_tokens(
     return h.digest()
 
 
-def block_extra_keys(cache_salt: str | None, block_index: int) -> ExtraKeys:
-    """Extra keys of block ``block_index`` of a request: the salt, on the first block only."""
-    if block_index == 0 and cache_salt is not None:
-        return (cache_salt,)
-    return NO_EXTRA_KEYS
+LORA_MARKER = "\x00lora"
+
+
+def block_extra_keys(cache_salt: str | None, block_index: int,
+                     lora_key: str | None = None) -> ExtraKeys:  # fmt: skip
+    """Extra keys of block ``block_index`` of a request: the salt and the adapter, on the
+    first block only."""
+    if block_index != 0:
+        return NO_EXTRA_KEYS
+    salt = NO_EXTRA_KEYS if cache_salt is None else (cache_salt,)
+    return salt if lora_key is None else (*salt, LORA_MARKER, lora_key)

@@ -78,7 +78,7 @@ class KVCacheManager:
             raise ValueError(f"request {rid} already has blocks; lookup is for new requests")
         tokens = req.all_token_ids
         bs = self.block_size
-        salt = req.cache_salt
+        salt, lora = req.cache_salt, req.lora_key
         cached = self.pool.cached
         max_blocks = max(len(tokens) - 1, 0) // bs
         hashes: list[BlockHash] = []
@@ -86,7 +86,7 @@ class KVCacheManager:
         parent = ROOT_HASH
         for i in range(max_blocks):
             start = i * bs
-            key = hash_block_tokens(parent, tokens[start:start + bs], block_extra_keys(salt, i))
+            key = hash_block_tokens(parent, tokens[start:start + bs], block_extra_keys(salt, i, lora))
             hashes.append(key)
             b = cached.get(key)
             if b is None:
@@ -210,7 +210,7 @@ class KVCacheManager:
         for i in range(num_blocks):
             start = i * bs
             parent = hash_block_tokens(parent, tokens[start:start + bs],
-                                       block_extra_keys(req.cache_salt, i))
+                                       block_extra_keys(req.cache_salt, i, req.lora_key))
             keys.append(parent)
         return keys
 
@@ -241,12 +241,12 @@ class KVCacheManager:
         block_hash = pool.block_hash
         hashes = state.block_hashes
         blocks = state.block_ids
-        salt = req.cache_salt
+        salt, lora = req.cache_salt, req.lora_key
         parent = hashes[first - 1] if first else ROOT_HASH
         for i in range(first, num_full):
             start = i * bs
             chunk = tokens[start:start + bs]
-            extras = block_extra_keys(salt, i)
+            extras = block_extra_keys(salt, i, lora)
             if i < len(hashes):
                 key = hashes[i]
             else:

@@ -16,3 +16,5 @@ class KVRequest(Protocol):
     all_token_ids: list[int]
     num_computed_tokens: int
     cache_salt: str | None
+    lora_key: str | None
+    """The request's LoRA adapter (its blocks are cached apart from other adapters')."""

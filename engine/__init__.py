@@ -35,6 +35,7 @@ _EXPORTS = {
     "TokenLogprobs": "engine.outputs",
     "MAX_LOGPROBS": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
+    "LoRARequest": "engine.lora.request",
     "StructuredOutputsParams": "engine.structured.params",
     "ReasoningGate": "engine.structured.params",
     "StructuredOutputsError": "engine.structured.params",

@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.engine_info import EngineInfo
 from engine.kv_state import DEFAULT_MAX_CELLS, KVState, KVStateTaker
 from engine.llm_engine import OUTPUT_DELTA, LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -83,6 +84,7 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -172,6 +174,7 @@ class AsyncEngine:
         queue: asyncio.Queue,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Post a request; its :class:`StepItem`s (delta outputs) arrive on ``queue``.
 
@@ -183,7 +186,8 @@ class AsyncEngine:
         self._queues[request_id] = queue
         self._adds_posted += params.n
         self._commands.append(_Add(request_id, prompt_token_ids, params, prompt,
-                                   arrival_time if arrival_time is not None else time.monotonic()))
+                                   arrival_time if arrival_time is not None else time.monotonic(),
+                                   lora_request))  # fmt: skip
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -337,7 +341,7 @@ class AsyncEngine:
                 try:
                     eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                     prompt=cmd.prompt, arrival_time=cmd.arrival_time,
-                                    output_kind=OUTPUT_DELTA)
+                                    output_kind=OUTPUT_DELTA, lora_request=cmd.lora_request)
                 except Exception as exc:  # a bad request harms no one else
                     self._loop.call_soon_threadsafe(self._deliver_error, cmd.request_id, exc)
             else:

@@ -72,6 +72,16 @@ class EngineConfig:
     structured_outputs_backend: str = "auto"
     """Grammar backend of structured outputs: xgrammar or llguidance (the
     ``structured`` extra installs both)."""
+    # LoRA adapters
+    enable_lora: bool = False
+    """Serve requests with a ``LoRARequest`` (PEFT LoRA adapters of the base model)."""
+    max_loras: int = 1
+    """Distinct adapters in one step; requests of further adapters wait for a place."""
+    max_lora_rank: int = 16
+    """The largest ``r`` of an adapter that is accepted."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded (least recently used first out); default ``max(max_loras,
+    8)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config",
@@ -81,7 +91,8 @@ class EngineConfig:
 
         # Types first, so the range checks below compare numbers with numbers.
         for name in ("max_model_len", "seed", "block_size", "num_gpu_blocks_override",
-                     "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+                     "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "max_loras", "max_lora_rank", "max_cpu_loras"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise bad(name, v, "must be an integer")
@@ -90,7 +101,8 @@ class EngineConfig:
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)
                                   or not math.isfinite(v)):
                 raise bad(name, v, "must be a finite number")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
+                     "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "must be True or False")
         if self.dtype not in DTYPES:
@@ -131,6 +143,16 @@ class EngineConfig:
             raise bad("max_model_len", self.max_model_len, "must be >= 1")
         if self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise bad(name, v, "must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise bad("max_cpu_loras", self.max_cpu_loras,
+                      f"must be >= max_loras={self.max_loras}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise bad("tensor_parallel_size", self.tensor_parallel_size,
+                      "LoRA adapters (enable_lora=True) run on one rank")
         if self.tensor_parallel_size > 1 and self.quantization == "gguf":
             raise bad("tensor_parallel_size", self.tensor_parallel_size,
                       "quantization='gguf' runs on one rank (use a float checkpoint, or "

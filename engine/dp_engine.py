@@ -36,6 +36,7 @@ from engine.config import EngineConfig
 from engine.engine_info import EngineInfo, generation_defaults
 from engine.kv_state import DEFAULT_MAX_CELLS, KVState
 from engine.loader import load_tokenizer
+from engine.lora.request import LoRARequest
 from engine.parallel.launch import core_share
 from engine.sampling_params import SamplingParams
 
@@ -156,11 +157,12 @@ class ReplicaClient:
         self.on_death(exc)
 
     def add_request(self, rid: str, ids: list[int], params: SamplingParams,
-                    queue: asyncio.Queue, prompt: str | None, arrival: float) -> None:  # fmt: skip
+                    queue: asyncio.Queue, prompt: str | None, arrival: float,
+                    lora: LoRARequest | None = None) -> None:  # fmt: skip
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
         self.queues[rid] = queue
-        self._send(("add", rid, ids, params, prompt, arrival))
+        self._send(("add", rid, ids, params, prompt, arrival, lora))
 
     def abort(self, rid: str) -> bool:
         if self.queues.pop(rid, None) is None:
@@ -229,7 +231,8 @@ class DataParallelEngine:
             model_name=first["model_name"], model_path=first["model_path"],
             tokenizer=tokenizer, eos_token_ids=tuple(first["eos_token_ids"]),
             max_num_seqs=first["max_num_seqs"] * len(replicas), limits=first["limits"],
-            generation_defaults=generation_defaults(first["model_path"]))
+            generation_defaults=generation_defaults(first["model_path"]),
+            lora=first["lora"])
         self.engine = SimpleNamespace(config=config, structured=_front_end_grammars(
             config, tokenizer, first))  # fmt: skip
         """What the server's grammar check reads of an engine (compiles in this process
@@ -310,7 +313,8 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, queue: asyncio.Queue, prompt: str | None = None,
-                    arrival_time: float | None = None) -> None:  # fmt: skip
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:  # fmt: skip
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
         i = self._route(prompt_token_ids, params)
@@ -320,7 +324,7 @@ class DataParallelEngine:
         self.load[i] += cost
         self.replicas[i].add_request(request_id, prompt_token_ids, params, queue, prompt,
                                      arrival_time if arrival_time is not None
-                                     else time.monotonic())  # fmt: skip
+                                     else time.monotonic(), lora_request)  # fmt: skip
 
     def _finished(self, rid: str) -> None:
         i = self._owner.pop(rid, None)

@@ -14,6 +14,7 @@ from typing import Any
 
 from blockmgr import cdiv
 from engine.errors import EngineInputError, InputField, PromptTooLongError, TokenIdError
+from engine.lora.request import LoRALimits
 from engine.sampling_params import SamplingParams
 
 
@@ -150,6 +151,8 @@ class EngineInfo:
     limits: InputLimits
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     """The model's own sampling defaults (:func:`generation_defaults`)."""
+    lora: LoRALimits | None = None
+    """What a LoRA adapter must fit (``enable_lora``); None: LoRA is off."""
 
     @property
     def max_model_len(self) -> int:

@@ -42,6 +42,8 @@ class InputField(str, enum.Enum):
     ALLOWED_TOKEN_IDS = "allowed_token_ids"
     BAD_WORDS = "bad_words"
     BAD_WORDS_TOKEN_IDS = "bad_words_token_ids"
+    LORA_REQUEST = "lora_request"
+    """The LoRA adapter (a served adapter's name in ``model``, to an API client)."""
 
 
 class EngineInputError(ValueError):

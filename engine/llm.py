@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.parallel.launch import is_worker_rank
 from engine.parallel.rank import run_worker_rank
@@ -61,12 +62,15 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt in one continuous batch; outputs are in input order.
 
         A prompt is a string, ``{"prompt": "..."}`` or ``{"prompt_token_ids": [...]}``
         (optionally with ``"prompt"``); either dict may carry ``"cache_salt"``.
         ``priority``: one per prompt (``scheduling_policy="priority"``; lower first).
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the
+        base model; ``enable_lora=True``).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -77,6 +81,7 @@ class LLM:
                 raise ValueError(f"priority has {len(priority)} entries for "
                                  f"{len(prompts)} prompts")
             params = [sp.clone(priority=p) for sp, p in zip(params, priority, strict=True)]
+        loras = _per_prompt(lora_request, len(prompts))
         tok = self.engine.tokenizer
         requests = []
         for i, (p, sp) in enumerate(zip(prompts, params, strict=False)):
@@ -92,7 +97,7 @@ class LLM:
                 raise TypeError(
                     f"prompts[{i}] must be a string or a dict with 'prompt_token_ids' or "
                     f"'prompt', got {type(p).__name__}")
-            requests.append((ids, text, sp, salt))
+            requests.append((ids, text, sp, salt, loras[i]))
         return self._run(requests, use_tqdm)
 
     def chat(
@@ -104,6 +109,7 @@ class LLM:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation and generate.
 
@@ -124,7 +130,8 @@ class LLM:
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": ids, "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)  # fmt: skip
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters of ``generate(prompts)`` without any: the model's
@@ -150,11 +157,12 @@ class LLM:
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         eng = self.engine
         ids = []
-        for ids_, _text, sp, _salt in requests:  # validate all before queuing any
+        for ids_, _text, sp, _salt, _lora in requests:  # validate all before queuing any
             eng.check_length(len(ids_), sp)
         try:
-            for ids_, text, sp, salt in requests:
-                ids.append(eng.add_request(None, ids_, sp, prompt=text, cache_salt=salt).request_id)
+            for ids_, text, sp, salt, lora in requests:
+                ids.append(eng.add_request(None, ids_, sp, prompt=text, cache_salt=salt,
+                                           lora_request=lora).request_id)  # fmt: skip
         except BaseException:  # a rejected prompt rejects the whole batch: queue nothing
             for rid in ids:
                 eng.abort_request(rid)
@@ -187,6 +195,21 @@ class LLM:
             if results[rid].error is not None:  # e.g. a grammar that did not compile
                 raise results[rid].error
         return [results[rid] for rid in ids]
+
+
+def _per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None,
+                n: int) -> list[LoRARequest | None]:  # fmt: skip
+    """``generate``'s ``lora_request`` as one entry per prompt."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts")
+    for i, x in enumerate(loras):
+        if x is not None and not isinstance(x, LoRARequest):
+            raise TypeError(f"lora_request[{i}] must be a LoRARequest or None, got "
+                            f"{type(x).__name__}")
+    return loras
 
 
 def _progress(total: int):

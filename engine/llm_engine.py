@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_info import EngineInfo, InputLimits, generation_defaults
 from engine.errors import EngineFatalError, EngineInputError, InputField
+from engine.lora.request import LoRAError, LoRARequest
 from engine.output_processor import OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor
 from engine.outputs import RequestOutput
 from engine.penalties import bad_word_sequences
@@ -88,6 +89,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             speculative_config=config.speculative_config,
             scheduling_policy=config.scheduling_policy,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )  # fmt: skip
         self.limits = InputLimits(
             vocab_size=w.vocab_size, max_model_len=w.max_model_len,
@@ -97,7 +99,8 @@ class LLMEngine:
         self.info = EngineInfo(
             model_name=w.model_name, model_path=str(w.model_path), tokenizer=w.tokenizer,
             eos_token_ids=tuple(w.eos_token_ids), max_num_seqs=config.max_num_seqs,
-            limits=self.limits, generation_defaults=generation_defaults(w.model_path))  # fmt: skip
+            limits=self.limits, generation_defaults=generation_defaults(w.model_path),
+            lora=None if w.loras is None else w.loras.limits)  # fmt: skip
         """What front ends read of the engine."""
         self.output = OutputProcessor(self.scheduler, self.token_text, self.tokenizer)
         self.eos_token_ids = w.eos_token_ids
@@ -106,6 +109,8 @@ class LLMEngine:
         self.structured = w.structured
         """Compiles structured-output grammars in its own threads."""
         self._compiling: dict[str, tuple[RequestGroup, futures.Future]] = {}
+        if w.loras is not None:  # live requests' adapters stay loaded
+            w.loras.in_use = lambda: {r.lora_int_id for r in self.scheduler.requests.values()}
         self.num_prompt_tokens_total = 0
         self.last_step: StepStats | None = None
         """The statistics of the latest step that ran (benchmarks read them)."""
@@ -147,6 +152,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         output_kind: str = OUTPUT_FINAL,
+        lora_request: LoRARequest | None = None,
     ) -> RequestGroup:
         """Validate and queue a request (its ``n`` sequences). Raises an
         :class:`~engine.errors.EngineInputError` naming the field at fault."""
@@ -155,6 +161,7 @@ class LLMEngine:
             raise EngineInputError(f"request_id={request_id!r} is already in use",
                                    InputField.REQUEST_ID)  # fmt: skip
         self._prepare(params)
+        self._check_lora(lora_request)
         limits = self.limits
         limits.check_token_ids(prompt_token_ids)
         limits.check_sampling_token_ids(params)
@@ -174,6 +181,7 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt,
+                lora_request=lora_request,
                 arrival_time=now,
             )
             req.detok = IncrementalDetokenizer(
@@ -206,6 +214,20 @@ class LLMEngine:
             raise StructuredOutputsError(
                 "structured_outputs cannot be combined with speculative decoding, which "
                 "this engine was started with (speculative_config)")
+
+    def _check_lora(self, lora: LoRARequest | None) -> None:
+        """An adapter request needs LoRA enabled, and an adapter that loads and fits the
+        model (loaded now, so that a bad one fails its request alone)."""
+        if lora is None:
+            return
+        if self.worker.loras is None:
+            raise EngineInputError(f"lora_request names adapter {lora.lora_name!r} but this "
+                                   "engine was started without enable_lora",
+                                   InputField.LORA_REQUEST)  # fmt: skip
+        try:
+            self.worker.loras.get(lora)
+        except LoRAError as e:
+            raise EngineInputError(str(e), InputField.LORA_REQUEST) from None
 
     def self_check_request(self) -> str:
         """Queue a one-token greedy request that checks the model still steps after a

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Container
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,13 +26,14 @@ from engine.scheduler import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_config import SpeculativeConfig
 from engine.step_buffers import BlockTableRows, StagingBuffer, layout
-from engine.step_inputs import StepInputs
+from engine.step_inputs import CachedRequestState, StepInputs
 from engine.structured.backend import Matcher
 from engine.structured.manager import StructuredOutputManager
 from kernels.interface import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphRunner
+    from engine.lora.weights import LoRARegistry
 
 logger = logging.getLogger("engine.model_runner")
 
@@ -44,28 +44,6 @@ NONFINITE = ("the model's logits were NaN or infinite (at the chosen token, or a
 PROMPT_LOGPROB_ROWS = 256
 """Prompt rows whose logits are computed at once (each a vocabulary of float32)."""
 i64, i32 = torch.int64, torch.int32
-
-
-@dataclass(slots=True)
-class CachedRequestState:
-    """The runner's copy of one request."""
-
-    prompt_token_ids: list[int]
-    all_token_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    block_ids: list[int]
-    num_computed_tokens: int
-    matcher: Matcher | None = None
-    """Structured outputs: advanced once per sampled token (recomputing a preempted
-    request samples nothing, so it never advances twice)."""
-    prompt_logprobs_done: int = 0
-    """Prompt positions whose next token's logprob was reported (recomputing a preempted
-    request reports none twice)."""
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
 
 
 class ModelRunner:
@@ -108,6 +86,8 @@ class ModelRunner:
         """Set on CUDA (``engine.cuda_graphs``): runs decode-only steps as CUDA graphs."""
         self._prompt_lp: set[str] = set()
         """Requests whose prompt logprobs are not all reported yet."""
+        self.loras: LoRARegistry | None = None
+        """The adapters (``enable_lora``): a step with any runs layer by layer, eagerly."""
 
     def instrument(self, wrap: Callable[[AttentionBackend], AttentionBackend] | None) -> None:
         """Run the layers through ``wrap(backend)`` from the next step on (an object of the
@@ -138,7 +118,8 @@ class ModelRunner:
                 generator=make_generator(new.params, self.device, new.sample_index)
                 if self.samples else None,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                matcher=self._matcher(new.params) if self.samples else None)
+                matcher=self._matcher(new.params) if self.samples else None,
+                lora=new.lora_request)
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
             state.all_token_ids.extend(cached.new_token_ids)
@@ -263,6 +244,8 @@ class ModelRunner:
         buffers in the one copy (rows padded to every buffer row; the block table
         gathered into the graphs' table), or None when the step runs otherwise."""
         graphs = self.decode_graphs
+        if self.loras is not None and any(self.requests[rid].lora for rid, _ in order):
+            graphs = None
         n = len(seq_lens)
         batch = None if graphs is None else graphs.batch_for(n, num_decodes, len(input_ids),
                                                              max(seq_lens))  # fmt: skip
@@ -292,11 +275,17 @@ class ModelRunner:
         sampled (None when none did)."""
         self.update_states(sched)
         step = self.prepare(sched)
-        hidden = None if self.decode_graphs is None else self.decode_graphs.run(step)
+        qsl = step.meta.query_start_loc_cpu
+        lora = None if self.loras is None else self.loras.for_step(
+            ((self.requests[rid].lora, qsl[i], qsl[i + 1])
+             for i, (rid, _) in enumerate(step.scheduled)), qsl[-1])  # fmt: skip
+        # The graphs hold no adapter: a step with one runs eagerly.
+        hidden = None if self.decode_graphs is None or lora is not None else \
+            self.decode_graphs.run(step)  # fmt: skip
         if hidden is None:
             self.attn.prepare(step.meta, self.block_size)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
-                                self.attn)
+                                self.attn, lora)  # fmt: skip
         prompt_lps = self._prompt_logprobs(step, hidden) if self._prompt_lp else {}
         if not step.sampling_ids:
             return ModelRunnerOutput([], [], [], prompt_logprobs=prompt_lps) \

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestMetrics, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -81,6 +82,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     """The model's EOS ids: the request stops on them unless ``params.ignore_eos``."""
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
@@ -116,6 +118,15 @@ class Request:
             self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+
+    @property
+    def lora_key(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.cache_key
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 without one."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

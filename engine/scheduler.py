@@ -34,14 +34,15 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from blockmgr import KVCacheManager, cdiv
+from engine.lora.slots import active_loras, lora_admits, lora_victims
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    SampledToken,
     SchedulerOutput,
     SpecStats,
 )
@@ -49,20 +50,6 @@ from engine.spec_config import SpeculativeConfig
 from engine.waiting_queue import WaitingQueue, priority_key
 
 logger = logging.getLogger("engine.scheduler")
-
-
-@dataclass(slots=True)
-class SampledToken:
-    """A token appended by :meth:`Scheduler.update_from_output`, for the output processor."""
-
-    req: Request
-    token_id: int
-    logprobs: object
-    stopped_by_token: bool
-    """EOS or a stop token ended the request: the token's text is not part of the output
-    (unless ``include_stop_str_in_output``)."""
-    num_output: int
-    """The request's output tokens up to and including this one."""
 
 
 class Scheduler:
@@ -78,6 +65,7 @@ class Scheduler:
         watermark: float = 0.01,
         speculative_config: SpeculativeConfig | None = None,
         scheduling_policy: str = "fcfs",
+        max_loras: int = 0,
     ) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
@@ -94,6 +82,8 @@ class Scheduler:
         self.waiting_for_grammar: dict[str, Request] = {}
         """Requests whose grammar is compiling: skipped until :meth:`grammar_ready`."""
         self.num_preemptions = 0
+        self.max_loras = max_loras
+        """Distinct LoRA adapters a step may hold (0: no limit, no adapters)."""
         self.spec = speculative_config
         self.spec_stats = SpecStats()
         self.ended_without_tokens: list[Request] = []
@@ -198,8 +188,7 @@ class Scheduler:
                     continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim.request_id)
+                self._preempt(victim, preempted)
                 if victim is req:
                     return budget  # req preempted itself: it was the last running request
             scheduled.append((req, num_new))
@@ -213,13 +202,20 @@ class Scheduler:
         chunk (cache hits are not counted: one more may be preempted than needed)."""
         seats, free = len(self.running), self.kv.num_free_blocks
         for head in list(itertools.islice(self.waiting, self.max_num_seqs)):
+            if self.max_loras and not lora_admits(head, active_loras(self.running),
+                                                  self.max_loras):  # fmt: skip
+                victims = lora_victims(head, self.running)  # its adapter's place
+                for low in victims:
+                    self._preempt(low, out.preempted_req_ids)
+                if not victims:
+                    continue
+                seats, free = len(self.running), self.kv.num_free_blocks
             need = cdiv(min(head.num_tokens, self.max_num_batched_tokens), self.kv.block_size)
             while seats >= self.max_num_seqs or free - need < self.num_watermark_blocks:
                 low = self.running[-1] if self.running else None
                 if low is None or low.params.priority <= head.params.priority:
                     return
-                self._preempt(low)
-                out.preempted_req_ids.append(low.request_id)
+                self._preempt(low, out.preempted_req_ids)
                 seats, free = seats - 1, self.kv.num_free_blocks
             seats, free = seats + 1, free - need
 
@@ -231,8 +227,13 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         kv = self.kv
+        active = active_loras(self.running) if self.max_loras else None
+        admits = None if active is None else \
+            (lambda r: lora_admits(r, active, self.max_loras))  # fmt: skip
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.first(admits)
+            if req is None:
+                break
             computed_blocks: list[int] = []
             num_cached = 0
             # Prompt logprobs need every prompt token computed (the first sibling's), until
@@ -256,7 +257,9 @@ class Scheduler:
                     kv.free(req)
                     req.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
+            if active is not None and req.lora_int_id:
+                active.add(req.lora_int_id)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
@@ -291,7 +294,8 @@ class Scheduler:
                 req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids, params=req.params,
                 sample_index=req.index, block_ids=list(table),
-                num_computed_tokens=req.num_computed_tokens))  # fmt: skip
+                num_computed_tokens=req.num_computed_tokens,
+                lora_request=req.lora_request))  # fmt: skip
             req.runner_knows = True
         else:
             out.cached_requests.append(CachedRequestData(
@@ -301,7 +305,9 @@ class Scheduler:
         req.num_sent_tokens = req.num_tokens
         req.num_sent_blocks = len(table)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, preempted: list[str]) -> None:
+        """Free its blocks and queue it to be recomputed; its id goes to ``preempted``."""
+        preempted.append(req.request_id)
         self.running.remove(req)
         self.kv.free(req)
         req.spec_token_ids = []

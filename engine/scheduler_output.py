@@ -10,8 +10,13 @@ since they were last scheduled. Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 
 @dataclass(slots=True)
@@ -27,6 +32,8 @@ class NewRequestData:
     """Which of the ``n`` choices: seeds the request's own random stream."""
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with."""
 
 
 @dataclass(slots=True)
@@ -91,3 +98,17 @@ class SpecStats:
     """Requests-steps that verified draft tokens."""
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """A token appended by :meth:`Scheduler.update_from_output`, for the output processor."""
+
+    req: Request
+    token_id: int
+    logprobs: object
+    stopped_by_token: bool
+    """EOS or a stop token ended the request: the token's text is not part of the output
+    (unless ``include_stop_str_in_output``)."""
+    num_output: int
+    """The request's output tokens up to and including this one."""

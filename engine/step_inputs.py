@@ -1,5 +1,6 @@
-"""The model inputs of one step, as the model runner packs them and the CUDA graph
-runner replays them (here, so that both import it from one place)."""
+"""The model runner's copy of each request, and the model inputs of one step as the
+runner packs them and the CUDA graph runner replays them (here, so that both import it
+from one place)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.lora.request import LoRARequest
+from engine.sampling_params import SamplingParams
+from engine.structured.backend import Matcher
 from kernels.interface import AttentionMetadata
 
 
@@ -26,3 +30,26 @@ class StepInputs:
     graph_batch: int | None = None
     """Set when the step was staged straight into the decode graphs' static buffers:
     the captured batch size its rows are padded to."""
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """The runner's copy of one request."""
+
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    matcher: Matcher | None = None
+    """Structured outputs: advanced once per sampled token (recomputing a preempted
+    request samples nothing, so it never advances twice)."""
+    prompt_logprobs_done: int = 0
+    """Prompt positions whose next token's logprob was reported (recomputing a preempted
+    request reports none twice)."""
+    lora: LoRARequest | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from engine.request import Request
 
@@ -44,6 +44,12 @@ class WaitingQueue:
             bisect.insort_left(self._q, req, key=priority_key)
         else:
             self._q.appendleft(req)
+
+    def first(self, admits: Callable[[Request], bool] | None = None) -> Request | None:
+        """The first request ``admits`` (any by default), or None."""
+        if admits is None:
+            return self._q[0] if self._q else None
+        return next((r for r in self._q if admits(r)), None)
 
     def popleft(self) -> Request:
         return self._q.popleft()

@@ -188,6 +188,15 @@ class Worker:
                                   self.structured,
                                   max_blocks_per_seq=-(-self.max_model_len // config.block_size),
                                   samples=self.rank == 0)  # fmt: skip
+        self.loras = None
+        """The loaded LoRA adapters (``enable_lora``), shared with the runner."""
+        if config.enable_lora:
+            from engine.lora.request import LoRALimits
+            from engine.lora.weights import LoRARegistry
+
+            self.loras = self.runner.loras = LoRARegistry(
+                LoRALimits.of(self.spec, config.max_lora_rank), self.dtype, self.device,
+                config.max_cpu_loras or max(config.max_loras, 8))
         if self.attn.name == "triton":
             from engine.kernel_warmup import warm_up_kernels
 

@@ -115,5 +115,8 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/tokenize", info.tokenize)
     app.router.add_post("/detokenize", info.detokenize)
     app.router.add_get("/openapi.json", openapi)
+    if state.options.allow_runtime_lora_updating:
+        app.router.add_post("/v1/load_lora_adapter", info.load_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", info.unload_adapter)
     playground.add_routes(app)
     return app

@@ -21,6 +21,8 @@ BENCHMARKS: list[tuple[str, str, str]] = [
      "scoring prompts: prompt tokens/s with prompt logprobs against plain prefill"),
     ("priority", "loadtest.priority_bench",
      "a batch job and interactive requests under fcfs and priority scheduling"),
+    ("lora", "loadtest.lora_bench",
+     "the same workload on the base model and spread over k LoRA adapters"),
     ("serve", "loadtest.serve_bench_cli",
      "online serving: streaming requests at a running server (TTFT, TPOT, ITL, throughput)"),
     ("soak", "loadtest.soak",

@@ -97,7 +97,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     arrival = time.monotonic()
     req = await read_request(request, ChatCompletionRequest)
-    model = state.check_model(req.model)
+    model, lora = state.resolve_model(req.model)  # the adapter as of now
     tools = tool_plan(req, state.options)
     constraint = with_tool_constraint(request_constraint(req), tools, req.tool_choice)
     if constraint is not None:
@@ -119,7 +119,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
         tools=tools, reasoning_parser=state.options.reasoning_parser,
         include_reasoning=req.include_reasoning is not False, prompt_text=rendered)
-    async with Generation(state, [prompt], params, route, arrival) as gen:
+    async with Generation(state, [prompt], params, route, arrival, lora) as gen:
         if req.stream:
             return await _stream(request, state, gen, ctx)
         return await _whole(state, gen, ctx)

@@ -62,7 +62,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     arrival = time.monotonic()
     req = await read_request(request, CompletionRequest)
-    model = state.check_model(req.model)
+    model, lora = state.resolve_model(req.model)  # the adapter as of now
     constraint = request_constraint(req)
     if constraint is not None:
         await check_compiles(state, constraint)
@@ -82,7 +82,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         want_prompt_logprobs=req.prompt_logprobs is not None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats))
-    async with Generation(state, prompts, params, COMPLETIONS, arrival) as gen:
+    async with Generation(state, prompts, params, COMPLETIONS, arrival, lora) as gen:
         if req.stream:
             return await _stream(request, state, gen, ctx)
         return await _whole(state, gen, ctx)

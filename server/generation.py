@@ -11,6 +11,7 @@ from engine import (
     CompletionOutput,
     EngineDeadError,
     EngineInputError,
+    LoRARequest,
     RequestOutput,
     SamplingParams,
     StepItem,
@@ -56,7 +57,9 @@ class Generation:
     """
 
     def __init__(self, state: ServerState, prompts: list[Prompt], params: SamplingParams,
-                 route: Route, arrival_time: float) -> None:
+                 route: Route, arrival_time: float, lora: LoRARequest | None = None) -> None:
+        """``lora``: the adapter of the served name the request asked for (looked up
+        when the request came in: an adapter unloaded since still serves it)."""
         self.state = state
         self.route = route
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -71,7 +74,7 @@ class Generation:
         try:
             for rid, p in zip(self.request_ids, prompts, strict=True):
                 engine.add_request(rid, p.token_ids, params, self.queue, prompt=p.text,
-                                   arrival_time=arrival_time)
+                                   arrival_time=arrival_time, lora_request=lora)
                 self._unfinished.add(rid)
         except BaseException as exc:
             self.close()

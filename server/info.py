@@ -5,7 +5,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from engine import __version__
-from server.errors import bad_request
+from engine.lora import LoRAError
+from server.errors import bad_request, not_found
+from server.lora import LoRAModule, LoRANameError
 from server.metrics import CONTENT_TYPE
 from server.param_names import DETOKENIZE
 from server.prompts import chat_prompt
@@ -15,14 +17,17 @@ from server.state import STATE_KEY, ServerState
 
 
 def _card(state: ServerState, name: str) -> dict:
-    return {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
-            "root": state.info.model_name, "max_model_len": state.max_model_len}
+    card = {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
+            "root": state.info.model_name, "parent": None, "max_model_len": state.max_model_len}
+    if state.loras.get(name) is not None:
+        card.update(state.loras.card(name))
+    return card
 
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    return json_response({"object": "list",
-                          "data": [_card(state, name) for name in state.model_names]})
+    names = [*state.model_names, *state.loras.by_name]
+    return json_response({"object": "list", "data": [_card(state, name) for name in names]})
 
 
 async def model(request: web.Request) -> web.Response:
@@ -80,3 +85,38 @@ def _detokenize(state: ServerState, tokens: list[int]) -> str:
                           f"entries, got {len(tokens)}", "tokens")
     state.check_token_ids(tokens, DETOKENIZE)
     return state.tokenizer.decode(tokens)
+
+
+async def load_adapter(request: web.Request) -> web.Response:
+    """``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``."""
+    state = request.app[STATE_KEY]
+    body = await _lora_body(request, ("lora_name", "lora_path"))
+    try:
+        state.loras.add(LoRAModule(body["lora_name"], body["lora_path"]))
+    except LoRAError as e:
+        raise bad_request(str(e), "lora_name" if isinstance(e, LoRANameError) else
+                          "lora_path") from None  # fmt: skip
+    return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+
+async def unload_adapter(request: web.Request) -> web.Response:
+    """``POST /v1/unload_lora_adapter {"lora_name"}``: new requests may no longer name it
+    (running ones finish with it)."""
+    state = request.app[STATE_KEY]
+    name = (await _lora_body(request, ("lora_name",)))["lora_name"]
+    if not state.loras.remove(name):
+        raise not_found(f"The LoRA adapter `{name}` is not served.", "lora_name")
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def _lora_body(request: web.Request, keys: tuple[str, ...]) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise bad_request("the request body must be a JSON object", None) from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None)
+    for k in keys:
+        if not isinstance(body.get(k), str) or not body[k]:
+            raise bad_request(f"{k} must be a non-empty string", k)
+    return body

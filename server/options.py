@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from server.lora import LoRAModule
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -43,6 +45,10 @@ class ServeOptions:
     (:mod:`server.reasoning`)."""
     chat_template: str | None = None
     """A chat template (its text) used instead of the tokenizer's."""
+    lora_modules: tuple[LoRAModule, ...] = ()
+    """Adapters served under their own names (``--lora-modules``; needs ``enable_lora``)."""
+    allow_runtime_lora_updating: bool = False
+    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
     allowed_origins: tuple[str, ...] = ("*",)
     """Origins whose pages may call the API from a browser (CORS); ``*`` any, none: no
     CORS headers (:mod:`server.cors`)."""

@@ -21,6 +21,8 @@ class Route:
     prompt: str
     max_tokens: str = "max_tokens"
     logprobs: str = "logprobs"
+    lora_request: str = "model"
+    """A LoRA adapter is named by ``model`` on every route."""
 
 
 COMPLETIONS = Route(prompt="prompt")
@@ -30,7 +32,7 @@ CHAT_MAX_COMPLETION_TOKENS = Route(prompt="messages", max_tokens="max_completion
 DETOKENIZE = Route(prompt="tokens")
 
 _BY_ROUTE = {InputField.PROMPT: "prompt", InputField.MAX_TOKENS: "max_tokens",
-             InputField.LOGPROBS: "logprobs"}  # fmt: skip
+             InputField.LOGPROBS: "logprobs", InputField.LORA_REQUEST: "lora_request"}  # fmt: skip
 """Fields whose name is an attribute of :class:`Route`; every other field's OpenAI name is
 its engine name (``temperature``, ``logit_bias``, ``stop_token_ids``, ...)."""
 

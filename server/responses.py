@@ -46,7 +46,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     arrival = time.monotonic()
     req = await read_request(request, ResponsesRequest)
-    model = state.check_model(req.model)
+    model, lora = state.resolve_model(req.model)  # the adapter as of now
     chat = chat_request(req)
     tools = tool_plan(chat, state.options)
     constraint = text_constraint(req)
@@ -77,7 +77,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             None if reasoning is None else ReasoningParser(reasoning, rendered),
             None if tools.parser is None else ToolCallParser(tools.parser,
                                                              tools.function_name)))
-    async with Generation(state, [prompt], params, RESPONSES, arrival) as gen:
+    async with Generation(state, [prompt], params, RESPONSES, arrival, lora) as gen:
         if req.stream:
             return await _stream(request, gen, out)
         async for _ in out.run(gen):

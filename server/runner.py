@@ -17,6 +17,7 @@ import socket
 from aiohttp import web
 
 from engine import AsyncEngine, EngineConfig, envs, process_tuning
+from engine.lora import LoRAError
 from server.app import build_app
 from server.generation import ServerShutdown
 from server.state import ServeOptions, ServerState
@@ -61,7 +62,12 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     # collector's full passes (which hold the GIL, loop included) short.
     process_tuning.freeze_startup_heap()
     engine.start(loop)
-    state = ServerState(engine, options)
+    try:
+        state = ServerState(engine, options)
+    except LoRAError as e:  # a --lora-modules adapter whose weights do not fit the model
+        logger.error("--lora-modules: %s", e)
+        await loop.run_in_executor(None, engine.shutdown)
+        return 2
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
                            shutdown_timeout=ABORT_GRACE_S,
                            keepalive_timeout=options.keep_alive_timeout)

@@ -6,8 +6,10 @@ import argparse
 import logging
 
 from engine import envs
+from engine.lora import LoRAError
 from server.cors import parse_origins
 from server.engine_args import add_engine_args, config_from_args
+from server.lora import LoRAAdapters, LoRAModule, parse_lora_module
 from server.options import ServeOptions
 from server.reasoning import PARSERS as REASONING_PARSERS
 
@@ -49,6 +51,20 @@ def _check_limits(args: argparse.Namespace) -> None:
     for name in ("max_stop_length", "max_logit_bias"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
+
+
+def _lora_modules(args: argparse.Namespace, config) -> tuple[LoRAModule, ...]:
+    """``--lora-modules``, each checked (its config and files) before the model loads."""
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not config.enable_lora:
+        flag = "--lora-modules" if args.lora_modules else "--allow-runtime-lora-updating"
+        raise SystemExit(f"error: {flag} needs --enable-lora")
+    try:
+        modules = tuple(parse_lora_module(t) for t in args.lora_modules or ())
+        LoRAAdapters(modules, tuple(args.served_model_name or ()) or ("",),
+                     config.max_lora_rank)  # fmt: skip
+    except (ValueError, LoRAError) as e:
+        raise SystemExit(f"error: {e}") from None
+    return modules
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -102,6 +118,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="origins whose pages may call the API from a browser (CORS), "
                         "comma-separated (https://app.example.com,http://localhost:3000); "
                         "'*' any, '' none (default: %(default)s)")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served as models of their own: name=path, or "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
+                        "(a PEFT adapter directory; needs --enable-lora)")
+    s.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(needs --enable-lora)")
     s.add_argument("--data-parallel-size", type=int, default=1, metavar="M",
                    help="engine replicas, each its own process with its own KV cache, on "
                         "its share of the cores; requests go to the least loaded (or to "
@@ -174,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+    lora_modules = _lora_modules(args, config)
     options = ServeOptions(
         host=args.host,
         port=args.port,
@@ -196,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
         max_logit_bias=args.max_logit_bias,
         exit_on_engine_death=args.exit_on_engine_death,
         data_parallel_size=args.data_parallel_size,
+        lora_modules=lora_modules,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     from engine.parallel.launch import is_worker_rank
     from engine.parallel.rank import run_worker_rank

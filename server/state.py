@@ -11,9 +11,10 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from engine import AsyncEngine, EngineInputError, SamplingParams
+from engine import AsyncEngine, EngineInputError, LoRARequest, SamplingParams
 from server.errors import bad_request, not_found, overloaded, unavailable
 from server.logprobs import TokenPiece, token_piece
+from server.lora import LoRAAdapters
 from server.metrics import ServerMetrics
 from server.options import ServeOptions
 from server.param_names import Route, input_error
@@ -29,6 +30,8 @@ class ServerState:
         self.tokenizer = info.tokenizer
         self.options = options
         self.model_names = options.served_model_names or (info.model_name,)
+        self.loras = LoRAAdapters(options.lora_modules, self.model_names, info.lora)
+        """The LoRA adapters served by name (``--lora-modules``)."""
         self.max_model_len = info.max_model_len
         self.sampling_defaults: dict = (dict(info.generation_defaults)
                                         if options.generation_config == "auto" else {})
@@ -50,12 +53,18 @@ class ServerState:
 
     # -- naming -------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
-        """The served name to answer with; an unknown model is a 404 naming ``model``."""
+        """The served name to answer with (the base model's or an adapter's); an unknown
+        model is a 404 naming ``model``."""
         if model is None or model == "":
             return self.model_names[0]
-        if model not in self.model_names:
+        if model not in self.model_names and self.loras.get(model) is None:
             raise not_found(f"The model `{model}` does not exist.", "model")
         return model
+
+    def resolve_model(self, model: str | None) -> tuple[str, LoRARequest | None]:
+        """:meth:`check_model`'s name, and the adapter it serves (None: the base model)."""
+        name = self.check_model(model)
+        return name, self.loras.get(name)
 
     # -- admission ----------------------------------------------------------------------
     def admit(self, num_seqs: int = 1) -> None:

@@ -10,64 +10,18 @@ frequency tables) so that greedy outputs match it token for token.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from engine.models.rope import rope_tables
+from engine.models.spec import DecoderSpec
 from kernels.interface import AttentionBackend, AttentionMetadata, DecoderStack, LayerWeights
 from kernels.quant import QuantizedWeight, quantize_int8
 
-
-@dataclass(frozen=True, slots=True)
-class DecoderSpec:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-
-    @classmethod
-    def from_hf(cls, cfg) -> DecoderSpec:
-        arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
-        model_type = getattr(cfg, "model_type", "llama")
-        num_heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        is_qwen2 = model_type == "qwen2" or arch.startswith("Qwen2")
-        is_qwen3 = model_type == "qwen3" or arch.startswith("Qwen3")
-        attention_bias = bool(getattr(cfg, "attention_bias", False))
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
-                and model_type == "mistral":
-            raise ValueError(
-                f"model_type={model_type!r} with sliding_window={cfg.sliding_window} is not supported"
-            )
-        return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=is_qwen3,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
-        )
+if TYPE_CHECKING:
+    from engine.lora.weights import LoRAStep
 
 
 class QuantLinear(nn.Module):
@@ -131,19 +85,27 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         attn: AttentionBackend,
+        lora: LoRAStep | None = None,
+        index: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer on the residual stream: returns ``(mlp output, residual)``.
+        """One layer (number ``index``) on the residual stream: returns ``(mlp output,
+        residual)``, with the step's LoRA adapters applied to its projections.
 
         The residual add of the previous layer is fused into this layer's first norm
         (``residual=None`` on the first layer, where ``hidden`` is the embedding).
         """
         ops = attn.ops
+        def linear(name: str, x: torch.Tensor) -> torch.Tensor:
+            proj = getattr(self, name)
+            out = ops.linear(x, proj.weight, proj.bias)
+            return out if lora is None else lora.apply(index, name, x, out)
+
         t = hidden.shape[0]
         if residual is None:
             residual, x = hidden, ops.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
             residual, x = ops.add_rms_norm(residual, hidden, self.input_layernorm, self.eps)
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = linear("qkv_proj", x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -157,13 +119,12 @@ class DecoderLayer(nn.Module):
         else:
             q, k = ops.rope(q, k, cos, sin)
             o = attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
-        attn_out = ops.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        attn_out = linear("o_proj", o.reshape(t, self.q_size))
         if self.tp is not None:
             self.tp.all_reduce(attn_out)
         residual, x = ops.add_rms_norm(residual, attn_out, self.post_attention_layernorm,
                                        self.eps)  # fmt: skip
-        h = ops.silu_mul(ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
-        out = ops.linear(h, self.down_proj.weight, self.down_proj.bias)
+        out = linear("down_proj", ops.silu_mul(linear("gate_up_proj", x)))
         if self.tp is not None:
             self.tp.all_reduce(out)
         return out, residual
@@ -221,10 +182,13 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         attn: AttentionBackend,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
+        """Hidden states [T, hidden] after the final norm (with ``lora``: the step's
+        adapters applied, layer by layer)."""
         hidden = self._embed(input_ids, attn.ops)
-        run_layers = None if self.tp is not None else getattr(attn, "run_layers", None)
+        run_layers = None if self.tp is not None or lora is not None else \
+            getattr(attn, "run_layers", None)  # fmt: skip
         fused = None if run_layers is None or not self.layers else run_layers(
             self.decoder_stack(), hidden, positions, kv_caches, meta)
         if fused is not None:
@@ -234,8 +198,10 @@ class DecoderForCausalLM(nn.Module):
         cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=False):
-            hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache, meta, attn)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches,
+                                                            strict=False)):  # fmt: skip
+            hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache, meta, attn,
+                                     lora, i)  # fmt: skip
         if residual is None:  # a model without layers
             return attn.ops.rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
         return attn.ops.add_rms_norm(residual, hidden, self.norm, self.spec.rms_norm_eps)[1]

@@ -15,6 +15,7 @@ class FakeRequest:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     cache_salt: str | None = None
+    lora_key: str | None = None
 
 
 def step(mgr: KVCacheManager, req: FakeRequest, num_new: int) -> bool:

@@ -1,0 +1,33 @@
+"""The scheduler's LoRA questions: which adapters a step holds (at most ``max_loras``),
+whether a waiting request's adapter finds a place, and which running requests an urgent
+one may preempt for a place. Torch-free."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.request import Request
+
+
+def active_loras(running: Iterable[Request]) -> set[int]:
+    """The adapter ids of the running requests."""
+    return {r.lora_int_id for r in running} - {0}
+
+
+def lora_admits(req: Request, active: set[int], max_loras: int) -> bool:
+    """Whether ``req``'s adapter (if any) fits beside the ``active`` ones."""
+    lid = req.lora_int_id
+    return not lid or lid in active or len(active) < max_loras
+
+
+def lora_victims(head: Request, running: list[Request]) -> list[Request]:
+    """The running requests of the adapter whose requests are all less urgent than
+    ``head`` (the adapter with the fewest of them): preempted, they leave its place to
+    ``head``'s adapter. Empty when every active adapter has a request as urgent."""
+    by_adapter: dict[int, list[Request]] = {}
+    for r in running:
+        if r.lora_int_id:
+            by_adapter.setdefault(r.lora_int_id, []).append(r)
+    prio = head.params.priority
+    free = [reqs for reqs in by_adapter.values() if all(r.params.priority > prio for r in reqs)]
+    return min(free, key=len, default=[])

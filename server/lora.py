@@ -1,0 +1,101 @@
+"""LoRA adapters served as models of their own: ``--lora-modules name=path``.
+
+A request whose ``model`` is an adapter's name runs with that adapter; ``/v1/models``
+lists each adapter with the base model as its ``parent``. The adapters are checked at
+start-up (config and files; the weights when the first request loads them), so a bad
+``--lora-modules`` entry stops the server with a message naming it. With
+``--allow-runtime-lora-updating``, ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` add and remove adapters while the server runs (vLLM's
+endpoints and bodies; :mod:`server.info`). Imports no web framework.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+
+from engine.lora.request import (
+    LoRAError,
+    LoRALimits,
+    LoRARequest,
+    check_adapter,
+    read_adapter_config,
+)
+
+
+class LoRANameError(LoRAError):
+    """An adapter name that is taken."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAModule:
+    """One ``--lora-modules`` entry."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(text: str) -> LoRAModule:
+    """``name=path``, or a JSON object ``{"name", "path", "base_model_name"?}`` (vLLM's
+    two forms); a ValueError says what is wrong."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {text!r} is not valid JSON: {e}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) \
+                or not isinstance(obj.get("path"), str):  # fmt: skip
+            raise ValueError(f"--lora-modules {text!r} needs string 'name' and 'path'")
+        base = obj.get("base_model_name")
+        return LoRAModule(obj["name"], obj["path"], base if isinstance(base, str) else None)
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {text!r} must be name=path or a JSON object")
+    return LoRAModule(name, path)
+
+
+class LoRAAdapters:
+    """The adapters a server serves, by name."""
+
+    def __init__(self, modules: tuple[LoRAModule, ...], model_names: tuple[str, ...],
+                 limits: LoRALimits | int | None) -> None:  # fmt: skip
+        """``limits``: what an adapter must fit (:attr:`engine.EngineInfo.lora`), or
+        only the engine's ``max_lora_rank`` before the model is loaded (the config is
+        checked, not the weights); None when LoRA is off (then no module may be given)."""
+        self.model_names = model_names
+        self.limits = limits
+        self._ids = itertools.count(1)
+        self.by_name: dict[str, LoRARequest] = {}
+        self.parents: dict[str, str] = {}
+        for m in modules:
+            self.add(m)
+
+    def add(self, m: LoRAModule) -> LoRARequest:
+        """Check and register an adapter; a :class:`LoRAError` says why it cannot be."""
+        if self.limits is None:
+            raise LoRAError(f"LoRA adapter {m.name!r} given but LoRA is off (start the "
+                            "server with --enable-lora)")
+        if m.name in self.model_names or m.name in self.by_name:
+            raise LoRANameError(f"a model named {m.name!r} is already served")
+        if isinstance(self.limits, int):
+            read_adapter_config(m.path, self.limits)
+        else:
+            check_adapter(m.path, self.limits)
+        req = self.by_name[m.name] = LoRARequest(m.name, next(self._ids), m.path)
+        self.parents[m.name] = m.base_model_name or self.model_names[0]
+        return req
+
+    def get(self, name: str) -> LoRARequest | None:
+        return self.by_name.get(name)
+
+    def remove(self, name: str) -> bool:
+        """Stop serving an adapter (requests running with it finish with it)."""
+        self.parents.pop(name, None)
+        return self.by_name.pop(name, None) is not None
+
+    def card(self, name: str) -> dict:
+        """What ``/v1/models`` says of an adapter beside the common fields."""
+        return {"root": self.by_name[name].lora_path, "parent": self.parents[name]}

@@ -1,0 +1,244 @@
+"""LoRA adapters: greedy output equals HF transformers with PEFT's LoRA forward, alone and
+mixed in one batch with other adapters and the base model; the prefix cache keeps
+adapters apart; ``max_loras`` bounds the adapters of a step; bad adapters fail their own
+request with an error naming ``lora_request``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import LLM, EngineConfig, EngineInputError, InputField, LoRARequest, SamplingParams
+from engine.lora import LoRAError
+from tests.helpers.lora import ATTN, MLP, hf_greedy_with, make_adapter
+
+NEW = 12
+
+
+def greedy(n: int = NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "all": make_adapter(tiny, root / "all", rank=8, alpha=16, seed=1),
+        "qv": make_adapter(tiny, root / "qv", rank=4, alpha=8, targets=("q_proj", "v_proj"),
+                           seed=2, use_rslora=True),
+        "mlp": make_adapter(tiny, root / "mlp", rank=2, alpha=4, targets=MLP, seed=3,
+                            layers=(1,)),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(default_tokenizer):
+    texts = ["The capital of France is", "def fibonacci(n):",
+             "Once upon a time, in a land far away beyond the seven mountains, there lived "
+             "a dragon who guarded a hoard of gold and"]
+    return [default_tokenizer.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, adapters, prompts):
+    ref = {None: hf_greedy_with(tiny, None, prompts, NEW)}
+    for name, path in adapters.items():
+        ref[name] = hf_greedy_with(tiny, path, prompts, NEW)
+    return ref
+
+
+def lora(adapters, name: str, i: int) -> LoRARequest:
+    return LoRARequest(name, i, str(adapters[name]))
+
+
+def run(llm, prompts, loras):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False,
+                        lora_request=loras)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_each_adapter_matches_hf(tiny, adapters, prompts, reference, backend):
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8,
+              attention_backend=backend)
+    for i, name in enumerate(adapters, start=1):
+        assert reference[name] != reference[None]  # the adapter changes the output
+        assert run(llm, prompts, lora(adapters, name, i)) == reference[name], name
+    assert run(llm, prompts, None) == reference[None]
+    assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("max_loras", [1, 3])
+def test_mixed_batch_matches_hf_and_respects_max_loras(tiny, adapters, prompts, reference,
+                                                       max_loras):  # fmt: skip
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=max_loras,
+              max_num_batched_tokens=16)  # chunked prefills mix with decodes
+    sched = llm.engine.scheduler
+    seen: list[set[int]] = []
+    schedule = sched.schedule
+
+    def recording():
+        out = schedule()
+        seen.append({sched.requests[rid].lora_int_id for rid in out.num_scheduled_tokens
+                     if rid in sched.requests} - {0})  # fmt: skip
+        return out
+
+    sched.schedule = recording
+    names = [None, *adapters]
+    jobs = [(p, n) for p in range(len(prompts)) for n in names]
+    loras = [None if n is None else lora(adapters, n, names.index(n)) for _, n in jobs]
+    got = run(llm, [prompts[p] for p, _ in jobs], loras)
+    for (p, n), tokens in zip(jobs, got, strict=True):
+        assert tokens == reference[n][p], (p, n)
+    assert max(len(s) for s in seen) == max_loras  # the limit is reached and held
+    assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_decode_graph_steps_with_an_adapter_run_eagerly(tiny, adapters, prompts, reference,
+                                                       monkeypatch):  # fmt: skip
+    """The CUDA graph path's decode steps (on the padded buffers, as on the CPU with
+    PAGEDSERVE_DECODE_BUFFERS=1): the graphs hold no adapter, so a step with one is not
+    replayed."""
+    monkeypatch.setenv("PAGEDSERVE_DECODE_BUFFERS", "1")
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8)
+    graphs = llm.engine.worker.runner.decode_graphs
+    assert graphs is not None
+    assert run(llm, prompts, None) == reference[None]
+    replays = graphs.num_replays
+    assert replays > 0
+    assert run(llm, prompts, lora(adapters, "all", 1)) == reference["all"]
+    assert graphs.num_replays == replays
+
+
+def test_prefix_cache_keeps_adapters_apart(tiny, adapters, prompts, reference):
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8, block_size=8)
+    long = prompts[2]
+    assert len(long) > 2 * 8
+    a, b = lora(adapters, "all", 1), lora(adapters, "qv", 2)
+    order = [None, a, None, b, a]
+    for req in order:
+        out = llm.generate([{"prompt_token_ids": long}], greedy(), use_tqdm=False,
+                           lora_request=req)[0]
+        name = None if req is None else req.lora_name
+        assert out.outputs[0].token_ids == reference[name][2]
+    # Only the repeats hit the cache: the base's second run and adapter a's second run.
+    hits = llm.engine.kv.num_prefix_cache_hits
+    assert hits == 2 * ((len(long) - 1) // 8) * 8
+
+
+def test_default_model_adapter_matches_hf(default_model_path, default_tokenizer, tmp_path):
+    path = make_adapter(default_model_path, tmp_path / "smol", rank=4, alpha=8,
+                        targets=("q_proj", "v_proj", "down_proj"), seed=4, std=0.05)
+    ids = [default_tokenizer.encode("Write a haiku about the sea.")]
+    ref = hf_greedy_with(default_model_path, path, ids, NEW)
+    assert ref != hf_greedy_with(default_model_path, None, ids, NEW)
+    llm = LLM(dtype="float32", enable_lora=True)
+    assert run(llm, ids, LoRARequest("smol", 1, str(path))) == ref
+
+
+def test_adapters_reloaded_past_capacity(tiny, adapters, prompts, reference):
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8, max_cpu_loras=1)
+    for _ in range(2):
+        for i, name in enumerate(("all", "mlp"), start=1):
+            assert run(llm, prompts[:1], lora(adapters, name, i)) == [reference[name][0]]
+    assert len(llm.engine.worker.loras.loaded_ids) == 1
+
+
+def test_live_adapters_stay_loaded_past_capacity(tiny, adapters, prompts, reference,
+                                                monkeypatch):  # fmt: skip
+    from engine.lora import weights
+
+    loads = []
+    real = weights.load_lora
+    monkeypatch.setattr(weights, "load_lora", lambda req, *a: loads.append(req.lora_name)
+                        or real(req, *a))  # fmt: skip
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8, max_cpu_loras=1)
+    names = ["all", "mlp", "all", "mlp"]
+    got = run(llm, prompts[:1] * 4, [lora(adapters, n, 1 + (n == "mlp")) for n in names])
+    assert got == [reference[n][0] for n in names]
+    assert loads == ["all", "mlp"]  # each once: a waiting request's adapter is kept
+
+
+def test_one_id_for_two_adapters_is_refused_while_in_use(tiny, adapters, prompts, reference):
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8)
+    a, b = lora(adapters, "all", 1), lora(adapters, "mlp", 1)
+    with pytest.raises(EngineInputError, match="lora_int_id=1 is in use by adapter 'all'") as e:
+        run(llm, prompts[:2], [a, b])
+    assert e.value.field is InputField.LORA_REQUEST
+    # Once no request uses it, the id may name another adapter.
+    assert run(llm, prompts[:1], b) == [reference["mlp"][0]]
+    assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
+
+
+def _bad_adapter(tiny, root, name: str, **kw):
+    return make_adapter(tiny, root / name, **kw)
+
+
+@pytest.mark.parametrize("case", ["rank", "dora", "target", "lm_head", "shape", "missing",
+                                  "half"])
+def test_bad_adapter_fails_its_request_only(tiny, adapters, prompts, reference, tmp_path,
+                                            default_model_path, case):  # fmt: skip
+    if case == "rank":
+        path, why = _bad_adapter(tiny, tmp_path, case, rank=16), "max_lora_rank=8"
+    elif case == "dora":
+        path, why = _bad_adapter(tiny, tmp_path, case, extra={"use_dora": True}), "use_dora"
+    elif case == "target":
+        path = _bad_adapter(tiny, tmp_path, case, targets=ATTN)
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        cfg["target_modules"] = ["q_proj", "lm_head"]
+        (path / "adapter_config.json").write_text(json.dumps(cfg))
+        why = "'lm_head' is not served"
+    elif case == "lm_head":
+        from safetensors.torch import load_file, save_file
+
+        path = _bad_adapter(tiny, tmp_path, case, targets=("q_proj",))
+        w = load_file(str(path / "adapter_model.safetensors"))
+        import torch
+
+        w["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
+        save_file(w, str(path / "adapter_model.safetensors"))
+        why = "lm_head"
+    elif case == "shape":  # an adapter of another model (the default model's sizes)
+        path, why = _bad_adapter(default_model_path, tmp_path, case, rank=2), "shape"
+    elif case == "missing":
+        path, why = tmp_path / "nowhere", "has no adapter_config.json"
+    else:
+        from safetensors.torch import load_file, save_file
+
+        path = _bad_adapter(tiny, tmp_path, case, targets=("q_proj",))
+        w = load_file(str(path / "adapter_model.safetensors"))
+        save_file({k: v for k, v in w.items() if "lora_B" not in k},
+                  str(path / "adapter_model.safetensors"))
+        why = "both lora_A and lora_B"
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8)
+    with pytest.raises(EngineInputError) as e:
+        run(llm, prompts[:1], LoRARequest("bad", 9, str(path)))
+    assert e.value.field is InputField.LORA_REQUEST and why in str(e.value), str(e.value)
+    # The engine serves on: the base model and a good adapter.
+    assert run(llm, prompts[:1], None) == [reference[None][0]]
+    assert run(llm, prompts[:1], lora(adapters, "qv", 2)) == [reference["qv"][0]]
+    assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_lora_needs_enable_lora(tiny, adapters, prompts):
+    llm = LLM(tiny, dtype="float32")
+    with pytest.raises(EngineInputError, match="enable_lora") as e:
+        run(llm, prompts[:1], lora(adapters, "all", 1))
+    assert e.value.field is InputField.LORA_REQUEST
+
+
+def test_config_and_request_checks():
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is invalid: LoRA"):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="max_lora_rank=0 is invalid"):
+        EngineConfig(max_lora_rank=0)
+    with pytest.raises(ValueError, match="max_cpu_loras=1 is invalid: must be >= max_loras=2"):
+        EngineConfig(max_loras=2, max_cpu_loras=1)
+    with pytest.raises(LoRAError, match="lora_int_id=0 is invalid"):
+        LoRARequest("x", 0, "/p")
