@@ -30,6 +30,7 @@ from engine.engine_info import EngineInfo
 from engine.kv_state import DEFAULT_MAX_CELLS, KVState, KVStateTaker
 from engine.llm_engine import OUTPUT_DELTA, LLMEngine
 from engine.lora.request import LoRARequest
+from engine.lora.slots import lora_names
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -66,6 +67,11 @@ class EngineSnapshot:
     adds_drained: int = 0
     """Sequences (``n`` per add command) the engine thread had drained when the snapshot
     was taken."""
+    max_loras: int = 0
+    """LoRA adapters a step may hold (0: LoRA is off)."""
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    """Names of the adapters of running and waiting requests."""
     time: float = 0.0
 
 
@@ -380,4 +386,5 @@ class AsyncEngine:
             spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             adds_drained=self._adds_drained,
             time=now,
+            **lora_names(eng.scheduler),
         )

@@ -7,6 +7,7 @@ per-request latencies are histograms observed on the event loop.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -92,6 +93,14 @@ class _EngineCollector(Collector):
             for reason in sorted(seen):
                 done.add_metric([*m, reason], snap.finished_by_reason.get(reason, 0))
         yield done
+        if any(x.max_loras for x in snaps):  # vLLM's lora_requests_info; the value: wall time
+            info = GaugeMetricFamily(
+                "pagedserve:lora_requests_info", "Running and waiting LoRA adapters.",
+                labels=[*lbl, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            for m, snap in zip(labels, snaps, strict=True):
+                info.add_metric([*m, str(snap.max_loras), ",".join(snap.running_loras),
+                                 ",".join(snap.waiting_loras)], time.time())  # fmt: skip
+            yield info
 
 
 class ServerMetrics:

@@ -31,3 +31,16 @@ def lora_victims(head: Request, running: list[Request]) -> list[Request]:
     prio = head.params.priority
     free = [reqs for reqs in by_adapter.values() if all(r.params.priority > prio for r in reqs)]
     return min(free, key=len, default=[])
+
+
+def lora_names(scheduler) -> dict:
+    """The adapters of a scheduler's running and waiting requests by name (sorted), and
+    its ``max_loras``: the engine snapshot's LoRA fields (none when LoRA is off)."""
+    if not scheduler.max_loras:
+        return {}
+
+    def names(reqs: Iterable[Request]) -> tuple[str, ...]:
+        return tuple(sorted({r.lora_request.lora_name for r in reqs if r.lora_request}))
+
+    return {"max_loras": scheduler.max_loras, "running_loras": names(scheduler.running),
+            "waiting_loras": names(scheduler.waiting)}
