@@ -16,7 +16,7 @@ from server.completions import completions
 from server.cors import Cors
 from server.errors import APIError, timed_out
 from server.openapi import openapi
-from server.responses import responses
+from server.responses import delete_response, responses, retrieve_response
 from server.sse import STREAM_KEY, send_error_and_done
 from server.state import STATE_KEY, ServerState
 
@@ -107,6 +107,8 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/models", info.models)
     app.router.add_get("/v1/models/{model:.+}", info.model)  # served names may hold "/"
     app.router.add_get("/health", info.health)

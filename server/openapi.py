@@ -73,6 +73,15 @@ def _get(summary: str, content_type: str = "application/json",
                     "responses": {"200": ok, **{c: errs[c] for c in codes}}}}
 
 
+def _stored_response() -> dict[str, Any]:
+    """``GET`` and ``DELETE /v1/responses/{response_id}``."""
+    param = [{"name": "response_id", "in": "path", "required": True,
+              "schema": {"type": "string"}}]
+    get = _get("a stored response", codes=("401", "404"))["get"]
+    return {"get": {**get, "parameters": param},
+            "delete": {**get, "summary": "delete a stored response", "parameters": param}}
+
+
 def build_document() -> dict[str, Any]:
     """The OpenAPI document of every route."""
     _, components = msgspec.json.schema_components(
@@ -89,6 +98,7 @@ def build_document() -> dict[str, Any]:
             "/v1/chat/completions": _post("ChatCompletionRequest", "chat completion", True),
             "/v1/completions": _post("CompletionRequest", "text completion", True),
             "/v1/responses": _post("ResponsesRequest", "a response (Responses API)", True),
+            "/v1/responses/{response_id}": _stored_response(),
             "/tokenize": _post("TokenizeRequest", "prompt or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "token ids to text"),
             "/v1/models": _get("served models"),

@@ -45,6 +45,9 @@ class ServeOptions:
     (:mod:`server.reasoning`)."""
     chat_template: str | None = None
     """A chat template (its text) used instead of the tokenizer's."""
+    max_stored_responses: int = 1000
+    """``/v1/responses`` responses kept for ``previous_response_id`` and ``GET``
+    (least recently used first out); 0 stores none."""
     lora_modules: tuple[LoRAModule, ...] = ()
     """Adapters served under their own names (``--lora-modules``; needs ``enable_lora``)."""
     allow_runtime_lora_updating: bool = False

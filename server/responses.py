@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,13 +23,14 @@ import msgspec
 from aiohttp import web
 
 from server.chat import ChoiceParser
-from server.errors import APIError, bad_request
+from server.errors import APIError, bad_request, not_found
 from server.generation import ChoiceTally, Generation, choice_updates
 from server.params import chat_params
 from server.prompts import chat_prompt, truncate_prompts
 from server.protocol import ResponsesRequest, read_request
 from server.reasoning import ReasoningParser, gate_after_reasoning
 from server.responses_input import RESPONSES, chat_request, text_constraint
+from server.responses_store import input_items
 from server.sse import STREAM_ERROR_KEY, json_response, open_stream, send_error_and_done
 from server.state import STATE_KEY
 from server.structured import check_compiles, request_constraint
@@ -47,7 +49,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     req = await read_request(request, ResponsesRequest)
     model, lora = state.resolve_model(req.model)  # the adapter as of now
-    chat = chat_request(req)
+    conv = _conversation(state, req)
+    store = state.responses.enabled and req.store is not False
+    chat = chat_request(conv)
     tools = tool_plan(chat, state.options)
     constraint = text_constraint(req)
     other = request_constraint(chat)
@@ -71,21 +75,61 @@ async def responses(request: web.Request) -> web.StreamResponse:
     prompt = truncate_prompts([prompt], req.truncate_prompt_tokens, state.max_model_len)[0]
     state.fit(len(prompt.token_ids), params, RESPONSES)
     out = _Output(
-        base=_base(req, model), input_tokens=len(prompt.token_ids),
+        base=_base(req, model, store), input_tokens=len(prompt.token_ids),
         streaming=bool(req.stream),
         parser=ChoiceParser(
             None if reasoning is None else ReasoningParser(reasoning, rendered),
             None if tools.parser is None else ToolCallParser(tools.parser,
                                                              tools.function_name)))
+    # Stored once whole: the conversation it ends, as the input items of the next.
+    keep = None if not store else lambda response: state.responses.put(
+        response, [*input_items(conv.input), *response["output"]])
     async with Generation(state, [prompt], params, RESPONSES, arrival, lora) as gen:
         if req.stream:
-            return await _stream(request, gen, out)
+            return await _stream(request, gen, out, keep)
         async for _ in out.run(gen):
             pass
-        return json_response(out.response())
+        response = out.response()
+        if keep is not None:
+            keep(response)
+        return json_response(response)
 
 
-def _base(req: ResponsesRequest, model: str) -> dict[str, Any]:
+def _conversation(state, req: ResponsesRequest) -> ResponsesRequest:
+    """``req`` with the stored conversation it continues (``previous_response_id``)
+    before its own input."""
+    rid = req.previous_response_id
+    if rid is None:
+        return req
+    if not state.responses.enabled:
+        raise bad_request("previous_response_id is not supported: this server stores no "
+                          "responses (--max-stored-responses 0); send the whole "
+                          "conversation in input", "previous_response_id")
+    try:
+        prior = state.responses.get(rid).items
+    except APIError:
+        raise not_found(f"Previous response with id '{rid}' not found.",
+                        "previous_response_id") from None
+    if req.input is None:
+        raise bad_request("input is required", "input")
+    return msgspec.structs.replace(req, input=[*prior, *input_items(req.input)],
+                                   previous_response_id=None)
+
+
+async def retrieve_response(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{response_id}``: a stored response."""
+    store = request.app[STATE_KEY].responses
+    return json_response(store.get(request.match_info["response_id"]).response)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """``DELETE /v1/responses/{response_id}``."""
+    rid = request.match_info["response_id"]
+    request.app[STATE_KEY].responses.delete(rid)
+    return json_response({"id": rid, "object": "response.deleted", "deleted": True})
+
+
+def _base(req: ResponsesRequest, model: str, store: bool) -> dict[str, Any]:
     """The response object's fields that echo the request."""
     fmt = (req.text or {}).get("format") or {"type": "text"}
     return {
@@ -93,9 +137,9 @@ def _base(req: ResponsesRequest, model: str) -> dict[str, Any]:
         "model": model, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
         "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": None, "reasoning": req.reasoning or {"effort": None,
-                                                                     "summary": None},
-        "store": False, "temperature": req.temperature, "top_p": req.top_p,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": req.reasoning or {"effort": None, "summary": None},
+        "store": store, "temperature": req.temperature, "top_p": req.top_p,
         "text": {**(req.text or {}), "format": fmt},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [], "truncation": req.truncation or "disabled",
@@ -272,13 +316,16 @@ class _Output:
                                 item=item.body(status))
 
 
-async def _stream(request: web.Request, gen: Generation, out: _Output) -> web.StreamResponse:
+async def _stream(request: web.Request, gen: Generation, out: _Output,
+                  keep: Callable[[dict[str, Any]], None] | None) -> web.StreamResponse:  # fmt: skip
     resp = await open_stream(request)
     request[STREAM_ERROR_KEY] = out.failed  # also for a deadline the middleware enforces
     try:
         async for frames in out.run(gen):
             if frames:
                 await resp.write(frames)
+        if keep is not None:
+            keep(out.response())
     except APIError as err:
         await send_error_and_done(resp, err)
     except ConnectionResetError:

@@ -1,9 +1,10 @@
 """``/v1/responses`` requests in the chat route's terms: input items as chat messages,
 function tools and ``tool_choice`` in chat's shape, ``text.format`` as a constraint.
 
-The server keeps no responses: a conversation is sent whole in ``input`` (earlier
-outputs as items: ``message``, ``reasoning``, ``function_call``), with the results of
-calls as ``function_call_output`` items. ``previous_response_id``, ``conversation`` and
+A conversation is sent whole in ``input`` (earlier outputs as items: ``message``,
+``reasoning``, ``function_call``), with the results of calls as ``function_call_output``
+items, or continued from a stored response (``previous_response_id``, which
+:mod:`server.responses` resolves into these items first). ``conversation`` and
 ``background`` are refused with a 400 naming them.
 """
 
@@ -23,11 +24,10 @@ ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that generates what ``req`` asks for (validated on the way)."""
-    for name, why in (("previous_response_id", "send the whole conversation in input"),
-                      ("conversation", "send the whole conversation in input")):
-        if getattr(req, name) is not None:
-            raise bad_request(f"{name} is not supported: this server stores no responses; "
-                              f"{why}", name)
+    if req.conversation is not None:
+        raise bad_request("conversation is not supported: continue a stored response with "
+                          "previous_response_id, or send the whole conversation in input",
+                          "conversation")
     if req.background:
         raise bad_request("background responses are not supported", "background")
     if req.n not in (None, 1):

@@ -118,6 +118,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="origins whose pages may call the API from a browser (CORS), "
                         "comma-separated (https://app.example.com,http://localhost:3000); "
                         "'*' any, '' none (default: %(default)s)")
+    s.add_argument("--max-stored-responses", type=int, default=d.max_stored_responses,
+                   metavar="N",
+                   help="/v1/responses responses kept for previous_response_id and GET "
+                        "/v1/responses/{id} (least recently used first out); 0 stores "
+                        "none (default: %(default)s)")
     s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served as models of their own: name=path, or "
                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
@@ -221,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         exit_on_engine_death=args.exit_on_engine_death,
         data_parallel_size=args.data_parallel_size,
         lora_modules=lora_modules,
+        max_stored_responses=args.max_stored_responses,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     from engine.parallel.launch import is_worker_rank

@@ -18,6 +18,7 @@ from server.lora import LoRAAdapters
 from server.metrics import ServerMetrics
 from server.options import ServeOptions
 from server.param_names import Route, input_error
+from server.responses_store import ResponseStore
 
 T = TypeVar("T")
 
@@ -31,6 +32,8 @@ class ServerState:
         self.options = options
         self.model_names = options.served_model_names or (info.model_name,)
         self.loras = LoRAAdapters(options.lora_modules, self.model_names, info.lora)
+        self.responses = ResponseStore(options.max_stored_responses)
+        """Stored ``/v1/responses`` responses (``previous_response_id``)."""
         """The LoRA adapters served by name (``--lora-modules``)."""
         self.max_model_len = info.max_model_len
         self.sampling_defaults: dict = (dict(info.generation_defaults)

@@ -25,7 +25,8 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1000"))
 """Generated requests per route (positive and negative together)."""
 ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
           ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
-          ("GET", "/v1/models/{model}"),
+          ("GET", "/v1/models/{model}"), ("GET", "/v1/responses/{response_id}"),
+          ("DELETE", "/v1/responses/{response_id}"),
           ("GET", "/version"), ("GET", "/metrics"), ("GET", "/health"),
           ("GET", "/openapi.json")]
 
@@ -56,7 +57,7 @@ def test_openapi_document_describes_the_request_structs(server):
     body = doc["paths"]["/v1/completions"]["post"]["requestBody"]
     assert body["content"]["application/json"]["schema"]["$ref"] == (
         "#/components/schemas/CompletionRequest")
-    assert {m for p in doc["paths"].values() for m in p} == {"get", "post"}
+    assert {m for p in doc["paths"].values() for m in p} == {"get", "post", "delete"}
     assert requests.get(server.url + "/openapi.json", timeout=30).status_code == 401
 
 

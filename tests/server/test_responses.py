@@ -137,8 +137,8 @@ def test_text_format_json_schema(client):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),
@@ -160,6 +160,75 @@ def test_bad_requests_are_400s_naming_the_field(server, extra, param):
     r = requests.post(server.url + "/v1/responses", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_stored_responses_continue_a_conversation(client):
+    """``previous_response_id``: the stored conversation (its input and output items,
+    not its instructions) comes before the new input, whole or streamed; the same as
+    sending the whole conversation."""
+    first = client.responses.create(instructions="Answer in one word.", max_output_tokens=8,
+                                    input="My name is Ada. Say hello.", **GREEDY)
+    assert first.store and first.previous_response_id is None
+    items = [{"role": "user", "content": "My name is Ada. Say hello."},
+             *[o.model_dump(exclude_none=True) for o in first.output]]
+    second = client.responses.create(previous_response_id=first.id, max_output_tokens=8,
+                                     input="What is my name?", **GREEDY)
+    items.append({"role": "user", "content": "What is my name?"})
+    whole = client.responses.create(input=items, max_output_tokens=8, store=False, **GREEDY)
+    assert second.previous_response_id == first.id
+    assert (second.output_text, second.usage.input_tokens) == (
+        whole.output_text, whole.usage.input_tokens)
+    _, third = _streamed(client, previous_response_id=second.id, input="Thanks.",
+                         max_output_tokens=8, **GREEDY)
+    items += [*[o.model_dump(exclude_none=True) for o in second.output],
+              {"role": "user", "content": "Thanks."}]
+    whole = client.responses.create(input=items, max_output_tokens=8, store=False, **GREEDY)
+    assert (third.output_text, third.usage.input_tokens) == (
+        whole.output_text, whole.usage.input_tokens)
+    assert client.responses.retrieve(third.id).model_dump() == third.model_dump()
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+
+    assert not whole.store  # store=False: kept nowhere
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(previous_response_id=whole.id, input="Hi", **GREEDY)
+    assert e.value.body["param"] == "previous_response_id"
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
+
+
+def test_the_store_is_bounded_and_can_be_off(tiny_model_factory):
+    from engine import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from server.options import ServeOptions
+    from server.responses_store import ResponseStore
+    from tests.helpers.server import run_in_process
+
+    store = ResponseStore(2)
+    for i in range(3):
+        store.put({"id": f"resp_{i}"}, [])
+    assert len(store) == 2 and store.get("resp_2").response == {"id": "resp_2"}
+    with pytest.raises(Exception, match="resp_0"):
+        store.get("resp_0")
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_model_factory("llama")),
+                                                dtype="float32", kv_cache_memory_gb=0.02))
+
+    async def script(client):
+        r = await client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2})
+        first = await r.json()
+        r = await client.post("/v1/responses", json={
+            "input": "Hi", "max_output_tokens": 2, "previous_response_id": first["id"]})
+        return first, r.status, await r.json()
+
+    first, status, err = run_in_process(engine, ServeOptions(max_stored_responses=0), script)
+    assert first["store"] is False and status == 400
+    assert err["error"]["param"] == "previous_response_id"
+    assert "--max-stored-responses 0" in err["error"]["message"]
 
 
 def test_reasoning_items_with_a_reasoning_parser(default_model_path):

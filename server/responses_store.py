@@ -1,0 +1,64 @@
+"""Stored responses of ``/v1/responses``: ``previous_response_id`` continues one, and
+``GET``/``DELETE /v1/responses/{id}`` read and remove one.
+
+A response is stored when its request leaves ``store`` unset or true (OpenAI's default),
+with the conversation it ends as input items: the items it continued, its own input and
+its output (``reasoning``, ``message``, ``function_call``). A request naming it as
+``previous_response_id`` has those items before its own input; ``instructions`` are not
+carried over, as in OpenAI's API. The store is in memory and bounded
+(``--max-stored-responses``, least recently used first out); ``0`` stores nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from server.errors import not_found
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    response: dict[str, Any]
+    """The response object as it was returned."""
+    items: list[dict[str, Any]]
+    """The conversation it ends, as input items."""
+
+
+class ResponseStore:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        self._items[response["id"]] = StoredResponse(response, items)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse:
+        """The stored response; a 404 naming ``param`` when there is none."""
+        stored = self._items.get(response_id)
+        if stored is None:
+            raise not_found(f"Response with id '{response_id}' not found.", "response_id")
+        self._items.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._items[response_id]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def input_items(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A request's ``input`` as a list of items (a string is one user message)."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return list(value or [])
