@@ -158,6 +158,11 @@ class EngineConfig:
                       "quantization='gguf' runs on one rank (use a float checkpoint, or "
                       "quantization='int8', for tensor parallel)")
 
+    @property
+    def lora_capacity(self) -> int:
+        """Adapters kept loaded (``max_cpu_loras``, default ``max(max_loras, 8)``)."""
+        return self.max_cpu_loras or max(self.max_loras, 8)
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword arguments; an unknown name is a TypeError naming it."""

@@ -4,6 +4,7 @@ The KV cache gets what is left of ``total * gpu_memory_utilization`` once everyt
 else that can be resident at the same time is paid for::
 
     kv_budget = total * utilization - weights - activation_peak - graph_reserve - non_torch
+                - lora_reserve
 
 * ``weights``: torch memory allocated when profiling starts (the model and its tables).
 * ``activation_peak``: the peak of torch allocations above that during one dummy step of
@@ -18,6 +19,8 @@ else that can be resident at the same time is paid for::
   allocated in them: the graphs' private pool keeps its segments for good).
 * ``non_torch``: device memory used outside torch's allocator (CUDA context, cuBLAS and
   Triton modules, other processes), from ``cuda.mem_get_info`` after the dummy step.
+* ``lora_reserve``: with ``enable_lora``, the adapters kept loaded (``max_cpu_loras``)
+  at ``max_lora_rank`` on every projection (:meth:`LoRALimits.adapter_bytes`).
 
 The arithmetic is :func:`kv_cache_budget`, a pure function; :func:`profile_kv_budget`
 gathers the numbers on the device.
@@ -59,11 +62,13 @@ class MemoryProfile:
     activation_peak: int
     graph_reserve: int
     non_torch: int
+    lora_reserve: int = 0
 
     @property
     def kv_budget(self) -> float:
         return kv_cache_budget(self.total, self.utilization, self.weights,
-                               self.activation_peak, self.non_torch, self.graph_reserve)  # fmt: skip
+                               self.activation_peak, self.non_torch, self.graph_reserve,
+                               self.lora_reserve)  # fmt: skip
 
 
 def kv_cache_budget(
@@ -73,6 +78,7 @@ def kv_cache_budget(
     activation_peak: float,
     non_torch: float,
     graph_reserve: float = 0.0,
+    lora_reserve: float = 0.0,
 ) -> float:
     """Bytes left for the KV cache; raises :class:`KVBudgetError` when none are.
 
@@ -80,18 +86,19 @@ def kv_cache_budget(
     """
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"utilization={utilization} must be in (0, 1]")
-    if min(total, weights, activation_peak, non_torch, graph_reserve) < 0:
+    if min(total, weights, activation_peak, non_torch, graph_reserve, lora_reserve) < 0:
         raise ValueError("memory sizes must be >= 0")
     allowed = total * utilization
-    budget = allowed - weights - activation_peak - graph_reserve - non_torch
+    budget = allowed - weights - activation_peak - graph_reserve - non_torch - lora_reserve
     if budget <= 0:
         raise KVBudgetError(
             f"no GPU memory is left for the KV cache: {utilization:.2f} x "
             f"{total / GiB:.2f} GiB = {allowed / GiB:.2f} GiB allowed, but weights take "
             f"{weights / GiB:.2f} GiB, the activation peak of a "
             f"max_num_batched_tokens step {activation_peak / GiB:.2f} GiB, CUDA graphs "
-            f"{graph_reserve / GiB:.2f} GiB and memory outside torch (CUDA context, other "
-            f"processes) {non_torch / GiB:.2f} GiB ({budget / GiB:.2f} GiB left). Raise "
+            f"{graph_reserve / GiB:.2f} GiB, LoRA adapters {lora_reserve / GiB:.2f} GiB and "
+            f"memory outside torch (CUDA context, other processes) {non_torch / GiB:.2f} "
+            f"GiB ({budget / GiB:.2f} GiB left). Raise "
             "gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, set "
             "enforce_eager, use a smaller model or dtype, or free the GPU"
         )
@@ -281,16 +288,22 @@ def profile_kv_budget(worker: Any) -> float:
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    lora_reserve = 0
+    if cfg.enable_lora:
+        from engine.lora.request import LoRALimits
+
+        lora_reserve = cfg.lora_capacity * LoRALimits.of(spec, cfg.max_lora_rank).adapter_bytes(
+            torch.tensor([], dtype=worker.dtype).element_size())
     prof = MemoryProfile(total=total, utilization=cfg.gpu_memory_utilization, weights=weights,
                          activation_peak=activation, graph_reserve=graph_reserve,
-                         non_torch=non_torch)  # fmt: skip
+                         non_torch=non_torch, lora_reserve=lora_reserve)  # fmt: skip
     logger.info(
         "GPU memory: total %.2f GiB x utilization %.2f = %.2f GiB; weights %.2f GiB; "
         "activation peak %.2f GiB (%d tokens, sampler on %d rows); CUDA graph reserve "
-        "%.2f GiB (decode batch %d); outside torch %.2f GiB",
+        "%.2f GiB (decode batch %d); LoRA adapters %.2f GiB; outside torch %.2f GiB",
         total / GiB, prof.utilization, total * prof.utilization / GiB, weights / GiB,
         activation / GiB, num_tokens, sample_rows, graph_reserve / GiB, graph_batch,
-        non_torch / GiB)  # fmt: skip
+        lora_reserve / GiB, non_torch / GiB)  # fmt: skip
     budget = prof.kv_budget
     logger.info("KV cache budget: %.2f GiB (%d blocks of %d bytes)", budget / GiB,
                 kv_cache_blocks(budget, worker.block_bytes()), worker.block_bytes())  # fmt: skip

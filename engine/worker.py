@@ -196,7 +196,7 @@ class Worker:
 
             self.loras = self.runner.loras = LoRARegistry(
                 LoRALimits.of(self.spec, config.max_lora_rank), self.dtype, self.device,
-                config.max_cpu_loras or max(config.max_loras, 8))
+                config.lora_capacity)
         if self.attn.name == "triton":
             from engine.kernel_warmup import warm_up_kernels
 

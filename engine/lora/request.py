@@ -73,6 +73,17 @@ class LoRALimits:
     def shape_of(self, module: str) -> tuple[int, int]:
         return next((o, i) for name, o, i in self.shapes if name == module)
 
+    def adapter_bytes(self, element_size: int) -> int:
+        """The most an adapter takes loaded (rank ``max_rank``, every target): per fused
+        projection ``A [n r, in]`` and a dense ``B [out, n r]`` for its ``n`` modules."""
+        r, size = self.max_rank, dict((m, (o, i)) for m, o, i in self.shapes)
+        total = 0
+        for group in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
+                      ("down_proj",)):  # fmt: skip
+            cols = r * len(group)
+            total += cols * size[group[0]][1] + sum(size[m][0] for m in group) * cols
+        return total * self.num_layers * element_size
+
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 

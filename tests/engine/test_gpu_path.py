@@ -287,6 +287,12 @@ def test_kv_cache_budget_arithmetic() -> None:
     prof = MemoryProfile(total=total, utilization=0.9, weights=16 * GiB,
                          activation_peak=2 * GiB, graph_reserve=GiB // 2, non_torch=GiB)  # fmt: skip
     assert prof.kv_budget == budget
+    with_loras = MemoryProfile(total=total, utilization=0.9, weights=16 * GiB,
+                               activation_peak=2 * GiB, graph_reserve=GiB // 2,
+                               non_torch=GiB, lora_reserve=3 * GiB)  # fmt: skip
+    assert with_loras.kv_budget == budget - 3 * GiB
+    with pytest.raises(KVBudgetError, match="LoRA adapters 10.00 GiB"):
+        kv_cache_budget(10 * GiB, 1.0, 0, 0, 0, lora_reserve=10 * GiB)
     assert kv_cache_blocks(budget, 2**20) == int(budget // 2**20)
     assert kv_cache_blocks(2**20 - 1, 2**20) == 0
     with pytest.raises(ValueError):

@@ -176,6 +176,25 @@ def test_one_id_for_two_adapters_is_refused_while_in_use(tiny, adapters, prompts
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_adapter_bytes_is_what_a_full_adapter_takes_loaded(tiny, tmp_path):
+    """The GPU's KV sizing reserves ``adapter_bytes`` per adapter kept loaded: exactly
+    what a rank-``max_lora_rank`` adapter of every projection takes."""
+    import torch
+    import transformers
+
+    from engine.lora.request import LoRALimits
+    from engine.lora.weights import load_lora
+    from engine.models import DecoderSpec
+
+    limits = LoRALimits.of(DecoderSpec.from_hf(transformers.AutoConfig.from_pretrained(tiny)), 8)
+    path = make_adapter(tiny, tmp_path / "full", rank=8)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = load_lora(LoRARequest("full", 1, str(path)), limits, dtype, torch.device("cpu"))
+        got = sum(t.numel() * t.element_size() for layer in w.layers
+                  for ab in layer.values() for t in ab)  # fmt: skip
+        assert got == limits.adapter_bytes(dtype.itemsize)
+
+
 def _bad_adapter(tiny, root, name: str, **kw):
     return make_adapter(tiny, root / name, **kw)
 
