@@ -36,6 +36,7 @@ _EXPORTS = {
     "MAX_LOGPROBS": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
     "LoRARequest": "engine.lora.request",
+    "PoolingParams": "engine.pooling",
     "StructuredOutputsParams": "engine.structured.params",
     "ReasoningGate": "engine.structured.params",
     "StructuredOutputsError": "engine.structured.params",

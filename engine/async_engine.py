@@ -32,6 +32,7 @@ from engine.llm_engine import OUTPUT_DELTA, LLMEngine
 from engine.lora.request import LoRARequest
 from engine.lora.slots import lora_names
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine.async")
@@ -91,6 +92,7 @@ class _Add:
     prompt: str | None
     arrival_time: float
     lora_request: LoRARequest | None = None
+    pooling: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -181,6 +183,7 @@ class AsyncEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Post a request; its :class:`StepItem`s (delta outputs) arrive on ``queue``.
 
@@ -193,7 +196,7 @@ class AsyncEngine:
         self._adds_posted += params.n
         self._commands.append(_Add(request_id, prompt_token_ids, params, prompt,
                                    arrival_time if arrival_time is not None else time.monotonic(),
-                                   lora_request))  # fmt: skip
+                                   lora_request, pooling))  # fmt: skip
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -347,7 +350,8 @@ class AsyncEngine:
                 try:
                     eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                     prompt=cmd.prompt, arrival_time=cmd.arrival_time,
-                                    output_kind=OUTPUT_DELTA, lora_request=cmd.lora_request)
+                                    output_kind=OUTPUT_DELTA, lora_request=cmd.lora_request,
+                                    pooling=cmd.pooling)
                 except Exception as exc:  # a bad request harms no one else
                     self._loop.call_soon_threadsafe(self._deliver_error, cmd.request_id, exc)
             else:

@@ -38,6 +38,7 @@ from engine.kv_state import DEFAULT_MAX_CELLS, KVState
 from engine.loader import load_tokenizer
 from engine.lora.request import LoRARequest
 from engine.parallel.launch import core_share
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine.dp")
@@ -158,11 +159,12 @@ class ReplicaClient:
 
     def add_request(self, rid: str, ids: list[int], params: SamplingParams,
                     queue: asyncio.Queue, prompt: str | None, arrival: float,
-                    lora: LoRARequest | None = None) -> None:  # fmt: skip
+                    lora: LoRARequest | None = None,
+                    pooling: PoolingParams | None = None) -> None:  # fmt: skip
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
         self.queues[rid] = queue
-        self._send(("add", rid, ids, params, prompt, arrival, lora))
+        self._send(("add", rid, ids, params, prompt, arrival, lora, pooling))
 
     def abort(self, rid: str) -> bool:
         if self.queues.pop(rid, None) is None:
@@ -232,7 +234,7 @@ class DataParallelEngine:
             tokenizer=tokenizer, eos_token_ids=tuple(first["eos_token_ids"]),
             max_num_seqs=first["max_num_seqs"] * len(replicas), limits=first["limits"],
             generation_defaults=generation_defaults(first["model_path"]),
-            lora=first["lora"])
+            lora=first["lora"], pooling_defaults=first["pooling_defaults"])
         self.engine = SimpleNamespace(config=config, structured=_front_end_grammars(
             config, tokenizer, first))  # fmt: skip
         """What the server's grammar check reads of an engine (compiles in this process
@@ -313,8 +315,8 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, queue: asyncio.Queue, prompt: str | None = None,
-                    arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> None:  # fmt: skip
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    pooling: PoolingParams | None = None) -> None:  # fmt: skip
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
         i = self._route(prompt_token_ids, params)
@@ -324,7 +326,7 @@ class DataParallelEngine:
         self.load[i] += cost
         self.replicas[i].add_request(request_id, prompt_token_ids, params, queue, prompt,
                                      arrival_time if arrival_time is not None
-                                     else time.monotonic(), lora_request)  # fmt: skip
+                                     else time.monotonic(), lora_request, pooling)  # fmt: skip
 
     def _finished(self, rid: str) -> None:
         i = self._owner.pop(rid, None)

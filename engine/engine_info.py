@@ -15,6 +15,7 @@ from typing import Any
 from blockmgr import cdiv
 from engine.errors import EngineInputError, InputField, PromptTooLongError, TokenIdError
 from engine.lora.request import LoRALimits
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -28,6 +29,8 @@ class InputLimits:
     block_size: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    hidden_size: int = 0
+    """The model's hidden size: the length of its embeddings."""
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -153,6 +156,8 @@ class EngineInfo:
     """The model's own sampling defaults (:func:`generation_defaults`)."""
     lora: LoRALimits | None = None
     """What a LoRA adapter must fit (``enable_lora``); None: LoRA is off."""
+    pooling_defaults: PoolingParams = field(default_factory=PoolingParams)
+    """How the model pools an embedding by default (:func:`engine.pooling.pooling_defaults`)."""
 
     @property
     def max_model_len(self) -> int:

@@ -13,6 +13,7 @@ from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.parallel.launch import is_worker_rank
 from engine.parallel.rank import run_worker_rank
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine")
@@ -81,6 +82,29 @@ class LLM:
                 raise ValueError(f"priority has {len(priority)} entries for "
                                  f"{len(prompts)} prompts")
             params = [sp.clone(priority=p) for sp, p in zip(params, priority, strict=True)]
+        return self._run(self._requests(prompts, params, cache_salt, lora_request), use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """The embedding of every prompt (``RequestOutput.embedding``), in input order: its
+        final hidden states pooled as ``pooling_params`` says (by default the model's
+        sentence-transformers pooling, else the last token's; L2-normalized). Prompts as
+        :meth:`generate` takes them; they batch with any other work of the engine."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        none = SamplingParams(max_tokens=0)
+        return self._run(self._requests(prompts, [none] * len(prompts), None, lora_request),
+                         use_tqdm, pooling_params or PoolingParams())  # fmt: skip
+
+    def _requests(self, prompts: list, params: list[SamplingParams], cache_salt: str | None,
+                  lora_request) -> list[tuple]:  # fmt: skip
+        """``(ids, text, params, salt, lora)`` per prompt."""
         loras = _per_prompt(lora_request, len(prompts))
         tok = self.engine.tokenizer
         requests = []
@@ -98,7 +122,7 @@ class LLM:
                     f"prompts[{i}] must be a string or a dict with 'prompt_token_ids' or "
                     f"'prompt', got {type(p).__name__}")
             requests.append((ids, text, sp, salt, loras[i]))
-        return self._run(requests, use_tqdm)
+        return requests
 
     def chat(
         self,
@@ -154,7 +178,8 @@ class LLM:
                                 f"got {type(p).__name__}")
         return sp
 
-    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests, use_tqdm: bool,
+             pooling: PoolingParams | None = None) -> list[RequestOutput]:  # fmt: skip
         eng = self.engine
         ids = []
         for ids_, _text, sp, _salt, _lora in requests:  # validate all before queuing any
@@ -162,7 +187,7 @@ class LLM:
         try:
             for ids_, text, sp, salt, lora in requests:
                 ids.append(eng.add_request(None, ids_, sp, prompt=text, cache_salt=salt,
-                                           lora_request=lora).request_id)  # fmt: skip
+                                           lora_request=lora, pooling=pooling).request_id)  # fmt: skip
         except BaseException:  # a rejected prompt rejects the whole batch: queue nothing
             for rid in ids:
                 eng.abort_request(rid)

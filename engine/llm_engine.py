@@ -24,6 +24,7 @@ from engine.lora.request import LoRAError, LoRARequest
 from engine.output_processor import OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor
 from engine.outputs import RequestOutput
 from engine.penalties import bad_word_sequences
+from engine.pooling import PoolingParams, pooling_defaults
 from engine.request import Request, RequestGroup, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -95,12 +96,14 @@ class LLMEngine:
             vocab_size=w.vocab_size, max_model_len=w.max_model_len,
             num_kv_blocks=w.num_blocks, block_size=config.block_size,
             max_num_batched_tokens=w.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill)  # fmt: skip
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            hidden_size=w.model.full_spec.hidden_size)  # fmt: skip
         self.info = EngineInfo(
             model_name=w.model_name, model_path=str(w.model_path), tokenizer=w.tokenizer,
             eos_token_ids=tuple(w.eos_token_ids), max_num_seqs=config.max_num_seqs,
             limits=self.limits, generation_defaults=generation_defaults(w.model_path),
-            lora=None if w.loras is None else w.loras.limits)  # fmt: skip
+            lora=None if w.loras is None else w.loras.limits,
+            pooling_defaults=pooling_defaults(w.model_path))  # fmt: skip
         """What front ends read of the engine."""
         self.output = OutputProcessor(self.scheduler, self.token_text, self.tokenizer)
         self.eos_token_ids = w.eos_token_ids
@@ -153,9 +156,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         output_kind: str = OUTPUT_FINAL,
         lora_request: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> RequestGroup:
         """Validate and queue a request (its ``n`` sequences). Raises an
-        :class:`~engine.errors.EngineInputError` naming the field at fault."""
+        :class:`~engine.errors.EngineInputError` naming the field at fault. With
+        ``pooling`` it is an embedding request: its output's ``embedding`` is the pooled
+        vector of its prompt (``params`` should ask for no tokens: ``max_tokens=0``)."""
         request_id = request_id or self.new_request_id()
         if request_id in self.output.groups:
             raise EngineInputError(f"request_id={request_id!r} is already in use",
@@ -169,6 +175,8 @@ class LLMEngine:
         spec = params.structured_outputs
         now = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), params, now)
+        if pooling is not None:
+            group.pooling = pooling.resolved(self.info.pooling_defaults, limits.hidden_size)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = []
         for i in range(params.n):
@@ -292,6 +300,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         if result is not None and result.prompt_logprobs:  # before a request finishes
             failed += self.output.add_prompt_logprobs(result.prompt_logprobs)
+        for rid, vec in () if result is None else result.pooled.items():
+            requests[rid].group.embedding = vec
         sampled = self.scheduler.update_from_output(sched, result)
         outputs = failed + self.output.process(sampled)
         if self.scheduler.ended_without_tokens:

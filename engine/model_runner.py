@@ -19,6 +19,7 @@ from engine import rejection_sampler
 from engine.models import DecoderForCausalLM
 from engine.ngram_proposer import NgramProposer
 from engine.outputs import TokenLogprobs
+from engine.pooling import Pooler
 from engine.rejection_sampler import Span
 from engine.sampler import Sampler, SamplingRow, make_generator, token_logprobs
 from engine.sampling_params import SamplingParams
@@ -86,6 +87,8 @@ class ModelRunner:
         """Set on CUDA (``engine.cuda_graphs``): runs decode-only steps as CUDA graphs."""
         self._prompt_lp: set[str] = set()
         """Requests whose prompt logprobs are not all reported yet."""
+        self.pooler = Pooler()
+        """The vectors of embedding requests."""
         self.loras: LoRARegistry | None = None
         """The adapters (``enable_lora``): a step with any runs layer by layer, eagerly."""
 
@@ -102,6 +105,7 @@ class ModelRunner:
             self._prompt_lp.discard(rid)
             self.block_rows.release(rid)
             self.sampler.release(rid)
+            self.pooler.release(rid)
         for rid in sched.preempted_req_ids:
             # Its blocks are gone; when it is scheduled again its description carries the
             # whole new table. Its generator stays: its random stream continues.
@@ -119,7 +123,7 @@ class ModelRunner:
                 if self.samples else None,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 matcher=self._matcher(new.params) if self.samples else None,
-                lora=new.lora_request)
+                lora=new.lora_request, pooling=new.pooling)
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
             state.all_token_ids.extend(cached.new_token_ids)
@@ -287,9 +291,11 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
                                 self.attn, lora)  # fmt: skip
         prompt_lps = self._prompt_logprobs(step, hidden) if self._prompt_lp else {}
+        pooled = self.pooler.pool(step.scheduled, qsl, hidden, self.requests) \
+            if self.samples else {}  # fmt: skip
         if not step.sampling_ids:
-            return ModelRunnerOutput([], [], [], prompt_logprobs=prompt_lps) \
-                if prompt_lps else None
+            return ModelRunnerOutput([], [], [], prompt_logprobs=prompt_lps, pooled=pooled) \
+                if prompt_lps or pooled else None  # fmt: skip
         logits = self.model.compute_logits(hidden[step.logits_indices], self.attn.ops)
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return None
@@ -304,7 +310,8 @@ class ModelRunner:
             errors = {step.sampling_ids[i]: NONFINITE for i in out.nonfinite}
             self._advance_matchers(step.sampling_ids, tokens, skip=errors)
         return ModelRunnerOutput(step.sampling_ids, tokens, logprobs,
-                                 self._propose(step.sampling_ids, tokens), errors, prompt_lps)
+                                 self._propose(step.sampling_ids, tokens), errors, prompt_lps,
+                                 pooled)  # fmt: skip
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,
                          ) -> dict[str, list[TokenLogprobs]]:  # fmt: skip

@@ -258,7 +258,7 @@ class OutputProcessor:
             request_id=rid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=outs, finished=finished, metrics=first.metrics,
             num_cached_tokens=max(first.num_cached_tokens, 0), error=group.error,
-            prompt_logprobs=self._prompt_logprobs_of(group, kind),
+            prompt_logprobs=self._prompt_logprobs_of(group, kind), embedding=group.embedding,
         )  # fmt: skip
         if finished:
             self.groups.pop(rid, None)

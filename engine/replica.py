@@ -6,7 +6,7 @@ pickled frames from stdin, the first its :class:`~engine.config.EngineConfig`, a
 writes frames back (:mod:`engine.frames`). The front end
 (:mod:`engine.dp_engine`) sends::
 
-    ("add", request_id, prompt_token_ids, params, prompt, arrival_time, lora_request)
+    ("add", request_id, prompt_token_ids, params, prompt, arrival_time, lora_request, pooling)
     ("abort", request_id)
     ("kv", ask_id, max_cells, tables)
     ("stop",)
@@ -53,10 +53,10 @@ class ReplicaServer:
     def handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, prompt, arrival, lora = cmd
+            _, rid, ids, params, prompt, arrival, lora, pooling = cmd
             queue: asyncio.Queue = asyncio.Queue()
             try:
-                self.engine.add_request(rid, ids, params, queue, prompt, arrival, lora)
+                self.engine.add_request(rid, ids, params, queue, prompt, arrival, lora, pooling)
             except Exception as exc:  # noqa: BLE001 - the front end gets it as the request's error
                 self.out.send(("err", rid, exc))
                 return
@@ -113,7 +113,8 @@ async def serve(config: EngineConfig, stdin, stdout) -> None:
     out.send(("ready", {
         "model_name": info.model_name, "model_path": info.model_path,
         "eos_token_ids": info.eos_token_ids, "max_num_seqs": info.max_num_seqs,
-        "limits": info.limits, "lora": info.lora, "pid": os.getpid()}))  # fmt: skip
+        "limits": info.limits, "lora": info.lora, "pooling_defaults": info.pooling_defaults,
+        "pid": os.getpid()}))  # fmt: skip
     engine.start(loop)
     server = ReplicaServer(engine, out, loop)
     threading.Thread(target=_read_commands, args=(server, stdin), name="replica-in",

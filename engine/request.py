@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestMetrics, TokenLogprobs
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -57,10 +58,21 @@ class RequestGroup:
     """When asked for: an entry per prompt token after the first, as they are computed."""
     prompt_logprobs_sent: bool = False
     """A streamed request's prompt logprobs went out (with its first output after them)."""
+    pooling: PoolingParams | None = None
+    """An embedding request's pooling (resolved); its vector goes to ``embedding``."""
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
         return all(m.status.finished for m in self.members)
+
+    @property
+    def needs_whole_prompt(self) -> bool:
+        """Every prompt token must be computed (no prefix cache hits): prompt logprobs
+        or a pooling over all of them are not all in yet."""
+        pool = self.pooling
+        return self.prompt_logprobs_pending or (
+            pool is not None and pool.whole_prompt and self.embedding is None)
 
     @property
     def prompt_logprobs_pending(self) -> bool:

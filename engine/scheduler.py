@@ -238,7 +238,7 @@ class Scheduler:
             num_cached = 0
             # Prompt logprobs need every prompt token computed (the first sibling's), until
             # they are all in (a request preempted after that may hit the cache).
-            whole = req.index == 0 and req.group.prompt_logprobs_pending
+            whole = req.index == 0 and req.group.needs_whole_prompt
             if req.num_computed_tokens == 0 and not whole:
                 computed_blocks, num_cached = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_cached
@@ -295,7 +295,7 @@ class Scheduler:
                 output_token_ids=req.output_token_ids, params=req.params,
                 sample_index=req.index, block_ids=list(table),
                 num_computed_tokens=req.num_computed_tokens,
-                lora_request=req.lora_request))  # fmt: skip
+                lora_request=req.lora_request, pooling=req.group.pooling))  # fmt: skip
             req.runner_knows = True
         else:
             out.cached_requests.append(CachedRequestData(

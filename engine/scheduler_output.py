@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.lora.request import LoRARequest
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
     """The adapter the request runs with."""
+    pooling: PoolingParams | None = None
+    """An embedding request's pooling: the runner returns its vector."""
 
 
 @dataclass(slots=True)
@@ -88,6 +91,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     """Per request asking for prompt logprobs: a ``TokenLogprobs`` for each prompt token
     this step's rows predicted, in order."""
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+    """Per embedding request whose prompt this step completed: its vector."""
 
 
 @dataclass(slots=True)

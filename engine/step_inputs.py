@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.lora.request import LoRARequest
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured.backend import Matcher
 from kernels.interface import AttentionMetadata
@@ -49,6 +50,7 @@ class CachedRequestState:
     """Prompt positions whose next token's logprob was reported (recomputing a preempted
     request reports none twice)."""
     lora: LoRARequest | None = None
+    pooling: PoolingParams | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

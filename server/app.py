@@ -14,6 +14,7 @@ from server import info, playground
 from server.chat import chat_completions
 from server.completions import completions
 from server.cors import Cors
+from server.embeddings import embeddings
 from server.errors import APIError, timed_out
 from server.openapi import openapi
 from server.responses import delete_response, responses, retrieve_response
@@ -26,7 +27,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 OPEN_PATHS = frozenset({"/health"}) | playground.OPEN_PATHS
 """Routes that need no API key (the health check and the page's static files)."""
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses",
+                              "/v1/embeddings"})
 _KEPT_HEADERS = ("Allow", "Retry-After")
 
 
@@ -107,6 +109,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/models", info.models)

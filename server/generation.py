@@ -12,6 +12,7 @@ from engine import (
     EngineDeadError,
     EngineInputError,
     LoRARequest,
+    PoolingParams,
     RequestOutput,
     SamplingParams,
     StepItem,
@@ -57,9 +58,11 @@ class Generation:
     """
 
     def __init__(self, state: ServerState, prompts: list[Prompt], params: SamplingParams,
-                 route: Route, arrival_time: float, lora: LoRARequest | None = None) -> None:
+                 route: Route, arrival_time: float, lora: LoRARequest | None = None,
+                 pooling: PoolingParams | None = None) -> None:
         """``lora``: the adapter of the served name the request asked for (looked up
-        when the request came in: an adapter unloaded since still serves it)."""
+        when the request came in: an adapter unloaded since still serves it); ``pooling``:
+        embedding requests."""
         self.state = state
         self.route = route
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -74,7 +77,8 @@ class Generation:
         try:
             for rid, p in zip(self.request_ids, prompts, strict=True):
                 engine.add_request(rid, p.token_ids, params, self.queue, prompt=p.text,
-                                   arrival_time=arrival_time, lora_request=lora)
+                                   arrival_time=arrival_time, lora_request=lora,
+                                   pooling=pooling)
                 self._unfinished.add(rid)
         except BaseException as exc:
             self.close()

@@ -14,6 +14,7 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ResponsesRequest,
     TokenizeRequest,
 )
@@ -85,8 +86,8 @@ def _stored_response() -> dict[str, Any]:
 def build_document() -> dict[str, Any]:
     """The OpenAPI document of every route."""
     _, components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest,
-         DetokenizeRequest],
+        [ChatCompletionRequest, CompletionRequest, ResponsesRequest, EmbeddingRequest,
+         TokenizeRequest, DetokenizeRequest],
         ref_template=_REF)
     components["Error"] = _ERROR
     health = _get("200 while the engine is alive and progressing, else 503", "",
@@ -99,6 +100,7 @@ def build_document() -> dict[str, Any]:
             "/v1/completions": _post("CompletionRequest", "text completion", True),
             "/v1/responses": _post("ResponsesRequest", "a response (Responses API)", True),
             "/v1/responses/{response_id}": _stored_response(),
+            "/v1/embeddings": _post("EmbeddingRequest", "embeddings of the inputs"),
             "/tokenize": _post("TokenizeRequest", "prompt or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "token ids to text"),
             "/v1/models": _get("served models"),

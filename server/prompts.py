@@ -8,7 +8,7 @@ from typing import Any
 
 from server.errors import bad_request
 from server.generation import Prompt
-from server.param_names import COMPLETIONS
+from server.param_names import COMPLETIONS, Route
 from server.protocol import ChatMessage
 from server.state import ServerState
 
@@ -143,14 +143,16 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def split_prompts(prompt: str | list[Any] | None) -> list[str | list[int]]:
-    """``str | list[str] | list[int] | list[list[int]]`` -> one entry per prompt."""
+def split_prompts(prompt: str | list[Any] | None, name: str = "prompt",
+                  ) -> list[str | list[int]]:  # fmt: skip
+    """``str | list[str] | list[int] | list[list[int]]`` -> one entry per prompt (errors
+    name the field ``name``)."""
     if prompt is None:
-        raise bad_request("prompt is required", "prompt")
+        raise bad_request(f"{name} is required", name)
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise bad_request("prompt must not be an empty list", "prompt")
+        raise bad_request(f"{name} must not be an empty list", name)
     if all(isinstance(p, str) for p in prompt):
         items: list[str | list[int]] = list(prompt)
     elif all(_is_int(t) for t in prompt):
@@ -159,33 +161,36 @@ def split_prompts(prompt: str | list[Any] | None) -> list[str | list[int]]:
         items = [list(p) for p in prompt]
     else:
         raise bad_request(
-            "prompt must be a string, a list of strings, a list of token ids or a list of "
-            "lists of token ids", "prompt")
+            f"{name} must be a string, a list of strings, a list of token ids or a list of "
+            "lists of token ids", name)
     if len(items) > MAX_PROMPTS:
-        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", name)
     return items
 
 
-def _encode_all(state: ServerState, items: list[str | list[int]]) -> list[Prompt]:
+def _encode_all(state: ServerState, items: list[str | list[int]],
+                route: Route = COMPLETIONS) -> list[Prompt]:  # fmt: skip
     tok = state.tokenizer
     out = []
     for p in items:
         if isinstance(p, str):
             out.append(Prompt(tok.encode(p), p))
         else:
-            state.check_token_ids(p, COMPLETIONS)
+            state.check_token_ids(p, route)
             out.append(Prompt(p, None))
     return out
 
 
-def _completion_prompts(state: ServerState, prompt: str | list[Any] | None) -> list[Prompt]:
-    return _encode_all(state, split_prompts(prompt))
+def _completion_prompts(state: ServerState, prompt: str | list[Any] | None,
+                        route: Route) -> list[Prompt]:  # fmt: skip
+    return _encode_all(state, split_prompts(prompt, route.prompt), route)
 
 
-async def completion_prompts(state: ServerState, prompt: str | list[Any] | None) -> list[Prompt]:
+async def completion_prompts(state: ServerState, prompt: str | list[Any] | None,
+                             route: Route = COMPLETIONS) -> list[Prompt]:  # fmt: skip
     """Tokenized completion prompts (token-id prompts are type- and range-checked), off
-    the event loop."""
-    return await state.offload(_completion_prompts, state, prompt)
+    the event loop; errors name ``route``'s prompt field."""
+    return await state.offload(_completion_prompts, state, prompt, route)
 
 
 def _echo_texts(state: ServerState, prompts: list[Prompt], decoded: bool) -> list[str]:

@@ -147,6 +147,20 @@ class ResponsesRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class EmbeddingRequest(msgspec.Struct):
+    """``POST /v1/embeddings``."""
+
+    input: str | list[Any] | None = None
+    model: str | None = None
+    encoding_format: str | None = None
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    """vLLM's extra: L2-normalize the vector (default: the model's pooling)."""
+    priority: int = 0
+
+
 class TokenizeRequest(msgspec.Struct):
     model: str | None = None
     prompt: str | None = None

@@ -1,0 +1,125 @@
+"""Embeddings: a prompt's final hidden states pooled into one vector (``LLM.embed``,
+``/v1/embeddings``).
+
+An embedding request is a prompt with no output tokens and :class:`PoolingParams`: it is
+scheduled as any prompt (chunked, batched with generation) and its vector is taken from
+the hidden states after the model's final norm, as ``AutoModel``'s
+``last_hidden_state``:
+
+* ``LAST``: the last prompt token's (decoder embedding models: Qwen3-Embedding, e5-mistral);
+* ``MEAN``: the mean over the prompt's tokens;
+* ``CLS``: the first token's;
+
+then optionally cut to its first ``dimensions`` (Matryoshka) and L2-normalized. The model's
+own choice is read from its sentence-transformers files (``modules.json`` and the pooling
+module's ``config.json``); without them it is ``LAST``, normalized. Torch-free but for
+:class:`Pooler`, which the model runner imports.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from engine.errors import EngineInputError, InputField
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+             "pooling_mode_cls_token": "CLS"}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """How a prompt becomes an embedding; None fields take the model's defaults."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+    """Keep the first ``dimensions`` values (before normalizing)."""
+
+    def resolved(self, defaults: PoolingParams, hidden_size: int) -> PoolingParams:
+        """These parameters with the model's defaults filled in, checked against the
+        model (an :class:`EngineInputError` names the field)."""
+        kind = (self.pooling_type or defaults.pooling_type or "LAST").upper()
+        if kind not in POOLING_TYPES:
+            raise EngineInputError(f"pooling_type={self.pooling_type!r} is invalid: must be "
+                                   f"one of {POOLING_TYPES}", InputField.POOLING_TYPE)
+        dims = self.dimensions
+        if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool)
+                                 or not 1 <= dims <= hidden_size):
+            raise EngineInputError(f"dimensions={dims!r} is invalid: must be an integer in "
+                                   f"[1, {hidden_size}] (the model's hidden size)",
+                                   InputField.DIMENSIONS)
+        normalize = self.normalize if self.normalize is not None else defaults.normalize
+        return replace(self, pooling_type=kind,
+                       normalize=True if normalize is None else bool(normalize))
+
+    @property
+    def whole_prompt(self) -> bool:
+        """Whether every prompt token's hidden state is needed (no prefix cache hits)."""
+        return self.pooling_type != "LAST"
+
+
+def pooling_defaults(model_path: str | Path) -> PoolingParams:
+    """The pooling a model's sentence-transformers files name (``modules.json`` and its
+    pooling module's ``config.json``); empty fields without them."""
+    root = Path(model_path)
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+        pool_dir = next(m.get("path", "") for m in modules
+                        if str(m.get("type", "")).endswith("Pooling"))
+        cfg = json.loads((root / pool_dir / "config.json").read_text())
+    except (OSError, ValueError, StopIteration, AttributeError, TypeError):
+        return PoolingParams()
+    kind = next((v for k, v in _ST_MODES.items() if cfg.get(k)), None)
+    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
+    return PoolingParams(pooling_type=kind, normalize=normalize)
+
+
+class Pooler:
+    """The model runner's side: each step, the pooled vectors of the embedding requests
+    whose prompts it completed (MEAN sums the rows of each chunk as they come)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, Any] = {}
+
+    def release(self, rid: str) -> None:
+        self._sums.pop(rid, None)
+
+    def pool(self, scheduled: list[tuple[str, int]], qsl: list[int], hidden,
+             requests: dict[str, Any]) -> dict[str, list[float]]:  # fmt: skip
+        """``{request id: vector}`` for this step's completed prompts; ``requests`` maps
+        ids to the runner's states (``pooling``, ``prompt_token_ids`` and
+        ``num_computed_tokens`` before the step)."""
+        import torch
+
+        out: dict[str, list[float]] = {}
+        for i, (rid, n) in enumerate(scheduled):
+            state = requests[rid]
+            params = state.pooling
+            if params is None:
+                continue
+            start, plen = state.num_computed_tokens, len(state.prompt_token_ids)
+            rows = hidden[qsl[i]:qsl[i] + n]
+            if params.pooling_type == "MEAN":
+                part = rows.float().sum(dim=0)
+                prev = self._sums.get(rid) if start else None  # recomputed from 0: anew
+                self._sums[rid] = part if prev is None else prev + part
+            elif params.pooling_type == "CLS" and start == 0:
+                self._sums[rid] = rows[0].float()
+            if start + n < plen:
+                continue
+            if params.pooling_type == "LAST":
+                vec = rows[plen - 1 - start].float()
+            else:
+                vec = self._sums.pop(rid)
+                if params.pooling_type == "MEAN":
+                    vec = vec / plen
+            if params.dimensions is not None:
+                vec = vec[:params.dimensions]
+            if params.normalize:
+                vec = torch.nn.functional.normalize(vec, dim=0)
+            out[rid] = vec.tolist()
+        return out

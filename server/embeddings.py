@@ -1,0 +1,70 @@
+"""``POST /v1/embeddings``: the embedding of each input, as ``client.embeddings.create``
+reads it.
+
+Every input (a string, a list of strings, token ids or lists of token ids) is an engine
+request with no output tokens whose prompt's final hidden states are pooled
+(:mod:`engine.pooling`: the model's sentence-transformers pooling, else the last
+token's, L2-normalized); they batch with generation on the same engine. ``dimensions``
+keeps the first values (then normalizes); ``encoding_format: "base64"`` (the OpenAI SDK's
+default) sends each vector as little-endian float32 bytes in base64.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+
+from aiohttp import web
+
+from engine import EngineInputError, PoolingParams, SamplingParams
+from server.errors import bad_request
+from server.generation import Generation, raise_if_failed
+from server.param_names import Route, input_error
+from server.prompts import completion_prompts, truncate_prompts
+from server.protocol import EmbeddingRequest, read_request
+from server.sse import json_response
+from server.state import STATE_KEY
+
+EMBEDDINGS = Route(prompt="input")
+ENCODINGS = ("float", "base64")
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    arrival = time.monotonic()
+    req = await read_request(request, EmbeddingRequest)
+    model, lora = state.resolve_model(req.model)
+    fmt = req.encoding_format or "float"
+    if fmt not in ENCODINGS:
+        raise bad_request(f"encoding_format={fmt!r} is invalid: must be one of {ENCODINGS}",
+                          "encoding_format")
+    pooling = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+    try:  # the engine checks it too; a bad one is a 400 before any work
+        pooling.resolved(state.info.pooling_defaults, state.info.limits.hidden_size)
+    except EngineInputError as e:
+        raise input_error(e, EMBEDDINGS) from None
+    params = SamplingParams(max_tokens=0, priority=req.priority)
+    state.check_sampling_token_ids(params, EMBEDDINGS)
+    prompts = truncate_prompts(await completion_prompts(state, req.input, EMBEDDINGS),
+                               req.truncate_prompt_tokens, state.max_model_len)
+    for p in prompts:
+        state.fit(len(p.token_ids), params, EMBEDDINGS)
+    vectors: list[list[float]] = [[] for _ in prompts]
+    async with Generation(state, prompts, params, EMBEDDINGS, arrival, lora, pooling) as gen:
+        async for i, out in gen:
+            if out.finished:
+                raise_if_failed(out.outputs[0].finish_reason)
+                vectors[i] = out.embedding
+    num_tokens = sum(len(p.token_ids) for p in prompts)
+    return json_response({
+        "object": "list", "model": model,
+        "data": [{"object": "embedding", "index": i, "embedding": _encode(v, fmt)}
+                 for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+
+
+def _encode(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
