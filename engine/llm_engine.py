@@ -158,10 +158,9 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
     ) -> RequestGroup:
-        """Validate and queue a request (its ``n`` sequences). Raises an
-        :class:`~engine.errors.EngineInputError` naming the field at fault. With
-        ``pooling`` it is an embedding request: its output's ``embedding`` is the pooled
-        vector of its prompt (``params`` should ask for no tokens: ``max_tokens=0``)."""
+        """Validate and queue a request (its ``n`` sequences); an EngineInputError names
+        the field at fault. ``pooling``: an embedding request (``max_tokens=0``; its
+        output's ``embedding`` is its prompt's pooled vector)."""
         request_id = request_id or self.new_request_id()
         if request_id in self.output.groups:
             raise EngineInputError(f"request_id={request_id!r} is already in use",

@@ -86,9 +86,9 @@ def test_preempted_prompts_report_each_position_once(prompts, reference,
     preempted_at = []
     preempt = llm.engine.scheduler._preempt
 
-    def record(req):
+    def record(req, preempted):
         preempted_at.append(req.num_computed_tokens < req.num_prompt_tokens)
-        preempt(req)
+        preempt(req, preempted)
 
     llm.engine.scheduler._preempt = record
     outs = generate(llm, two, params)
