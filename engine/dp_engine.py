@@ -321,7 +321,8 @@ class DataParallelEngine:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
         i = self._route(prompt_token_ids, params)
         limit = self.info.limits.max_model_len - len(prompt_token_ids)
-        cost = (len(prompt_token_ids) + min(params.max_tokens or limit, limit)) * params.n
+        out = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        cost = (len(prompt_token_ids) + out) * params.n
         self._owner[request_id], self._cost[request_id] = i, cost
         self.load[i] += cost
         self.replicas[i].add_request(request_id, prompt_token_ids, params, queue, prompt,

@@ -19,11 +19,17 @@ module's ``config.json``); without them it is ``LAST``, normalized. Torch-free b
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import EngineInputError, InputField
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("engine.pooling")
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
@@ -39,9 +45,18 @@ class PoolingParams:
     dimensions: int | None = None
     """Keep the first ``dimensions`` values (before normalizing)."""
 
-    def resolved(self, defaults: PoolingParams, hidden_size: int) -> PoolingParams:
+    def resolved(self, defaults: PoolingParams, hidden_size: int,
+                 params: SamplingParams | None = None) -> PoolingParams:  # fmt: skip
         """These parameters with the model's defaults filled in, checked against the
-        model (an :class:`EngineInputError` names the field)."""
+        model and the request's ``params`` (one sequence, no output tokens); an
+        :class:`EngineInputError` names the field."""
+        if params is not None and params.n != 1:
+            raise EngineInputError(f"n={params.n} is invalid for an embedding request: "
+                                   "a prompt has one embedding", InputField.N)
+        if params is not None and params.max_tokens != 0:
+            raise EngineInputError(f"max_tokens={params.max_tokens!r} is invalid for an "
+                                   "embedding request: it generates nothing (max_tokens=0)",
+                                   InputField.MAX_TOKENS)
         kind = (self.pooling_type or defaults.pooling_type or "LAST").upper()
         if kind not in POOLING_TYPES:
             raise EngineInputError(f"pooling_type={self.pooling_type!r} is invalid: must be "
@@ -74,6 +89,11 @@ def pooling_defaults(model_path: str | Path) -> PoolingParams:
     except (OSError, ValueError, StopIteration, AttributeError, TypeError):
         return PoolingParams()
     kind = next((v for k, v in _ST_MODES.items() if cfg.get(k)), None)
+    other = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v
+             and k not in _ST_MODES]  # fmt: skip
+    if kind is None and other:
+        logger.warning("%s: the model pools with %s, which is not served; embeddings "
+                       "pool the last token unless a request says otherwise", root, other)
     normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
     return PoolingParams(pooling_type=kind, normalize=normalize)
 
@@ -102,13 +122,15 @@ class Pooler:
             if params is None:
                 continue
             start, plen = state.num_computed_tokens, len(state.prompt_token_ids)
+            if start >= plen:  # no prompt token in this step (not an embedding request)
+                continue
             rows = hidden[qsl[i]:qsl[i] + n]
             if params.pooling_type == "MEAN":
                 part = rows.float().sum(dim=0)
                 prev = self._sums.get(rid) if start else None  # recomputed from 0: anew
                 self._sums[rid] = part if prev is None else prev + part
-            elif params.pooling_type == "CLS" and start == 0:
-                self._sums[rid] = rows[0].float()
+            elif params.pooling_type == "CLS" and start == 0:  # a copy: not a view of
+                self._sums[rid] = rows[0].float().clone()  # the step's buffers
             if start + n < plen:
                 continue
             if params.pooling_type == "LAST":

@@ -81,18 +81,15 @@ async def responses(request: web.Request) -> web.StreamResponse:
             None if reasoning is None else ReasoningParser(reasoning, rendered),
             None if tools.parser is None else ToolCallParser(tools.parser,
                                                              tools.function_name)))
-    # Stored once whole: the conversation it ends, as the input items of the next.
-    keep = None if not store else lambda response: state.responses.put(
-        response, [*input_items(conv.input), *response["output"]])
+    if store:  # once whole: the conversation it ends, as the input items of the next
+        out.on_done = lambda response: state.responses.put(
+            response, [*input_items(conv.input), *response["output"]])
     async with Generation(state, [prompt], params, RESPONSES, arrival, lora) as gen:
         if req.stream:
-            return await _stream(request, gen, out, keep)
+            return await _stream(request, gen, out)
         async for _ in out.run(gen):
             pass
-        response = out.response()
-        if keep is not None:
-            keep(response)
-        return json_response(response)
+        return json_response(out.response())
 
 
 def _conversation(state, req: ResponsesRequest) -> ResponsesRequest:
@@ -126,7 +123,7 @@ async def delete_response(request: web.Request) -> web.Response:
     """``DELETE /v1/responses/{response_id}``."""
     rid = request.match_info["response_id"]
     request.app[STATE_KEY].responses.delete(rid)
-    return json_response({"id": rid, "object": "response.deleted", "deleted": True})
+    return json_response({"id": rid, "object": "response", "deleted": True})
 
 
 def _base(req: ResponsesRequest, model: str, store: bool) -> dict[str, Any]:
@@ -193,6 +190,8 @@ class _Output:
     seq: int = 0
     streaming: bool = True
     """Events are encoded (a whole response needs only its items)."""
+    on_done: Callable[[dict[str, Any]], None] | None = None
+    """Called with the finished response before its last event (stored responses)."""
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
@@ -239,7 +238,10 @@ class _Output:
         if not self.items:  # nothing at all was generated: one empty message
             yield self._add(_Item("message", _id("msg")))
         yield self._close()
-        yield self.event(f"response.{self.status}", response=self.response())
+        response = self.response()
+        if self.on_done is not None:  # before the last event: a client may continue it
+            self.on_done(response)
+        yield self.event(f"response.{self.status}", response=response)
 
     def _feed(self, text: str, num_tokens: int, finish: str | None) -> list[bytes]:
         thought, content, calls = self.parser.feed(text, finish is not None, num_tokens)
@@ -316,16 +318,13 @@ class _Output:
                                 item=item.body(status))
 
 
-async def _stream(request: web.Request, gen: Generation, out: _Output,
-                  keep: Callable[[dict[str, Any]], None] | None) -> web.StreamResponse:  # fmt: skip
+async def _stream(request: web.Request, gen: Generation, out: _Output) -> web.StreamResponse:
     resp = await open_stream(request)
     request[STREAM_ERROR_KEY] = out.failed  # also for a deadline the middleware enforces
     try:
         async for frames in out.run(gen):
             if frames:
                 await resp.write(frames)
-        if keep is not None:
-            keep(out.response())
     except APIError as err:
         await send_error_and_done(resp, err)
     except ConnectionResetError:

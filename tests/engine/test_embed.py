@@ -113,4 +113,11 @@ def test_bad_pooling_parameters_name_the_field(tiny_model_factory, prompts):
         with pytest.raises(EngineInputError) as e:
             llm.embed([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
         assert e.value.field is field and why in str(e.value)
+    eng = llm.engine
+    for params, field, why in ((SamplingParams(max_tokens=0, n=2), InputField.N, "n=2"),
+                               (SamplingParams(max_tokens=4), InputField.MAX_TOKENS,
+                                "max_tokens=4 is invalid for an embedding request")):  # fmt: skip
+        with pytest.raises(EngineInputError) as e:
+            eng.add_request(None, prompts[0], params, pooling=PoolingParams())
+        assert e.value.field is field and why in str(e.value)
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
