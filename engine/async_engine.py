@@ -30,7 +30,6 @@ from engine.engine_info import EngineInfo
 from engine.kv_state import DEFAULT_MAX_CELLS, KVState, KVStateTaker
 from engine.llm_engine import OUTPUT_DELTA, LLMEngine
 from engine.lora.request import LoRARequest
-from engine.lora.slots import lora_names
 from engine.outputs import RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -390,5 +389,5 @@ class AsyncEngine:
             spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             adds_drained=self._adds_drained,
             time=now,
-            **lora_names(eng.scheduler),
+            **s.loras,
         )

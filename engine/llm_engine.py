@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import process_tuning
 from engine.config import EngineConfig
@@ -21,6 +21,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_info import EngineInfo, InputLimits, generation_defaults
 from engine.errors import EngineFatalError, EngineInputError, InputField
 from engine.lora.request import LoRAError, LoRARequest
+from engine.lora.slots import lora_names
 from engine.output_processor import OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor
 from engine.outputs import RequestOutput
 from engine.penalties import bad_word_sequences
@@ -67,6 +68,8 @@ class EngineStats:
     """Request-steps that verified draft tokens (speculative decoding)."""
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    loras: dict = field(default_factory=dict)
+    """The running and waiting adapters (:func:`engine.lora.slots.lora_names`)."""
 
 
 class LLMEngine:
@@ -381,6 +384,7 @@ class LLMEngine:
             spec_num_drafts=spec.num_drafts,
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
+            loras=lora_names(self.scheduler),
         )
 
     def reset_prefix_cache(self) -> bool:

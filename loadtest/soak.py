@@ -1,7 +1,8 @@
 """Soak: mixed traffic at a server for a long run, then what leaked.
 
-Workers send streaming and whole chat and completion requests, drop streams half-way
-(client disconnects), send bad requests, and every ``--burst-every`` seconds a burst
+Workers send streaming and whole chat and completion requests, Responses API turns
+(half of them continuing a stored response), embeddings, drop streams half-way (client
+disconnects), send bad requests, and every ``--burst-every`` seconds a burst
 past the waiting limit (429s expected). Meanwhile ``/health`` is probed every 100 ms and
 the server's RSS and open file descriptors are sampled every 10 s. The report: requests
 by outcome, RSS at the start, after 2 minutes and at the end, descriptors, KV cache use,
@@ -106,6 +107,8 @@ class Soak:
         self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         self.t0 = 0.0
         self.deadline = 0.0
+        self.last_response: str | None = None
+        """A stored response that no turn has continued yet."""
 
     # -- traffic ------------------------------------------------------------------------
     def _prompt(self) -> str:
@@ -148,6 +151,51 @@ class Soak:
                     return "rate_limited" if code == 429 else f"stream_error_{code}"
             return "ok" if disconnect else "stream_cut"
 
+    async def _status(self, r: Any) -> str | None:
+        """The outcome of a response that is not a 200 (None for a 200)."""
+        if r.status == 200:
+            return None
+        await r.read()
+        return "rate_limited" if r.status == 429 else f"http_{r.status}"
+
+    async def _embed(self, session: Any) -> str:
+        inputs = [self._prompt() for _ in range(self.rng.randint(1, 3))]
+        async with session.post(self.url + "/v1/embeddings", headers=self.headers, json={
+                "input": inputs, "encoding_format": self.rng.choice(["float", "base64"])}) as r:
+            if (bad := await self._status(r)) is not None:
+                return bad
+            data = await r.json()
+            return "ok" if [d["index"] for d in data["data"]] == list(range(len(inputs))) \
+                else "bad_embedding"  # fmt: skip
+
+    async def _respond(self, session: Any) -> str:
+        """A Responses API turn: whole or streamed, and half the time the continuation of
+        the last stored one (a conversation of two turns at most)."""
+        body: dict[str, Any] = {"input": " ".join(self.rng.choice(WORDS) for _ in range(
+            self.rng.randint(2, 10))), "max_output_tokens": self.rng.randint(1, self.args.max_tokens),
+            "stream": self.rng.random() < 0.4}  # fmt: skip
+        if self.last_response is not None and self.rng.random() < 0.5:
+            body["previous_response_id"], self.last_response = self.last_response, None
+        async with session.post(self.url + "/v1/responses", json=body,
+                                headers=self.headers) as r:  # fmt: skip
+            if (bad := await self._status(r)) is not None:
+                return bad
+            if not body["stream"]:
+                data = await r.json()
+                ended = data["status"]
+            else:
+                ended = None
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        data = json.loads(line[6:])
+                        ended = data["type"].removeprefix("response.")
+                data = data.get("response", {})
+            if ended not in ("completed", "incomplete"):
+                return f"response_{ended}"
+            if "previous_response_id" not in body:
+                self.last_response = data["id"]
+            return "ok"
+
     async def _bad(self, session: Any) -> str:
         route, body = self.rng.choice(BAD_BODIES)
         async with session.post(self.url + route, data=body, headers={
@@ -160,7 +208,11 @@ class Soak:
         try:
             if x < 0.08:
                 outcome = await self._bad(session)
-            elif x < 0.18:
+            elif x < 0.14:
+                outcome = await self._embed(session)
+            elif x < 0.22:
+                outcome = await self._respond(session)
+            elif x < 0.3:
                 outcome = await self._generate(session, self.rng.random() < 0.5, True, True)
             else:
                 outcome = await self._generate(session, x < 0.6, self.rng.random() < 0.6)

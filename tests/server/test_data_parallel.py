@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from engine import EngineConfig, SamplingParams
+from engine import EngineConfig, PoolingParams, SamplingParams
 from engine.async_engine import EngineSnapshot
 from engine.dp_engine import PREFIX_MARGIN_TOKENS, DataParallelEngine
 from loadtest.datasets import random_dataset, vocabulary_ids
@@ -63,7 +63,8 @@ def test_load_200_streams_on_two_replicas(default_tokenizer):
 def _router(default_model_path, prefix_caching: bool = True) -> DataParallelEngine:
     ready = {"model_name": MODEL, "model_path": str(default_model_path),
              "eos_token_ids": (2,), "max_num_seqs": 8,
-             "limits": SimpleNamespace(max_model_len=4096, vocab_size=49152)}
+             "limits": SimpleNamespace(max_model_len=4096, vocab_size=49152), "lora": None,
+             "pooling_defaults": PoolingParams()}
     replicas = [SimpleNamespace(ready=ready, snapshot=EngineSnapshot(), queues={},
                                 add_request=lambda *a: None) for _ in range(2)]
     cfg = EngineConfig(enable_prefix_caching=prefix_caching)
