@@ -17,10 +17,11 @@ import time
 
 from aiohttp import web
 
-from engine import EngineInputError, PoolingParams, SamplingParams
+from engine import EngineInputError, PoolingParams
 from server.errors import bad_request
 from server.generation import Generation, raise_if_failed
 from server.param_names import Route, input_error
+from server.params import embedding_params
 from server.prompts import completion_prompts, truncate_prompts
 from server.protocol import EmbeddingRequest, read_request
 from server.sse import json_response
@@ -44,7 +45,7 @@ async def embeddings(request: web.Request) -> web.Response:
         pooling.resolved(state.info.pooling_defaults, state.info.limits.hidden_size)
     except EngineInputError as e:
         raise input_error(e, EMBEDDINGS) from None
-    params = SamplingParams(max_tokens=0, priority=req.priority)
+    params = embedding_params(req.priority, EMBEDDINGS)
     state.check_sampling_token_ids(params, EMBEDDINGS)
     prompts = truncate_prompts(await completion_prompts(state, req.input, EMBEDDINGS),
                                req.truncate_prompt_tokens, state.max_model_len)

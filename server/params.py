@@ -59,6 +59,11 @@ def _build(kw: dict[str, Any], route: Route) -> SamplingParams:
         raise input_error(e, route) from None
 
 
+def embedding_params(priority: int, route: Route) -> SamplingParams:
+    """An embedding request's parameters: no output tokens, its ``priority``."""
+    return _build({"max_tokens": 0, "priority": priority}, route)
+
+
 def _unsupported(value: Any, allowed: tuple, param: str, what: str) -> None:
     if value is not None and value not in allowed:
         raise bad_request(f"{param} is not supported by this server: {what}", param)

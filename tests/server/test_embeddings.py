@@ -75,6 +75,8 @@ def test_vectors_equal_the_offline_api(client, offline, default_tokenizer):
     ({"dimensions": 577}, 400, "dimensions"),
     ({"encoding_format": "hex"}, 400, "encoding_format"),
     ({"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ({"priority": -417050435359}, 400, "priority"),
+    ({"priority": 3}, 400, "priority"),  # fcfs
     ({"model": "nope"}, 404, "model"),
 ])
 def test_bad_requests_name_the_field(server, extra, status, param):
