@@ -12,6 +12,11 @@ def hf_greedy(path: str | Path, prompt_ids: list[list[int]], new_tokens: int) ->
     """``generate(do_sample=False)`` of each prompt alone, exactly ``new_tokens`` tokens
     (EOS masked until then, as ``min_tokens`` does)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return greedy_of(model, prompt_ids, new_tokens)
+
+
+def greedy_of(model, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """:func:`hf_greedy` with a model already loaded."""
     model.eval()
     outs = []
     with torch.inference_mode():

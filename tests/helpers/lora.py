@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from loadtest.lora_bench import ALL_TARGETS, write_random_adapter
+from tests.helpers.hf import greedy_of
 
 ATTN, MLP = ALL_TARGETS[:4], ALL_TARGETS[4:]
 
@@ -56,12 +57,4 @@ def hf_greedy_with(base: str | Path, adapter: str | Path | None, prompt_ids: lis
                    new_tokens: int) -> list[list[int]]:  # fmt: skip
     """Greedy ``generate`` of each prompt alone through :func:`hooked_model`, exactly
     ``new_tokens`` tokens."""
-    model = hooked_model(base, adapter)
-    outs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                               do_sample=False, min_new_tokens=new_tokens, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
+    return greedy_of(hooked_model(base, adapter), prompt_ids, new_tokens)
