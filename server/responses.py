@@ -24,7 +24,7 @@ from aiohttp import web
 
 from server.chat import ChoiceParser
 from server.errors import APIError, bad_request, not_found
-from server.generation import ChoiceTally, Generation, choice_updates
+from server.generation import ChoiceTally, Generation, Prompt, choice_updates
 from server.params import chat_params
 from server.prompts import chat_prompt, truncate_prompts
 from server.protocol import ResponsesRequest, read_request
@@ -49,6 +49,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     req = await read_request(request, ResponsesRequest)
     model, lora = state.resolve_model(req.model)  # the adapter as of now
+    if req.truncation not in (None, "auto", "disabled"):
+        raise bad_request(f"truncation={req.truncation!r} is invalid: must be 'auto' or "
+                          "'disabled'", "truncation")
     conv = _conversation(state, req)
     store = state.responses.enabled and req.store is not False
     chat = chat_request(conv)
@@ -64,11 +67,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     params, _ = chat_params(chat, constraint and constraint.spec, state.sampling_defaults)
     state.check_sampling_token_ids(params, RESPONSES)
     state.admit()
-    try:
-        prompt = await chat_prompt(state, chat.messages, True, tools.tools,
-                                   chat.chat_template_kwargs)
-    except APIError as e:  # the template's complaint is about the input items
-        raise (bad_request(str(e), "input") if e.param == "messages" else e) from None
+    prompt, conv = await _fit(state, req, conv, tools.tools)
     reasoning = state.options.reasoning_parser
     rendered = prompt.text
     gate_after_reasoning(params, state.tokenizer, reasoning, rendered)
@@ -90,6 +89,34 @@ async def responses(request: web.Request) -> web.StreamResponse:
         async for _ in out.run(gen):
             pass
         return json_response(out.response())
+
+
+async def _render(state, conv: ResponsesRequest, tools: list | None) -> Prompt:
+    chat = chat_request(conv)
+    try:
+        return await chat_prompt(state, chat.messages, True, tools, chat.chat_template_kwargs)
+    except APIError as e:  # the template's complaint is about the input items
+        raise (bad_request(str(e), "input") if e.param == "messages" else e) from None
+
+
+async def _fit(state, req: ResponsesRequest, conv: ResponsesRequest,
+               tools: list | None) -> tuple[Prompt, ResponsesRequest]:  # fmt: skip
+    """The rendered prompt of ``conv``. With ``truncation: "auto"``, the conversation's
+    oldest items are dropped (whole turns: it then starts at a user message) until the
+    prompt and ``max_output_tokens`` (at least one token) fit the context."""
+    prompt = await _render(state, conv, tools)
+    if req.truncation != "auto":
+        return prompt, conv
+    room = state.max_model_len - (req.max_output_tokens or 1)
+    items = input_items(conv.input)
+    while len(prompt.token_ids) > room and len(items) > 1:
+        items = items[1:]
+        while len(items) > 1 and not (items[0].get("type", "message") == "message"
+                                      and items[0].get("role") == "user"):  # fmt: skip
+            items = items[1:]
+        conv = msgspec.structs.replace(conv, input=items)
+        prompt = await _render(state, conv, tools)
+    return prompt, conv
 
 
 def _conversation(state, req: ResponsesRequest) -> ResponsesRequest:

@@ -201,6 +201,32 @@ def test_stored_responses_continue_a_conversation(client):
         client.responses.delete(first.id)
 
 
+def test_truncation_auto_drops_the_oldest_turns(client, server):
+    long = "word " * 1200
+    items = [{"role": "user", "content": "First: " + long},
+             {"role": "assistant", "content": "Noted."},
+             {"role": "user", "content": "Second: " + long},
+             {"role": "assistant", "content": "Noted again."},
+             {"role": "user", "content": "What came second?"}]
+    r = requests.post(server.url + "/v1/responses", timeout=60, json={
+        "input": items, "max_output_tokens": 8, **GREEDY})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    cut = client.responses.create(input=items, max_output_tokens=8, truncation="auto",
+                                  **GREEDY)
+    assert cut.truncation == "auto"
+    # The first turn goes (the user message and the answer after it), whole.
+    kept = client.responses.create(input=items[2:], max_output_tokens=8, **GREEDY)
+    assert (cut.output_text, cut.usage.input_tokens) == (kept.output_text,
+                                                         kept.usage.input_tokens)
+    # A stored conversation goes on past the context, continued with truncation.
+    later = client.responses.create(previous_response_id=cut.id, input="And first?",
+                                    max_output_tokens=8, truncation="auto", **GREEDY)
+    assert later.usage.input_tokens < cut.usage.input_tokens + 20
+    bad = requests.post(server.url + "/v1/responses", timeout=60, json={
+        "input": "Hi", "truncation": "middle", **GREEDY})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncation"
+
+
 def test_the_store_is_bounded_and_can_be_off(tiny_model_factory):
     from engine import EngineConfig
     from engine.llm_engine import LLMEngine
