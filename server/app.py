@@ -17,9 +17,10 @@ from server.cors import Cors
 from server.embeddings import embeddings
 from server.errors import APIError, timed_out
 from server.openapi import openapi
-from server.responses import delete_response, responses, retrieve_response
+from server.responses import responses
 from server.sse import STREAM_KEY, send_error_and_done
 from server.state import STATE_KEY, ServerState
+from server.stored_responses import delete_response, list_input_items, retrieve_response
 
 logger = logging.getLogger("server")
 
@@ -111,6 +112,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/models", info.models)
     app.router.add_get("/v1/models/{model:.+}", info.model)  # served names may hold "/"

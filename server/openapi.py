@@ -100,6 +100,15 @@ def build_document() -> dict[str, Any]:
             "/v1/completions": _post("CompletionRequest", "text completion", True),
             "/v1/responses": _post("ResponsesRequest", "a response (Responses API)", True),
             "/v1/responses/{response_id}": _stored_response(),
+            "/v1/responses/{response_id}/input_items": {"get": {
+                **_get("a stored response's input items", codes=("400", "401", "404"))["get"],
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True,
+                     "schema": {"type": "string"}},
+                    *({"name": k, "in": "query", "required": False,
+                       "schema": {"type": t}} for k, t in (
+                        ("limit", "integer"), ("order", "string"), ("after", "string"),
+                        ("before", "string")))]}},
             "/v1/embeddings": _post("EmbeddingRequest", "embeddings of the inputs"),
             "/tokenize": _post("TokenizeRequest", "prompt or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "token ids to text"),

@@ -80,9 +80,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
             None if reasoning is None else ReasoningParser(reasoning, rendered),
             None if tools.parser is None else ToolCallParser(tools.parser,
                                                              tools.function_name)))
-    if store:  # once whole: the conversation it ends, as the input items of the next
-        out.on_done = lambda response: state.responses.put(
-            response, [*input_items(conv.input), *response["output"]])
+    if store:  # once whole, with the input it answered
+        out.on_done = lambda response: state.responses.put(response, input_items(conv.input))
     async with Generation(state, [prompt], params, RESPONSES, arrival, lora) as gen:
         if req.stream:
             return await _stream(request, gen, out)
@@ -138,19 +137,6 @@ def _conversation(state, req: ResponsesRequest) -> ResponsesRequest:
         raise bad_request("input is required", "input")
     return msgspec.structs.replace(req, input=[*prior, *input_items(req.input)],
                                    previous_response_id=None)
-
-
-async def retrieve_response(request: web.Request) -> web.Response:
-    """``GET /v1/responses/{response_id}``: a stored response."""
-    store = request.app[STATE_KEY].responses
-    return json_response(store.get(request.match_info["response_id"]).response)
-
-
-async def delete_response(request: web.Request) -> web.Response:
-    """``DELETE /v1/responses/{response_id}``."""
-    rid = request.match_info["response_id"]
-    request.app[STATE_KEY].responses.delete(rid)
-    return json_response({"id": rid, "object": "response", "deleted": True})
 
 
 def _base(req: ResponsesRequest, model: str, store: bool) -> dict[str, Any]:

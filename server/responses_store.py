@@ -11,6 +11,7 @@ carried over, as in OpenAI's API. The store is in memory and bounded
 
 from __future__ import annotations
 
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,14 @@ from server.errors import not_found
 class StoredResponse:
     response: dict[str, Any]
     """The response object as it was returned."""
-    items: list[dict[str, Any]]
-    """The conversation it ends, as input items."""
+    input: list[dict[str, Any]]
+    """The input items it answered (the conversation it continued first), each with an
+    ``id``."""
+
+    @property
+    def items(self) -> list[dict[str, Any]]:
+        """The conversation it ends, as input items: its input, then its output."""
+        return [*self.input, *self.response["output"]]
 
 
 class ResponseStore:
@@ -36,7 +43,8 @@ class ResponseStore:
         return self.capacity > 0
 
     def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
-        self._items[response["id"]] = StoredResponse(response, items)
+        """Keep ``response`` with the input ``items`` it answered."""
+        self._items[response["id"]] = StoredResponse(response, [_with_id(x) for x in items])
         self._items.move_to_end(response["id"])
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
@@ -55,6 +63,22 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def _with_id(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as the API lists it: with an ``id``; a message's string content as
+    one text part."""
+    kind = item.get("type", "message")
+    out = {"id": f"{_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}", "type": kind, **item}
+    content = item.get("content")
+    if kind == "message" and isinstance(content, str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": content}]
+    return out
+
+
+_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+           "reasoning": "rs"}  # fmt: skip
 
 
 def input_items(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:

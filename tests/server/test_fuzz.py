@@ -28,6 +28,7 @@ ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST"
           ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
           ("GET", "/v1/models/{model}"), ("GET", "/v1/responses/{response_id}"),
           ("DELETE", "/v1/responses/{response_id}"),
+          ("GET", "/v1/responses/{response_id}/input_items"),
           ("GET", "/version"), ("GET", "/metrics"), ("GET", "/health"),
           ("GET", "/openapi.json")]
 

@@ -186,6 +186,12 @@ def test_stored_responses_continue_a_conversation(client):
     assert (third.output_text, third.usage.input_tokens) == (
         whole.output_text, whole.usage.input_tokens)
     assert client.responses.retrieve(third.id).model_dump() == third.model_dump()
+    listed = list(client.responses.input_items.list(third.id, order="asc", limit=2))
+    assert len(listed) == len(items) and len({x.id for x in listed}) == len(items)
+    texts = [p.text for x in listed if x.type == "message" for p in x.content]
+    assert texts[0] == "My name is Ada. Say hello." and texts[-1] == "Thanks."
+    newest = client.responses.input_items.list(third.id, limit=1)
+    assert newest.data[0].content[0].text == "Thanks." and newest.has_more
     assert client.responses.retrieve(first.id).output_text == first.output_text
 
     assert not whole.store  # store=False: kept nowhere
