@@ -120,6 +120,39 @@ def test_triton_engine_matches_torch_backend(tiny_llama) -> None:
         assert tokens == ref, f"triton ({name}) {tokens} != torch {ref}"
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA; on the CPU, test_lora.py runs adapters "
+                    "through the padded decode buffers and test_embed.py the pooling")
+def test_adapters_and_embeddings_on_cuda(tiny_llama, tmp_path) -> None:
+    """On the GPU: a LoRA adapter's tokens and mean-pooled embeddings on the Triton
+    backend with decode CUDA graphs equal the torch backend's; adapter steps are never
+    replayed from a graph, base-model steps still are."""
+    from engine import LLM, LoRARequest, PoolingParams, SamplingParams
+    from tests.helpers.lora import make_adapter
+
+    adapter = LoRARequest("a", 1, str(make_adapter(tiny_llama, tmp_path / "a", rank=8)))
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    batch = [{"prompt_token_ids": p} for p in prompts(MIXED_PROMPT_LENS)]
+
+    def run(llm):
+        toks = [list(o.outputs[0].token_ids) for o in llm.generate(
+            batch, sp, use_tqdm=False, lora_request=adapter)]  # fmt: skip
+        vecs = [o.embedding for o in llm.embed(batch, PoolingParams(pooling_type="MEAN"),
+                                               use_tqdm=False)]  # fmt: skip
+        return toks, torch.tensor(vecs)
+
+    ref_toks, ref_vecs = run(LLM(model=tiny_llama, **engine_kwargs("torch", "cuda",
+                                                                   enable_lora=True)))
+    llm = LLM(model=tiny_llama, **engine_kwargs("triton", "cuda", enable_lora=True))
+    runner = llm.engine.worker.runner.decode_graphs
+    assert runner is not None and runner.use_graphs
+    before = runner.num_replays
+    toks, vecs = run(llm)
+    assert runner.num_replays == before
+    assert toks == ref_toks and torch.allclose(vecs, ref_vecs, rtol=1e-4, atol=1e-5)
+    generate(llm)
+    assert runner.num_replays >= before + NEW_TOKENS - 1
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
