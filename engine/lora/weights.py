@@ -112,9 +112,6 @@ class LoRARegistry:
                 del self._loaded[old]
         return w
 
-    def remove(self, lora_int_id: int) -> bool:
-        return self._loaded.pop(lora_int_id, None) is not None
-
     @property
     def loaded_ids(self) -> list[int]:
         return list(self._loaded)
