@@ -1,13 +1,15 @@
 """Scoring benchmark: ``pagedserve bench score``.
 
-What evaluation harnesses ask of an engine: compute prompts and give back each prompt
-token's logprob (``SamplingParams(max_tokens=0, prompt_logprobs=k)``, the server's
-``echo`` with ``logprobs`` and ``max_tokens: 0``). Random prompts of ``--input-len``
-tokens, prefix caching off, each run on the same engine with prompt logprobs off (plain
-prefill), with only each token's own (``0``) and with the top ``--top-k``; the runs
-alternate ``--repeats`` times. Reports prompt tokens per second (best of the repeats)
-and each run's time over plain prefill's: the cost of the extra rows' logits
-(``lm_head`` over every prompt position), their log-softmax and top-k.
+What evaluation harnesses and retrieval ask of an engine: compute prompts and give back
+each prompt token's logprob (``SamplingParams(max_tokens=0, prompt_logprobs=k)``, the
+server's ``echo`` with ``logprobs`` and ``max_tokens: 0``), or their embedding
+(``LLM.embed``, ``/v1/embeddings``). Random prompts of ``--input-len`` tokens, prefix
+caching off, each run on the same engine with prompt logprobs off (plain prefill), with
+only each token's own (``0``), with the top ``--top-k``, and as last-token and mean-pooled
+embeddings; the runs alternate ``--repeats`` times. Reports prompt tokens per second
+(best of the repeats) and each run's time over plain prefill's: the cost of the extra
+rows' logits (``lm_head`` over every prompt position), their log-softmax and top-k, or of
+the pooling.
 
 Also runnable as ``python -m loadtest.score_bench``.
 """
@@ -46,7 +48,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the three kinds of request in alternation; print and return the report."""
     import json
 
-    from engine import LLM, SamplingParams
+    from engine import LLM, PoolingParams, SamplingParams
 
     apply_threads(args)
     env = environment_info()
@@ -57,7 +59,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                for _ in range(args.num_requests)]
     tokens = args.num_requests * args.input_len
     runs = {"plain prefill": None, "prompt_logprobs=0": 0,
-            f"prompt_logprobs={args.top_k}": args.top_k}
+            f"prompt_logprobs={args.top_k}": args.top_k, "embed (last token)": "LAST",
+            "embed (mean)": "MEAN"}
     worker = llm.engine.worker
     print_header("pagedserve bench score", env, {
         "model": f"{worker.model_name} ({worker.model_path})",
@@ -66,9 +69,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     f"max_tokens=0, prefix caching off, {args.repeats} rounds",
     })
 
-    def run(k: int | None) -> float:
-        sp = SamplingParams(max_tokens=0, prompt_logprobs=k)
+    def run(k: int | str | None) -> float:
         t0 = time.perf_counter()
+        if isinstance(k, str):
+            outs = llm.embed(prompts, PoolingParams(pooling_type=k), use_tqdm=False)
+            elapsed = time.perf_counter() - t0
+            if {len(o.embedding) for o in outs} != {worker.spec.hidden_size}:
+                raise RuntimeError("an embedding of the wrong length")
+            return elapsed
+        sp = SamplingParams(max_tokens=0, prompt_logprobs=k)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         want = None if k is None else args.input_len

@@ -18,7 +18,8 @@ BENCHMARKS: list[tuple[str, str, str]] = [
     ("decode", "loadtest.decode_bench",
      "decode latency per step at a few batch sizes, bytes read against the read bandwidth"),
     ("score", "loadtest.score_bench",
-     "scoring prompts: prompt tokens/s with prompt logprobs against plain prefill"),
+     "scoring and embedding prompts: prompt tokens/s with prompt logprobs and as "
+     "embeddings, against plain prefill"),
     ("priority", "loadtest.priority_bench",
      "a batch job and interactive requests under fcfs and priority scheduling"),
     ("lora", "loadtest.lora_bench",

@@ -14,7 +14,8 @@ def test_score_bench_runs_and_reports(tmp_path, capsys, default_model_path) -> N
         "--repeats", "1", "--kv-cache-memory-gb", "0.05", "--save-result", str(out)])
     report = args._bench_main(args)
     assert report["prompt_tokens"] == 120
-    assert list(report["runs"]) == ["plain prefill", "prompt_logprobs=0", "prompt_logprobs=2"]
+    assert list(report["runs"]) == ["plain prefill", "prompt_logprobs=0", "prompt_logprobs=2",
+                                    "embed (last token)", "embed (mean)"]
     assert report["runs"]["plain prefill"]["time_over_plain"] == 1.0
     assert all(r["prompt_tok_per_s"] > 0 and len(r["seconds"]) == 1
                for r in report["runs"].values())  # fmt: skip
