@@ -178,8 +178,7 @@ class LLMEngine:
         now = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), params, now)
         if pooling is not None:
-            group.pooling = pooling.resolved(self.info.pooling_defaults, limits.hidden_size,
-                                             params)  # fmt: skip
+            group.pooling = pooling.resolved(self.info.pooling_defaults, limits.hidden_size, params)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = []
         for i in range(params.n):
