@@ -207,6 +207,26 @@ def test_stored_responses_continue_a_conversation(client):
         client.responses.delete(first.id)
 
 
+def test_a_tool_loop_continues_a_stored_response(client):
+    """The agent loop of OpenAI's examples: a response with a call, then only the call's
+    output with ``previous_response_id``; the same as sending the whole conversation."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.responses.create(input=ask, tools=[WEATHER], tool_choice="required",
+                                    max_output_tokens=100, **GREEDY)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert calls
+    results = [{"type": "function_call_output", "call_id": c.call_id,
+                "output": json.dumps({"temperature": 21})} for c in calls]
+    second = client.responses.create(previous_response_id=first.id, input=results,
+                                     tools=[WEATHER], tool_choice="none",
+                                     max_output_tokens=20, **GREEDY)
+    whole = client.responses.create(
+        input=[*ask, *[o.model_dump(exclude_none=True) for o in first.output], *results],
+        tools=[WEATHER], tool_choice="none", max_output_tokens=20, store=False, **GREEDY)
+    assert second.output_text and (second.output_text, second.usage.input_tokens) == (
+        whole.output_text, whole.usage.input_tokens)
+
+
 def test_truncation_auto_drops_the_oldest_turns(client, server):
     long = "word " * 1200
     items = [{"role": "user", "content": "First: " + long},
