@@ -18,6 +18,7 @@ from server.embeddings import embeddings
 from server.errors import APIError, timed_out
 from server.openapi import openapi
 from server.responses import responses
+from server.score import rerank, score
 from server.sse import STREAM_KEY, send_error_and_done
 from server.state import STATE_KEY, ServerState
 from server.stored_responses import delete_response, list_input_items, retrieve_response
@@ -28,8 +29,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 OPEN_PATHS = frozenset({"/health"}) | playground.OPEN_PATHS
 """Routes that need no API key (the health check and the page's static files)."""
+SCORE_PATHS = ("/v1/score", "/score")
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses",
-                              "/v1/embeddings"})
+                              "/v1/embeddings", *SCORE_PATHS, *RERANK_PATHS})
 _KEPT_HEADERS = ("Allow", "Retry-After")
 
 
@@ -111,6 +114,10 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/embeddings", embeddings)
+    for path in SCORE_PATHS:
+        app.router.add_post(path, score)
+    for path in RERANK_PATHS:
+        app.router.add_post(path, rerank)
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)

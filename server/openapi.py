@@ -15,7 +15,9 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
     ResponsesRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 
@@ -87,7 +89,7 @@ def build_document() -> dict[str, Any]:
     """The OpenAPI document of every route."""
     _, components = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, ResponsesRequest, EmbeddingRequest,
-         TokenizeRequest, DetokenizeRequest],
+         ScoreRequest, RerankRequest, TokenizeRequest, DetokenizeRequest],
         ref_template=_REF)
     components["Error"] = _ERROR
     health = _get("200 while the engine is alive and progressing, else 503", "",
@@ -110,6 +112,8 @@ def build_document() -> dict[str, Any]:
                         ("limit", "integer"), ("order", "string"), ("after", "string"),
                         ("before", "string")))]}},
             "/v1/embeddings": _post("EmbeddingRequest", "embeddings of the inputs"),
+            "/v1/score": _post("ScoreRequest", "cosine similarity of text_1 and text_2"),
+            "/v1/rerank": _post("RerankRequest", "documents by relevance to a query"),
             "/tokenize": _post("TokenizeRequest", "prompt or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "token ids to text"),
             "/v1/models": _get("served models"),

@@ -161,6 +161,28 @@ class EmbeddingRequest(msgspec.Struct):
     priority: int = 0
 
 
+class ScoreRequest(msgspec.Struct):
+    """``POST /v1/score``: ``text_1`` against ``text_2`` (strings or lists of strings)."""
+
+    text_1: Any = None
+    text_2: Any = None
+    model: str | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+class RerankRequest(msgspec.Struct):
+    """``POST /v1/rerank`` (Jina / Cohere): ``documents`` by relevance to ``query``."""
+
+    query: Any = None
+    documents: Any = None
+    model: str | None = None
+    top_n: int | None = None
+    return_documents: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
 class TokenizeRequest(msgspec.Struct):
     model: str | None = None
     prompt: str | None = None

@@ -24,7 +24,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1000"))
 """Generated requests per route (positive and negative together)."""
 ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
-          ("POST", "/v1/embeddings"),
+          ("POST", "/v1/embeddings"), ("POST", "/v1/score"), ("POST", "/v1/rerank"),
           ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
           ("GET", "/v1/models/{model}"), ("GET", "/v1/responses/{response_id}"),
           ("DELETE", "/v1/responses/{response_id}"),
