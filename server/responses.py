@@ -67,7 +67,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     params, _ = chat_params(chat, constraint and constraint.spec, state.sampling_defaults)
     state.check_sampling_token_ids(params, RESPONSES)
     state.admit()
-    prompt, conv = await _fit(state, req, conv, tools.tools)
+    prompt = await _fit(state, req, conv, tools.tools)  # the whole conversation is stored
     reasoning = state.options.reasoning_parser
     rendered = prompt.text
     gate_after_reasoning(params, state.tokenizer, reasoning, rendered)
@@ -99,23 +99,32 @@ async def _render(state, conv: ResponsesRequest, tools: list | None) -> Prompt:
 
 
 async def _fit(state, req: ResponsesRequest, conv: ResponsesRequest,
-               tools: list | None) -> tuple[Prompt, ResponsesRequest]:  # fmt: skip
-    """The rendered prompt of ``conv``. With ``truncation: "auto"``, the conversation's
-    oldest items are dropped (whole turns: it then starts at a user message) until the
-    prompt and ``max_output_tokens`` (at least one token) fit the context."""
+               tools: list | None) -> Prompt:  # fmt: skip
+    """The rendered prompt of ``conv``. With ``truncation: "auto"``, the oldest turns
+    of the conversation are dropped until the prompt and ``max_output_tokens`` (at least
+    one token) fit the context: it then starts at a user message, the last user message
+    and what follows it are never dropped, and system/developer messages stay."""
     prompt = await _render(state, conv, tools)
-    if req.truncation != "auto":
-        return prompt, conv
     room = state.max_model_len - (req.max_output_tokens or 1)
+    if req.truncation != "auto" or len(prompt.token_ids) <= room:
+        return prompt
     items = input_items(conv.input)
-    while len(prompt.token_ids) > room and len(items) > 1:
-        items = items[1:]
-        while len(items) > 1 and not (items[0].get("type", "message") == "message"
-                                      and items[0].get("role") == "user"):  # fmt: skip
-            items = items[1:]
-        conv = msgspec.structs.replace(conv, input=items)
-        prompt = await _render(state, conv, tools)
-    return prompt, conv
+    starts = [i for i, x in enumerate(items) if x.get("type", "message") == "message"
+              and x.get("role") == "user"][1:]  # fmt: skip
+
+    def cut(k: int) -> ResponsesRequest:  # the turns before user message ``starts[k]`` go
+        kept = [x for x in items[:starts[k]] if x.get("role") in ("system", "developer")]
+        return msgspec.structs.replace(conv, input=[*kept, *items[starts[k]:]])
+
+    lo, hi = 0, len(starts)  # binary search: the fewest turns dropped that fit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        candidate = await _render(state, cut(mid), tools)
+        if len(candidate.token_ids) <= room:
+            hi, best = mid, candidate
+        else:
+            lo = mid + 1
+    return best if lo < len(starts) else prompt
 
 
 def _conversation(state, req: ResponsesRequest) -> ResponsesRequest:

@@ -43,8 +43,15 @@ class ResponseStore:
         return self.capacity > 0
 
     def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
-        """Keep ``response`` with the input ``items`` it answered."""
-        self._items[response["id"]] = StoredResponse(response, [_with_id(x) for x in items])
+        """Keep ``response`` with the input ``items`` it answered (an item sent without
+        an id, or with one an earlier item has, gets a fresh one)."""
+        seen: set[str] = set()
+        stored = []
+        for item in items:
+            item = _with_id(item, item.get("id") in seen)
+            seen.add(item["id"])
+            stored.append(item)
+        self._items[response["id"]] = StoredResponse(response, stored)
         self._items.move_to_end(response["id"])
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
@@ -65,11 +72,13 @@ class ResponseStore:
         return len(self._items)
 
 
-def _with_id(item: dict[str, Any]) -> dict[str, Any]:
-    """An input item as the API lists it: with an ``id``; a message's string content as
-    one text part."""
+def _with_id(item: dict[str, Any], fresh: bool = False) -> dict[str, Any]:
+    """An input item as the API lists it: with an ``id`` (a new one if it has none or
+    ``fresh``); a message's string content as one text part."""
     kind = item.get("type", "message")
     out = {"id": f"{_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}", "type": kind, **item}
+    if fresh:
+        out["id"] = f"{_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}"
     content = item.get("content")
     if kind == "message" and isinstance(content, str):
         part = "output_text" if item.get("role") == "assistant" else "input_text"

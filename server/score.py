@@ -4,8 +4,9 @@ embeddings (:mod:`server.embeddings`' pooling).
 
 * score: ``text_1`` against ``text_2``; one against many, or pairwise when both are lists
   of the same length. ``data`` holds a ``score`` per pair, in order.
-* rerank (the Jina / Cohere API): ``documents`` ordered by their relevance to ``query``,
-  the ``top_n`` first (all by default), each with its ``index`` and ``relevance_score``.
+* rerank (the Jina / Cohere API): ``documents`` (strings or ``{"text": ...}``) ordered by
+  their relevance to ``query``, the ``top_n`` first (all when unset or not positive, as
+  vLLM), each with its ``index`` and ``relevance_score``.
 """
 
 from __future__ import annotations
@@ -87,12 +88,11 @@ async def rerank(request: web.Request) -> web.Response:
     req = await read_request(request, RerankRequest)
     if not isinstance(req.query, str) or not req.query:
         raise bad_request("query must be a non-empty string", "query")
-    docs = _texts(req.documents, "documents")
+    docs = _texts([d.get("text") if isinstance(d, dict) else d for d in req.documents]
+                  if isinstance(req.documents, list) else req.documents, "documents")
     if len(docs) + 1 > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS - 1} documents per request", "documents")
-    top_n = len(docs) if req.top_n is None or req.top_n == 0 else req.top_n
-    if top_n < 0:
-        raise bad_request(f"top_n={req.top_n} is invalid: must be >= 0", "top_n")
+    top_n = req.top_n if req.top_n is not None and req.top_n > 0 else len(docs)  # as vLLM
     model, vecs, tokens = await _embed(request, [req.query, *docs], RERANK, req.model,
                                        req.truncate_prompt_tokens, req.priority)  # fmt: skip
     scores = [_cosine(vecs[0], v) for v in vecs[1:]]

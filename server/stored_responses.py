@@ -40,11 +40,15 @@ async def list_input_items(request: web.Request) -> web.Response:
             raise bad_request(f"{key}={q[key]!r} is not an item of this response", key)
     lo = ids.index(q["after"]) + 1 if "after" in q else 0
     hi = ids.index(q["before"]) if "before" in q else len(items)
-    page = items[lo:min(hi, lo + limit)]
+    if "before" in q and "after" not in q:  # the page just before it
+        start = max(lo, hi - limit)
+        page, more = items[start:hi], start > lo
+    else:  # the page from ``after`` on
+        page = items[lo:min(hi, lo + limit)]
+        more = lo + len(page) < hi
     return json_response({"object": "list", "data": page,
                           "first_id": page[0]["id"] if page else None,
-                          "last_id": page[-1]["id"] if page else None,
-                          "has_more": lo + len(page) < hi})
+                          "last_id": page[-1]["id"] if page else None, "has_more": more})
 
 
 async def delete_response(request: web.Request) -> web.Response:

@@ -64,6 +64,9 @@ def test_rerank_orders_documents_by_relevance(server, vectors, path):
                               "return_documents": False}).json()
     assert [x["index"] for x in top["results"]] == want[:2]
     assert all("document" not in x for x in top["results"])
+    every = post(server, path, {"query": QUERY, "top_n": -1,
+                                "documents": [{"text": d} for d in DOCS]}).json()  # fmt: skip
+    assert [x["index"] for x in every["results"]] == want
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -73,7 +76,7 @@ def test_rerank_orders_documents_by_relevance(server, vectors, path):
     ("/v1/score", {"text_1": 5, "text_2": "b"}, "text_1"),
     ("/v1/rerank", {"query": "", "documents": ["a"]}, "query"),
     ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
-    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/v1/rerank", {"query": "q", "documents": [{"title": "a"}]}, "documents"),
     ("/v1/rerank", {"query": "q", "documents": ["word " * 600]}, "documents"),
 ])
 def test_bad_requests_name_the_field(server, path, body, param):
