@@ -74,6 +74,18 @@ def test_each_adapter_matches_hf(tiny, adapters, prompts, reference, backend):
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_adapters_of_qwen_models_match_hf(tiny_model_factory, prompts, tmp_path, arch):
+    """Qwen2's q/k/v biases and Qwen3's q/k norms come after the adapted projections, as
+    in PEFT (the adapter's update joins the projection's output, bias included)."""
+    path = tiny_model_factory(arch)
+    adapter = make_adapter(path, tmp_path / arch, rank=4, alpha=8, seed=11)
+    ref = hf_greedy_with(path, adapter, prompts, NEW)
+    assert ref != hf_greedy_with(path, None, prompts, NEW)
+    llm = LLM(str(path), dtype="float32", enable_lora=True, max_lora_rank=8)
+    assert run(llm, prompts, LoRARequest(arch, 1, str(adapter))) == ref
+
+
 @pytest.mark.parametrize("max_loras", [1, 3])
 def test_mixed_batch_matches_hf_and_respects_max_loras(tiny, adapters, prompts, reference,
                                                        max_loras):  # fmt: skip
