@@ -14,10 +14,11 @@ from __future__ import annotations
 import base64
 import struct
 import time
+from typing import Any
 
 from aiohttp import web
 
-from engine import EngineInputError, PoolingParams
+from engine import EngineInputError, LoRARequest, PoolingParams
 from server.errors import bad_request
 from server.generation import Generation, raise_if_failed
 from server.param_names import Route, input_error
@@ -25,7 +26,7 @@ from server.params import embedding_params
 from server.prompts import completion_prompts, truncate_prompts
 from server.protocol import EmbeddingRequest, read_request
 from server.sse import json_response
-from server.state import STATE_KEY
+from server.state import STATE_KEY, ServerState
 
 EMBEDDINGS = Route(prompt="input")
 ENCODINGS = ("float", "base64")
@@ -45,24 +46,32 @@ async def embeddings(request: web.Request) -> web.Response:
         pooling.resolved(state.info.pooling_defaults, state.info.limits.hidden_size)
     except EngineInputError as e:
         raise input_error(e, EMBEDDINGS) from None
-    params = embedding_params(req.priority, EMBEDDINGS)
-    state.check_sampling_token_ids(params, EMBEDDINGS)
-    prompts = truncate_prompts(await completion_prompts(state, req.input, EMBEDDINGS),
-                               req.truncate_prompt_tokens, state.max_model_len)
-    for p in prompts:
-        state.fit(len(p.token_ids), params, EMBEDDINGS)
-    vectors: list[list[float]] = [[] for _ in prompts]
-    async with Generation(state, prompts, params, EMBEDDINGS, arrival, lora, pooling) as gen:
-        async for i, out in gen:
-            if out.finished:
-                raise_if_failed(out.outputs[0].finish_reason)
-                vectors[i] = out.embedding
-    num_tokens = sum(len(p.token_ids) for p in prompts)
+    vectors, num_tokens = await embed(state, req.input, EMBEDDINGS, lora, pooling,
+                                      req.truncate_prompt_tokens, req.priority, arrival)
     return json_response({
         "object": "list", "model": model,
         "data": [{"object": "embedding", "index": i, "embedding": _encode(v, fmt)}
                  for i, v in enumerate(vectors)],
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+
+
+async def embed(state: ServerState, inputs: Any, route: Route, lora: LoRARequest | None,
+                pooling: PoolingParams, truncate: int | None, priority: int,
+                arrival: float) -> tuple[list[list[float]], int]:  # fmt: skip
+    """The embedding of each input (``inputs`` as completions' ``prompt``; errors name
+    ``route``'s field), in order, and the prompt tokens they took."""
+    params = embedding_params(priority, route)
+    prompts = truncate_prompts(await completion_prompts(state, inputs, route), truncate,
+                               state.max_model_len)
+    for p in prompts:
+        state.fit(len(p.token_ids), params, route)
+    vectors: list[list[float]] = [[] for _ in prompts]
+    async with Generation(state, prompts, params, route, arrival, lora, pooling) as gen:
+        async for i, out in gen:
+            if out.finished:
+                raise_if_failed(out.outputs[0].finish_reason)
+                vectors[i] = out.embedding
+    return vectors, sum(len(p.token_ids) for p in prompts)
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:

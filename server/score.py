@@ -18,11 +18,11 @@ from typing import Any
 from aiohttp import web
 
 from engine import PoolingParams
+from server.embeddings import embed
 from server.errors import bad_request
-from server.generation import Generation, raise_if_failed, random_id
+from server.generation import random_id
 from server.param_names import Route
-from server.params import embedding_params
-from server.prompts import MAX_PROMPTS, completion_prompts, truncate_prompts
+from server.prompts import MAX_PROMPTS
 from server.protocol import RerankRequest, ScoreRequest, read_request
 from server.sse import json_response
 from server.state import STATE_KEY
@@ -37,19 +37,9 @@ async def _embed(request: web.Request, texts: list[str], route: Route, model: st
     state = request.app[STATE_KEY]
     arrival = time.monotonic()
     name, lora = state.resolve_model(model)
-    params = embedding_params(priority, route)
-    prompts = truncate_prompts(await completion_prompts(state, texts, route), truncate,
-                               state.max_model_len)
-    for p in prompts:
-        state.fit(len(p.token_ids), params, route)
-    vectors: list[list[float]] = [[] for _ in prompts]
-    async with Generation(state, prompts, params, route, arrival, lora,
-                          PoolingParams(normalize=True)) as gen:  # fmt: skip
-        async for i, out in gen:
-            if out.finished:
-                raise_if_failed(out.outputs[0].finish_reason)
-                vectors[i] = out.embedding
-    return name, vectors, sum(len(p.token_ids) for p in prompts)
+    vectors, tokens = await embed(state, texts, route, lora, PoolingParams(normalize=True),
+                                  truncate, priority, arrival)
+    return name, vectors, tokens
 
 
 def _cosine(a: list[float], b: list[float]) -> float:
