@@ -325,6 +325,17 @@ def warm_up(llm, token_ids: list[int], seed: int) -> None:
     llm.reset_prefix_cache()
 
 
+def save_report(path: str | None, report: Any) -> bool:
+    """Write ``report`` as JSON to ``path`` (``--save-result``) when one is given."""
+    if not path:
+        return False
+    import json
+
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    return True
+
+
 def module_cli(prog: str, doc: str, add_arguments, main, argv=None) -> int:
     """``python -m loadtest.X``: parse ``argv`` with the module's arguments and run it."""
     import argparse

@@ -32,14 +32,13 @@ from loadtest.bench_common import (
     environment_info,
     module_cli,
     print_header,
+    save_report,
     vocab_token_ids,
 )
 
-ALL_TARGETS = TARGET_MODULES
-
 
 def write_random_adapter(spec, out: Path, rank: int = 8, alpha: float = 16.0,
-                         targets: tuple[str, ...] = ALL_TARGETS, seed: int = 0,
+                         targets: tuple[str, ...] = TARGET_MODULES, seed: int = 0,
                          std: float = 0.1, use_rslora: bool = False,
                          layers: tuple[int, ...] | None = None,
                          extra: dict | None = None) -> Path:  # fmt: skip
@@ -80,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="adapters the requests are spread over, one run each (0: the base "
                         "model) (default: %(default)s)")
     w.add_argument("--lora-rank", type=int, default=16)
-    w.add_argument("--targets", default=",".join(ALL_TARGETS),
+    w.add_argument("--targets", default=",".join(TARGET_MODULES),
                    help="projections the adapters adapt (default: all seven)")
     w.add_argument("--save-result", metavar="FILE.json", default=None)
     add_engine_args(parser)
@@ -143,9 +142,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             ratio = "" if r["vs_base"] is None else f" ({r['vs_base']:.2f}x the base model)"
             print(f"{k} adapters: {r['elapsed_s']:7.2f} s, {r['output_tokens_per_s']:8.1f} "
                   f"output tok/s{ratio}")
-    if args.save_result:
-        with open(args.save_result, "w") as fh:
-            json.dump(report, fh, indent=2)
+    save_report(args.save_result, report)
     return report
 
 

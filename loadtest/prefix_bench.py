@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import json
 import logging
 import pstats
 import statistics
@@ -40,6 +39,7 @@ from loadtest.bench_common import (
     module_cli,
     print_header,
     run_engine,
+    save_report,
     vocab_token_ids,
     warm_up,
 )
@@ -209,9 +209,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                   f"{r['calls']:8d} calls  {r['function']}")
         report["hashing_profile"] = hp
 
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(report, f, indent=2)
+    if save_report(args.save_result, report):
         print(f"saved {args.save_result}")
     return report
 

@@ -14,7 +14,6 @@ Also runnable as ``python -m loadtest.priority_bench``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -28,6 +27,7 @@ from loadtest.bench_common import (
     environment_info,
     module_cli,
     print_header,
+    save_report,
     vocab_token_ids,
 )
 
@@ -142,9 +142,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"interactive TTFT: fcfs / priority = "
           f"{report['interactive_ttft_fcfs_over_priority']:.1f}x; batch completion: "
           f"priority / fcfs = {report['batch_done_priority_over_fcfs']:.2f}x")
-    if args.save_result:
-        with open(args.save_result, "w") as fh:
-            json.dump(report, fh, indent=2)
+    save_report(args.save_result, report)
     return report
 
 

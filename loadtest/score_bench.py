@@ -29,6 +29,7 @@ from loadtest.bench_common import (
     environment_info,
     module_cli,
     print_header,
+    save_report,
     vocab_token_ids,
 )
 
@@ -46,7 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the three kinds of request in alternation; print and return the report."""
-    import json
 
     from engine import LLM, PoolingParams, SamplingParams
 
@@ -100,9 +100,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                                 "time_over_plain": best / base}
         print(f"{name:<20} {tokens / best:9.0f} prompt tok/s  ({best / base:.2f}x plain; "
               f"runs {', '.join(f'{t:.2f}' for t in ts)} s)")
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(report, f, indent=2)
+    save_report(args.save_result, report)
     return report
 
 

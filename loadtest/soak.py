@@ -130,9 +130,8 @@ class Soak:
         route = "/v1/chat/completions" if chat else "/v1/completions"
         async with session.post(self.url + route, json=self._body(chat, stream or disconnect),
                                 headers=self.headers) as r:
-            if r.status != 200:
-                await r.read()
-                return "rate_limited" if r.status == 429 else f"http_{r.status}"
+            if (bad := await self._status(r)) is not None:
+                return bad
             if not (stream or disconnect):
                 data = await r.json()
                 ok = all(c.get("finish_reason") in ("stop", "length") for c in data["choices"])

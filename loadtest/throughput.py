@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import statistics
 import sys
@@ -31,6 +30,7 @@ from loadtest.bench_common import (
     module_cli,
     print_header,
     run_engine,
+    save_report,
     vocab_token_ids,
     warm_up,
 )
@@ -192,9 +192,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         if args.repeat > 1 and args.hf_static:
             first = (ps["elapsed_s"], report["hf_static"]["elapsed_s"])
             report["repeats"] = _repeat_pairs(args, workload, model_path, dtype, first)
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(report, f, indent=2)
+    if save_report(args.save_result, report):
         print(f"saved {args.save_result}")
     return report
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from loadtest.lora_bench import ALL_TARGETS, write_random_adapter
+from engine.lora.request import TARGET_MODULES
+from loadtest.lora_bench import write_random_adapter
 from tests.helpers.hf import greedy_of
 
-ATTN, MLP = ALL_TARGETS[:4], ALL_TARGETS[4:]
+ATTN, MLP = TARGET_MODULES[:4], TARGET_MODULES[4:]
 
 
 def make_adapter(base: str | Path, out: Path, **kw) -> Path:
