@@ -43,9 +43,9 @@ class InputField(str, enum.Enum):
     BAD_WORDS = "bad_words"
     BAD_WORDS_TOKEN_IDS = "bad_words_token_ids"
     LORA_REQUEST = "lora_request"
+    """The LoRA adapter (a served adapter's name in ``model``, to an API client)."""
     POOLING_TYPE = "pooling_type"
     DIMENSIONS = "dimensions"
-    """The LoRA adapter (a served adapter's name in ``model``, to an API client)."""
 
 
 class EngineInputError(ValueError):

@@ -293,7 +293,7 @@ def profile_kv_budget(worker: Any) -> float:
         from engine.lora.request import LoRALimits
 
         lora_reserve = cfg.lora_capacity * LoRALimits.of(spec, cfg.max_lora_rank).adapter_bytes(
-            torch.tensor([], dtype=worker.dtype).element_size())
+            worker.dtype.itemsize)
     prof = MemoryProfile(total=total, utilization=cfg.gpu_memory_utilization, weights=weights,
                          activation_peak=activation, graph_reserve=graph_reserve,
                          non_torch=non_torch, lora_reserve=lora_reserve)  # fmt: skip

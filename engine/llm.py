@@ -73,9 +73,7 @@ class LLM:
         ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the
         base model; ``enable_lora=True``).
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         if priority is not None:
             if len(priority) != len(prompts):
@@ -95,9 +93,7 @@ class LLM:
         final hidden states pooled as ``pooling_params`` says (by default the model's
         sentence-transformers pooling, else the last token's; L2-normalized). Prompts as
         :meth:`generate` takes them; they batch with any other work of the engine."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         none = SamplingParams(max_tokens=0)
         return self._run(self._requests(prompts, [none] * len(prompts), None, lora_request),
                          use_tqdm, pooling_params or PoolingParams())  # fmt: skip
@@ -220,6 +216,11 @@ class LLM:
             if results[rid].error is not None:  # e.g. a grammar that did not compile
                 raise results[rid].error
         return [results[rid] for rid in ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt or several, as a list."""
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
 
 
 def _per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None,

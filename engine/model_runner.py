@@ -195,11 +195,14 @@ class ModelRunner:
                 sampling_ids.append(rid)
                 drafts_of.append(list(drafts))
 
+        lora = None if self.loras is None else self.loras.for_step(
+            ((self.requests[rid].lora, qsl[i], qsl[i + 1]) for i, (rid, _) in enumerate(order)),
+            qsl[-1])  # fmt: skip
         return self._stage(input_ids, positions, qsl, seq_lens, order, logits_idx,
-                           num_decodes, sampling_ids, drafts_of)  # fmt: skip
+                           num_decodes, sampling_ids, drafts_of, lora)  # fmt: skip
 
     def _stage(self, input_ids, positions, qsl, seq_lens, order, logits_idx, num_decodes,
-               sampling_ids, drafts_of) -> StepInputs:  # fmt: skip
+               sampling_ids, drafts_of, lora) -> StepInputs:  # fmt: skip
         """The step's arrays through the staging buffer (one host-to-device copy), the
         block tables updated with only the entries added since the last step."""
         bs = self.block_size
@@ -223,7 +226,7 @@ class ModelRunner:
         slots_a = np.concatenate([np.asarray(one_slot, dtype=np.int64), *chunk_slots])
         graph_step = self._stage_for_graphs(input_ids, positions, slots_a, qsl, seq_lens, rows,
                                             logits_idx, flat_idx, new_ids, num_decodes,
-                                            sampling_ids, drafts_of, order)  # fmt: skip
+                                            sampling_ids, drafts_of, order, lora)  # fmt: skip
         if graph_step is not None:
             return graph_step
         ids_t, pos_t, slot_t, qsl_t, lens_t, logit_t, rows_t, idx_t, vals_t = self.staging.stage(
@@ -239,17 +242,16 @@ class ModelRunner:
         )  # fmt: skip
         return StepInputs(input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logit_t,
                           sampling_ids=sampling_ids, drafts=drafts_of,
-                          scheduled=order)  # fmt: skip
+                          scheduled=order, lora=lora)  # fmt: skip
 
     def _stage_for_graphs(self, input_ids, positions, slots, qsl, seq_lens, rows, logits_idx,
                           flat_idx, new_ids, num_decodes, sampling_ids, drafts_of, order,
-                          ) -> StepInputs | None:  # fmt: skip
+                          lora) -> StepInputs | None:  # fmt: skip
         """A decode step the CUDA graphs replay, staged straight into their static
         buffers in the one copy (rows padded to every buffer row; the block table
-        gathered into the graphs' table), or None when the step runs otherwise."""
-        graphs = self.decode_graphs
-        if self.loras is not None and any(self.requests[rid].lora for rid, _ in order):
-            graphs = None
+        gathered into the graphs' table), or None when the step runs otherwise (a step
+        with an adapter: the graphs hold none)."""
+        graphs = None if lora is not None else self.decode_graphs
         n = len(seq_lens)
         batch = None if graphs is None else graphs.batch_for(n, num_decodes, len(input_ids),
                                                              max(seq_lens))  # fmt: skip
@@ -279,17 +281,14 @@ class ModelRunner:
         sampled (None when none did)."""
         self.update_states(sched)
         step = self.prepare(sched)
-        qsl = step.meta.query_start_loc_cpu
-        lora = None if self.loras is None else self.loras.for_step(
-            ((self.requests[rid].lora, qsl[i], qsl[i + 1])
-             for i, (rid, _) in enumerate(step.scheduled)), qsl[-1])  # fmt: skip
         # The graphs hold no adapter: a step with one runs eagerly.
-        hidden = None if self.decode_graphs is None or lora is not None else \
+        hidden = None if self.decode_graphs is None or step.lora is not None else \
             self.decode_graphs.run(step)  # fmt: skip
         if hidden is None:
             self.attn.prepare(step.meta, self.block_size)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
-                                self.attn, lora)  # fmt: skip
+                                self.attn, step.lora)  # fmt: skip
+        qsl = step.meta.query_start_loc_cpu
         prompt_lps = self._prompt_logprobs(step, hidden) if self._prompt_lp else {}
         pooled = self.pooler.pool(step.scheduled, qsl, hidden, self.requests) \
             if self.samples else {}  # fmt: skip

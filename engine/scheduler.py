@@ -205,10 +205,10 @@ class Scheduler:
             if self.max_loras and not lora_admits(head, active_loras(self.running),
                                                   self.max_loras):  # fmt: skip
                 victims = lora_victims(head, self.running)  # its adapter's place
-                for low in victims:
-                    self._preempt(low, out.preempted_req_ids)
                 if not victims:
                     continue
+                for low in victims:
+                    self._preempt(low, out.preempted_req_ids)
                 seats, free = len(self.running), self.kv.num_free_blocks
             need = cdiv(min(head.num_tokens, self.max_num_batched_tokens), self.kv.block_size)
             while seats >= self.max_num_seqs or free - need < self.num_watermark_blocks:

@@ -5,6 +5,7 @@ from one place)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured.backend import Matcher
 from kernels.interface import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.lora.weights import LoRAStep
 
 
 @dataclass(slots=True)
@@ -28,6 +32,8 @@ class StepInputs:
     """Per sampling request, the drafts it verifies (most often none)."""
     scheduled: list[tuple[str, int]] = field(default_factory=list)
     """``(request id, tokens)`` in the order of the step's rows (decodes first)."""
+    lora: LoRAStep | None = None
+    """The step's LoRA adapters, None when it has none."""
     graph_batch: int | None = None
     """Set when the step was staged straight into the decode graphs' static buffers:
     the captured batch size its rows are padded to."""

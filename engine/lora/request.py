@@ -17,6 +17,9 @@ from pathlib import Path
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may adapt (every linear of a decoder layer)."""
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+         "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # fmt: skip
+"""The decoder's projections and the target modules each fuses, in row order."""
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -78,8 +81,7 @@ class LoRALimits:
         projection ``A [n r, in]`` and a dense ``B [out, n r]`` for its ``n`` modules."""
         r, size = self.max_rank, dict((m, (o, i)) for m, o, i in self.shapes)
         total = 0
-        for group in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
-                      ("down_proj",)):  # fmt: skip
+        for group in FUSED.values():
             cols = r * len(group)
             total += cols * size[group[0]][1] + sum(size[m][0] for m in group) * cols
         return total * self.num_layers * element_size

@@ -19,11 +19,14 @@ from pathlib import Path
 
 import torch
 
-from engine.lora.request import WEIGHTS_FILE, LoRAError, LoRALimits, LoRARequest, check_adapter
-
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-         "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # fmt: skip
-"""The decoder's projections and the checkpoint modules each fuses, in row order."""
+from engine.lora.request import (
+    FUSED,
+    WEIGHTS_FILE,
+    LoRAError,
+    LoRALimits,
+    LoRARequest,
+    check_adapter,
+)
 
 
 @dataclass(slots=True)
