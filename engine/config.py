@@ -21,7 +21,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "llguidance")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-QUANTIZATIONS = ("gguf", "int8")
+QUANTIZATIONS = ("gguf", "int8", "gptq", "awq")
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,9 @@ class EngineConfig:
     quantization: str | None = None
     """Weight-only quantized linears: gguf (the weights of a GGUF file as it stores them:
     Q8_0, Q4_0, Q4_1; the embedded default model's own file when no model is given) or
-    int8 (per-output-row int8 made at load from a float checkpoint). Activations stay
-    float32."""
+    int8 (per-output-row int8 made at load from a float checkpoint), gptq or awq (a GPTQ
+    or AWQ checkpoint's 4- or 8-bit weights; None serves such a checkpoint so too, as its
+    config.json says). Activations stay float32."""
     max_model_len: int | None = None
     seed: int = 0
     # KV cache
@@ -153,10 +154,10 @@ class EngineConfig:
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise bad("tensor_parallel_size", self.tensor_parallel_size,
                       "LoRA adapters (enable_lora=True) run on one rank")
-        if self.tensor_parallel_size > 1 and self.quantization == "gguf":
+        if self.tensor_parallel_size > 1 and self.quantization in ("gguf", "gptq", "awq"):
             raise bad("tensor_parallel_size", self.tensor_parallel_size,
-                      "quantization='gguf' runs on one rank (use a float checkpoint, or "
-                      "quantization='int8', for tensor parallel)")
+                      f"quantization={self.quantization!r} runs on one rank (use a float "
+                      "checkpoint, or quantization='int8', for tensor parallel)")
 
     @property
     def lora_capacity(self) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.models.decoder import layout_key
 from kernels.quant import QK, QuantizedWeight
 
 NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
@@ -49,9 +50,6 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
-_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-          "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-          "down_proj": "down_proj"}  # fmt: skip
 
 
 def _reader(path: Path):
@@ -106,7 +104,7 @@ def tensor_formats(path: Path) -> dict[str, str]:
     parts: dict[str, set[str | None]] = {}
     for t in _reader(path).tensors:
         name = hf_name(t.name)
-        key = None if name is None else _weight_key(name)
+        key = None if name is None else layout_key(name)
         if key is not None:
             parts.setdefault(key, set()).add(NATIVE_TYPES.get(t.tensor_type.name))
     return {k: next(iter(f)) for k, f in parts.items() if len(f) == 1 and None not in f}
@@ -131,7 +129,7 @@ def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
         type_name = t.tensor_type.name
         fmt = NATIVE_TYPES.get(type_name)
         k = int(t.shape[0])
-        keep = fmt is not None and _weight_key(name) in quantized_keys
+        keep = fmt is not None and layout_key(name) in quantized_keys
         if keep:
             value: torch.Tensor | QuantizedWeight = _quantized(fmt, t.data, k)
         elif type_name in ("F32", "F16"):
@@ -146,17 +144,3 @@ def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
             value = value.select_rows(index) if isinstance(value, QuantizedWeight) \
                 else value[index]  # fmt: skip
         yield name, value
-
-
-def _weight_key(hf: str) -> str | None:
-    """The :meth:`~engine.models.decoder.DecoderForCausalLM.quantize_layout` key of a
-    checkpoint weight (``layers.{i}.{fused projection}``, ``embed_tokens``, ``lm_head``),
-    or None for a weight that is never quantized (norms, biases)."""
-    if hf == "model.embed_tokens.weight":
-        return "embed_tokens"
-    if hf == "lm_head.weight":
-        return "lm_head"
-    parts = hf.split(".")
-    if parts[-1] != "weight" or parts[-2] not in _FUSED:
-        return None
-    return f"layers.{parts[2]}.{_FUSED[parts[-2]]}"

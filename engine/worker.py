@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from engine import gguf_weights, hugepages, process_tuning
+from engine import checkpoint_quant, gguf_weights, hugepages, process_tuning
+from engine.checkpoint_quant import CheckpointQuant, resolve_quantization
 from engine.config import EngineConfig
 from engine.errors import EngineFatalError
 from engine.kernel_settings import kernel_settings
@@ -109,6 +110,8 @@ class Worker:
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.device = resolve_device(config.device)
+        self.quantization = resolve_quantization(config, self.hf_config, self.model_name)
+        """``config.quantization``, or the checkpoint's own (GPTQ, AWQ)."""
         if tp is None and config.tensor_parallel_size > 1:
             check_divisible(DecoderSpec.from_hf(self.hf_config), config.tensor_parallel_size)
             self.tp, self._procs = start_rank0(config, self.device)
@@ -126,7 +129,7 @@ class Worker:
 
     def _build(self, t0: float) -> None:
         config = self.config
-        self.dtype = torch.float32 if config.quantization else \
+        self.dtype = torch.float32 if self.quantization else \
             resolve_dtype(config.dtype, self.hf_config, self.device)  # fmt: skip
         hf_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if config.max_model_len is not None and config.max_model_len > hf_max:
@@ -229,9 +232,10 @@ class Worker:
 
     def _load_model(self):
         """The model in the engine's dtype: a float checkpoint is loaded straight into it
-        (:func:`engine.models.load_model`); GGUF weights keep their quantized layout."""
-        quant = self.config.quantization
-        if quant != "gguf":
+        (:func:`engine.models.load_model`); GGUF, GPTQ and AWQ weights keep their
+        quantized layout."""
+        quant = self.quantization
+        if quant in (None, "int8"):
             model = load_model(self.hf_config, iter_weights(self.model_path), self.device,
                                self.dtype, self.max_model_len, self.tp)  # fmt: skip
             self.quant_desc = None
@@ -239,19 +243,27 @@ class Worker:
                 model.quantize_int8()
                 self.quant_desc = "int8"
             return model
+        if quant == "gguf":
+            path = self._gguf_file()
+            formats = gguf_weights.tensor_formats(path)
+            weights = gguf_weights.iter_gguf_weights(
+                path, self.hf_config.num_attention_heads,
+                getattr(self.hf_config, "num_key_value_heads", None)
+                or self.hf_config.num_attention_heads, formats)  # fmt: skip
+            kinds = sorted(set(formats.values()))
+            self.quant_desc = f"gguf ({', '.join(kinds) or 'no quantized tensors'})"
+        else:
+            cq = CheckpointQuant.from_hf(self.hf_config)
+            formats = checkpoint_quant.tensor_formats(self.model_path, cq)
+            weights = checkpoint_quant.iter_checkpoint_weights(
+                self.model_path, cq, formats, DecoderSpec.from_hf(self.hf_config))
+            self.quant_desc = f"{cq.describe()} ({cq.native_format or 'float32'})"
         with torch.device("meta"):
             model = build_model(self.hf_config)
-        path = self._gguf_file()
-        formats = gguf_weights.tensor_formats(path)
         model.quantize_layout(formats)
         model = model.to(self.dtype).to_empty(device=self.device)
-        model.load_weights(gguf_weights.iter_gguf_weights(
-            path, self.hf_config.num_attention_heads,
-            getattr(self.hf_config, "num_key_value_heads", None)
-            or self.hf_config.num_attention_heads, formats))  # fmt: skip
+        model.load_weights(weights)
         model.quantized_to(self.device)
-        kinds = sorted(set(formats.values()))
-        self.quant_desc = f"gguf ({', '.join(kinds) or 'no quantized tensors'})"
         model.set_rope(self.hf_config, self.max_model_len)  # float32, not in the checkpoint
         return model.eval()
 

@@ -143,7 +143,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         logger.warning("generated %d tokens but the workload requested %d",
                        run.num_output_tokens, workload.num_output_tokens)
     floor = linear_floor(worker.model, run.steps,
-                         worker.attn.ops.linear if llm.config.quantization else None) \
+                         worker.attn.ops.linear if worker.quantization else None) \
         if args.floor else None  # fmt: skip
     ps = run.summary()
     ps["load_s"] = load_s

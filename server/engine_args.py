@@ -40,7 +40,8 @@ HELP: dict[str, str] = {
     "attention_backend": "Attention kernels: auto (cpu on the CPU when the native library "
                          "builds, else torch; triton on CUDA), cpu (the native library), torch "
                          "(the reference) or triton.",
-    "quantization": "Weight-only quantized linears: gguf or int8 (default: none).",
+    "quantization": "Weight-only quantized linears: gguf, int8, gptq or awq (default: none; a GPTQ/AWQ "
+                    "checkpoint is served quantized either way).",
     "enforce_eager": "Disable CUDA graphs.",
     "tensor_parallel_size": "Tensor-parallel ranks: each holds its share of the heads, the MLP and the vocabulary (processes spawned by the engine, or started by torchrun).",
     "speculative_config": "Speculative decoding as a JSON object, e.g. '{\"method\": "

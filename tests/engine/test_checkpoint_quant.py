@@ -1,0 +1,194 @@
+"""GPTQ and AWQ checkpoints: their weights load in the native quantized formats (exactly
+where the format allows it), greedy output equals HF transformers on the checkpoint's
+dequantized weights, and every checkpoint that cannot be served is refused with an error
+naming the setting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.checkpoint_quant import (
+    CheckpointQuant,
+    CheckpointQuantError,
+    iter_checkpoint_weights,
+    tensor_formats,
+)
+from engine.loader import load_config
+from engine.models.decoder import LINEAR_NAMES, layout_key
+from engine.models.spec import DecoderSpec
+from kernels.quant import QuantizedWeight
+from tests.helpers.hf import hf_greedy
+from tests.helpers.quantized_checkpoints import Scheme, write_quantized
+
+NEW = 12
+
+SCHEMES = {
+    # name: (architecture, scheme, the native format its linears load in; None: float32)
+    "gptq4-sym": ("llama", Scheme(group_size=32, extra_bias=True), "q4_0"),
+    "gptq4-zeros-v2": ("llama", Scheme(group_size=64, sym=False, checkpoint_format="gptq_v2"),
+                       "q4_1"),
+    "gptq4-zeros-v1": ("qwen3", Scheme(group_size=32, sym=False), "q4_1"),
+    "gptq4-partly-float": ("llama", Scheme(group_size=32, unquantized=(
+        "model.layers.1.self_attn.v_proj", "model.layers.0.mlp.down_proj")), "q4_0"),
+    "gptq4-act-order": ("llama", Scheme(group_size=32, desc_act=True), None),
+    "gptq8-sym-per-row": ("llama", Scheme(bits=8, group_size=-1), "q8_0"),
+    "gptq8-zeros": ("llama", Scheme(bits=8, group_size=32, sym=False), None),
+    "awq": ("llama", Scheme(method="awq", group_size=32, sym=False), "q4_1"),
+    "awq-qwen2": ("qwen2", Scheme(method="awq", group_size=64, sym=False), "q4_1"),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model_factory, tmp_path_factory):
+    made: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in made:
+            arch, scheme, _ = SCHEMES[name]
+            root = tmp_path_factory.mktemp(name)
+            write_quantized(tiny_model_factory(arch), root / "q", root / "ref", scheme)
+            made[name] = (root / "q", root / "ref")
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def prompts(default_tokenizer):
+    texts = ["The capital of France is", "def fibonacci(n):",
+             "Once upon a time, in a land far away beyond the seven mountains, there lived "
+             "a dragon who guarded a hoard of gold and"]
+    return [default_tokenizer.encode(t) for t in texts]
+
+
+def _loaded(path):
+    cfg = load_config(path)
+    quant = CheckpointQuant.from_hf(cfg)
+    formats = tensor_formats(path, quant)
+    return dict(iter_checkpoint_weights(path, quant, formats, DecoderSpec.from_hf(cfg))), formats
+
+
+def test_known_packings(tmp_path):
+    """Bit patterns worked out by hand from the formats' definitions."""
+    from engine.checkpoint_quant import _decode
+
+    # AWQ: fields 0..7 of an int32 hold columns 0, 2, 4, 6, 1, 3, 5, 7 -> codes 0..7.
+    awq = CheckpointQuant("awq", 4, -1, False, False, False)
+    lin = _decode(awq, "m", {"qweight": torch.tensor([[0x75316420]], dtype=torch.int32),
+                             "qzeros": torch.tensor([[0x11111111]], dtype=torch.int32),
+                             "scales": torch.ones(1, 8, dtype=torch.float16)})
+    assert lin.codes[:, 0].tolist() == list(range(8)) and lin.zeros.flatten().tolist() == [1] * 8
+    # GPTQ: codes along the input dimension, lowest bits first; zero points stored minus one
+    # (0x77777777: eight zero points of 8) in the original format.
+    gptq = CheckpointQuant("gptq", 4, -1, True, False, True)
+    lin = _decode(gptq, "m", {"qweight": torch.full((1, 8), 0x76543210, dtype=torch.int32),
+                              "qzeros": torch.tensor([[0x77777777]], dtype=torch.int32),
+                              "scales": torch.full((1, 8), 0.5, dtype=torch.float16)})
+    assert lin.codes.tolist() == [list(range(8))] * 8 and lin.zeros.tolist() == [[8]] * 8
+    assert lin.dequantize()[0].tolist() == [0.5 * (c - 8) for c in range(8)]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_weights_load_in_their_format(checkpoints, name):
+    quantized, ref = checkpoints(name)
+    expected_fmt = SCHEMES[name][2]
+    weights, formats = _loaded(quantized)
+    reference = load_file(str(ref / "model.safetensors"))
+    assert set(weights) == set(reference)
+    assert set(formats.values()) == ({expected_fmt} if expected_fmt else set())
+    unquantized = SCHEMES[name][1].unquantized
+    every = {f"layers.{i}.{p}" for i in range(2) for p in LINEAR_NAMES}
+    if unquantized:  # a fused projection with a float part is float
+        assert set(formats) == every - {"layers.1.qkv_proj", "layers.0.down_proj"}
+    elif expected_fmt is not None:
+        assert set(formats) == every
+    for key, ref_w in reference.items():
+        got = weights[key]
+        if not key.endswith("_proj.weight"):
+            assert torch.equal(got.float(), ref_w.float()), key
+            continue
+        if formats.get(layout_key(key)) is None:
+            assert isinstance(got, torch.Tensor) and torch.equal(got, ref_w), key
+            continue
+        assert isinstance(got, QuantizedWeight) and got.fmt == expected_fmt, key
+        deq = got.dequantize()
+        if expected_fmt == "q4_1":  # the offset -scale * zero is rounded to float16
+            bound = got.m.float().abs().repeat_interleave(32, dim=1) * 2**-11 + 1e-12
+            assert ((deq - ref_w).abs() <= bound).all(), key
+        else:
+            assert torch.equal(deq, ref_w), key
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_greedy_equals_hf_on_the_dequantized_weights(checkpoints, prompts, name, backend):
+    quantized, ref = checkpoints(name)
+    expected = hf_greedy(ref, prompts, NEW)
+    llm = LLM(str(quantized), attention_backend=backend, kv_cache_memory_gb=0.05)
+    worker = llm.engine.worker
+    assert worker.quantization == SCHEMES[name][1].method and worker.dtype == torch.float32
+    qkv = worker.model.layers[0].qkv_proj.weight
+    fmt = SCHEMES[name][2]
+    assert (qkv.fmt if isinstance(qkv, QuantizedWeight) else None) == fmt
+    assert worker.quant_desc.endswith(f"({fmt or 'float32'})")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"].update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"bits": 3}, r"quantization_config.bits=3: GPTQ checkpoints of 2, 4 or 8 bits"),
+    ({"checkpoint_format": "marlin"}, r"quantization_config.checkpoint_format='marlin'"),
+    ({"group_size": 0}, r"quantization_config.group_size=0"),
+    ({"quant_method": "fp8"}, r"quant_method='fp8', which is not supported"),
+])
+def test_unsupported_checkpoints_are_refused(checkpoints, tmp_path, changes, message):
+    import shutil
+
+    quantized, _ = checkpoints("gptq4-sym")
+    path = tmp_path / "m"
+    shutil.copytree(quantized, path)
+    _edit_config(path, **changes)
+    with pytest.raises(CheckpointQuantError, match=message):
+        LLM(str(path), kv_cache_memory_gb=0.05)
+
+
+def test_awq_layouts_other_than_gemm_are_refused(checkpoints, tmp_path):
+    import shutil
+
+    quantized, _ = checkpoints("awq")
+    shutil.copytree(quantized, tmp_path / "m")
+    _edit_config(tmp_path / "m", version="gemv")
+    with pytest.raises(CheckpointQuantError, match=r"quantization_config.version='gemv'"):
+        LLM(str(tmp_path / "m"), kv_cache_memory_gb=0.05)
+
+
+def test_quantization_setting_against_the_checkpoint(checkpoints, tiny_model_factory):
+    quantized, _ = checkpoints("gptq4-sym")
+    with pytest.raises(CheckpointQuantError, match=r"quantization='awq', but .* gptq checkpoint"):
+        LLM(str(quantized), quantization="awq", kv_cache_memory_gb=0.05)
+    with pytest.raises(CheckpointQuantError, match=r"quantization='int8', but .* gptq checkpoint"):
+        LLM(str(quantized), quantization="int8", kv_cache_memory_gb=0.05)
+    with pytest.raises(CheckpointQuantError, match=r"quantization='gptq' needs a GPTQ checkpoint"):
+        LLM(str(tiny_model_factory("llama")), quantization="gptq", kv_cache_memory_gb=0.05)
+    with pytest.raises(CheckpointQuantError, match=r"dtype='bfloat16': .* float32"):
+        LLM(str(quantized), dtype="bfloat16", kv_cache_memory_gb=0.05)
+    with pytest.raises(CheckpointQuantError, match=r"tensor_parallel_size=2: .* one rank"):
+        LLM(str(quantized), tensor_parallel_size=2, kv_cache_memory_gb=0.05)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size.*quantization='gptq' runs on one"):
+        EngineConfig(quantization="gptq", tensor_parallel_size=2)
+    # Named explicitly, as the checkpoint says: served the same.
+    assert LLM(str(quantized), quantization="gptq",
+               kv_cache_memory_gb=0.05).engine.worker.quantization == "gptq"
