@@ -153,6 +153,23 @@ def test_adapters_and_embeddings_on_cuda(tiny_llama, tmp_path) -> None:
     assert runner.num_replays >= before + NEW_TOKENS - 1
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA; on the CPU, test_checkpoint_quant.py runs "
+                    "GPTQ/AWQ checkpoints and tests/kernels the Triton quantized product")
+def test_quantized_checkpoint_on_cuda(tiny_llama, tmp_path) -> None:
+    """On the GPU: an AWQ checkpoint (q4_1 planes on the device) on the Triton backend
+    with decode CUDA graphs gives the torch backend's tokens."""
+    from engine import LLM
+    from tests.helpers.quantized_checkpoints import Scheme, write_quantized
+
+    write_quantized(Path(tiny_llama), tmp_path / "q", tmp_path / "ref",
+                    Scheme(method="awq", group_size=32, sym=False))
+    ref = generate(LLM(model=str(tmp_path / "q"), **engine_kwargs("torch", "cuda")))
+    llm = LLM(model=str(tmp_path / "q"), **engine_kwargs("triton", "cuda"))
+    qkv = llm.engine.worker.model.layers[0].qkv_proj.weight
+    assert qkv.fmt == "q4_1" and qkv.device.type == "cuda"
+    assert generate(llm) == ref
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
