@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.models.decoder import layout_key
+from engine.models.checkpoint_names import layout_key
 from kernels.quant import QK, QuantizedWeight
 
 NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine import checkpoint_quant, gguf_weights, hugepages, process_tuning
+from engine import checkpoint_weights, gguf_weights, hugepages, process_tuning
 from engine.checkpoint_quant import CheckpointQuant, resolve_quantization
 from engine.config import EngineConfig
 from engine.errors import EngineFatalError
@@ -157,6 +157,8 @@ class Worker:
             self.cpu_paths = cpu_paths.describe(self.attn)
             if self.tp is not None:  # the layers' all-reduces come between their ops
                 self.cpu_paths["layers"] = "per-op (tensor parallel)"
+            elif model.reordered_inputs:
+                self.cpu_paths["layers"] = "per-op (act-order inputs)"
             logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s",
                        cpu_paths.summary(self.cpu_paths, str(self.dtype).removeprefix("torch."),
                                          self.quant_desc))  # fmt: skip
@@ -243,6 +245,7 @@ class Worker:
                 model.quantize_int8()
                 self.quant_desc = "int8"
             return model
+        orders = {}
         if quant == "gguf":
             path = self._gguf_file()
             formats = gguf_weights.tensor_formats(path)
@@ -254,15 +257,17 @@ class Worker:
             self.quant_desc = f"gguf ({', '.join(kinds) or 'no quantized tensors'})"
         else:
             cq = CheckpointQuant.from_hf(self.hf_config)
-            formats = checkpoint_quant.tensor_formats(self.model_path, cq)
-            weights = checkpoint_quant.iter_checkpoint_weights(
-                self.model_path, cq, formats, DecoderSpec.from_hf(self.hf_config))
+            layout = checkpoint_weights.tensor_layout(self.model_path, cq)
+            formats, orders = layout.formats, layout.orders
+            weights = checkpoint_weights.iter_checkpoint_weights(
+                self.model_path, cq, layout, DecoderSpec.from_hf(self.hf_config))
             self.quant_desc = f"{cq.describe()} ({cq.native_format or 'float32'})"
         with torch.device("meta"):
             model = build_model(self.hf_config)
         model.quantize_layout(formats)
         model = model.to(self.dtype).to_empty(device=self.device)
         model.load_weights(weights)
+        model.set_input_orders(orders)
         model.quantized_to(self.device)
         model.set_rope(self.hf_config, self.max_model_len)  # float32, not in the checkpoint
         return model.eval()

@@ -16,7 +16,8 @@ and attention call, timed through ``ModelRunner.instrument``).
 ``--agreement N`` compares the greedy outputs (N tokens each, a fixed set of prompts)
 with those of the same model in float32 (float32 KV cache too): identical outputs, mean
 common prefix, and the largest difference of the chosen token's logprob along the common
-prefixes.
+prefixes. A GPTQ or AWQ checkpoint has no float32 form of its own: name the float
+checkpoint it was made from with ``--agreement-model``.
 
 The latency a single chat user sees is the batch-1 step; compare weight formats with
 ``--quantization`` and ``--dtype``.
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also time every layer op and attention call of the batch-1 steps")
     r.add_argument("--agreement", type=int, default=0, metavar="N",
                    help="compare N greedy tokens per prompt with the float32 model")
+    r.add_argument("--agreement-model", default=None, metavar="PATH",
+                   help="the float32 model --agreement compares with (default: --model; "
+                        "required for a GPTQ/AWQ checkpoint)")
     r.add_argument("--save-result", default=None, help="write the report as JSON")
 
 
@@ -144,9 +148,14 @@ def agreement(args: argparse.Namespace, num_tokens: int) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, min_tokens=num_tokens,
                             logprobs=0)
     runs = []
-    for kwargs in (engine_kwargs(args), engine_kwargs(args, quantization=None, dtype="float32",
-                                                      kv_cache_dtype="auto")):
-        llm = LLM(model=args.model, **kwargs)
+    reference = dict(model=args.agreement_model or args.model, **engine_kwargs(
+        args, quantization=None, dtype="float32", kv_cache_dtype="auto"))  # fmt: skip
+    for kwargs in (dict(model=args.model, **engine_kwargs(args)), reference):
+        llm = LLM(**kwargs)
+        if kwargs is reference and llm.engine.worker.quantization is not None:
+            raise SystemExit(f"--agreement: {kwargs['model']} is a "
+                             f"{llm.engine.worker.quantization} checkpoint, not a float32 "
+                             "model: pass --agreement-model with the float checkpoint")
         runs.append([o.outputs[0] for o in llm.generate(list(AGREEMENT_PROMPTS), params,
                                                          use_tqdm=False)])
         del llm
@@ -236,7 +245,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         del llm
         report["agreement"] = agreement(args, args.agreement)
         a = report["agreement"]
-        print(f"greedy agreement with float32: {a['identical']:.0%} identical outputs, "
+        against = f" {args.agreement_model}" if args.agreement_model else ""
+        print(f"greedy agreement with float32{against}: {a['identical']:.0%} identical outputs, "
               f"{a['mean_common_prefix']:.1%} mean common prefix, max |logprob difference| "
               f"of the chosen token {a['max_logprob_diff']:.4f}")
     if args.save_result:

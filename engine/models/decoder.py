@@ -31,6 +31,9 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.weight = weight
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.input_order: torch.Tensor | None = None
+        """Set when the weight's columns are stored in another order than its input's
+        (act-order checkpoints): the product takes ``x[:, input_order]``."""
 
     @property
     def in_features(self) -> int:
@@ -51,23 +54,6 @@ class QuantEmbedding(nn.Module):
 
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 """The projections of a layer, as :meth:`DecoderForCausalLM.quantize_layout` names them."""
-_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-          "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-          "down_proj": "down_proj"}  # fmt: skip
-
-
-def layout_key(hf: str) -> str | None:
-    """The :meth:`DecoderForCausalLM.quantize_layout` key of a checkpoint weight
-    (``layers.{i}.{fused projection}``, ``embed_tokens``, ``lm_head``), or None for a
-    weight that is never quantized (norms, biases)."""
-    if hf == "model.embed_tokens.weight":
-        return "embed_tokens"
-    if hf == "lm_head.weight":
-        return "lm_head"
-    parts = hf.split(".")
-    if parts[-1] != "weight" or parts[-2] not in _FUSED:
-        return None
-    return f"layers.{parts[2]}.{_FUSED[parts[-2]]}"
 
 
 class DecoderLayer(nn.Module):
@@ -114,7 +100,9 @@ class DecoderLayer(nn.Module):
         ops = attn.ops
         def linear(name: str, x: torch.Tensor) -> torch.Tensor:
             proj = getattr(self, name)
-            out = ops.linear(x, proj.weight, proj.bias)
+            order = getattr(proj, "input_order", None)
+            out = ops.linear(x if order is None else x.index_select(-1, order), proj.weight,
+                             proj.bias)  # fmt: skip
             return out if lora is None else lora.apply(index, name, x, out)
 
         t = hidden.shape[0]
@@ -169,6 +157,9 @@ class DecoderForCausalLM(nn.Module):
         self._stack: DecoderStack | None = None
         """The layers as a backend's ``run_layers`` takes them; rebuilt after the weights
         or RoPE tables are replaced."""
+        self.reordered_inputs = False
+        """Whether a projection takes its input reordered (:meth:`set_input_orders`):
+        the layers then run op by op, never through a backend's ``run_layers``."""
 
     def set_rope(self, hf_config, max_model_len: int) -> None:
         cos, sin = rope_tables(hf_config, self.spec.head_dim, max_model_len)
@@ -204,8 +195,8 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm (with ``lora``: the step's
         adapters applied, layer by layer)."""
         hidden = self._embed(input_ids, attn.ops)
-        run_layers = None if self.tp is not None or lora is not None else \
-            getattr(attn, "run_layers", None)  # fmt: skip
+        run_layers = None if self.tp is not None or lora is not None or self.reordered_inputs \
+            else getattr(attn, "run_layers", None)  # fmt: skip
         fused = None if run_layers is None or not self.layers else run_layers(
             self.decoder_stack(), hidden, positions, kv_caches, meta)
         if fused is not None:
@@ -271,12 +262,23 @@ class DecoderForCausalLM(nn.Module):
                 QuantizedWeight.empty(fmt, old.out_features, old.in_features), bias))
 
     def quantized_to(self, device: torch.device) -> None:
-        """Move the quantized weights' planes to ``device`` (``Module.to`` does not:
-        they are not parameters)."""
+        """Move the quantized weights' planes (and input orders) to ``device``
+        (``Module.to`` does not: they are not parameters)."""
         self._stack = None
         for module in self.modules():
             if isinstance(module, (QuantLinear, QuantEmbedding)):
                 module.weight = module.weight.to(device)
+            if getattr(module, "input_order", None) is not None:
+                module.input_order = module.input_order.to(device)
+
+    def set_input_orders(self, orders: dict[str, torch.Tensor]) -> None:
+        """Quantized projections (``layers.{i}.{name}``) whose weight columns are
+        stored in the order ``orders[key]`` of their input (act-order checkpoints)."""
+        for key, order in orders.items():
+            _, i, name = key.split(".")
+            getattr(self.layers[int(i)], name).input_order = order.to(torch.int64)
+        self.reordered_inputs = bool(orders)
+        self._stack = None
 
     def quantize_int8(self) -> None:
         """After loading: every linear weight to per-row int8 (the logits' too; a tied

@@ -12,14 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.checkpoint_quant import (
-    CheckpointQuant,
-    CheckpointQuantError,
-    iter_checkpoint_weights,
-    tensor_formats,
-)
+from engine.checkpoint_quant import CheckpointQuant, CheckpointQuantError
+from engine.checkpoint_weights import iter_checkpoint_weights, tensor_layout
 from engine.loader import load_config
-from engine.models.decoder import LINEAR_NAMES, layout_key
+from engine.models.checkpoint_names import layout_key
+from engine.models.decoder import LINEAR_NAMES
 from engine.models.spec import DecoderSpec
 from kernels.quant import QuantizedWeight
 from tests.helpers.hf import hf_greedy
@@ -27,19 +24,26 @@ from tests.helpers.quantized_checkpoints import Scheme, write_quantized
 
 NEW = 12
 
+FUSED_IN = {f"layers.{i}.{p}" for i in range(2) for p in ("qkv_proj", "gate_up_proj")}
 SCHEMES = {
-    # name: (architecture, scheme, the native format its linears load in; None: float32)
-    "gptq4-sym": ("llama", Scheme(group_size=32, extra_bias=True), "q4_0"),
+    # name: (architecture, scheme, the native format its linears load in (None: float32),
+    #        the projections that load as float32 all the same)
+    "gptq4-sym": ("llama", Scheme(group_size=32, extra_bias=True), "q4_0", set()),
     "gptq4-zeros-v2": ("llama", Scheme(group_size=64, sym=False, checkpoint_format="gptq_v2"),
-                       "q4_1"),
-    "gptq4-zeros-v1": ("qwen3", Scheme(group_size=32, sym=False), "q4_1"),
+                       "q4_1", set()),
+    "gptq4-zeros-v1": ("qwen3", Scheme(group_size=32, sym=False), "q4_1", set()),
     "gptq4-partly-float": ("llama", Scheme(group_size=32, unquantized=(
-        "model.layers.1.self_attn.v_proj", "model.layers.0.mlp.down_proj")), "q4_0"),
-    "gptq4-act-order": ("llama", Scheme(group_size=32, desc_act=True), None),
-    "gptq8-sym-per-row": ("llama", Scheme(bits=8, group_size=-1), "q8_0"),
-    "gptq8-zeros": ("llama", Scheme(bits=8, group_size=32, sym=False), None),
-    "awq": ("llama", Scheme(method="awq", group_size=32, sym=False), "q4_1"),
-    "awq-qwen2": ("qwen2", Scheme(method="awq", group_size=64, sym=False), "q4_1"),
+        "model.layers.1.self_attn.v_proj", "model.layers.0.mlp.down_proj")), "q4_0",
+        {"layers.1.qkv_proj", "layers.0.down_proj"}),
+    "gptq4-act-order": ("llama", Scheme(group_size=32, desc_act=True), "q4_0", set()),
+    "gptq4-act-order-zeros": ("qwen2", Scheme(group_size=32, desc_act=True, sym=False,
+                                              checkpoint_format="gptq_v2"), "q4_1", set()),
+    "gptq4-act-order-unshared": ("llama", Scheme(group_size=32, desc_act=True,
+                                                 shared_act_order=False), "q4_0", FUSED_IN),
+    "gptq8-sym-per-row": ("llama", Scheme(bits=8, group_size=-1), "q8_0", set()),
+    "gptq8-zeros": ("llama", Scheme(bits=8, group_size=32, sym=False), None, set()),
+    "awq": ("llama", Scheme(method="awq", group_size=32, sym=False), "q4_1", set()),
+    "awq-qwen2": ("qwen2", Scheme(method="awq", group_size=64, sym=False), "q4_1", set()),
 }
 
 
@@ -49,10 +53,10 @@ def checkpoints(tiny_model_factory, tmp_path_factory):
 
     def get(name: str):
         if name not in made:
-            arch, scheme, _ = SCHEMES[name]
+            arch, scheme, _, _ = SCHEMES[name]
             root = tmp_path_factory.mktemp(name)
-            write_quantized(tiny_model_factory(arch), root / "q", root / "ref", scheme)
-            made[name] = (root / "q", root / "ref")
+            exact = write_quantized(tiny_model_factory(arch), root / "q", root / "ref", scheme)
+            made[name] = (root / "q", root / "ref", exact)
         return made[name]
 
     return get
@@ -69,13 +73,14 @@ def prompts(default_tokenizer):
 def _loaded(path):
     cfg = load_config(path)
     quant = CheckpointQuant.from_hf(cfg)
-    formats = tensor_formats(path, quant)
-    return dict(iter_checkpoint_weights(path, quant, formats, DecoderSpec.from_hf(cfg))), formats
+    layout = tensor_layout(path, quant)
+    weights = iter_checkpoint_weights(path, quant, layout, DecoderSpec.from_hf(cfg))
+    return dict(weights), layout
 
 
 def test_known_packings(tmp_path):
     """Bit patterns worked out by hand from the formats' definitions."""
-    from engine.checkpoint_quant import _decode
+    from engine.checkpoint_weights import _decode
 
     # AWQ: fields 0..7 of an int32 hold columns 0, 2, 4, 6, 1, 3, 5, 7 -> codes 0..7.
     awq = CheckpointQuant("awq", 4, -1, False, False, False)
@@ -95,47 +100,48 @@ def test_known_packings(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_weights_load_in_their_format(checkpoints, name):
-    quantized, ref = checkpoints(name)
-    expected_fmt = SCHEMES[name][2]
-    weights, formats = _loaded(quantized)
+    quantized, ref, exact = checkpoints(name)
+    _, scheme, expected_fmt, floats = SCHEMES[name]
+    weights, layout = _loaded(quantized)
     reference = load_file(str(ref / "model.safetensors"))
     assert set(weights) == set(reference)
-    assert set(formats.values()) == ({expected_fmt} if expected_fmt else set())
-    unquantized = SCHEMES[name][1].unquantized
     every = {f"layers.{i}.{p}" for i in range(2) for p in LINEAR_NAMES}
-    if unquantized:  # a fused projection with a float part is float
-        assert set(formats) == every - {"layers.1.qkv_proj", "layers.0.down_proj"}
-    elif expected_fmt is not None:
-        assert set(formats) == every
+    assert layout.formats == ({k: expected_fmt for k in every - floats} if expected_fmt else {})
+    # act-order: every kept projection's columns are reordered, the same for its parts
+    assert set(layout.orders) == (set(layout.formats) if scheme.desc_act else set())
     for key, ref_w in reference.items():
         got = weights[key]
         if not key.endswith("_proj.weight"):
             assert torch.equal(got.float(), ref_w.float()), key
             continue
-        if formats.get(layout_key(key)) is None:
-            assert isinstance(got, torch.Tensor) and torch.equal(got, ref_w), key
+        if layout.formats.get(layout_key(key)) is None:
+            assert isinstance(got, torch.Tensor) and torch.equal(got, exact[key]), key
             continue
         assert isinstance(got, QuantizedWeight) and got.fmt == expected_fmt, key
+        order = layout.orders.get(layout_key(key), torch.arange(ref_w.shape[1]))
         deq = got.dequantize()
+        assert torch.equal(deq, ref_w[:, order]), key
         if expected_fmt == "q4_1":  # the offset -scale * zero is rounded to float16
-            bound = got.m.float().abs().repeat_interleave(32, dim=1) * 2**-11 + 1e-12
-            assert ((deq - ref_w).abs() <= bound).all(), key
+            bound = got.m.float().abs().repeat_interleave(32, dim=1) * 2**-11
+            assert ((deq - exact[key][:, order]).abs() <= bound).all(), key
         else:
-            assert torch.equal(deq, ref_w), key
+            assert torch.equal(deq, exact[key][:, order]), key
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_greedy_equals_hf_on_the_dequantized_weights(checkpoints, prompts, name, backend):
-    quantized, ref = checkpoints(name)
+    quantized, ref, _ = checkpoints(name)
     expected = hf_greedy(ref, prompts, NEW)
     llm = LLM(str(quantized), attention_backend=backend, kv_cache_memory_gb=0.05)
     worker = llm.engine.worker
-    assert worker.quantization == SCHEMES[name][1].method and worker.dtype == torch.float32
-    qkv = worker.model.layers[0].qkv_proj.weight
-    fmt = SCHEMES[name][2]
-    assert (qkv.fmt if isinstance(qkv, QuantizedWeight) else None) == fmt
+    _, scheme, fmt, floats = SCHEMES[name]
+    assert worker.quantization == scheme.method and worker.dtype == torch.float32
+    o_proj = worker.model.layers[0].o_proj
+    assert (o_proj.weight.fmt if isinstance(o_proj.weight, QuantizedWeight) else None) == fmt
     assert worker.quant_desc.endswith(f"({fmt or 'float32'})")
+    assert (getattr(o_proj, "input_order", None) is not None) == scheme.desc_act
+    assert worker.model.reordered_inputs == scheme.desc_act
     params = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -157,7 +163,7 @@ def _edit_config(path, **changes):
 def test_unsupported_checkpoints_are_refused(checkpoints, tmp_path, changes, message):
     import shutil
 
-    quantized, _ = checkpoints("gptq4-sym")
+    quantized = checkpoints("gptq4-sym")[0]
     path = tmp_path / "m"
     shutil.copytree(quantized, path)
     _edit_config(path, **changes)
@@ -168,7 +174,7 @@ def test_unsupported_checkpoints_are_refused(checkpoints, tmp_path, changes, mes
 def test_awq_layouts_other_than_gemm_are_refused(checkpoints, tmp_path):
     import shutil
 
-    quantized, _ = checkpoints("awq")
+    quantized = checkpoints("awq")[0]
     shutil.copytree(quantized, tmp_path / "m")
     _edit_config(tmp_path / "m", version="gemv")
     with pytest.raises(CheckpointQuantError, match=r"quantization_config.version='gemv'"):
@@ -176,7 +182,7 @@ def test_awq_layouts_other_than_gemm_are_refused(checkpoints, tmp_path):
 
 
 def test_quantization_setting_against_the_checkpoint(checkpoints, tiny_model_factory):
-    quantized, _ = checkpoints("gptq4-sym")
+    quantized = checkpoints("gptq4-sym")[0]
     with pytest.raises(CheckpointQuantError, match=r"quantization='awq', but .* gptq checkpoint"):
         LLM(str(quantized), quantization="awq", kv_cache_memory_gb=0.05)
     with pytest.raises(CheckpointQuantError, match=r"quantization='int8', but .* gptq checkpoint"):

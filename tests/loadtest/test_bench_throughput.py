@@ -240,6 +240,28 @@ def test_decode_bench_times_each_batch_and_reads_the_weight_bytes(tiny_llama, tm
     assert agree["max_logprob_diff"] < 1e-5 and "greedy agreement with float32" in text
 
 
+def test_decode_bench_of_a_gptq_checkpoint(tiny_llama, tmp_path, capsys):
+    """The quantized bytes are what a step reads; the agreement is with the float model
+    it was made from, which a GPTQ checkpoint needs named."""
+    from loadtest import decode_bench
+    from loadtest.rtn_checkpoint import main as rtn
+
+    assert rtn([tiny_llama, str(tmp_path / "q"), "--group-size", "32"]) == 0
+    args = ["--model", str(tmp_path / "q"), "--batch-sizes", "1", "--steps", "3",
+            "--prompt-len", "8", "--agreement", "4", *ENGINE]
+    with pytest.raises(SystemExit, match="is a gptq checkpoint.*--agreement-model"):
+        decode_bench.cli(args)
+    decode_bench.cli([*args, "--agreement-model", tiny_llama, "--save-result",
+                      str(tmp_path / "d.json")])
+    text = capsys.readouterr().out
+    assert "gptq 4-bit symmetric, group 32 (q4_0)" in text
+    rep = json.loads((tmp_path / "d.json").read_text())
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 256 + 128 * 64
+    assert rep["weight_bytes"] == 2 * per_layer * 18 // 32 + 4 * 49152 * 64
+    assert 0 < rep["agreement"]["mean_common_prefix"] <= 1.0
+    assert f"greedy agreement with float32 {tiny_llama}" in text
+
+
 def test_throughput_bench_long_shared_document(tiny_llama, tmp_path, capsys):
     """``--shared-prefix-len``: every prompt is one long shared document plus its own
     part; with prefix caching the document is computed once."""
