@@ -132,6 +132,9 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None
     """Per-head RMSNorm weights of the queries and keys (Qwen3), or None."""
     k_norm: torch.Tensor | None = None
+    orders: tuple[torch.Tensor | None, ...] = (None, None, None, None)
+    """Per projection (qkv, o, gate_up, down): the order of its input's columns that its
+    weight's columns are stored in (int64 ``[k]``; act-order checkpoints), or None."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -157,9 +157,6 @@ class DecoderForCausalLM(nn.Module):
         self._stack: DecoderStack | None = None
         """The layers as a backend's ``run_layers`` takes them; rebuilt after the weights
         or RoPE tables are replaced."""
-        self.reordered_inputs = False
-        """Whether a projection takes its input reordered (:meth:`set_input_orders`):
-        the layers then run op by op, never through a backend's ``run_layers``."""
 
     def set_rope(self, hf_config, max_model_len: int) -> None:
         cos, sin = rope_tables(hf_config, self.spec.head_dim, max_model_len)
@@ -180,7 +177,9 @@ class DecoderForCausalLM(nn.Module):
                     qkv=x.qkv_proj.weight, o=x.o_proj.weight, gate_up=x.gate_up_proj.weight,
                     down=x.down_proj.weight, qkv_bias=x.qkv_proj.bias, o_bias=x.o_proj.bias,
                     gate_up_bias=x.gate_up_proj.bias, down_bias=x.down_proj.bias,
-                    q_norm=x.q_norm, k_norm=x.k_norm) for x in self.layers))  # fmt: skip
+                    q_norm=x.q_norm, k_norm=x.k_norm, orders=tuple(
+                        getattr(getattr(x, n), "input_order", None) for n in LINEAR_NAMES),
+                ) for x in self.layers))  # fmt: skip
         return self._stack
 
     def forward(
@@ -195,8 +194,8 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm (with ``lora``: the step's
         adapters applied, layer by layer)."""
         hidden = self._embed(input_ids, attn.ops)
-        run_layers = None if self.tp is not None or lora is not None or self.reordered_inputs \
-            else getattr(attn, "run_layers", None)  # fmt: skip
+        run_layers = None if self.tp is not None or lora is not None else \
+            getattr(attn, "run_layers", None)  # fmt: skip
         fused = None if run_layers is None or not self.layers else run_layers(
             self.decoder_stack(), hidden, positions, kv_caches, meta)
         if fused is not None:
@@ -277,7 +276,6 @@ class DecoderForCausalLM(nn.Module):
         for key, order in orders.items():
             _, i, name = key.split(".")
             getattr(self.layers[int(i)], name).input_order = order.to(torch.int64)
-        self.reordered_inputs = bool(orders)
         self._stack = None
 
     def quantize_int8(self) -> None:

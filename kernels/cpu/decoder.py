@@ -160,23 +160,29 @@ class FusedLayers:
                   "DL_DOWN": (layer.down, layer.down_bias, stack.hidden_size,
                               stack.intermediate_size)}  # fmt: skip
         max_rows = NATIVE_LINEAR_MAX_ROWS
-        for name, (weight, bias, n, k) in shapes.items():
-            lin = self._linear_entries(weight, bias, n, k, keep)
+        for (name, (weight, bias, n, k)), order in zip(shapes.items(), layer.orders, strict=True):
+            lin = self._linear_entries(weight, bias, n, k, keep, order)
             if lin is None:
                 return None
             row[C[name]: C[name] + C["LIN_SIZE"]] = lin[0]
             max_rows = min(max_rows, lin[1])
         return row, max_rows
 
-    def _linear_entries(self, weight: Weight, bias, n: int, k: int, keep):
+    def _linear_entries(self, weight: Weight, bias, n: int, k: int, keep, order=None):
         """A linear's LIN_SIZE entries and the most rows it takes natively, or None."""
         if bias is not None and not (_f32_vector(bias) and bias.numel() == n):
+            return None
+        if order is not None and not (order.dtype == torch.int64 and order.is_cpu
+                                      and order.shape == (k,) and order.is_contiguous()):
             return None
         lin = [0] * C["LIN_SIZE"]
         lin[C["LIN_BIAS"]], lin[C["LIN_N"]], lin[C["LIN_K"]] = (
             0 if bias is None else bias.data_ptr(), n, k)
         if bias is not None:
             keep.append(bias)
+        if order is not None:
+            lin[C["LIN_ORDER"]] = order.data_ptr()
+            keep.append(order)
         if isinstance(weight, QuantizedWeight):
             if weight.shape != (n, k) or weight.device.type != "cpu":
                 return None

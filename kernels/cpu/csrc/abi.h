@@ -64,19 +64,21 @@
 #define DL_K_CACHE 4
 #define DL_V_CACHE 5
 #define DL_QKV 6
-#define DL_O 11
-#define DL_GATE_UP 16
-#define DL_DOWN 21
-#define DL_SIZE 26
+#define DL_O 12
+#define DL_GATE_UP 18
+#define DL_DOWN 24
+#define DL_SIZE 30
 /* A linear's entries: its format (LIN_F32: a float32 weight packed for gemm_f32, else a
  * QF_* code), the weight (gemm_f32's panels, or the quantized weight packed by
- * qgemm_pack), the bias, and its shape. */
+ * qgemm_pack), the bias, its shape, and the order of its input's columns that the
+ * weight's columns are stored in (int64 [k]; 0: the input's own). */
 #define LIN_FMT 0
 #define LIN_W 1
 #define LIN_BIAS 2
 #define LIN_N 3
 #define LIN_K 4
-#define LIN_SIZE 5
+#define LIN_ORDER 5
+#define LIN_SIZE 6
 #define LIN_F32 -1
 /* decoder_layers' own status code (it also returns paged_attention's). */
 #define DEC_ERR_LINEAR -7 /* a quantized linear refused its format or shape */

@@ -12,8 +12,9 @@
  * The model is described once by two int64 tables (the DM_* and DL_* offsets of
  * abi.h): its sizes, and per layer the addresses of its norms, KV caches and linears.
  * A linear is either a float32 weight packed for gemm_f32 (LIN_F32) or a weight-only
- * quantized one in a QF_* format packed for qgemm_packed. Activations are float32
- * throughout.
+ * quantized one in a QF_* format packed for qgemm_packed; one whose weight columns are
+ * stored in another order (act-order checkpoints, LIN_ORDER) multiplies its input
+ * gathered in that order. Activations are float32 throughout.
  */
 #include <stdint.h>
 #include <string.h>
@@ -22,22 +23,38 @@
 
 #define PTR(table, i) ((void *)(intptr_t)(table)[i])
 
+/* The widest input of a layer's linears. */
+static int64_t max_k(const int64_t *model) {
+    const int64_t hidden = model[DM_HIDDEN], q = model[DM_HEADS] * model[DM_HEAD_DIM];
+    const int64_t wide = hidden > q ? hidden : q;
+    return wide > model[DM_INTER] ? wide : model[DM_INTER];
+}
+
 /* Scratch floats per row: the normed input, the fused QKV row, the attention output,
- * the gate/up row and its SiLU product, and the row's cos and sin. */
+ * the gate/up row and its SiLU product, the row's cos and sin, and a linear's input
+ * gathered in its weight's column order. */
 static int64_t scratch_per_row(const int64_t *model) {
     const int64_t hidden = model[DM_HIDDEN], d = model[DM_HEAD_DIM];
     const int64_t q = model[DM_HEADS] * d, kv = model[DM_KV_HEADS] * d;
-    return hidden + (q + 2 * kv) + q + 3 * model[DM_INTER] + 2 * d;
+    return hidden + (q + 2 * kv) + q + 3 * model[DM_INTER] + 2 * d + max_k(model);
 }
 
 int64_t decoder_scratch_size(const int64_t *model, int rows) {
     return scratch_per_row(model) * rows;
 }
 
-/* y [rows, n] = x [rows, k] @ W^T (+ bias) for the linear at ``lin`` (LIN_* offsets). */
-static int linear(const int64_t *lin, const float *x, int rows, float *y, int num_threads) {
+/* y [rows, n] = x [rows, k] @ W^T (+ bias) for the linear at ``lin`` (LIN_* offsets);
+ * ``gather`` holds rows * k floats for an input taken in LIN_ORDER. */
+static int linear(const int64_t *lin, const float *x, int rows, float *y, float *gather,
+                  int num_threads) {
     const int64_t n = lin[LIN_N], k = lin[LIN_K];
     const float *bias = PTR(lin, LIN_BIAS);
+    const int64_t *order = PTR(lin, LIN_ORDER);
+    if (order) {
+        for (int r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < k; ++j) gather[r * k + j] = x[r * k + order[j]];
+        x = gather;
+    }
     if (lin[LIN_FMT] == LIN_F32) {
         gemm_f32(x, k, rows, k, PTR(lin, LIN_W), n, bias, y, n, num_threads);
         return 0;
@@ -75,6 +92,7 @@ int decoder_layers(const int64_t *model, const int64_t *layers, float *residual,
     float *act = gate_up + (int64_t)rows * 2 * inter;
     float *cos = act + (int64_t)rows * inter;
     float *sin = cos + (int64_t)rows * d;
+    float *gather = sin + (int64_t)rows * d;
     for (int r = 0; r < rows; ++r) {
         memcpy(cos + (int64_t)r * d, cos_table + positions[r] * d, sizeof(float) * d);
         memcpy(sin + (int64_t)r * d, sin_table + positions[r] * d, sizeof(float) * d);
@@ -85,7 +103,7 @@ int decoder_layers(const int64_t *model, const int64_t *layers, float *residual,
          * embedding, already in ``residual``. */
         add_rms_norm_f32(residual, l ? out : 0, PTR(layer, DL_INPUT_NORM), eps, x, rows,
                          hidden, hidden, num_threads);
-        int status = linear(layer + DL_QKV, x, rows, qkv, num_threads);
+        int status = linear(layer + DL_QKV, x, rows, qkv, gather, num_threads);
         if (status) return status;
         if (layer[DL_Q_NORM]) {
             head_norm(qkv, width, rows, heads, d, PTR(layer, DL_Q_NORM), eps, num_threads);
@@ -101,12 +119,13 @@ int decoder_layers(const int64_t *model, const int64_t *layers, float *residual,
             max_blocks_per_seq, max_seq_len, scale, qkv + q_size, qkv + q_size + kv_size,
             DTYPE_F32, width, slots, rows, num_threads);
         if (status) return status;
-        if ((status = linear(layer + DL_O, attn, rows, out, num_threads))) return status;
+        if ((status = linear(layer + DL_O, attn, rows, out, gather, num_threads))) return status;
         add_rms_norm_f32(residual, out, PTR(layer, DL_POST_NORM), eps, x, rows, hidden, hidden,
                          num_threads);
-        if ((status = linear(layer + DL_GATE_UP, x, rows, gate_up, num_threads))) return status;
+        if ((status = linear(layer + DL_GATE_UP, x, rows, gate_up, gather, num_threads)))
+            return status;
         silu_mul_f32(gate_up, act, rows, inter, num_threads);
-        if ((status = linear(layer + DL_DOWN, act, rows, out, num_threads))) return status;
+        if ((status = linear(layer + DL_DOWN, act, rows, out, gather, num_threads))) return status;
     }
     return 0;
 }

@@ -124,6 +124,27 @@ def test_quantized_fused_equals_loop(native_lib, quant, q_lens, ctx):
     _compare(native_lib, _model("llama", quant), q_lens, ctx, True)
 
 
+@pytest.mark.parametrize("quant", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("q_lens,ctx", [([1], [37]), ([1, 1, 9, 3], [20, 33, 0, 40])])
+def test_reordered_inputs_fused_equal_loop(native_lib, quant, q_lens, ctx):
+    # Act-order checkpoints: projections whose weight columns are stored in another
+    # order take their input gathered in that order, in the fused call as in the loop.
+    model = _model("llama", quant)
+    g = torch.Generator().manual_seed(4)
+    model.set_input_orders({
+        f"layers.{i}.{name}": torch.randperm(getattr(layer, name).in_features, generator=g)
+        for i, layer in enumerate(model.layers) for name in ("qkv_proj", "o_proj", "down_proj")})
+    assert model.decoder_stack().layers[0].orders[2] is None  # gate_up keeps its order
+    _compare(native_lib, model, q_lens, ctx, True)
+    # ... and the orders matter: another order for one projection gives other logits.
+    positions, meta, num_blocks = _step(q_lens, ctx)
+    backend = CpuBackend(native_lib, NativeLayerOps(native_lib))
+    with_orders = _run(model, backend, positions, meta, _caches(model, num_blocks))
+    model.set_input_orders({f"layers.{i}.o_proj": torch.arange(64) for i in range(3)})
+    assert not torch.equal(_run(model, backend, positions, meta, _caches(model, num_blocks)),
+                           with_orders)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("quant", [None, "q4_1"])
 @pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 70, 16]), ([1, 1, 9, 3], [20, 33, 0, 40])])
