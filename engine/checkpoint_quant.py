@@ -1,7 +1,8 @@
 """Weights of GPTQ and AWQ checkpoints, kept quantized (``quantization="gptq"`` / ``"awq"``).
 
 A checkpoint made by AutoGPTQ/GPTQModel or AutoAWQ says so in ``config.json``'s
-``quantization_config``; its linears are stored as packed integer codes (``qweight``),
+``quantization_config`` (older ones in a ``quantize_config.json`` or ``quant_config.json``
+beside it); its linears are stored as packed integer codes (``qweight``),
 per-group zero points (``qzeros``) and float16 scales (``scales``), a weight being
 ``scale * (code - zero)`` over groups of ``group_size`` input columns (GPTQ's ``g_idx``
 gives each column's group; with act-order, ``desc_act``, the groups are not contiguous).
@@ -31,7 +32,9 @@ This module reads ``quantization_config``; :mod:`engine.checkpoint_weights` the 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kernels.quant import QK
@@ -47,18 +50,31 @@ class CheckpointQuantError(ValueError):
     """A quantized checkpoint this loader cannot serve; the message names the setting."""
 
 
-def _qconfig(hf_config: Any) -> dict | None:
+QUANT_CONFIG_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+"""Where older AutoGPTQ / AutoAWQ checkpoints keep their settings (and the method each
+file means), beside a ``config.json`` without ``quantization_config``."""
+
+
+def read_quantization_config(hf_config: Any, model_path: Path | None) -> dict | None:
+    """The checkpoint's quantization settings: ``config.json``'s ``quantization_config``,
+    else one of :data:`QUANT_CONFIG_FILES` in ``model_path``; its key ``_source`` names
+    where it came from (for error messages)."""
     qc = getattr(hf_config, "quantization_config", None)
-    if qc is None:
-        return None
-    return qc if isinstance(qc, dict) else qc.to_dict()
+    if qc is not None:
+        return {**(qc if isinstance(qc, dict) else qc.to_dict()), "_source": "quantization_config"}
+    for name, method in QUANT_CONFIG_FILES.items():
+        if model_path is not None and (model_path / name).is_file():
+            qc = json.loads((model_path / name).read_text())
+            return {"quant_method": method, **qc, "_source": name}
+    return None
 
 
-def resolve_quantization(config: EngineConfig, hf_config: Any, model: str) -> str | None:
+def resolve_quantization(config: EngineConfig, qc: dict | None, model: str) -> str | None:
     """The quantization the engine serves ``model`` with: ``config.quantization``, or
-    the checkpoint's own method when it has one (which then rules out 16-bit
-    ``dtype``s and tensor parallel, as an explicit one does)."""
-    method = _checkpoint_method(config.quantization, hf_config, model)
+    the checkpoint's own method (``qc``: :func:`read_quantization_config`) when it has
+    one (which then rules out 16-bit ``dtype``s and tensor parallel, as an explicit one
+    does)."""
+    method = _checkpoint_method(config.quantization, qc, model)
     if method in CHECKPOINT_METHODS:
         if config.dtype in ("float16", "bfloat16"):
             raise CheckpointQuantError(
@@ -71,8 +87,7 @@ def resolve_quantization(config: EngineConfig, hf_config: Any, model: str) -> st
     return method
 
 
-def _checkpoint_method(requested: str | None, hf_config: Any, model: str) -> str | None:
-    qc = _qconfig(hf_config)
+def _checkpoint_method(requested: str | None, qc: dict | None, model: str) -> str | None:
     method = None if qc is None else qc.get("quant_method")
     if method is None:
         if requested in CHECKPOINT_METHODS:
@@ -81,10 +96,11 @@ def _checkpoint_method(requested: str | None, hf_config: Any, model: str) -> str
                 f"(config.json's quantization_config.quant_method {requested!r}), and "
                 f"{model!r} has no quantization_config")
         return requested
+    method = str(method).lower()
     if method not in CHECKPOINT_METHODS:
         raise CheckpointQuantError(
-            f"{model!r} is quantized with quantization_config.quant_method={method!r}, "
-            f"which is not supported; supported checkpoint methods: {', '.join(CHECKPOINT_METHODS)} "
+            f"{model!r} is quantized with {qc['_source']}.quant_method={method!r}, which is "
+            f"not supported; supported checkpoint methods: {', '.join(CHECKPOINT_METHODS)} "
             "(or serve a float checkpoint, optionally with quantization='int8')")
     if requested not in (None, method):
         raise CheckpointQuantError(
@@ -105,38 +121,44 @@ class CheckpointQuant:
     desc_act: bool
     zeros_minus_one: bool
     """GPTQ's original format: each zero point is stored minus one."""
+    source: str = "quantization_config"
+    """Where the settings were read (named in error messages)."""
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> CheckpointQuant:
-        qc = _qconfig(hf_config) or {}
-        method = qc.get("quant_method")
+    def from_config(cls, qc: dict) -> CheckpointQuant:
+        """From :func:`read_quantization_config`'s settings of a GPTQ or AWQ checkpoint."""
+        src = qc["_source"]
+        method = str(qc.get("quant_method")).lower()
         bits = qc.get("bits", qc.get("w_bit"))
         group = qc.get("group_size", qc.get("q_group_size"))
+        pack = str(qc.get("pack_dtype", "int32")).removeprefix("torch.")
+        if pack != "int32":
+            raise CheckpointQuantError(f"{src}.pack_dtype={qc['pack_dtype']!r}: codes packed in "
+                                       "int32 are supported")
         if method == "awq":
             version = str(qc.get("version", "gemm")).lower()
             if version != "gemm":
                 raise CheckpointQuantError(
-                    f"quantization_config.version={version!r}: only AWQ's 'gemm' layout is "
-                    "supported")
+                    f"{src}.version={version!r}: only AWQ's 'gemm' layout is supported")
             if bits != 4:
-                raise CheckpointQuantError(f"quantization_config.bits={bits!r}: AWQ checkpoints "
-                                           "are read with 4 bits")
+                raise CheckpointQuantError(f"{src}.bits={bits!r}: AWQ checkpoints are read "
+                                           "with 4 bits")
             sym, desc_act, minus_one = False, False, False  # zero points read, whatever they are
         else:
             if bits not in (2, 4, 8):
-                raise CheckpointQuantError(f"quantization_config.bits={bits!r}: GPTQ checkpoints "
-                                           "of 2, 4 or 8 bits are supported")
+                raise CheckpointQuantError(f"{src}.bits={bits!r}: GPTQ checkpoints of 2, 4 or "
+                                           "8 bits are supported")
             fmt = str(qc.get("checkpoint_format", "gptq")).lower()
-            if fmt not in ("gptq", "gptq_v2"):
-                raise CheckpointQuantError(
-                    f"quantization_config.checkpoint_format={fmt!r}: 'gptq' or 'gptq_v2' "
-                    "are supported")
+            if fmt not in ("gptq", "gptq_v2") or qc.get("is_marlin_format"):
+                shown = "marlin (is_marlin_format)" if qc.get("is_marlin_format") else repr(fmt)
+                raise CheckpointQuantError(f"{src}.checkpoint_format={shown}: 'gptq' or "
+                                           "'gptq_v2' are supported")
             sym, desc_act = bool(qc.get("sym", True)), bool(qc.get("desc_act", False))
             minus_one = fmt == "gptq"
         if not isinstance(group, int) or not (group == -1 or group > 0):
-            raise CheckpointQuantError(f"quantization_config.group_size={group!r}: must be a "
-                                       "positive number of columns or -1")
-        return cls(method, bits, group, sym, desc_act, minus_one)
+            raise CheckpointQuantError(f"{src}.group_size={group!r}: must be a positive "
+                                       "number of columns or -1")
+        return cls(method, bits, group, sym, desc_act, minus_one, src)
 
     @property
     def native_format(self) -> str | None:

@@ -53,6 +53,8 @@ class Layout:
     in, where not the input's own (act-order: its columns sorted by group)."""
     unaligned: set[str]
     """Fused projections whose parts' groups do not line up (float32)."""
+    with_g_idx: set[str]
+    """The quantized modules that store a ``g_idx``."""
 
 
 def tensor_layout(path: Path, quant: CheckpointQuant) -> Layout:
@@ -67,7 +69,8 @@ def tensor_layout(path: Path, quant: CheckpointQuant) -> Layout:
         key = layout_key(prefix + ".weight") if leaf in ("qweight", "weight") else None
         if key is not None and key.startswith("layers."):
             parts.setdefault(key, []).append(name)
-    layout = Layout({}, {}, set())
+    layout = Layout({}, {}, set(), {n.removesuffix(".g_idx") for n in files
+                                    if n.endswith(".g_idx")})  # fmt: skip
     fmt = quant.native_format
     for key, names in parts.items():
         if fmt is None or not all(n.endswith(".qweight") for n in names):
@@ -137,10 +140,16 @@ class _Linear:
     scales: torch.Tensor
     group_of: torch.Tensor
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 ``[n, k]``: ``scale * (code - zero)``, exact."""
+    def dequantize(self, rows_per_chunk: int = 1024) -> torch.Tensor:
+        """float32 ``[n, k]``: ``scale * (code - zero)``, exact (made in chunks of rows,
+        so a large weight takes little more than its output)."""
         g = self.group_of.long()
-        return self.scales[:, g] * (self.codes - self.zeros[:, g]).float()
+        out = torch.empty(self.codes.shape, dtype=torch.float32)
+        for r in range(0, out.shape[0], rows_per_chunk):
+            rows = slice(r, r + rows_per_chunk)
+            torch.mul(self.scales[rows][:, g], (self.codes[rows] - self.zeros[rows][:, g]),
+                      out=out[rows])  # fmt: skip
+        return out
 
     def in_order(self, group: int) -> bool:
         k = self.codes.shape[1]
@@ -156,25 +165,36 @@ class _Linear:
 def _decode(quant: CheckpointQuant, name: str, parts: dict[str, torch.Tensor]) -> _Linear:
     missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
     if missing:
-        raise CheckpointQuantError(f"checkpoint module {name!r} has qweight but no "
-                                   f"{', '.join(missing)}")
+        raise CheckpointQuantError(f"checkpoint module {name!r} has {', '.join(sorted(parts))} "
+                                   f"but no {', '.join(missing)}")
+    for part in ("qweight", "qzeros"):
+        if parts[part].dtype != torch.int32:
+            raise CheckpointQuantError(f"checkpoint module {name!r}: {part} is "
+                                       f"{parts[part].dtype}, not int32 (pack_dtype)")
     scales = parts["scales"].float()
+    mask = (1 << quant.bits) - 1
     if quant.method == "awq":
         codes = _awq_columns(_unpack(parts["qweight"], 4, 1)).T
         zeros = _awq_columns(_unpack(parts["qzeros"], 4, 1))
     else:
         codes = _unpack(parts["qweight"], quant.bits, 0).T
-        zeros = _unpack(parts["qzeros"], quant.bits, 1) + int(quant.zeros_minus_one)
+        zeros = _unpack(parts["qzeros"], quant.bits, 1)
+        if quant.zeros_minus_one:  # a zero point of 0 is stored as the field's all ones
+            zeros = (zeros + 1) & mask
     n, k = codes.shape
     groups = scales.shape[0]
     if scales.shape[1] != n or zeros.shape != (groups, n):
         raise CheckpointQuantError(
             f"checkpoint module {name!r}: scales {tuple(scales.shape)} and qzeros "
             f"{tuple(parts['qzeros'].shape)} do not fit qweight {tuple(parts['qweight'].shape)}")
+    size = k if quant.group_size == -1 else quant.group_size
+    if groups != -(-k // size):
+        raise CheckpointQuantError(
+            f"checkpoint module {name!r}: {groups} groups of scales for {k} input columns, "
+            f"but {quant.source}.group_size={quant.group_size} makes {-(-k // size)}")
     if "g_idx" in parts:
         group_of = parts["g_idx"].to(torch.int32)
     else:
-        size = k if quant.group_size == -1 else quant.group_size
         group_of = (torch.arange(k) // size).to(torch.int32)
     if group_of.shape != (k,) or int(group_of.min()) < 0 or int(group_of.max()) >= groups:
         raise CheckpointQuantError(f"checkpoint module {name!r}: g_idx does not give each of "
@@ -182,7 +202,7 @@ def _decode(quant: CheckpointQuant, name: str, parts: dict[str, torch.Tensor]) -
     return _Linear(codes.contiguous(), zeros.T.contiguous(), scales.T.contiguous(), group_of)
 
 
-def _native(fmt: str, name: str, lin: _Linear) -> QuantizedWeight:
+def _native(fmt: str, name: str, lin: _Linear, source: str) -> QuantizedWeight:
     """``lin`` in ``fmt``, its groups (in order) cut into blocks of :data:`QK` columns."""
     n, k = lin.codes.shape
     block_group = lin.group_of[::QK].long()
@@ -199,7 +219,7 @@ def _native(fmt: str, name: str, lin: _Linear) -> QuantizedWeight:
         lo, hi = (0, 15) if fmt == "q4_0" else (-128, 127)
         if int(codes.min()) < lo or int(codes.max()) > hi:
             raise CheckpointQuantError(
-                f"checkpoint module {name!r}: quantization_config.sym is true but its zero "
+                f"checkpoint module {name!r}: {source}.sym is true but its zero "
                 "points are not the middle of the code range")
     if fmt == "q8_0":
         w.qs.copy_(codes.to(torch.int8))
@@ -214,8 +234,9 @@ def iter_checkpoint_weights(path: Path, quant: CheckpointQuant, layout: Layout,
                             ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """``(hf_name, tensor)`` for every weight of the checkpoint at ``path``: quantized
     linears as ``{module}.weight``, a :class:`QuantizedWeight` where ``layout`` (see
-    :func:`tensor_layout`) keeps them (its columns in the layout's order), else float32; other tensors as stored, less the
-    biases of projections that ``spec`` has none for."""
+    :func:`tensor_layout`) keeps them (its columns in the layout's order), else float32;
+    other tensors as stored, less the (all-zero) biases of projections that ``spec`` has
+    none for."""
     from engine.model_files import iter_weights
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -224,16 +245,20 @@ def iter_checkpoint_weights(path: Path, quant: CheckpointQuant, layout: Layout,
     for name, tensor in iter_weights(path):
         prefix, _, leaf = name.rpartition(".")
         if leaf == "bias" and not _has_bias(spec, prefix):
-            continue  # GPTQ writes a bias for every linear; the model has none there
+            if bool(tensor.any()):
+                raise CheckpointQuantError(
+                    f"checkpoint tensor {name!r}: a bias the model has none for (its config "
+                    "gives this projection no bias), and not all zero")
+            continue  # GPTQ writes an all-zero bias for every linear
         if leaf not in _PARTS:
             yield name, tensor
             continue
         parts = pending.setdefault(prefix, {})
         parts[leaf] = tensor
-        if not all(p in parts for p in _PARTS[:3]) or (quant.method == "gptq" and "g_idx" not in parts):
-            continue
-        yield _weight(quant, layout, prefix, pending.pop(prefix), expanded)
-    for prefix, parts in pending.items():  # GPTQ modules stored without g_idx
+        needed = _PARTS if prefix in layout.with_g_idx else _PARTS[:3]
+        if all(p in parts for p in needed):
+            yield _weight(quant, layout, prefix, pending.pop(prefix), expanded)
+    for prefix, parts in pending.items():  # incomplete: _decode names what is missing
         yield _weight(quant, layout, prefix, parts, expanded)
     for reason in sorted(set(expanded.values())):
         names = [m for m, r in expanded.items() if r == reason]
@@ -264,7 +289,7 @@ def _weight(quant: CheckpointQuant, layout: Layout, prefix: str,
         if not lin.in_order(quant.group_size):
             raise CheckpointQuantError(f"checkpoint module {prefix!r}: its g_idx differs from "
                                        "the one read when the model was laid out")
-        return name, _native(fmt, prefix, lin)
+        return name, _native(fmt, prefix, lin, quant.source)
     if quant.native_format is None:
         expanded[prefix] = f"{quant.describe()}: no native format"
     elif key is None or not key.startswith("layers."):

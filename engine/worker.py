@@ -13,7 +13,11 @@ from pathlib import Path
 import torch
 
 from engine import checkpoint_weights, gguf_weights, hugepages, process_tuning
-from engine.checkpoint_quant import CheckpointQuant, resolve_quantization
+from engine.checkpoint_quant import (
+    CheckpointQuant,
+    read_quantization_config,
+    resolve_quantization,
+)
 from engine.config import EngineConfig
 from engine.errors import EngineFatalError
 from engine.kernel_settings import kernel_settings
@@ -110,7 +114,8 @@ class Worker:
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.device = resolve_device(config.device)
-        self.quantization = resolve_quantization(config, self.hf_config, self.model_name)
+        self.quant_config = read_quantization_config(self.hf_config, self.model_path)
+        self.quantization = resolve_quantization(config, self.quant_config, self.model_name)
         """``config.quantization``, or the checkpoint's own (GPTQ, AWQ)."""
         if tp is None and config.tensor_parallel_size > 1:
             check_divisible(DecoderSpec.from_hf(self.hf_config), config.tensor_parallel_size)
@@ -254,12 +259,13 @@ class Worker:
             kinds = sorted(set(formats.values()))
             self.quant_desc = f"gguf ({', '.join(kinds) or 'no quantized tensors'})"
         else:
-            cq = CheckpointQuant.from_hf(self.hf_config)
+            cq = CheckpointQuant.from_config(self.quant_config)
             layout = checkpoint_weights.tensor_layout(self.model_path, cq)
             formats, orders = layout.formats, layout.orders
             weights = checkpoint_weights.iter_checkpoint_weights(
                 self.model_path, cq, layout, DecoderSpec.from_hf(self.hf_config))
-            self.quant_desc = f"{cq.describe()} ({cq.native_format or 'float32'})"
+            kept = sorted(set(formats.values()))
+            self.quant_desc = f"{cq.describe()} ({', '.join(kept) or 'float32'})"
         with torch.device("meta"):
             model = build_model(self.hf_config)
         model.quantize_layout(formats)

@@ -139,6 +139,20 @@ AGREEMENT_PROMPTS = (
 )
 
 
+def check_agreement_model(args: argparse.Namespace) -> None:
+    """Before any run: a GPTQ or AWQ ``--model`` has no float32 form to compare with."""
+    from engine.checkpoint_quant import read_quantization_config
+    from engine.loader import load_config, resolve_model_path
+
+    if not args.agreement or args.agreement_model:
+        return
+    path = resolve_model_path(args.model)
+    qc = read_quantization_config(load_config(path), path)
+    if qc is not None:
+        raise SystemExit(f"--agreement: {args.model} is a {qc.get('quant_method')} checkpoint, "
+                         "not a float32 model: pass --agreement-model with the float checkpoint")
+
+
 def agreement(args: argparse.Namespace, num_tokens: int) -> dict[str, Any]:
     """Greedy outputs of the configured engine against the float32 model's."""
     import gc
@@ -153,9 +167,8 @@ def agreement(args: argparse.Namespace, num_tokens: int) -> dict[str, Any]:
     for kwargs in (dict(model=args.model, **engine_kwargs(args)), reference):
         llm = LLM(**kwargs)
         if kwargs is reference and llm.engine.worker.quantization is not None:
-            raise SystemExit(f"--agreement: {kwargs['model']} is a "
-                             f"{llm.engine.worker.quantization} checkpoint, not a float32 "
-                             "model: pass --agreement-model with the float checkpoint")
+            raise SystemExit(f"--agreement-model: {kwargs['model']} is a "
+                             f"{llm.engine.worker.quantization} checkpoint, not a float32 model")
         runs.append([o.outputs[0] for o in llm.generate(list(AGREEMENT_PROMPTS), params,
                                                          use_tqdm=False)])
         del llm
@@ -181,6 +194,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     from loadtest.op_times import OpTimes, format_report
 
     apply_threads(args)
+    check_agreement_model(args)
     env = environment_info()
     llm = LLM(model=args.model, **engine_kwargs(args, enable_prefix_caching=False))
     worker = llm.engine.worker

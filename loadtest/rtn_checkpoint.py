@@ -9,8 +9,8 @@ rounds every decoder projection (q/k/v/o, gate/up/down) of the float checkpoint 
 files copied. No calibration: the weights are those of RTN, not of GPTQ's or AWQ's
 search, so the file measures serving speed and memory, not a quantizer's quality. The
 layouts, from the formats' definitions: GPTQ packs codes along the input dimension
-(lowest bits first) and in its original ``gptq`` format stores zero points minus one
-(``--checkpoint-format gptq_v2`` does not); AWQ's GEMM layout packs 8 output columns
+(lowest bits first) and in its original ``gptq`` format stores zero points minus one,
+wrapped to the field (``--checkpoint-format gptq_v2`` does not); AWQ's GEMM layout packs 8 output columns
 per int32 in the order 0, 2, 4, 6, 1, 3, 5, 7.
 """
 
@@ -113,8 +113,7 @@ def quantize(w: torch.Tensor, s: Scheme, g_idx: torch.Tensor):
         else:
             lo, hi = cols.amin(dim=1).clamp_max(0), cols.amax(dim=1).clamp_min(0)
             scales[g] = ((hi - lo) / maxq).clamp_min(1e-4)
-            low_zero = 1 if s.checkpoint_format == "gptq" else 0  # v1 cannot store zero 0
-            zeros[g] = torch.round(-lo / scales[g]).clamp(low_zero, maxq).to(torch.int64)
+            zeros[g] = torch.round(-lo / scales[g]).clamp(0, maxq).to(torch.int64)
     scales = scales.half()
     sf, z = scales.float()[g_idx.long()].T, zeros[g_idx.long()].T
     codes = torch.clamp(torch.round(w / sf) + z, 0, maxq).to(torch.int64)
@@ -152,7 +151,8 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], s: Scheme, seed: int = 0,
             packed[prefix + ".qzeros"] = _pack_columns(zeros, 4, AWQ_ORDER)
         else:
             packed[prefix + ".qweight"] = _pack_rows(codes.T, s.bits)
-            stored = zeros - (1 if s.checkpoint_format == "gptq" else 0)
+            # GPTQ's original format stores zero - 1 in the field (0 as all ones)
+            stored = (zeros - 1) & (2**s.bits - 1) if s.checkpoint_format == "gptq" else zeros
             packed[prefix + ".qzeros"] = _pack_columns(stored, s.bits, None)
             packed[prefix + ".g_idx"] = g_idx.clone()
         if s.extra_bias and prefix + ".bias" not in tensors:
@@ -194,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.method == "awq" and args.bits != 4:
         p.error("--bits: AWQ checkpoints are 4-bit")
     src = resolve_model_path(None if args.src == "default" else args.src)
-    scheme = Scheme(args.method, args.bits, args.group_size, args.method == "gptq" and not args.asym,
-                    args.desc_act, args.checkpoint_format)
+    scheme = Scheme(method=args.method, bits=args.bits, group_size=args.group_size,
+                    sym=args.method == "gptq" and not args.asym, desc_act=args.desc_act,
+                    checkpoint_format=args.checkpoint_format)
     try:
         packed, _ = quantize_tensors(dict(iter_weights(src)), scheme)
     except ValueError as exc:

@@ -69,8 +69,8 @@ BUDGET=${GPU_CHECK_BUDGET_S:-450}
 ALL_PARTS="env engine gate bench-model bench bench-eager bandwidth kernels hf-eq"
 # Seen on an H200 (2026-12-04): env 8-13 s, engine 31-36, gate 73-110 (alone), bench-model
 # 15-19, bench 21-30, bench-eager 17-26, bandwidth 7-9, kernels 26-35, hf-eq 40-48; the
-# engine part has since gained a LoRA and embeddings test (two more engines) and an AWQ
-# checkpoint test (one more, small).
+# engine part has since gained a LoRA and embeddings test (two more engines) and a GPTQ
+# act-order checkpoint test (two more, small).
 declare -A LIMIT=([env]=15 [engine]=75 [gate]=125 [bench-model]=30 [bench]=40 [bench-eager]=35
     [bandwidth]=25 [kernels]=50 [hf-eq]=55)
 PARTS=${GPU_CHECK_PARTS:-$ALL_PARTS}

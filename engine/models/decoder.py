@@ -348,6 +348,9 @@ class DecoderForCausalLM(nn.Module):
         leaf = ".".join(parts[2:])
         proj = parts[-2]
         kind = parts[-1]  # weight | bias
+        if kind in ("qweight", "qzeros", "scales", "g_idx"):
+            raise ValueError(f"checkpoint tensor {name!r} is part of a quantized linear, but "
+                             "the model's config names no quantization (quantization_config)")
         if proj in qkv_off:
             _put_rows(layer.qkv_proj, kind, qkv_off[proj], tensor)
         elif proj in gu_off:

@@ -5,14 +5,16 @@ naming the setting."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.checkpoint_quant import CheckpointQuant, CheckpointQuantError
+from engine.checkpoint_quant import (
+    CheckpointQuant,
+    CheckpointQuantError,
+    read_quantization_config,
+)
 from engine.checkpoint_weights import iter_checkpoint_weights, tensor_layout
 from engine.loader import load_config
 from engine.models.checkpoint_names import layout_key
@@ -20,7 +22,7 @@ from engine.models.decoder import LINEAR_NAMES
 from engine.models.spec import DecoderSpec
 from kernels.quant import QuantizedWeight
 from tests.helpers.hf import hf_greedy
-from tests.helpers.quantized_checkpoints import Scheme, write_quantized
+from tests.helpers.quantized_checkpoints import Scheme, tied_copy, write_quantized
 
 NEW = 12
 
@@ -44,6 +46,7 @@ SCHEMES = {
     "gptq8-zeros": ("llama", Scheme(bits=8, group_size=32, sym=False), None, set()),
     "awq": ("llama", Scheme(method="awq", group_size=32, sym=False), "q4_1", set()),
     "awq-qwen2": ("qwen2", Scheme(method="awq", group_size=64, sym=False), "q4_1", set()),
+    "awq-tied": ("llama-tied", Scheme(method="awq", group_size=32, sym=False), "q4_1", set()),
 }
 
 
@@ -55,7 +58,10 @@ def checkpoints(tiny_model_factory, tmp_path_factory):
         if name not in made:
             arch, scheme, _, _ = SCHEMES[name]
             root = tmp_path_factory.mktemp(name)
-            exact = write_quantized(tiny_model_factory(arch), root / "q", root / "ref", scheme)
+            src = tiny_model_factory(arch.removesuffix("-tied"))
+            if arch.endswith("-tied"):
+                src = tied_copy(src, root / "tied")
+            exact = write_quantized(src, root / "q", root / "ref", scheme)
             made[name] = (root / "q", root / "ref", exact)
         return made[name]
 
@@ -72,30 +78,10 @@ def prompts(default_tokenizer):
 
 def _loaded(path):
     cfg = load_config(path)
-    quant = CheckpointQuant.from_hf(cfg)
+    quant = CheckpointQuant.from_config(read_quantization_config(cfg, path))
     layout = tensor_layout(path, quant)
     weights = iter_checkpoint_weights(path, quant, layout, DecoderSpec.from_hf(cfg))
     return dict(weights), layout
-
-
-def test_known_packings(tmp_path):
-    """Bit patterns worked out by hand from the formats' definitions."""
-    from engine.checkpoint_weights import _decode
-
-    # AWQ: fields 0..7 of an int32 hold columns 0, 2, 4, 6, 1, 3, 5, 7 -> codes 0..7.
-    awq = CheckpointQuant("awq", 4, -1, False, False, False)
-    lin = _decode(awq, "m", {"qweight": torch.tensor([[0x75316420]], dtype=torch.int32),
-                             "qzeros": torch.tensor([[0x11111111]], dtype=torch.int32),
-                             "scales": torch.ones(1, 8, dtype=torch.float16)})
-    assert lin.codes[:, 0].tolist() == list(range(8)) and lin.zeros.flatten().tolist() == [1] * 8
-    # GPTQ: codes along the input dimension, lowest bits first; zero points stored minus one
-    # (0x77777777: eight zero points of 8) in the original format.
-    gptq = CheckpointQuant("gptq", 4, -1, True, False, True)
-    lin = _decode(gptq, "m", {"qweight": torch.full((1, 8), 0x76543210, dtype=torch.int32),
-                              "qzeros": torch.tensor([[0x77777777]], dtype=torch.int32),
-                              "scales": torch.full((1, 8), 0.5, dtype=torch.float16)})
-    assert lin.codes.tolist() == [list(range(8))] * 8 and lin.zeros.tolist() == [[8]] * 8
-    assert lin.dequantize()[0].tolist() == [0.5 * (c - 8) for c in range(8)]
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
@@ -145,39 +131,6 @@ def test_greedy_equals_hf_on_the_dequantized_weights(checkpoints, prompts, name,
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
-
-
-def _edit_config(path, **changes):
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"].update(changes)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"bits": 3}, r"quantization_config.bits=3: GPTQ checkpoints of 2, 4 or 8 bits"),
-    ({"checkpoint_format": "marlin"}, r"quantization_config.checkpoint_format='marlin'"),
-    ({"group_size": 0}, r"quantization_config.group_size=0"),
-    ({"quant_method": "fp8"}, r"quant_method='fp8', which is not supported"),
-])
-def test_unsupported_checkpoints_are_refused(checkpoints, tmp_path, changes, message):
-    import shutil
-
-    quantized = checkpoints("gptq4-sym")[0]
-    path = tmp_path / "m"
-    shutil.copytree(quantized, path)
-    _edit_config(path, **changes)
-    with pytest.raises(CheckpointQuantError, match=message):
-        LLM(str(path), kv_cache_memory_gb=0.05)
-
-
-def test_awq_layouts_other_than_gemm_are_refused(checkpoints, tmp_path):
-    import shutil
-
-    quantized = checkpoints("awq")[0]
-    shutil.copytree(quantized, tmp_path / "m")
-    _edit_config(tmp_path / "m", version="gemv")
-    with pytest.raises(CheckpointQuantError, match=r"quantization_config.version='gemv'"):
-        LLM(str(tmp_path / "m"), kv_cache_memory_gb=0.05)
 
 
 def test_quantization_setting_against_the_checkpoint(checkpoints, tiny_model_factory):

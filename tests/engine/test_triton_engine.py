@@ -156,17 +156,19 @@ def test_adapters_and_embeddings_on_cuda(tiny_llama, tmp_path) -> None:
 @pytest.mark.skipif(not CUDA, reason="needs CUDA; on the CPU, test_checkpoint_quant.py runs "
                     "GPTQ/AWQ checkpoints and tests/kernels the Triton quantized product")
 def test_quantized_checkpoint_on_cuda(tiny_llama, tmp_path) -> None:
-    """On the GPU: an AWQ checkpoint (q4_1 planes on the device) on the Triton backend
-    with decode CUDA graphs gives the torch backend's tokens."""
+    """On the GPU: an act-order GPTQ checkpoint with zero points (q4_1 planes and input
+    orders on the device) on the Triton backend with decode CUDA graphs gives the torch
+    backend's tokens."""
     from engine import LLM
     from tests.helpers.quantized_checkpoints import Scheme, write_quantized
 
     write_quantized(Path(tiny_llama), tmp_path / "q", tmp_path / "ref",
-                    Scheme(method="awq", group_size=32, sym=False))
+                    Scheme(group_size=32, sym=False, desc_act=True, checkpoint_format="gptq_v2"))
     ref = generate(LLM(model=str(tmp_path / "q"), **engine_kwargs("torch", "cuda")))
     llm = LLM(model=str(tmp_path / "q"), **engine_kwargs("triton", "cuda"))
-    qkv = llm.engine.worker.model.layers[0].qkv_proj.weight
-    assert qkv.fmt == "q4_1" and qkv.device.type == "cuda"
+    qkv = llm.engine.worker.model.layers[0].qkv_proj
+    assert qkv.weight.fmt == "q4_1" and qkv.weight.device.type == "cuda"
+    assert qkv.input_order is not None and qkv.input_order.device.type == "cuda"
     assert generate(llm) == ref
 
 

@@ -10,14 +10,15 @@ which HF transformers loads as a plain model.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from loadtest.rtn_checkpoint import Scheme, quantize_tensors, write_folder
 
-__all__ = ["Scheme", "write_quantized"]
+__all__ = ["Scheme", "split_into_shards", "tied_copy", "write_quantized"]
 
 
 def write_quantized(src: Path, out: Path, ref: Path, s: Scheme, seed: int = 0,
@@ -32,3 +33,31 @@ def write_quantized(src: Path, out: Path, ref: Path, s: Scheme, seed: int = 0,
     write_folder(src, out, packed, s.config())
     write_folder(src, ref, held, None)
     return exact
+
+
+def tied_copy(src: Path, out: Path) -> Path:
+    """``src`` with tied word embeddings: its ``lm_head`` dropped, the embedding table
+    serving as the logits matrix."""
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors.pop("lm_head.weight")
+    write_folder(src, out, tensors, None)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def split_into_shards(folder: Path, shards: int = 2) -> None:
+    """``folder``'s ``model.safetensors`` as ``shards`` files and an index, the tensors
+    dealt out in turn (so a quantized linear's parts land in different files)."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[i::shards]}
+        save_file(part, str(folder / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
