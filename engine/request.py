@@ -95,6 +95,9 @@ class Request:
     """The model's EOS ids: the request stops on them unless ``params.ignore_eos``."""
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    lora_waited_steps: int = 0
+    """Steps this request waited first in line for a place for its adapter
+    (:func:`engine.lora.slots.lora_gate`)."""
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)

@@ -36,7 +36,7 @@ import logging
 from collections.abc import Iterable
 
 from blockmgr import KVCacheManager, cdiv
-from engine.lora.slots import active_loras, lora_admits, lora_victims
+from engine.lora.slots import active_loras, lora_admits, lora_gate, lora_victims
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import (
     CachedRequestData,
@@ -229,7 +229,7 @@ class Scheduler:
         kv = self.kv
         active = active_loras(self.running) if self.max_loras else None
         admits = None if active is None else \
-            (lambda r: lora_admits(r, active, self.max_loras))  # fmt: skip
+            lora_gate(self.waiting, active, self.max_loras)  # fmt: skip
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.first(admits)
             if req is None:

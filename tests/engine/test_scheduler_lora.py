@@ -89,6 +89,36 @@ def test_no_place_is_taken_from_an_adapter_as_urgent():
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_waiting_adapter_gets_a_place_under_steady_traffic(policy):
+    """One request of adapter B behind a steady stream of A's: B waits while A's
+    requests go first, but no longer than LORA_WAIT_STEPS steps; then only base-model
+    requests are admitted beside A's running ones until one frees its place for B."""
+    from engine.lora.slots import LORA_WAIT_STEPS
+
+    s, runner = make_scheduler(max_num_seqs=16, budget=256, max_loras=1,
+                               scheduling_policy=policy), FakeRunner()  # fmt: skip
+    s.add_request(_req("a0", "A", max_tokens=4))
+    s.add_request(_req("b", "B", max_tokens=2))
+    admitted_at: dict[str, int] = {}
+    for step in range(200):
+        for rid, adapter in ((f"a{step + 1}", "A"), (f"base{step}", None)):
+            s.add_request(_req(rid, adapter, max_tokens=4))
+        out = run_step(s, runner)
+        assert len(_adapters_of(s, out)) <= 1, step
+        admitted_at.update((n.req_id, step) for n in out.new_requests)
+        if "b" in admitted_at and step > admitted_at["b"] + 8:
+            break
+    b = admitted_at["b"]
+    # b is first in line from step 1 (a0 is admitted in step 0): A's requests go first
+    # for LORA_WAIT_STEPS steps, then only base requests, until A's running ones finish.
+    assert LORA_WAIT_STEPS < b <= LORA_WAIT_STEPS + 6, b
+    admitted_a = [step for rid, step in admitted_at.items() if rid.startswith("a")]
+    assert max(s for s in admitted_a if s < b) == LORA_WAIT_STEPS
+    assert all(step in admitted_at.values() for step in range(b))  # base ones all along
+    assert any(step > b for step in admitted_a)  # A comes back once B is done
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", range(40))
 def test_random_traces_hold_the_limit_and_finish(policy, seed):
     rng = random.Random(seed)
