@@ -298,12 +298,20 @@ class DataParallelEngine:
                 self.on_death(exc)
 
     # -- requests -----------------------------------------------------------------------
-    def _route(self, ids: list[int], params: SamplingParams) -> int:
+    def _route(self, ids: list[int], params: SamplingParams, lora_id: int = 0) -> int:
+        """The least loaded replica, unless the one that took the last request of the
+        same first block (prefix caching: the block's key includes the adapter) or,
+        for a shorter prompt or without prefix caching, of the same LoRA adapter (it
+        has the adapter loaded, and a place for it within ``max_loras``) is at most
+        PREFIX_MARGIN_TOKENS busier."""
         least = min(range(len(self.replicas)), key=self.load.__getitem__)
         bs = self.config.block_size
-        if not self.config.enable_prefix_caching or len(ids) < bs:
+        if self.config.enable_prefix_caching and len(ids) >= bs:
+            key: tuple = (lora_id, *ids[:bs])
+        elif lora_id:
+            key = (lora_id,)
+        else:
             return least
-        key = tuple(ids[:bs])
         holder = self._prefix_holder.get(key)
         choice = holder if holder is not None and \
             self.load[holder] <= self.load[least] + PREFIX_MARGIN_TOKENS else least  # fmt: skip
@@ -319,7 +327,8 @@ class DataParallelEngine:
                     pooling: PoolingParams | None = None) -> None:  # fmt: skip
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
-        i = self._route(prompt_token_ids, params)
+        i = self._route(prompt_token_ids, params,
+                        0 if lora_request is None else lora_request.lora_int_id)
         limit = self.info.limits.max_model_len - len(prompt_token_ids)
         out = limit if params.max_tokens is None else min(params.max_tokens, limit)
         cost = (len(prompt_token_ids) + out) * params.n

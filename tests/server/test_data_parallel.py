@@ -99,6 +99,31 @@ def test_router_without_prefix_caching_only_balances(default_model_path):
     assert [dp._owner[f"r{i}"] for i in range(4)] == [0, 1, 0, 1]
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_router_keeps_an_adapter_on_one_replica(default_model_path, prefix_caching):
+    """Requests of one LoRA adapter go where it already runs (loaded there, within that
+    replica's max_loras) while that replica is not too busy; prefixes are per adapter."""
+    from engine.lora import LoRARequest
+
+    dp = _router(default_model_path, prefix_caching)
+    sp = SamplingParams(max_tokens=10)
+    sql, doc = LoRARequest("sql", 1, "/a/sql"), LoRARequest("doc", 2, "/a/doc")
+    shared = list(range(100, 132))
+    for i in range(4):
+        dp.add_request(f"s{i}", [7, 8, i], sp, asyncio.Queue(), lora_request=sql)
+        dp.add_request(f"d{i}", [7, 8, i], sp, asyncio.Queue(), lora_request=doc)
+    assert {dp._owner[f"s{i}"] for i in range(4)} == {0}
+    assert {dp._owner[f"d{i}"] for i in range(4)} == {1}
+    # The same first block under two adapters is two prefixes (with prefix caching: each
+    # new, so each to the least loaded; one key would have sent p-doc after p-sql).
+    dp.add_request("p-sql", shared, sp, asyncio.Queue(), lora_request=sql)
+    dp.add_request("p-doc", shared, sp, asyncio.Queue(), lora_request=doc)
+    assert (dp._owner["p-sql"], dp._owner["p-doc"]) == (0, 1)
+    dp.load[0] += PREFIX_MARGIN_TOKENS + 100  # sql's replica too busy: balance wins
+    dp.add_request("s-late", [7, 8, 9], sp, asyncio.Queue(), lora_request=sql)
+    assert dp._owner["s-late"] == 1
+
+
 def test_killed_replica_gives_503_and_leaves_nothing(default_model_path):
     srv = ServerProcess(ARGS).start()
     try:
