@@ -8,7 +8,10 @@ part, and a ``function_call`` item per call. Streamed, each item opens with
 ``response.output_item.done``, between ``response.created`` / ``response.in_progress``
 and ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it);
 every event is ``event: <type>`` and ``data: <json>`` with a ``sequence_number``. A
-failure after the 200 is a ``response.failed`` event.
+failure after the 200 is a ``response.failed`` event. Asked for, the message's
+``output_text`` carries the logprobs of the tokens whose text is in it (tokens whose
+text the parsers hold back join the text they become; those of reasoning or calls are
+dropped).
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from aiohttp import web
 from server.chat import ChoiceParser
 from server.errors import APIError, bad_request, not_found
 from server.generation import ChoiceTally, Generation, Prompt, choice_updates
+from server.logprobs import TokenPieces, chat_logprobs
 from server.params import chat_params
 from server.prompts import chat_prompt, truncate_prompts
 from server.protocol import ResponsesRequest, read_request
 from server.reasoning import ReasoningParser, gate_after_reasoning
-from server.responses_input import RESPONSES, chat_request, text_constraint
+from server.responses_input import RESPONSES, chat_request, text_constraint, wants_logprobs
 from server.responses_store import input_items
 from server.sse import STREAM_ERROR_KEY, json_response, open_stream, send_error_and_done
 from server.state import STATE_KEY
@@ -76,6 +80,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     out = _Output(
         base=_base(req, model, store), input_tokens=len(prompt.token_ids),
         streaming=bool(req.stream),
+        pieces=state.token_piece if wants_logprobs(req) else None,
         parser=ChoiceParser(
             None if reasoning is None else ReasoningParser(reasoning, rendered),
             None if tools.parser is None else ToolCallParser(tools.parser,
@@ -177,6 +182,8 @@ class _Item:
     call_id: str = ""
     name: str = ""
     status: str = "in_progress"
+    logprobs: list[dict] = field(default_factory=list)
+    """A message's: its tokens' logprobs (chat's ``logprobs.content`` items)."""
 
     def body(self, status: str) -> dict[str, Any]:
         if self.kind == "reasoning":
@@ -189,10 +196,13 @@ class _Item:
                 "call_id": self.call_id, "name": self.name, "arguments": self.text}
 
     def part(self, text: str | None = None) -> dict[str, Any]:
-        text = self.text if text is None else text
+        """The item's content part: as it is now, or (``text``) as it began."""
         if self.kind == "reasoning":
-            return {"type": "reasoning_text", "text": text}
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            return {"type": "reasoning_text", "text": self.text if text is None else text}
+        if text is not None:
+            return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"type": "output_text", "text": self.text, "annotations": [],
+                "logprobs": self.logprobs}
 
 
 @dataclass
@@ -214,6 +224,10 @@ class _Output:
     """Events are encoded (a whole response needs only its items)."""
     on_done: Callable[[dict[str, Any]], None] | None = None
     """Called with the finished response before its last event (stored responses)."""
+    pieces: TokenPieces | None = None
+    """Set when the message carries logprobs (the tokens' pieces for them)."""
+    held: list[dict] = field(default_factory=list)
+    """Logprobs of tokens whose text the parsers hold back (not yet in any item)."""
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
@@ -256,6 +270,8 @@ class _Output:
         yield self.event("response.in_progress", response=self.response("in_progress"))
         async for updates in choice_updates(gen, 1, self.tally):
             for _, c in updates:
+                if self.pieces is not None and c.logprobs:
+                    self.held += chat_logprobs(c.logprobs, self.pieces)
                 yield b"".join(self._feed(c.text, len(c.token_ids), c.finish_reason))
         if not self.items:  # nothing at all was generated: one empty message
             yield self._add(_Item("message", _id("msg")))
@@ -273,9 +289,10 @@ class _Output:
         out = [self._arguments(c) for c in calls if c["index"] in self.calls]
         if thought:
             out += self._grow("reasoning", thought, "response.reasoning_text.delta")
-        if content:
-            out += self._grow("message", content, "response.output_text.delta",
-                              logprobs=[])
+        lps, self.held = (self.held, []) if content or thought or calls else ([], self.held)
+        if content:  # the message's tokens: those of this text and of text held before it
+            out += self._grow("message", content, "response.output_text.delta", logprobs=lps)
+            self.open.logprobs += lps
         for call in calls:
             if call["index"] not in self.calls:
                 out.append(self._close())
@@ -331,7 +348,7 @@ class _Output:
         else:
             done = ("response.reasoning_text.done" if item.kind == "reasoning"
                     else "response.output_text.done")
-            extra = {} if item.kind == "reasoning" else {"logprobs": []}
+            extra = {} if item.kind == "reasoning" else {"logprobs": item.logprobs}
             out = self.event(done, item_id=item.id, output_index=i, content_index=0,
                              text=item.text, **extra)
             out += self.event("response.content_part.done", item_id=item.id,

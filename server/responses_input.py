@@ -18,6 +18,15 @@ from server.protocol import ChatCompletionRequest, ChatMessage, ResponsesRequest
 from server.structured import Constraint, _make
 
 RESPONSES = Route(prompt="input", max_tokens="max_output_tokens", logprobs="top_logprobs")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The ``include`` value served; the others name data this server does not produce
+(encrypted reasoning, search results, images) and are ignored."""
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether the message's ``output_text`` carries logprobs: ``include`` asks for them,
+    or ``top_logprobs`` is set."""
+    return LOGPROBS_INCLUDE in (req.include or ()) or req.top_logprobs is not None
 ROLES = ("user", "system", "developer", "assistant")
 ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
 
@@ -39,12 +48,10 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not supported on /v1/responses; use "
                           "/v1/completions", "prompt_logprobs")
-    if req.top_logprobs:
-        raise bad_request("top_logprobs is not supported on /v1/responses; use "
-                          "/v1/chat/completions", "top_logprobs")
     fields = {f: getattr(req, f) for f in _Sampling.__struct_fields__}
     return ChatCompletionRequest(
-        **fields, messages=input_messages(req.input, req.instructions),
+        **fields, logprobs=wants_logprobs(req), top_logprobs=req.top_logprobs,
+        messages=input_messages(req.input, req.instructions),
         max_completion_tokens=limit, tools=chat_tools(req.tools),
         tool_choice=chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls,

@@ -83,6 +83,36 @@ def test_text_equals_chat_whole_and_streamed(client, limit):
     assert events[-1].type == ("response.incomplete" if cut else "response.completed")
 
 
+def test_logprobs_equal_chat_whole_and_streamed(client):
+    """include=["message.output_text.logprobs"] with top_logprobs: the message's tokens'
+    logprobs as chat completions gives them; streamed, each delta carries its tokens'."""
+    ask = {"instructions": "Answer briefly.", "input": "Name a color.",
+           "max_output_tokens": 12, **GREEDY}
+    chat = client.chat.completions.create(
+        messages=[{"role": "system", "content": ask["instructions"]},
+                  {"role": "user", "content": ask["input"]}],
+        max_completion_tokens=12, logprobs=True, top_logprobs=3, **GREEDY)
+    want = [c.model_dump() for c in chat.choices[0].logprobs.content]
+    assert len(want) == chat.usage.completion_tokens and len(want[0]["top_logprobs"]) == 3
+    # Chat lists the end-of-turn token too; the message's text has no such token.
+    assert chat.choices[0].finish_reason == "stop" and want[-1]["token"] == "<|im_end|>"
+    want = want[:-1]
+    r = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=3, **ask)
+    part = r.output[0].content[0]
+    assert part.text == chat.choices[0].message.content
+    assert [lp.model_dump() for lp in part.logprobs] == want
+    events, final = _streamed(client, include=["message.output_text.logprobs"],
+                              top_logprobs=3, **ask)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [lp.model_dump() for e in deltas for lp in e.logprobs] == want
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.model_dump() for lp in done.logprobs] == want
+    assert [lp.model_dump() for lp in final.output[0].content[0].logprobs] == want
+    # Without them asked for: empty lists; an unknown include is ignored.
+    plain = client.responses.create(include=["reasoning.encrypted_content"], **ask)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == part.text
+
+
 def test_sse_framing_is_event_then_data(server):
     r = requests.post(server.url + "/v1/responses", json={
         "input": "Hi", "max_output_tokens": 3, "stream": True, **GREEDY}, timeout=60)
@@ -154,6 +184,8 @@ def test_text_format_json_schema(client):
     ({"max_output_tokens": 5000}, "max_output_tokens"),
     ({"input": [{"type": "reasoning", "content": 5}]}, "input"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, extra, param):
     body = {"model": MODEL, "input": "Hi", **extra}
