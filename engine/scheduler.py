@@ -36,7 +36,7 @@ import logging
 from collections.abc import Iterable
 
 from blockmgr import KVCacheManager, cdiv
-from engine.lora.slots import active_loras, lora_admits, lora_gate, lora_victims
+from engine.lora.slots import active_loras, lora_gate, lora_victims
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import (
     CachedRequestData,
@@ -146,6 +146,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int]] = []
+        self._gate = lora_gate(self.waiting, self.running, self.max_loras) \
+            if self.max_loras else None  # the step's LoRAGate  # fmt: skip
         if self.waiting.by_priority:
             self.running.sort(key=priority_key)
             self._preempt_for_priority(out)
@@ -197,13 +199,13 @@ class Scheduler:
         return budget
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """Waiting requests, first first, take the places of the least urgent running
-        ones they outrank when they would find no seat or no blocks for their first
-        chunk (cache hits are not counted: one more may be preempted than needed)."""
-        seats, free = len(self.running), self.kv.num_free_blocks
+        """Waiting requests, first first, take the places of the least urgent running ones they
+        outrank when they find no seat or blocks for their first chunk (hits not counted)."""
+        seats, free, gate = len(self.running), self.kv.num_free_blocks, self._gate
         for head in list(itertools.islice(self.waiting, self.max_num_seqs)):
-            if self.max_loras and not lora_admits(head, active_loras(self.running),
-                                                  self.max_loras):  # fmt: skip
+            if gate is not None and gate.closed_to(head):
+                continue  # the step admits none of its adapter: no place is made for it
+            if gate is not None and not gate.admits(head, active_loras(self.running)):
                 victims = lora_victims(head, self.running)  # its adapter's place
                 if not victims:
                     continue
@@ -226,10 +228,8 @@ class Scheduler:
                           self.max_model_len - req.num_tokens - 1))
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
-        kv = self.kv
-        active = active_loras(self.running) if self.max_loras else None
-        admits = None if active is None else \
-            lora_gate(self.waiting, active, self.max_loras)  # fmt: skip
+        kv, gate, active = self.kv, self._gate, active_loras(self.running)
+        admits = None if gate is None else (lambda r: gate.admits(r, active))
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.first(admits)
             if req is None:
@@ -258,8 +258,8 @@ class Scheduler:
                     req.num_computed_tokens = 0
                 break
             self.waiting.remove(req)
-            if active is not None and req.lora_int_id:
-                active.add(req.lora_int_id)
+            if gate is not None:
+                gate.admitted(req, active)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached

@@ -5,7 +5,8 @@ place. Torch-free."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from engine.request import Request
 
@@ -22,27 +23,47 @@ def lora_admits(req: Request, active: set[int], max_loras: int) -> bool:
 
 
 LORA_WAIT_STEPS = 32
-"""Steps the first waiting request may wait for a place for its adapter while requests
-behind it are admitted. After that a step admits only requests of the base model and of
-that adapter: the running adapters' requests finish, and the first to free its place
-gives it to the waiting one (under steady traffic of other adapters it would wait for
-ever)."""
+"""Steps the first waiting request may wait first in line for a place for its adapter
+while requests behind it are admitted. After that a step admits only requests of the
+base model and of that adapter (and preempts for no other): the running adapters'
+requests finish, and the first to free its place gives it to the waiting one (under
+steady traffic of other adapters it would wait for ever)."""
 
 
-def lora_gate(waiting, active: set[int], max_loras: int) -> Callable[[Request], bool]:
-    """Which waiting requests a step may admit: those whose adapter finds a place
-    (:func:`lora_admits`), and once the first in line has waited :data:`LORA_WAIT_STEPS`
-    steps for one, only requests of the base model and of its adapter. ``waiting`` is the
-    scheduler's queue, ``active`` the step's adapters (updated as requests are admitted);
-    called once a step."""
+@dataclass
+class LoRAGate:
+    """One step's rule for admitting waiting requests (:func:`lora_gate`)."""
+
+    max_loras: int
+    drain_for: int | None = None
+    """The adapter whose request has waited too long: only it and the base model pass."""
+
+    def closed_to(self, req: Request) -> bool:
+        """Whether the step admits no request of ``req``'s adapter, whatever the places."""
+        return self.drain_for is not None and req.lora_int_id not in (0, self.drain_for)
+
+    def admits(self, req: Request, active: set[int]) -> bool:
+        """Whether ``req`` may be admitted beside the step's ``active`` adapters."""
+        return not self.closed_to(req) and lora_admits(req, active, self.max_loras)
+
+    def admitted(self, req: Request, active: set[int]) -> None:
+        """``req`` was admitted: its adapter is active, its wait is over."""
+        req.lora_waited_steps = 0
+        if req.lora_int_id:
+            active.add(req.lora_int_id)
+
+
+def lora_gate(waiting, running: Iterable[Request], max_loras: int) -> LoRAGate:
+    """The step's :class:`LoRAGate`: closed to other adapters once the first waiting
+    request (``waiting.first()``) has waited :data:`LORA_WAIT_STEPS` steps first in line
+    for a place. Called once a step, before any preemption or admission."""
+    gate = LoRAGate(max_loras)
     head = waiting.first()
-    if head is not None and not lora_admits(head, active, max_loras):
+    if head is not None and not lora_admits(head, active_loras(running), max_loras):
         head.lora_waited_steps += 1
         if head.lora_waited_steps > LORA_WAIT_STEPS:
-            lid = head.lora_int_id
-            return lambda r: not r.lora_int_id or (r.lora_int_id == lid
-                                                   and lora_admits(r, active, max_loras))
-    return lambda r: lora_admits(r, active, max_loras)
+            gate.drain_for = head.lora_int_id
+    return gate
 
 
 def lora_victims(head: Request, running: list[Request]) -> list[Request]:

@@ -118,6 +118,33 @@ def test_a_waiting_adapter_gets_a_place_under_steady_traffic(policy):
     assert any(step > b for step in admitted_a)  # A comes back once B is done
 
 
+def test_no_preemption_for_requests_the_drain_keeps_out(monkeypatch):
+    """Under priority, once the places are drained for a waiting adapter, requests of
+    the other adapters make no room: nothing is preempted for them (before, base requests
+    were preempted and re-admitted every step). Admission resets a request's wait."""
+    import engine.lora.slots as slots
+
+    monkeypatch.setattr(slots, "LORA_WAIT_STEPS", 5)
+    s, runner = make_scheduler(max_num_seqs=4, budget=256, max_loras=1,
+                               scheduling_policy="priority"), FakeRunner()  # fmt: skip
+    s.add_request(_req("x0", "A", priority=0, max_tokens=30))  # holds A's place
+    for i in range(3):
+        s.add_request(_req(f"base{i}", None, priority=2, max_tokens=200))
+    run_step(s, runner)
+    s.add_request(_req("y", "B", priority=1, max_tokens=4))
+    admitted_y = False
+    for step in range(60):
+        s.add_request(_req(f"a{step}", "A", priority=1, max_tokens=2))
+        out = run_step(s, runner)
+        assert len(_adapters_of(s, out)) <= 1
+        new = {n.req_id for n in out.new_requests}
+        assert not new & set(out.preempted_req_ids), step  # no room made for nothing
+        if "y" in new:
+            admitted_y = True
+            assert s.requests["y"].lora_waited_steps == 0
+    assert admitted_y and "y" not in s.requests  # admitted once x0 was done, and finished
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", range(40))
 def test_random_traces_hold_the_limit_and_finish(policy, seed):
