@@ -300,24 +300,23 @@ class DataParallelEngine:
     # -- requests -----------------------------------------------------------------------
     def _route(self, ids: list[int], params: SamplingParams, lora_id: int = 0) -> int:
         """The least loaded replica, unless the one that took the last request of the
-        same first block (prefix caching: the block's key includes the adapter) or,
-        for a shorter prompt or without prefix caching, of the same LoRA adapter (it
-        has the adapter loaded, and a place for it within ``max_loras``) is at most
-        PREFIX_MARGIN_TOKENS busier."""
+        same first block (prefix caching: the block's key includes the adapter) or, for a
+        first block new to it, of the same LoRA adapter (it has the adapter loaded, and a
+        place for it within ``max_loras``) is at most PREFIX_MARGIN_TOKENS busier."""
         least = min(range(len(self.replicas)), key=self.load.__getitem__)
         bs = self.config.block_size
+        keys: list[tuple] = []
         if self.config.enable_prefix_caching and len(ids) >= bs:
-            key: tuple = (lora_id, *ids[:bs])
-        elif lora_id:
-            key = (lora_id,)
-        else:
-            return least
-        holder = self._prefix_holder.get(key)
+            keys.append((lora_id, *ids[:bs]))
+        if lora_id:
+            keys.append((lora_id,))  # a new prefix of the adapter: where the adapter is
+        holder = next((h for k in keys if (h := self._prefix_holder.get(k)) is not None), None)
         choice = holder if holder is not None and \
             self.load[holder] <= self.load[least] + PREFIX_MARGIN_TOKENS else least  # fmt: skip
-        self._prefix_holder[key] = choice
-        self._prefix_holder.move_to_end(key)
-        if len(self._prefix_holder) > _PREFIX_ENTRIES:
+        for key in keys:
+            self._prefix_holder[key] = choice
+            self._prefix_holder.move_to_end(key)
+        while len(self._prefix_holder) > _PREFIX_ENTRIES:
             self._prefix_holder.popitem(last=False)
         return choice
 

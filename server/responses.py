@@ -9,9 +9,8 @@ part, and a ``function_call`` item per call. Streamed, each item opens with
 and ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it);
 every event is ``event: <type>`` and ``data: <json>`` with a ``sequence_number``. A
 failure after the 200 is a ``response.failed`` event. Asked for, the message's
-``output_text`` carries the logprobs of the tokens whose text is in it (tokens whose
-text the parsers hold back join the text they become; those of reasoning or calls are
-dropped).
+``output_text`` carries the logprobs of the tokens whose text is in it
+(:meth:`_Output._message_logprobs`).
 """
 
 from __future__ import annotations
@@ -81,6 +80,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         base=_base(req, model, store), input_tokens=len(prompt.token_ids),
         streaming=bool(req.stream),
         pieces=state.token_piece if wants_logprobs(req) else None,
+        special=frozenset(state.tokenizer.all_special_ids),
         parser=ChoiceParser(
             None if reasoning is None else ReasoningParser(reasoning, rendered),
             None if tools.parser is None else ToolCallParser(tools.parser,
@@ -226,8 +226,10 @@ class _Output:
     """Called with the finished response before its last event (stored responses)."""
     pieces: TokenPieces | None = None
     """Set when the message carries logprobs (the tokens' pieces for them)."""
-    held: list[dict] = field(default_factory=list)
-    """Logprobs of tokens whose text the parsers hold back (not yet in any item)."""
+    special: frozenset[int] = frozenset()
+    """Token ids never in the message's logprobs (end of turn, tool-call tags)."""
+    held: list[tuple[dict, int]] = field(default_factory=list)
+    """Logprobs (and text widths) of tokens whose text the parsers hold back."""
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
@@ -270,9 +272,8 @@ class _Output:
         yield self.event("response.in_progress", response=self.response("in_progress"))
         async for updates in choice_updates(gen, 1, self.tally):
             for _, c in updates:
-                if self.pieces is not None and c.logprobs:
-                    self.held += chat_logprobs(c.logprobs, self.pieces)
-                yield b"".join(self._feed(c.text, len(c.token_ids), c.finish_reason))
+                yield b"".join(self._feed(c.text, len(c.token_ids), c.finish_reason,
+                                          c.logprobs or []))  # fmt: skip
         if not self.items:  # nothing at all was generated: one empty message
             yield self._add(_Item("message", _id("msg")))
         yield self._close()
@@ -281,16 +282,44 @@ class _Output:
             self.on_done(response)
         yield self.event(f"response.{self.status}", response=response)
 
-    def _feed(self, text: str, num_tokens: int, finish: str | None) -> list[bytes]:
+    def _message_logprobs(self, entries: list, reasoning: bool, content: str,
+                          other: bool) -> list[dict]:
+        """The logprobs of the tokens whose text is ``content``: those of this step and
+        held ones, the last of them whose widths cover it. A step inside the reasoning
+        (as ``reasoning_tokens`` counts it) and one whose text went to reasoning or calls
+        only contribute none."""
+        new = [(lp, self.pieces(e.token_id).width) for lp, e in zip(
+            chat_logprobs(entries, self.pieces), entries, strict=True)
+            if e.token_id not in self.special]  # fmt: skip
+        if reasoning or (other and not content):
+            self.held = []
+            return []
+        self.held += new
+        if not content:
+            return []
+        take, need = [], len(content)
+        for lp, width in reversed(self.held):
+            if need <= 0:
+                break
+            take.append(lp)
+            need -= width
+        self.held = []
+        return take[::-1]
+
+    def _feed(self, text: str, num_tokens: int, finish: str | None, entries: list) -> list[bytes]:
+        rp = self.parser.reasoning
+        reasoning = rp is not None and rp.in_reasoning
         thought, content, calls = self.parser.feed(text, finish is not None, num_tokens)
+        reasoning = reasoning or (rp is not None and rp.in_reasoning)
+        lps = [] if self.pieces is None else \
+            self._message_logprobs(entries, reasoning, content, bool(thought or calls))
         if finish is not None:
             self.finish = finish
         # The rest of a call already open comes before any text or call after it.
         out = [self._arguments(c) for c in calls if c["index"] in self.calls]
         if thought:
             out += self._grow("reasoning", thought, "response.reasoning_text.delta")
-        lps, self.held = (self.held, []) if content or thought or calls else ([], self.held)
-        if content:  # the message's tokens: those of this text and of text held before it
+        if content:
             out += self._grow("message", content, "response.output_text.delta", logprobs=lps)
             self.open.logprobs += lps
         for call in calls:

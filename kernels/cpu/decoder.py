@@ -173,8 +173,9 @@ class FusedLayers:
         if bias is not None and not (_f32_vector(bias) and bias.numel() == n):
             return None
         if order is not None and not (order.dtype == torch.int64 and order.is_cpu
-                                      and order.shape == (k,) and order.is_contiguous()):
-            return None
+                                      and order.shape == (k,) and order.is_contiguous()
+                                      and 0 <= int(order.min()) <= int(order.max()) < k):
+            return None  # the native gather reads x[order[j]] unchecked
         lin = [0] * C["LIN_SIZE"]
         lin[C["LIN_BIAS"]], lin[C["LIN_N"]], lin[C["LIN_K"]] = (
             0 if bias is None else bias.data_ptr(), n, k)

@@ -114,14 +114,17 @@ def test_router_keeps_an_adapter_on_one_replica(default_model_path, prefix_cachi
         dp.add_request(f"d{i}", [7, 8, i], sp, asyncio.Queue(), lora_request=doc)
     assert {dp._owner[f"s{i}"] for i in range(4)} == {0}
     assert {dp._owner[f"d{i}"] for i in range(4)} == {1}
-    # The same first block under two adapters is two prefixes (with prefix caching: each
-    # new, so each to the least loaded; one key would have sent p-doc after p-sql).
+    # A long prompt new to the router follows its adapter too; the same first block
+    # under another adapter is another prefix (one key would have sent p-doc after p-sql).
     dp.add_request("p-sql", shared, sp, asyncio.Queue(), lora_request=sql)
     dp.add_request("p-doc", shared, sp, asyncio.Queue(), lora_request=doc)
     assert (dp._owner["p-sql"], dp._owner["p-doc"]) == (0, 1)
     dp.load[0] += PREFIX_MARGIN_TOKENS + 100  # sql's replica too busy: balance wins
     dp.add_request("s-late", [7, 8, 9], sp, asyncio.Queue(), lora_request=sql)
     assert dp._owner["s-late"] == 1
+    dp.load[0] -= PREFIX_MARGIN_TOKENS + 100  # ... and the adapter now lives there
+    dp.add_request("s-later", [7, 8, 10], sp, asyncio.Queue(), lora_request=sql)
+    assert dp._owner["s-later"] == 1
 
 
 def test_killed_replica_gives_503_and_leaves_nothing(default_model_path):

@@ -341,6 +341,43 @@ def test_reasoning_items_with_a_reasoning_parser(default_model_path):
     assert "".join(deltas) == thought
 
 
+def test_message_logprobs_are_the_message_tokens():
+    """The message's logprobs: not those of the reasoning (nor of the steps that end
+    it), nor end-of-turn tokens; held text's tokens join the text they become."""
+    from types import SimpleNamespace as NS
+
+    from server.chat import ChoiceParser
+    from server.logprobs import TokenPiece
+    from server.reasoning import ReasoningParser
+    from server.responses import _Output
+
+    vocab = ["<think>", "\n", "Hmm", "</think>", "\n\n", "Red", ".", "<eos>"]
+
+    def run(steps, reasoning=True, prompt=""):
+        out = _Output(base={}, input_tokens=0, streaming=False, special=frozenset({7}),
+                      pieces=lambda t: TokenPiece(vocab[t], list(vocab[t].encode()),
+                                                  len(vocab[t])),
+                      parser=ChoiceParser(ReasoningParser("qwen3", prompt) if reasoning
+                                          else None, None))  # fmt: skip
+        for k, step in enumerate(steps):
+            entries = [NS(token_id=t, logprob=-1.0 - t, top=[]) for t in step]
+            out._feed("".join(vocab[t] for t in step if t != 7), len(step),
+                      "stop" if k == len(steps) - 1 else None, entries)
+        out._close()
+        return {it.kind: (it.text, [lp["token"] for lp in it.logprobs]) for it in out.items}
+
+    one_by_one = run([[0], [1], [2], [1], [3], [4], [5], [6], [7]])
+    assert one_by_one["message"] == ("Red.", ["Red", "."])
+    assert run([[5], [6], [7]], reasoning=False)["message"] == ("Red.", ["Red", "."])
+    assert run([[5], [6, 7]], reasoning=False)["message"] == ("Red.", ["Red", "."])
+    # Several tokens in a step: the last ones whose text covers the message's.
+    assert run([[0, 2, 3, 5], [6]])["message"] == ("Red.", ["Red", "."])
+    # A step that began inside the reasoning counts as reasoning (as reasoning_tokens
+    # does): none of its tokens.
+    opened = run([[2], [3, 5], [6]], prompt="<think>\n")
+    assert opened["reasoning"][0] == "Hmm" and opened["message"] == ("Red.", ["."])
+
+
 def _events(frames: bytes) -> list[dict]:
     return [json.loads(block.split("\ndata: ", 1)[1])
             for block in frames.decode().split("\n\n") if block]
