@@ -22,6 +22,7 @@ from engine.models.decoder import LINEAR_NAMES
 from engine.models.spec import DecoderSpec
 from kernels.quant import QuantizedWeight
 from tests.helpers.hf import hf_greedy
+from tests.helpers.prompts import TINY_MODEL_TEXTS
 from tests.helpers.quantized_checkpoints import Scheme, tied_copy, write_quantized
 
 NEW = 12
@@ -70,10 +71,7 @@ def checkpoints(tiny_model_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(default_tokenizer):
-    texts = ["The capital of France is", "def fibonacci(n):",
-             "Once upon a time, in a land far away beyond the seven mountains, there lived "
-             "a dragon who guarded a hoard of gold and"]
-    return [default_tokenizer.encode(t) for t in texts]
+    return [default_tokenizer.encode(t) for t in TINY_MODEL_TEXTS]
 
 
 def _loaded(path):

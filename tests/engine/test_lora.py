@@ -12,6 +12,7 @@ import pytest
 from engine import LLM, EngineConfig, EngineInputError, InputField, LoRARequest, SamplingParams
 from engine.lora import LoRAError
 from tests.helpers.lora import ATTN, MLP, hf_greedy_with, make_adapter
+from tests.helpers.prompts import TINY_MODEL_TEXTS
 
 NEW = 12
 
@@ -39,10 +40,7 @@ def adapters(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(default_tokenizer):
-    texts = ["The capital of France is", "def fibonacci(n):",
-             "Once upon a time, in a land far away beyond the seven mountains, there lived "
-             "a dragon who guarded a hoard of gold and"]
-    return [default_tokenizer.encode(t) for t in texts]
+    return [default_tokenizer.encode(t) for t in TINY_MODEL_TEXTS]
 
 
 @pytest.fixture(scope="module")

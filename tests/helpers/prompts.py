@@ -14,3 +14,12 @@ PROMPTS = [
     "Translate to French: The weather is nice today.",
     "Q: What is 12 times 7?\nA:",
 ]
+
+TINY_MODEL_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away beyond the seven mountains, there lived a dragon "
+    "who guarded a hoard of gold and",
+]
+"""Three prompts (two short, one of a few dozen tokens) of the tiny-model tests that
+compare greedy output with HF transformers."""
