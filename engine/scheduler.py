@@ -36,7 +36,7 @@ import logging
 from collections.abc import Iterable
 
 from blockmgr import KVCacheManager, cdiv
-from engine.lora.slots import active_loras, lora_gate, lora_victims
+from engine.lora.slots import LoRAGate, active_loras, lora_gate, lora_victims
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import (
     CachedRequestData,
@@ -84,6 +84,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.max_loras = max_loras
         """Distinct LoRA adapters a step may hold (0: no limit, no adapters)."""
+        self._gate: LoRAGate | None = None  # the step's (set by schedule())
         self.spec = speculative_config
         self.spec_stats = SpecStats()
         self.ended_without_tokens: list[Request] = []
@@ -146,8 +147,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int]] = []
-        self._gate = lora_gate(self.waiting, self.running, self.max_loras) \
-            if self.max_loras else None  # the step's LoRAGate  # fmt: skip
+        self._gate = lora_gate(self.waiting, self.running, self.max_loras) if self.max_loras else None
         if self.waiting.by_priority:
             self.running.sort(key=priority_key)
             self._preempt_for_priority(out)

@@ -164,6 +164,7 @@ def _base(req: ResponsesRequest, model: str, store: bool) -> dict[str, Any]:
         "previous_response_id": req.previous_response_id,
         "reasoning": req.reasoning or {"effort": None, "summary": None},
         "store": store, "temperature": req.temperature, "top_p": req.top_p,
+        "top_logprobs": req.top_logprobs,
         "text": {**(req.text or {}), "format": fmt},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [], "truncation": req.truncation or "disabled",

@@ -99,7 +99,7 @@ def test_logprobs_equal_chat_whole_and_streamed(client):
     want = want[:-1]
     r = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=3, **ask)
     part = r.output[0].content[0]
-    assert part.text == chat.choices[0].message.content
+    assert part.text == chat.choices[0].message.content and r.top_logprobs == 3
     assert [lp.model_dump() for lp in part.logprobs] == want
     events, final = _streamed(client, include=["message.output_text.logprobs"],
                               top_logprobs=3, **ask)
