@@ -306,7 +306,7 @@ class _Output:
         self.held = []
         return take[::-1]
 
-    def _feed(self, text: str, num_tokens: int, finish: str | None, entries: list) -> list[bytes]:
+    def _feed(self, text: str, num_tokens: int, finish: str | None, entries=()) -> list[bytes]:
         rp = self.parser.reasoning
         reasoning = rp is not None and rp.in_reasoning
         thought, content, calls = self.parser.feed(text, finish is not None, num_tokens)
