@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from engine.checkpoint_quant import CheckpointQuant, CheckpointQuantError
-from engine.models.checkpoint_names import layout_key
+from engine.models.checkpoint_names import PROJECTIONS, QUANTIZED_PARTS, layout_key
 from kernels.quant import QK, QuantizedWeight
 
 if TYPE_CHECKING:
@@ -26,8 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_PARTS = ("qweight", "qzeros", "scales", "g_idx")
-_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AWQ GEMM: the output column (within 8) that each 4-bit field of an int32 holds."""
 
 
@@ -103,9 +102,13 @@ def _shared_order(g_idx: list[torch.Tensor | None], group_size: int) -> torch.Te
     if first is None or any(g is None or not torch.equal(g, first) for g in g_idx):
         return None
     order = torch.argsort(first.long(), stable=True)
-    k = first.numel()
-    size = k if group_size == -1 else group_size
-    return order if torch.equal(first.long()[order], torch.arange(k) // size) else None
+    return order if torch.equal(first.long()[order], _groups(first.numel(), group_size)) \
+        else None  # fmt: skip
+
+
+def _groups(k: int, group_size: int) -> torch.Tensor:
+    """Each of ``k`` input columns' group when the groups run in order (int64)."""
+    return torch.arange(k) // (k if group_size == -1 else group_size)
 
 
 def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -122,9 +125,9 @@ def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def _awq_columns(codes: torch.Tensor) -> torch.Tensor:
-    """AWQ's interleaved columns (:data:`_AWQ_ORDER`) put back in order."""
+    """AWQ's interleaved columns (:data:`AWQ_ORDER`) put back in order."""
     rows, cols = codes.shape
-    order = torch.tensor(_AWQ_ORDER)
+    order = torch.tensor(AWQ_ORDER)
     out = torch.empty_like(codes).view(rows, cols // 8, 8)
     out[:, :, order] = codes.view(rows, cols // 8, 8)
     return out.view(rows, cols)
@@ -152,9 +155,7 @@ class _Linear:
         return out
 
     def in_order(self, group: int) -> bool:
-        k = self.codes.shape[1]
-        size = k if group == -1 else group
-        return bool(torch.equal(self.group_of.long(), torch.arange(k) // size))
+        return bool(torch.equal(self.group_of.long(), _groups(self.codes.shape[1], group)))
 
     def reordered(self, order: torch.Tensor) -> _Linear:
         """The same weight with its input columns in ``order``."""
@@ -163,7 +164,7 @@ class _Linear:
 
 
 def _decode(quant: CheckpointQuant, name: str, parts: dict[str, torch.Tensor]) -> _Linear:
-    missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
+    missing = [p for p in QUANTIZED_PARTS[:3] if p not in parts]
     if missing:
         raise CheckpointQuantError(f"checkpoint module {name!r} has {', '.join(sorted(parts))} "
                                    f"but no {', '.join(missing)}")
@@ -187,15 +188,12 @@ def _decode(quant: CheckpointQuant, name: str, parts: dict[str, torch.Tensor]) -
         raise CheckpointQuantError(
             f"checkpoint module {name!r}: scales {tuple(scales.shape)} and qzeros "
             f"{tuple(parts['qzeros'].shape)} do not fit qweight {tuple(parts['qweight'].shape)}")
-    size = k if quant.group_size == -1 else quant.group_size
-    if groups != -(-k // size):
+    in_order = _groups(k, quant.group_size)
+    if groups != int(in_order[-1]) + 1:
         raise CheckpointQuantError(
             f"checkpoint module {name!r}: {groups} groups of scales for {k} input columns, "
-            f"but {quant.source}.group_size={quant.group_size} makes {-(-k // size)}")
-    if "g_idx" in parts:
-        group_of = parts["g_idx"].to(torch.int32)
-    else:
-        group_of = (torch.arange(k) // size).to(torch.int32)
+            f"but {quant.source}.group_size={quant.group_size} makes {int(in_order[-1]) + 1}")
+    group_of = (parts["g_idx"] if "g_idx" in parts else in_order).to(torch.int32)
     if group_of.shape != (k,) or int(group_of.min()) < 0 or int(group_of.max()) >= groups:
         raise CheckpointQuantError(f"checkpoint module {name!r}: g_idx does not give each of "
                                    f"its {k} input columns one of its {groups} groups")
@@ -244,18 +242,19 @@ def iter_checkpoint_weights(path: Path, quant: CheckpointQuant, layout: Layout,
     """Module -> why it is expanded to float32."""
     for name, tensor in iter_weights(path):
         prefix, _, leaf = name.rpartition(".")
-        if leaf == "bias" and not _has_bias(spec, prefix):
+        proj = prefix.rpartition(".")[2]
+        if leaf == "bias" and proj in PROJECTIONS and not spec.has_bias(proj):
             if bool(tensor.any()):
                 raise CheckpointQuantError(
                     f"checkpoint tensor {name!r}: a bias the model has none for (its config "
                     "gives this projection no bias), and not all zero")
             continue  # GPTQ writes an all-zero bias for every linear
-        if leaf not in _PARTS:
+        if leaf not in QUANTIZED_PARTS:
             yield name, tensor
             continue
         parts = pending.setdefault(prefix, {})
         parts[leaf] = tensor
-        needed = _PARTS if prefix in layout.with_g_idx else _PARTS[:3]
+        needed = QUANTIZED_PARTS if prefix in layout.with_g_idx else QUANTIZED_PARTS[:3]
         if all(p in parts for p in needed):
             yield _weight(quant, layout, prefix, pending.pop(prefix), expanded)
     for prefix, parts in pending.items():  # incomplete: _decode names what is missing
@@ -264,17 +263,6 @@ def iter_checkpoint_weights(path: Path, quant: CheckpointQuant, layout: Layout,
         names = [m for m, r in expanded.items() if r == reason]
         logger.warning("%d quantized linears expanded to float32 (%s), e.g. %s",
                        len(names), reason, names[0])
-
-
-def _has_bias(spec: DecoderSpec, module: str) -> bool:
-    proj = module.rpartition(".")[2]
-    if proj in ("q_proj", "k_proj", "v_proj"):
-        return spec.qkv_bias
-    if proj == "o_proj":
-        return spec.o_bias
-    if proj in ("gate_proj", "up_proj", "down_proj"):
-        return spec.mlp_bias
-    return True
 
 
 def _weight(quant: CheckpointQuant, layout: Layout, prefix: str,

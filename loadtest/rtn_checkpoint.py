@@ -25,10 +25,8 @@ from pathlib import Path
 
 import torch
 
-from engine.models.checkpoint_names import layout_key
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+from engine.checkpoint_weights import AWQ_ORDER
+from engine.models.checkpoint_names import PROJECTIONS, layout_key
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-          "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-          "down_proj": "down_proj"}  # fmt: skip
+from engine.lora.request import FUSED
+
+_FUSED = {part: fused for fused, parts in FUSED.items() for part in parts}
+PROJECTIONS = tuple(_FUSED)
+"""A decoder layer's checkpoint projections, ``q_proj`` .. ``down_proj``."""
+QUANTIZED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+"""The tensors of a GPTQ or AWQ linear (``{module}.{part}``; ``g_idx``: GPTQ's, optional)."""
 
 
 def layout_key(hf: str) -> str | None:

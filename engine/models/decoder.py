@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.models.checkpoint_names import QUANTIZED_PARTS
 from engine.models.rope import rope_tables
 from engine.models.spec import DecoderSpec
 from kernels.interface import AttentionBackend, AttentionMetadata, DecoderStack, LayerWeights
@@ -324,16 +325,12 @@ class DecoderForCausalLM(nn.Module):
             pre = f"layers.{i}."
             required.update(pre + n for n in ("input_layernorm.weight",
                                               "post_attention_layernorm.weight"))
-            for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                required.add(f"{pre}self_attn.{p}.weight")
-            for p in ("gate_proj", "up_proj", "down_proj"):
-                required.add(f"{pre}mlp.{p}.weight")
-                if spec.mlp_bias:
-                    required.add(f"{pre}mlp.{p}.bias")
-            if spec.qkv_bias:
-                required.update(f"{pre}self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj"))
-            if spec.o_bias:
-                required.add(f"{pre}self_attn.o_proj.bias")
+            for sub, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                               ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+                for p in projs:
+                    required.add(f"{pre}{sub}.{p}.weight")
+                    if spec.has_bias(p):
+                        required.add(f"{pre}{sub}.{p}.bias")
             if spec.qk_norm:
                 required.update(f"{pre}self_attn.{p}.weight" for p in ("q_norm", "k_norm"))
         missing = sorted(required - loaded)
@@ -348,7 +345,7 @@ class DecoderForCausalLM(nn.Module):
         leaf = ".".join(parts[2:])
         proj = parts[-2]
         kind = parts[-1]  # weight | bias
-        if kind in ("qweight", "qzeros", "scales", "g_idx"):
+        if kind in QUANTIZED_PARTS:
             raise ValueError(f"checkpoint tensor {name!r} is part of a quantized linear, but "
                              "the model's config names no quantization (quantization_config)")
         if proj in qkv_off:

@@ -52,3 +52,10 @@ class DecoderSpec:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
         )
+
+    def has_bias(self, proj: str) -> bool:
+        """Whether the checkpoint projection ``proj`` (``q_proj`` .. ``down_proj``) has a
+        bias in this model."""
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            return self.qkv_bias
+        return self.o_bias if proj == "o_proj" else self.mlp_bias
