@@ -140,17 +140,21 @@ AGREEMENT_PROMPTS = (
 
 
 def check_agreement_model(args: argparse.Namespace) -> None:
-    """Before any run: a GPTQ or AWQ ``--model`` has no float32 form to compare with."""
+    """Before any run: the model ``--agreement`` compares with (``--agreement-model``,
+    else ``--model``) must be a float one; a GPTQ or AWQ checkpoint has no float32 form."""
     from engine.checkpoint_quant import read_quantization_config
     from engine.loader import load_config, resolve_model_path
 
-    if not args.agreement or args.agreement_model:
+    if not args.agreement:
         return
-    path = resolve_model_path(args.model)
+    ref = args.agreement_model or args.model
+    path = resolve_model_path(ref)
     qc = read_quantization_config(load_config(path), path)
     if qc is not None:
-        raise SystemExit(f"--agreement: {args.model} is a {qc.get('quant_method')} checkpoint, "
-                         "not a float32 model: pass --agreement-model with the float checkpoint")
+        raise SystemExit(
+            f"--agreement: {ref} is a {qc.get('quant_method')} checkpoint, not a float32 model"
+            + ("" if args.agreement_model else
+               ": pass --agreement-model with the float checkpoint"))  # fmt: skip
 
 
 def agreement(args: argparse.Namespace, num_tokens: int) -> dict[str, Any]:
@@ -166,9 +170,6 @@ def agreement(args: argparse.Namespace, num_tokens: int) -> dict[str, Any]:
         args, quantization=None, dtype="float32", kv_cache_dtype="auto"))  # fmt: skip
     for kwargs in (dict(model=args.model, **engine_kwargs(args)), reference):
         llm = LLM(**kwargs)
-        if kwargs is reference and llm.engine.worker.quantization is not None:
-            raise SystemExit(f"--agreement-model: {kwargs['model']} is a "
-                             f"{llm.engine.worker.quantization} checkpoint, not a float32 model")
         runs.append([o.outputs[0] for o in llm.generate(list(AGREEMENT_PROMPTS), params,
                                                          use_tqdm=False)])
         del llm
