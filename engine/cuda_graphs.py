@@ -82,9 +82,13 @@ def max_blocks_per_seq(max_model_len: int, block_size: int) -> int:
     return cdiv(max_model_len, block_size)
 
 
-def graphs_wanted(device: torch.device, enforce_eager: bool, attn: AttentionBackend) -> bool:
-    """Whether decode steps should run as CUDA graphs on this device and backend."""
-    return device.type == "cuda" and not enforce_eager and attn.name in GRAPH_SAFE_BACKENDS
+def graphs_wanted(device: torch.device, enforce_eager: bool, attn: AttentionBackend,
+                  model: Any = None) -> bool:
+    """Whether decode steps should run as CUDA graphs on this device and backend (and
+    for ``model``: not one with experts, whose tokens are grouped by expert with sizes
+    read on the host)."""
+    return device.type == "cuda" and not enforce_eager and attn.name in GRAPH_SAFE_BACKENDS \
+        and (model is None or model.spec.moe is None)
 
 
 @dataclass(slots=True)
@@ -331,8 +335,11 @@ def capture_decode_graphs(worker: Any) -> DecodeGraphRunner | None:
     steps: the choice depends only on the step's description."""
     cfg = worker.config
     sizes = capture_sizes(cfg.max_num_seqs)
-    if not graphs_wanted(worker.device, cfg.enforce_eager, worker.attn):
-        if worker.device.type == "cuda" and not cfg.enforce_eager:
+    if not graphs_wanted(worker.device, cfg.enforce_eager, worker.attn, worker.model):
+        if worker.model.spec.moe is not None and worker.device.type == "cuda":
+            logger.info("CUDA graphs off: the model's mixture-of-experts layers group each "
+                        "step's tokens by expert with sizes read on the host")
+        elif worker.device.type == "cuda" and not cfg.enforce_eager:
             logger.info("CUDA graphs off: the %r attention backend cannot be captured "
                         "(graph-safe: %s)", worker.attn.name, sorted(GRAPH_SAFE_BACKENDS))  # fmt: skip
         if not envs.decode_buffers():

@@ -274,7 +274,7 @@ def profile_kv_budget(worker: Any) -> float:
     del step
     graph_reserve = 0
     graph_batch = 0
-    if graphs_wanted(device, cfg.enforce_eager, worker.attn):
+    if graphs_wanted(device, cfg.enforce_eager, worker.attn, worker.model):
         graph_batch = capture_sizes(cfg.max_num_seqs)[-1]
         decode = build_dummy_step([(1, worker.max_model_len)] * graph_batch, block_size,
                                   DUMMY_CACHE_BLOCKS, device)  # fmt: skip

@@ -98,6 +98,20 @@ def _warn_slow_bf16() -> None:
         "float32 here)")
 
 
+def check_moe(spec: DecoderSpec, enable_lora: bool, quantization: str | None) -> None:
+    """Refuse what a model with experts cannot run: LoRA adapters, and weights that stay
+    in a checkpoint's quantized layout (GPTQ, AWQ, GGUF)."""
+    if spec.moe is None:
+        return
+    if enable_lora:
+        raise ValueError("enable_lora=True is not supported for mixture-of-experts models")
+    if quantization not in (None, "int8"):
+        raise ValueError(
+            f"quantization={quantization!r} is not supported for mixture-of-experts models: "
+            "serve the float checkpoint (quantization='int8' keeps the experts' weights in "
+            "int8)")
+
+
 class Worker:
     """``tp``: this process's rank of a tensor-parallel group (ranks other than 0 get one
     from :mod:`engine.parallel.launch`); with ``tensor_parallel_size > 1`` and no ``tp``
@@ -117,6 +131,7 @@ class Worker:
         self.quant_config = read_quantization_config(self.hf_config, self.model_path)
         self.quantization = resolve_quantization(config, self.quant_config, self.model_name)
         """``config.quantization``, or the checkpoint's own (GPTQ, AWQ)."""
+        check_moe(DecoderSpec.from_hf(self.hf_config), config.enable_lora, self.quantization)
         if tp is None and config.tensor_parallel_size > 1:
             check_divisible(DecoderSpec.from_hf(self.hf_config), config.tensor_parallel_size)
             self.tp, self._procs = start_rank0(config, self.device)
@@ -162,6 +177,8 @@ class Worker:
             self.cpu_paths = cpu_paths.describe(self.attn)
             if self.tp is not None:  # the layers' all-reduces come between their ops
                 self.cpu_paths["layers"] = "per-op (tensor parallel)"
+            elif self.spec.moe is not None:  # the native all-layer call has no experts
+                self.cpu_paths["layers"] = "per-op (mixture of experts)"
             logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s",
                        cpu_paths.summary(self.cpu_paths, str(self.dtype).removeprefix("torch."),
                                          self.quant_desc))  # fmt: skip

@@ -3,7 +3,8 @@
 The engine records each step's token count T and sampled rows S; the floor is the time
 of the model's own linear layers alone at those shapes (every layer's fused qkv, o,
 gate_up and down at T rows, the lm_head at S rows, ``F.linear``; weight-only quantized
-weights through the engine's own quantized linear), timed on a grid of T and S and
+weights through the engine's own quantized linear; a layer with experts: its router,
+the experts its T tokens fill when routed evenly and its shared expert), timed on a grid of T and S and
 interpolated per step. :func:`step_breakdown` splits a run's steps into
 decode-only steps and steps with prefill, each against its share of the floor.
 """
@@ -102,8 +103,11 @@ def _linear_floor(model, steps: Sequence[StepRecord], linear) -> dict[str, Any]:
             for layer in layers[:num_layers]:
                 lin(x, layer.qkv_proj.weight, layer.qkv_proj.bias)
                 lin(xo, layer.o_proj.weight, layer.o_proj.bias)
-                lin(x, layer.gate_up_proj.weight, layer.gate_up_proj.bias)
-                lin(xd, layer.down_proj.weight, layer.down_proj.bias)
+                if layer.moe is None:
+                    lin(x, layer.gate_up_proj.weight, layer.gate_up_proj.bias)
+                    lin(xd, layer.down_proj.weight, layer.down_proj.bias)
+                else:
+                    _experts(layer.moe, x, lin)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         return run
@@ -167,3 +171,17 @@ def step_breakdown(steps: Sequence[StepRecord], floor: dict[str, Any] | None) ->
             out["decode_step_floor_s_at_max"] = (
                 _interp(full, gt, lt) + _interp(full, gs, hs))
     return out
+
+
+def _experts(moe, x, lin) -> None:
+    """A layer's experts on ``x``'s tokens routed evenly: each token's ``top_k`` choices
+    spread over as many experts as they can fill, then the shared expert on all."""
+    t, spec = x.shape[0], moe.spec
+    used = min(spec.num_experts, t * spec.top_k)
+    rows = -(-t * spec.top_k // used)
+    lin(x, moe.gate.weight)
+    xe = x[:1].expand(rows, -1).contiguous()
+    for mlp in list(moe.experts)[:used] + ([moe.shared_expert] if moe.shared_expert else []):
+        xi = x if mlp is moe.shared_expert else xe
+        gu = lin(xi, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        lin(gu[:, : gu.shape[1] // 2], mlp.down_proj.weight, mlp.down_proj.bias)

@@ -26,8 +26,13 @@ def _weight_names(model: Any) -> dict[int, str]:
     """``id(weight)`` -> the projection's name (``qkv_proj``, ..., ``lm_head``)."""
     names: dict[int, str] = {}
     for layer in getattr(model, "layers", ()):
-        for proj in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            names[id(getattr(layer, proj).weight)] = proj
+        for name, proj in layer.linears():  # an expert's: moe.gate_up_proj, moe.down_proj
+            names[id(proj.weight)] = name if "." not in name else \
+                f"moe.{name.rpartition('.')[2]}"  # fmt: skip
+        if layer.moe is not None:
+            names[id(layer.moe.gate.weight)] = "moe.router"
+            if layer.moe.shared_expert_gate is not None:
+                names[id(layer.moe.shared_expert_gate.weight)] = "moe.router"
     head = model.lm_head if getattr(model, "lm_head", None) is not None \
         else model.embed_tokens  # fmt: skip
     names[id(head.weight)] = "lm_head"

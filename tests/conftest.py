@@ -88,6 +88,20 @@ def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0,
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=32, rope_theta=10000.0)
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "mixtral":  # every layer has 4 experts, 2 per token
+        cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                         rope_theta=10000.0)
+        cls = transformers.MixtralForCausalLM
+    elif arch == "qwen2_moe":  # layer 0: 6 experts and a shared one; layer 1: a dense MLP
+        cfg = transformers.Qwen2MoeConfig(
+            **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, mlp_only_layers=[1], rope_theta=10000.0)
+        cls = transformers.Qwen2MoeForCausalLM
+    elif arch == "qwen3_moe":  # 8 experts, 3 per token, their weights renormalized
+        cfg = transformers.Qwen3MoeConfig(
+            **common, head_dim=32, num_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=32, norm_topk_prob=True, rope_theta=10000.0)
+        cls = transformers.Qwen3MoeForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

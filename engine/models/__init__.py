@@ -7,12 +7,14 @@ from collections.abc import Iterable
 import torch
 
 from engine.models.decoder import DecoderForCausalLM, DecoderSpec
+from engine.models.spec import MOE_ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.lora.request import FUSED
+
+if TYPE_CHECKING:
+    from engine.models.spec import DecoderSpec, MoESpec
 
 _FUSED = {part: fused for fused, parts in FUSED.items() for part in parts}
 PROJECTIONS = tuple(_FUSED)
@@ -23,3 +28,39 @@ def layout_key(hf: str) -> str | None:
     if parts[-1] != "weight" or parts[-2] not in _FUSED:
         return None
     return f"layers.{parts[2]}.{_FUSED[parts[-2]]}"
+
+
+def required_tensors(spec: DecoderSpec, tied: bool) -> set[str]:
+    """The tensors (names without ``model.``) a checkpoint of ``spec`` must hold
+    (``tied``: the logits read the embedding table, so no ``lm_head.weight``)."""
+    required = {"embed_tokens.weight", "norm.weight"} | (set() if tied else {"lm_head.weight"})
+    for i in range(spec.num_layers):
+        pre = f"layers.{i}."
+        required.update(pre + n for n in ("input_layernorm.weight",
+                                          "post_attention_layernorm.weight"))
+        moe = spec.moe is not None and i in spec.moe.layers
+        if moe:
+            required.update(pre + n for n in moe_tensor_names(spec.moe))
+        for sub, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                           ("mlp", () if moe else ("gate_proj", "up_proj", "down_proj"))):
+            for p in projs:
+                required.add(f"{pre}{sub}.{p}.weight")
+                if spec.has_bias(p):
+                    required.add(f"{pre}{sub}.{p}.bias")
+        if spec.qk_norm:
+            required.update(f"{pre}self_attn.{p}.weight" for p in ("q_norm", "k_norm"))
+    return required
+
+
+def moe_tensor_names(spec: MoESpec) -> list[str]:
+    """The checkpoint tensors (after ``layers.N.``) of a layer with experts."""
+    if spec.mixtral_names:
+        return ["block_sparse_moe.gate.weight"] + [
+            f"block_sparse_moe.experts.{e}.{w}.weight"
+            for e in range(spec.num_experts) for w in ("w1", "w2", "w3")]  # fmt: skip
+    names = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}.weight" for e in range(spec.num_experts)
+                                   for p in ("gate_proj", "up_proj", "down_proj")]  # fmt: skip
+    if spec.shared_intermediate_size:
+        names += [f"mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        names.append("mlp.shared_expert_gate.weight")
+    return names

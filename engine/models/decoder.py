@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) over a paged KV cache.
 
 The forward pass takes one packed, unpadded token tensor for the whole step (prefill
 chunks and decode tokens of many requests together) and computes logits only for the
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.models.checkpoint_names import QUANTIZED_PARTS
+from engine.models.checkpoint_names import QUANTIZED_PARTS, required_tensors
+from engine.models.moe import SparseMoE, moe_tensor
 from engine.models.rope import rope_tables
 from engine.models.spec import DecoderSpec
 from kernels.interface import AttentionBackend, AttentionMetadata, DecoderStack, LayerWeights
@@ -58,7 +60,7 @@ LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, tp: Any = None) -> None:
+    def __init__(self, spec: DecoderSpec, tp: Any = None, index: int = 0) -> None:
         super().__init__()
         self.tp = tp
         """Tensor parallel (:class:`engine.parallel.group.TensorParallel`): this layer
@@ -71,8 +73,14 @@ class DecoderLayer(nn.Module):
         self.scale = s.head_dim ** -0.5
         self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
-        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.moe = SparseMoE(s.hidden_size, s.moe) if s.moe and index in s.moe.layers else None
+        """The layer's experts, in place of the dense MLP (``gate_up_proj`` and
+        ``down_proj`` are then None)."""
+        dense = self.moe is None
+        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size,
+                                      bias=s.mlp_bias) if dense else None  # fmt: skip
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size,
+                                   bias=s.mlp_bias) if dense else None  # fmt: skip
         self.input_layernorm = nn.Parameter(torch.ones(s.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(s.hidden_size))
         self.q_norm = nn.Parameter(torch.ones(s.head_dim)) if s.qk_norm else None
@@ -130,10 +138,23 @@ class DecoderLayer(nn.Module):
             self.tp.all_reduce(attn_out)
         residual, x = ops.add_rms_norm(residual, attn_out, self.post_attention_layernorm,
                                        self.eps)  # fmt: skip
-        out = linear("down_proj", ops.silu_mul(linear("gate_up_proj", x)))
+        if self.moe is not None:
+            out = self.moe(x, ops)
+        else:
+            out = linear("down_proj", ops.silu_mul(linear("gate_up_proj", x)))
         if self.tp is not None:
             self.tp.all_reduce(out)
         return out, residual
+
+    def linears(self) -> Iterator[tuple[str, nn.Module]]:
+        """``(name, module)`` of the layer's projections: :data:`LINEAR_NAMES`, or with
+        experts ``qkv_proj``, ``o_proj`` and ``moe.<expert's projection>`` (not the
+        routers)."""
+        yield from (("qkv_proj", self.qkv_proj), ("o_proj", self.o_proj))
+        if self.moe is None:
+            yield from (("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj))
+        else:
+            yield from ((f"moe.{n}", m) for n, m in self.moe.expert_linears())
 
 
 class DecoderForCausalLM(nn.Module):
@@ -148,7 +169,7 @@ class DecoderForCausalLM(nn.Module):
             spec = tp.shard.local_spec()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp, i) for i in range(spec.num_layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
             spec.hidden_size, spec.vocab_size, bias=False)
@@ -195,7 +216,7 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm (with ``lora``: the step's
         adapters applied, layer by layer)."""
         hidden = self._embed(input_ids, attn.ops)
-        run_layers = None if self.tp is not None or lora is not None else \
+        run_layers = None if self.tp is not None or lora is not None or self.spec.moe else \
             getattr(attn, "run_layers", None)  # fmt: skip
         fused = None if run_layers is None or not self.layers else run_layers(
             self.decoder_stack(), hidden, positions, kv_caches, meta)
@@ -226,8 +247,11 @@ class DecoderForCausalLM(nn.Module):
     def linear_weights(self) -> Iterator[torch.Tensor | QuantizedWeight]:
         """Every weight that goes through ``ops.linear``, the logits' included."""
         for layer in self.layers:
-            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                yield proj.weight
+            yield from (proj.weight for _, proj in layer.linears())
+            if layer.moe is not None:
+                yield layer.moe.gate.weight
+                if layer.moe.shared_expert_gate is not None:
+                    yield layer.moe.shared_expert_gate.weight
         yield self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor, ops: Any) -> torch.Tensor | None:
@@ -284,10 +308,11 @@ class DecoderForCausalLM(nn.Module):
         embedding table stays float for lookups and gets an int8 copy for the logits)."""
         self._stack = None
         for layer in self.layers:
-            for attr in LINEAR_NAMES:
-                old = getattr(layer, attr)
+            for name, old in list(layer.linears()):
                 if isinstance(old, nn.Linear):
-                    setattr(layer, attr, QuantLinear(quantize_int8(old.weight), old.bias))
+                    parent, _, attr = name.rpartition(".")
+                    setattr(layer.get_submodule(parent) if parent else layer, attr,
+                            QuantLinear(quantize_int8(old.weight), old.bias))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if isinstance(head, torch.Tensor):
             self.lm_head = QuantLinear(quantize_int8(head), None)
@@ -318,21 +343,7 @@ class DecoderForCausalLM(nn.Module):
                 else:
                     self._load_layer_tensor(name, tensor, qkv_off, gu_off)
             loaded.add(name)
-        required = {"embed_tokens.weight", "norm.weight"}
-        if self.lm_head is not None:
-            required.add("lm_head.weight")
-        for i in range(spec.num_layers):
-            pre = f"layers.{i}."
-            required.update(pre + n for n in ("input_layernorm.weight",
-                                              "post_attention_layernorm.weight"))
-            for sub, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                               ("mlp", ("gate_proj", "up_proj", "down_proj"))):
-                for p in projs:
-                    required.add(f"{pre}{sub}.{p}.weight")
-                    if spec.has_bias(p):
-                        required.add(f"{pre}{sub}.{p}.bias")
-            if spec.qk_norm:
-                required.update(f"{pre}self_attn.{p}.weight" for p in ("q_norm", "k_norm"))
+        required = required_tensors(spec, tied=self.lm_head is None)
         missing = sorted(required - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
@@ -348,7 +359,10 @@ class DecoderForCausalLM(nn.Module):
         if kind in QUANTIZED_PARTS:
             raise ValueError(f"checkpoint tensor {name!r} is part of a quantized linear, but "
                              "the model's config names no quantization (quantization_config)")
-        if proj in qkv_off:
+        place = None if layer.moe is None else moe_tensor(layer.moe, parts[2:])
+        if place is not None:
+            _put_rows(place[0], place[1], place[2], tensor)
+        elif proj in qkv_off:
             _put_rows(layer.qkv_proj, kind, qkv_off[proj], tensor)
         elif proj in gu_off:
             _put_rows(layer.gate_up_proj, kind, gu_off[proj], tensor)

@@ -4,6 +4,57 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """The sparse mixture-of-experts MLP of some layers (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+    A token's router logits go through a float32 softmax; its ``top_k`` experts (SwiGLU
+    MLPs of width ``intermediate_size``) run with those probabilities as weights,
+    renormalized to sum 1 when ``norm_topk_prob``. Qwen2-MoE adds a shared expert
+    (width ``shared_intermediate_size``, 0 when none) scaled by ``sigmoid`` of its own
+    one-row gate."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int
+    layers: tuple[int, ...]
+    """The layers with experts; the others have the dense MLP of the spec's width."""
+    mixtral_names: bool
+    """Checkpoint names ``block_sparse_moe.experts.E.w1/w2/w3`` (Mixtral) rather than
+    ``mlp.experts.E.gate_proj/down_proj/up_proj``."""
+    float32_weights: bool
+    """The experts' outputs are scaled by the float32 routing weights (Mixtral) rather
+    than by weights cast to the model's dtype (Qwen)."""
+
+    @classmethod
+    def from_hf(cls, cfg, arch: str) -> MoESpec | None:
+        if arch not in MOE_ARCHITECTURES:
+            return None
+        mixtral = arch == "MixtralForCausalLM"
+        num_experts = cfg.num_local_experts if mixtral else cfg.num_experts
+        top_k = cfg.num_experts_per_tok
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the "
+                             f"number of experts ({num_experts})")
+        if mixtral:
+            layers = tuple(range(cfg.num_hidden_layers))
+        else:
+            step = getattr(cfg, "decoder_sparse_step", 1) or 1
+            dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+            layers = tuple(i for i in range(cfg.num_hidden_layers)
+                           if i not in dense and (i + 1) % step == 0)
+        return cls(
+            num_experts=num_experts, top_k=top_k,
+            intermediate_size=cfg.intermediate_size if mixtral else cfg.moe_intermediate_size,
+            norm_topk_prob=mixtral or bool(getattr(cfg, "norm_topk_prob", False)),
+            shared_intermediate_size=getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
+            layers=layers, mixtral_names=mixtral, float32_weights=mixtral)
+
 
 @dataclass(frozen=True, slots=True)
 class DecoderSpec:
@@ -21,6 +72,8 @@ class DecoderSpec:
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    moe: MoESpec | None = None
+    """The mixture-of-experts layers, if the model has any."""
 
     @classmethod
     def from_hf(cls, cfg) -> DecoderSpec:
@@ -32,7 +85,7 @@ class DecoderSpec:
         is_qwen3 = model_type == "qwen3" or arch.startswith("Qwen3")
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
-                and model_type == "mistral":
+                and model_type in ("mistral", "mixtral"):
             raise ValueError(
                 f"model_type={model_type!r} with sliding_window={cfg.sliding_window} is not supported"
             )
@@ -51,6 +104,7 @@ class DecoderSpec:
             qk_norm=is_qwen3,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+            moe=MoESpec.from_hf(cfg, arch),
         )
 
     def has_bias(self, proj: str) -> bool:

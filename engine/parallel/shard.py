@@ -26,8 +26,12 @@ import torch
 
 from engine.models.decoder import DecoderSpec
 
-_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
-_ROW = {"o_proj": "q", "down_proj": "mlp"}
+_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp",
+           "w1": "mlp", "w3": "mlp"}
+_ROW = {"o_proj": "q", "down_proj": "mlp", "w2": "mlp"}
+"""Mixtral's experts name gate/up/down ``w1``/``w3``/``w2``. An expert (and Qwen2-MoE's
+shared expert) is split as a dense MLP is, over its own width; the routers are whole on
+every rank, so every rank routes a token to the same experts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,14 @@ class TPShard:
         return self._even(self.spec.intermediate_size)
 
     @property
+    def expert_intermediate(self) -> range:
+        return self._even(self.spec.moe.intermediate_size)
+
+    @property
+    def shared_intermediate(self) -> range:
+        return self._even(self.spec.moe.shared_intermediate_size)
+
+    @property
     def vocab_per_rank(self) -> int:
         return -(-self.spec.vocab_size // self.size)
 
@@ -75,14 +87,22 @@ class TPShard:
 
     def local_spec(self) -> DecoderSpec:
         """The decoder this rank builds: its heads, its MLP width, its padded vocab rows."""
+        moe = self.spec.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, intermediate_size=len(self.expert_intermediate),
+                                      shared_intermediate_size=len(self.shared_intermediate))
         return dataclasses.replace(
             self.spec, num_heads=len(self.heads), num_kv_heads=len(self.kv_heads),
-            intermediate_size=len(self.intermediate), vocab_size=self.vocab_per_rank)
+            intermediate_size=len(self.intermediate), vocab_size=self.vocab_per_rank, moe=moe)
 
     def _rows(self, kind: str) -> slice:
         hd = self.spec.head_dim
-        r = {"q": self.heads, "kv": self.kv_heads, "mlp": self.intermediate}[kind]
-        return slice(r.start * hd, r.stop * hd) if kind != "mlp" else slice(r.start, r.stop)
+        if kind in ("q", "kv"):
+            r = self.heads if kind == "q" else self.kv_heads
+            return slice(r.start * hd, r.stop * hd)
+        r = {"mlp": self.intermediate, "experts": self.expert_intermediate,
+             "shared_expert": self.shared_intermediate}[kind]
+        return slice(r.start, r.stop)
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the checkpoint tensor ``name`` (HF names, with or without
@@ -93,12 +113,13 @@ class TPShard:
             rows = tensor[self.vocab.start:self.vocab.stop]
             pad = self.vocab_per_rank - rows.shape[0]
             return rows if pad == 0 else torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
+        width = next((p for p in ("experts", "shared_expert") if p in parts), None)
         if leaf in _COLUMN:
-            return tensor[self._rows(_COLUMN[leaf])]
+            return tensor[self._rows(width or _COLUMN[leaf])]
         if leaf in _ROW:
             if kind == "bias":
                 return tensor if self.rank == 0 else torch.zeros_like(tensor)
-            return tensor[:, self._rows(_ROW[leaf])]
+            return tensor[:, self._rows(width or _ROW[leaf])]
         return tensor  # norms: every rank has them whole
 
 
@@ -117,6 +138,12 @@ def check_divisible(spec: DecoderSpec, size: int) -> None:
         raise bad(f"num_key_value_heads={kv} neither divides it nor is divisible by it")
     if spec.intermediate_size % size:
         raise bad(f"intermediate_size={spec.intermediate_size} is not divisible by it")
+    moe = spec.moe
+    for name, width in (("the experts' intermediate size", moe and moe.intermediate_size),
+                        ("shared_expert_intermediate_size",
+                         moe and moe.shared_intermediate_size)):  # fmt: skip
+        if width and width % size:
+            raise bad(f"{name}={width} is not divisible by it")
     if spec.vocab_size < size:
         raise bad(f"vocab_size={spec.vocab_size} is smaller than it")
 

@@ -1,0 +1,118 @@
+"""Sparse mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+Each token's router picks ``top_k`` experts; the step's tokens are grouped by expert so
+each expert multiplies the rows routed to it in one product per projection, through the
+backend's ``ops.linear`` (so every expert's weights are packed, quantized to int8 or
+sharded like a dense MLP's). Numerics follow HF transformers: the router's softmax in
+float32, the experts' outputs summed into each token's row in ascending expert order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.models.spec import MoESpec
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one product."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
+        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return ops.linear(ops.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+
+
+class SparseMoE(nn.Module):
+    """The experts of one layer, their router and (Qwen2-MoE) the shared expert."""
+
+    def __init__(self, hidden_size: int, moe: MoESpec) -> None:
+        super().__init__()
+        self.spec = moe
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        """The router: one logit per expert."""
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, moe.intermediate_size)
+                                     for _ in range(moe.num_experts))  # fmt: skip
+        shared = moe.shared_intermediate_size
+        self.shared_expert = GatedMLP(hidden_size, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared else None
+
+    def route(self, x: torch.Tensor, ops: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts ``[T, top_k]`` (int64) and their weights ``[T, top_k]``
+        (float32 for Mixtral, ``x``'s dtype for Qwen)."""
+        logits = ops.linear(x, self.gate.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = probs.topk(self.spec.top_k, dim=-1)
+        if self.spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights if self.spec.float32_weights else weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
+        experts, weights = self.route(x, ops)
+        top_k = self.spec.top_k
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        rows = order // top_k  # the token of each (token, choice), grouped by expert
+        scale = weights.flatten()[order, None]
+        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                sel = rows[start:start + n]
+                y = self.experts[expert](x.index_select(0, sel), ops) * scale[start:start + n]
+                out.index_add_(0, sel, y.to(out.dtype))
+                start += n
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight))
+            out = out + gate * self.shared_expert(x, ops)
+        return out
+
+    def expert_linears(self) -> Iterator[tuple[str, nn.Module]]:
+        """``(name, module)`` of the experts' projections and the shared expert's (not the
+        routers': they stay in the model's float dtype)."""
+        mlps = [(f"experts.{i}", e) for i, e in enumerate(self.experts)]
+        if self.shared_expert is not None:
+            mlps.append(("shared_expert", self.shared_expert))
+        for prefix, mlp in mlps:
+            yield f"{prefix}.gate_up_proj", mlp.gate_up_proj
+            yield f"{prefix}.down_proj", mlp.down_proj
+
+
+def moe_tensor(moe: SparseMoE, leaf: list[str]) -> tuple[nn.Module, str, int] | None:
+    """Where the checkpoint tensor ``leaf`` (a layer's name after ``layers.N.``, split at
+    dots) goes in ``moe``: ``(module, "weight" | "bias", row offset)``; None if it is not
+    one of the layer's expert or router tensors."""
+    mixtral = moe.spec.mixtral_names
+    if leaf[0] != ("block_sparse_moe" if mixtral else "mlp") or len(leaf) < 3:
+        return None
+    kind = leaf[-1]
+    if leaf[1:3] == ["gate", "weight"]:
+        return moe.gate, kind, 0
+    if leaf[1] == "shared_expert_gate" and moe.shared_expert_gate is not None:
+        return moe.shared_expert_gate, kind, 0
+    if leaf[1] == "experts" and len(leaf) == 5 and leaf[2].isdigit() \
+            and int(leaf[2]) < len(moe.experts):  # fmt: skip
+        mlp, proj = moe.experts[int(leaf[2])], leaf[3]
+    elif leaf[1] == "shared_expert" and len(leaf) == 4 and moe.shared_expert is not None:
+        mlp, proj = moe.shared_expert, leaf[2]
+    else:
+        return None
+    inter = mlp.down_proj.in_features
+    places = {"w1": (mlp.gate_up_proj, 0), "w3": (mlp.gate_up_proj, inter),
+              "w2": (mlp.down_proj, 0)} if mixtral and leaf[1] == "experts" else \
+        {"gate_proj": (mlp.gate_up_proj, 0), "up_proj": (mlp.gate_up_proj, inter),
+         "down_proj": (mlp.down_proj, 0)}  # fmt: skip
+    if proj not in places:
+        return None
+    module, offset = places[proj]
+    return module, kind, offset
+

@@ -1,0 +1,180 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): greedy output equals HF
+transformers, int8 experts, tensor parallel, and what such a model refuses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.models.decoder import QuantLinear
+from engine.models.spec import DecoderSpec
+from engine.worker import check_moe
+from kernels.quant import quantize_int8
+from tests.helpers.hf import hf_greedy
+
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+WORDS = "the quick brown fox jumps over the lazy dog and keeps running far away".split()
+
+
+@pytest.fixture(scope="module")
+def prompts(default_tokenizer) -> list[list[int]]:
+    return [default_tokenizer.encode(" ".join(WORDS[: 3 + 5 * i]) * (1 + i)) for i in range(6)]
+
+
+def greedy(llm: LLM, prompts: list[list[int]], n: int = 24) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n),
+                        use_tqdm=False)  # fmt: skip
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_layers_hold_the_configured_experts(arch, tiny_model_factory):
+    llm = LLM(str(tiny_model_factory(arch)), dtype="float32", kv_cache_memory_gb=0.02)
+    layers = llm.engine.worker.model.layers
+    cfg = json.loads((tiny_model_factory(arch) / "config.json").read_text())
+    experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    sparse = [0] if arch == "qwen2_moe" else [0, 1]  # qwen2_moe: mlp_only_layers=[1]
+    for i, layer in enumerate(layers):
+        if i not in sparse:
+            assert layer.moe is None and layer.gate_up_proj is not None
+            continue
+        assert layer.moe is not None and layer.gate_up_proj is None and layer.down_proj is None
+        assert len(layer.moe.experts) == experts
+        assert (layer.moe.shared_expert is not None) == (arch == "qwen2_moe")
+        assert layer.moe.spec.norm_topk_prob == (arch != "qwen2_moe")
+    # The CPU's all-layer native call has no experts: the layers run op by op.
+    assert llm.engine.worker.cpu_paths["layers"] == "per-op (mixture of experts)"
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_models_match_hf(arch, backend, tiny_model_factory, prompts):
+    path = tiny_model_factory(arch)
+    ref = hf_greedy(path, prompts, 24)
+    for kwargs in ({"max_num_batched_tokens": 16},  # chunked prefill mixed with decodes
+                   {"num_gpu_blocks_override": 12, "max_num_batched_tokens": 32},  # preempts
+                   {"enable_chunked_prefill": False, "max_num_seqs": 1}):
+        llm = LLM(str(path), dtype="float32", enable_prefix_caching=False,
+                  attention_backend=backend, **kwargs)  # fmt: skip
+        assert greedy(llm, prompts) == ref, kwargs
+        assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_routing_uses_every_expert_and_weights_sum_to_one(tiny_model_factory, prompts):
+    llm = LLM(str(tiny_model_factory("qwen3_moe")), dtype="float32", kv_cache_memory_gb=0.02)
+    moe = llm.engine.worker.model.layers[0].moe
+    ops = llm.engine.worker.attn.ops
+    x = torch.randn(64, moe.gate.in_features, generator=torch.Generator().manual_seed(0))
+    experts, weights = moe.route(x, ops)
+    assert experts.shape == weights.shape == (64, 3)
+    assert set(experts.flatten().tolist()) == set(range(8))
+    assert all(len(set(row)) == 3 for row in experts.tolist())
+    torch.testing.assert_close(weights.sum(-1), torch.ones(64))
+    # Against the experts run one token at a time, densely.
+    out = moe(x, ops)
+    for t in (0, 17, 63):
+        want = sum(w * moe.experts[e](x[t:t + 1], ops)[0]
+                   for e, w in zip(experts[t].tolist(), weights[t], strict=True))
+        torch.testing.assert_close(out[t], want, rtol=1e-5, atol=1e-5)
+
+
+def _int8_reference(src: Path, out: Path) -> Path:
+    """``src`` with every weight the engine's int8 keeps quantized (projections, experts,
+    lm_head; not routers, embeddings, norms) replaced by its int8 dequantization."""
+    shutil.copytree(src, out)
+    tensors = load_file(src / "model.safetensors")
+    for name, w in tensors.items():
+        if w.dim() == 2 and "embed_tokens" not in name and not name.endswith(
+                (".gate.weight", "shared_expert_gate.weight")):  # fmt: skip
+            tensors[name] = quantize_int8(w.float()).dequantize().to(w.dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_int8_experts_equal_hf_on_the_dequantized_weights(arch, tiny_model_factory, prompts,
+                                                          tmp_path):  # fmt: skip
+    path = tiny_model_factory(arch)
+    llm = LLM(str(path), quantization="int8", kv_cache_memory_gb=0.02)
+    layer = llm.engine.worker.model.layers[0]
+    assert all(isinstance(m, QuantLinear) and m.weight.fmt == "int8"
+               for _, m in layer.linears())  # fmt: skip
+    assert sum(1 for _ in layer.linears()) == 2 + 2 * len(layer.moe.experts) + \
+        2 * (layer.moe.shared_expert is not None)  # fmt: skip
+    assert layer.moe.gate.weight.dtype == torch.float32  # the router stays float
+    ref = hf_greedy(_int8_reference(path, tmp_path / "int8"), prompts, 24)
+    assert greedy(llm, prompts) == ref
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_tp2_equals_tp1(arch, tiny_model_factory, prompts):
+    path = str(tiny_model_factory(arch))
+    engine = dict(dtype="float32", max_num_batched_tokens=32, kv_cache_memory_gb=0.02)
+    with LLM(path, **engine) as one:
+        ref = greedy(one, prompts)
+    with LLM(path, tensor_parallel_size=2, **engine) as two:
+        moe = two.engine.worker.model.layers[0].moe
+        full = json.loads((Path(path) / "config.json").read_text())
+        width = full["intermediate_size"] if arch == "mixtral" else full["moe_intermediate_size"]
+        assert moe.experts[0].down_proj.in_features == width // 2
+        if arch == "qwen2_moe":
+            assert moe.shared_expert.down_proj.in_features == 48 // 2
+        assert greedy(two, prompts) == ref
+
+
+def test_refusals_name_the_setting(tiny_model_factory, tmp_path):
+    path = tiny_model_factory("qwen3_moe")
+    with pytest.raises(ValueError, match="enable_lora=True is not supported for mixture-of"):
+        LLM(str(path), enable_lora=True)
+    spec = DecoderSpec.from_hf(_config(path))
+    for quant in ("gptq", "awq", "gguf"):
+        with pytest.raises(ValueError, match=f"quantization='{quant}' is not supported"):
+            check_moe(spec, False, quant)
+    check_moe(spec, False, "int8")
+    # An expert's tensor missing from the checkpoint.
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 1 tensors.*layers\.1\.mlp\.experts\.5\.up_proj"):
+        LLM(str(broken), kv_cache_memory_gb=0.02)
+    # More experts per token than experts.
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=9 must be between 1 and the "
+                                         r"number of experts \(8\)"):
+        DecoderSpec.from_hf(_config(path, num_experts_per_tok=9))
+
+
+def _config(path: Path, **changes):
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    for k, v in changes.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_mixtral_with_a_sliding_window_is_refused(tiny_model_factory):
+    cfg = _config(tiny_model_factory("mixtral"), sliding_window=64)
+    with pytest.raises(ValueError, match="model_type='mixtral' with sliding_window=64"):
+        DecoderSpec.from_hf(cfg)
+
+
+def test_no_cuda_graphs_for_experts(tiny_model_factory):
+    from types import SimpleNamespace
+
+    from engine.cuda_graphs import graphs_wanted
+
+    llm = LLM(str(tiny_model_factory("mixtral")), kv_cache_memory_gb=0.02)
+    triton_like = SimpleNamespace(name="triton")
+    cuda = torch.device("cuda")
+    dense = SimpleNamespace(spec=SimpleNamespace(moe=None))
+    assert graphs_wanted(cuda, False, triton_like, dense)
+    assert not graphs_wanted(cuda, False, triton_like, llm.engine.worker.model)
