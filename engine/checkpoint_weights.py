@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from engine.checkpoint_quant import CheckpointQuant, CheckpointQuantError
-from engine.models.checkpoint_names import PROJECTIONS, QUANTIZED_PARTS, layout_key
+from engine.models.checkpoint_names import QUANTIZED_PARTS, layout_key, projection
 from kernels.quant import QK, QuantizedWeight
 
 if TYPE_CHECKING:
@@ -242,8 +242,8 @@ def iter_checkpoint_weights(path: Path, quant: CheckpointQuant, layout: Layout,
     """Module -> why it is expanded to float32."""
     for name, tensor in iter_weights(path):
         prefix, _, leaf = name.rpartition(".")
-        proj = prefix.rpartition(".")[2]
-        if leaf == "bias" and proj in PROJECTIONS and not spec.has_bias(proj):
+        proj = projection(prefix)
+        if leaf == "bias" and proj is not None and not spec.has_bias(proj):
             if bool(tensor.any()):
                 raise CheckpointQuantError(
                     f"checkpoint tensor {name!r}: a bias the model has none for (its config "

@@ -99,17 +99,16 @@ def _warn_slow_bf16() -> None:
 
 
 def check_moe(spec: DecoderSpec, enable_lora: bool, quantization: str | None) -> None:
-    """Refuse what a model with experts cannot run: LoRA adapters, and weights that stay
-    in a checkpoint's quantized layout (GPTQ, AWQ, GGUF)."""
+    """Refuse what a model with experts cannot run: LoRA adapters, GGUF files."""
     if spec.moe is None:
         return
     if enable_lora:
         raise ValueError("enable_lora=True is not supported for mixture-of-experts models")
-    if quantization not in (None, "int8"):
+    if quantization == "gguf":
         raise ValueError(
-            f"quantization={quantization!r} is not supported for mixture-of-experts models: "
-            "serve the float checkpoint (quantization='int8' keeps the experts' weights in "
-            "int8)")
+            "quantization='gguf' is not supported for mixture-of-experts models: serve the "
+            "float checkpoint (quantization='int8' keeps the experts' weights in int8) or a "
+            "GPTQ or AWQ one")
 
 
 class Worker:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint_weights import AWQ_ORDER
-from engine.models.checkpoint_names import PROJECTIONS, layout_key
+from engine.models.checkpoint_names import layout_key, projection
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], s: Scheme, seed: int = 0,
     g_idx_of: dict[str | None, torch.Tensor] = {}
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")
-        if prefix.rpartition(".")[2] not in PROJECTIONS or leaf != "weight" \
+        if projection(prefix) is None or leaf != "weight" \
                 or prefix in s.unquantized:  # fmt: skip
             packed[name] = dequantized[name] = t
             continue

@@ -22,8 +22,8 @@ def synthetic_tokenizer(vocab_size: int):
 
 
 def model_config(preset: str):
-    """HF config of a preset: ``llama``/``qwen2``/``qwen3`` (tiny, as the CPU equivalence
-    tests) or ``llama-1b`` (Llama-3.2-1B's shape, for the throughput bench)."""
+    """HF config of a preset: ``llama``/``qwen2``/``qwen3``/``qwen3_moe`` (tiny, as the CPU
+    equivalence tests) or ``llama-1b`` (Llama-3.2-1B's shape, for the throughput bench)."""
     import transformers
 
     tiny = dict(
@@ -42,6 +42,10 @@ def model_config(preset: str):
         return transformers.Qwen2Config(**tiny, rope_theta=10000.0)
     if preset == "qwen3":
         return transformers.Qwen3Config(**tiny, head_dim=32, rope_theta=10000.0)
+    if preset == "qwen3_moe":  # 8 experts, 3 per token (as tests/conftest.py's)
+        return transformers.Qwen3MoeConfig(
+            **tiny, head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+            norm_topk_prob=True, rope_theta=10000.0)  # fmt: skip
     if preset == "llama-1b":
         return transformers.LlamaConfig(
             vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

@@ -95,7 +95,7 @@ def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0,
     elif arch == "qwen2_moe":  # layer 0: 6 experts and a shared one; layer 1: a dense MLP
         cfg = transformers.Qwen2MoeConfig(
             **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, mlp_only_layers=[1], rope_theta=10000.0)
+            shared_expert_intermediate_size=64, mlp_only_layers=[1], rope_theta=10000.0)
         cls = transformers.Qwen2MoeForCausalLM
     elif arch == "qwen3_moe":  # 8 experts, 3 per token, their weights renormalized
         cfg = transformers.Qwen3MoeConfig(

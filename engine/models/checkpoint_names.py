@@ -12,22 +12,43 @@ if TYPE_CHECKING:
 _FUSED = {part: fused for fused, parts in FUSED.items() for part in parts}
 PROJECTIONS = tuple(_FUSED)
 """A decoder layer's checkpoint projections, ``q_proj`` .. ``down_proj``."""
+MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+"""Mixtral's names for an expert's projections."""
 QUANTIZED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 """The tensors of a GPTQ or AWQ linear (``{module}.{part}``; ``g_idx``: GPTQ's, optional)."""
 
 
 def layout_key(hf: str) -> str | None:
     """The :meth:`engine.models.decoder.DecoderForCausalLM.quantize_layout` key of a
-    checkpoint weight (``layers.{i}.{fused projection}``, ``embed_tokens``, ``lm_head``),
-    or None for a weight that is never quantized (norms, biases)."""
+    checkpoint weight (``layers.{i}.{fused projection}``; an expert's
+    ``layers.{i}.moe.experts.{e}.{fused projection}`` or ``layers.{i}.moe.shared_expert.
+    {fused projection}``; ``embed_tokens``, ``lm_head``), or None for a weight that is
+    never quantized (norms, biases, routers)."""
     if hf == "model.embed_tokens.weight":
         return "embed_tokens"
     if hf == "lm_head.weight":
         return "lm_head"
     parts = hf.split(".")
-    if parts[-1] != "weight" or parts[-2] not in _FUSED:
+    proj = projection(hf.rpartition(".")[0])
+    if parts[-1] != "weight" or proj is None:
         return None
-    return f"layers.{parts[2]}.{_FUSED[parts[-2]]}"
+    if "experts" in parts:  # mlp.experts.E.gate_proj, block_sparse_moe.experts.E.w1
+        expert = parts[parts.index("experts") + 1]
+        return f"layers.{parts[2]}.moe.experts.{expert}.{_FUSED[proj]}"
+    if "shared_expert" in parts:
+        return f"layers.{parts[2]}.moe.shared_expert.{_FUSED[proj]}"
+    return f"layers.{parts[2]}.{_FUSED[proj]}"
+
+
+def projection(module: str) -> str | None:
+    """The projection (``q_proj`` .. ``down_proj``) that the checkpoint module ``module``
+    (a tensor's name less its leaf) is, in a layer, an expert or a shared expert; None
+    for anything else (routers, norms)."""
+    parts = module.split(".")
+    leaf = parts[-1]
+    if leaf in MIXTRAL_EXPERT and len(parts) > 2 and parts[-3] == "experts":
+        return MIXTRAL_EXPERT[leaf]
+    return leaf if leaf in _FUSED else None
 
 
 def required_tensors(spec: DecoderSpec, tied: bool) -> set[str]:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from engine.models.checkpoint_names import QUANTIZED_PARTS, required_tensors
+from engine.models.linear import QuantEmbedding, QuantLinear, project, put_rows
 from engine.models.moe import SparseMoE, moe_tensor
 from engine.models.rope import rope_tables
 from engine.models.spec import DecoderSpec
@@ -25,34 +26,6 @@ from kernels.quant import QuantizedWeight, quantize_int8
 
 if TYPE_CHECKING:
     from engine.lora.weights import LoRAStep
-
-
-class QuantLinear(nn.Module):
-    """A linear layer whose weight stays quantized (``ops.linear`` multiplies it)."""
-
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight = weight
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.input_order: torch.Tensor | None = None
-        """Set when the weight's columns are stored in another order than its input's
-        (act-order checkpoints): the product takes ``x[:, input_order]``."""
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.k
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.n
-
-
-class QuantEmbedding(nn.Module):
-    """An embedding table kept quantized (``ops.embedding`` dequantizes the rows it reads)."""
-
-    def __init__(self, weight: QuantizedWeight) -> None:
-        super().__init__()
-        self.weight = weight
 
 
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -108,10 +81,7 @@ class DecoderLayer(nn.Module):
         """
         ops = attn.ops
         def linear(name: str, x: torch.Tensor) -> torch.Tensor:
-            proj = getattr(self, name)
-            order = getattr(proj, "input_order", None)
-            out = ops.linear(x if order is None else x.index_select(-1, order), proj.weight,
-                             proj.bias)  # fmt: skip
+            out = project(getattr(self, name), x, ops)
             return out if lora is None else lora.apply(index, name, x, out)
 
         t = hidden.shape[0]
@@ -276,8 +246,7 @@ class DecoderForCausalLM(nn.Module):
                 self.embed_tokens = QuantEmbedding(
                     QuantizedWeight.empty(fmt, s.vocab_size, s.hidden_size))
                 continue
-            parent, attr = (self, name) if name == "lm_head" else \
-                (self.layers[int(name.split(".")[1])], name.split(".")[2])  # fmt: skip
+            parent, attr = self._owner(name)
             old = getattr(parent, attr)
             if old is None:  # a tied lm_head
                 continue
@@ -299,20 +268,30 @@ class DecoderForCausalLM(nn.Module):
         """Quantized projections (``layers.{i}.{name}``) whose weight columns are
         stored in the order ``orders[key]`` of their input (act-order checkpoints)."""
         for key, order in orders.items():
-            _, i, name = key.split(".")
-            getattr(self.layers[int(i)], name).input_order = order.to(torch.int64)
+            parent, attr = self._owner(key)
+            getattr(parent, attr).input_order = order.to(torch.int64)
         self._stack = None
+
+    def _owner(self, key: str) -> tuple[nn.Module, str]:
+        """The module that holds the projection a layout key names (``lm_head``,
+        ``layers.{i}.{name}``, ``name`` as :meth:`DecoderLayer.linears` gives it), and
+        the projection's attribute in it."""
+        if key == "lm_head":
+            return self, key
+        _, i, path = key.split(".", 2)
+        parent, _, attr = path.rpartition(".")
+        layer = self.layers[int(i)]
+        return (layer.get_submodule(parent) if parent else layer), attr
 
     def quantize_int8(self) -> None:
         """After loading: every linear weight to per-row int8 (the logits' too; a tied
         embedding table stays float for lookups and gets an int8 copy for the logits)."""
         self._stack = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             for name, old in list(layer.linears()):
                 if isinstance(old, nn.Linear):
-                    parent, _, attr = name.rpartition(".")
-                    setattr(layer.get_submodule(parent) if parent else layer, attr,
-                            QuantLinear(quantize_int8(old.weight), old.bias))
+                    parent, attr = self._owner(f"layers.{i}.{name}")
+                    setattr(parent, attr, QuantLinear(quantize_int8(old.weight), old.bias))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if isinstance(head, torch.Tensor):
             self.lm_head = QuantLinear(quantize_int8(head), None)
@@ -335,9 +314,9 @@ class DecoderForCausalLM(nn.Module):
                 if name == "lm_head.weight":
                     if self.lm_head is None:
                         continue
-                    _put_rows(self.lm_head, "weight", 0, tensor)
+                    put_rows(self.lm_head, "weight", 0, tensor)
                 elif name == "embed_tokens.weight":
-                    _put_rows(self.embed_tokens, "weight", 0, tensor)
+                    put_rows(self.embed_tokens, "weight", 0, tensor)
                 elif name == "norm.weight":
                     self.norm.copy_(tensor)
                 else:
@@ -361,34 +340,18 @@ class DecoderForCausalLM(nn.Module):
                              "the model's config names no quantization (quantization_config)")
         place = None if layer.moe is None else moe_tensor(layer.moe, parts[2:])
         if place is not None:
-            _put_rows(place[0], place[1], place[2], tensor)
+            put_rows(place[0], place[1], place[2], tensor)
         elif proj in qkv_off:
-            _put_rows(layer.qkv_proj, kind, qkv_off[proj], tensor)
+            put_rows(layer.qkv_proj, kind, qkv_off[proj], tensor)
         elif proj in gu_off:
-            _put_rows(layer.gate_up_proj, kind, gu_off[proj], tensor)
+            put_rows(layer.gate_up_proj, kind, gu_off[proj], tensor)
         elif proj == "o_proj":
-            _put_rows(layer.o_proj, kind, 0, tensor)
+            put_rows(layer.o_proj, kind, 0, tensor)
         elif proj == "down_proj":
-            _put_rows(layer.down_proj, kind, 0, tensor)
+            put_rows(layer.down_proj, kind, 0, tensor)
         elif leaf in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             getattr(layer, leaf.split(".")[0]).copy_(tensor)
         elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
             getattr(layer, proj).copy_(tensor)
         else:
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
-
-
-def _put_rows(module: nn.Module, kind: str, offset: int,
-              tensor: torch.Tensor | QuantizedWeight) -> None:
-    """Rows ``offset ..`` of ``module``'s weight or bias := ``tensor``. A quantized tensor
-    goes into a quantized weight of its format, or is dequantized into a float one."""
-    target = getattr(module, kind)
-    if isinstance(target, QuantizedWeight):
-        if not isinstance(tensor, QuantizedWeight) or tensor.fmt != target.fmt:
-            got = tensor.fmt if isinstance(tensor, QuantizedWeight) else str(tensor.dtype)
-            raise ValueError(f"a {target.fmt} weight was laid out but the checkpoint has {got}")
-        target.copy_rows_(offset, tensor)
-        return
-    if isinstance(tensor, QuantizedWeight):
-        tensor = tensor.dequantize()
-    target[offset: offset + tensor.shape[0]].copy_(tensor)

@@ -2,9 +2,10 @@
 
 Each token's router picks ``top_k`` experts; the step's tokens are grouped by expert so
 each expert multiplies the rows routed to it in one product per projection, through the
-backend's ``ops.linear`` (so every expert's weights are packed, quantized to int8 or
-sharded like a dense MLP's). Numerics follow HF transformers: the router's softmax in
-float32, the experts' outputs summed into each token's row in ascending expert order.
+backend's ``ops.linear`` (so every expert's weights are packed, quantized or sharded
+like a dense MLP's). Numerics follow HF transformers: the router's softmax in float32,
+each expert's output scaled by its weight, and a token's scaled outputs summed in
+ascending expert order (as HF's loop over experts adds them), on every device.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.models.linear import project
 from engine.models.spec import MoESpec
 
 
@@ -27,8 +29,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
-        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return ops.linear(ops.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+        return project(self.down_proj, ops.silu_mul(project(self.gate_up_proj, x, ops)), ops)
 
 
 class SparseMoE(nn.Module):
@@ -57,23 +58,26 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
         experts, weights = self.route(x, ops)
-        top_k = self.spec.top_k
+        t, top_k = experts.shape
+        experts, pos = experts.sort(dim=-1)  # each token's choices in ascending expert order
         flat = experts.flatten()
-        order = flat.argsort(stable=True)
-        rows = order // top_k  # the token of each (token, choice), grouped by expert
-        scale = weights.flatten()[order, None]
+        order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
+        xs = x.index_select(0, order // top_k)
+        ys, start = [], 0
         for expert, n in enumerate(counts):
             if n:
-                sel = rows[start:start + n]
-                y = self.experts[expert](x.index_select(0, sel), ops) * scale[start:start + n]
-                out.index_add_(0, sel, y.to(out.dtype))
+                ys.append(self.experts[expert].forward(xs[start:start + n], ops))
                 start += n
+        scaled = torch.cat(ys) * weights.gather(-1, pos).flatten()[order, None]
+        per_choice = torch.empty_like(scaled).index_copy_(0, order, scaled).to(x.dtype)
+        per_choice = per_choice.view(t, top_k, -1)
+        out = per_choice[:, 0]  # summed in ascending expert order, as HF's loop adds them
+        for j in range(1, top_k):
+            out = out + per_choice[:, j]
         if self.shared_expert is not None:
             gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight))
-            out = out + gate * self.shared_expert(x, ops)
+            out = out + gate * self.shared_expert.forward(x, ops)
         return out
 
     def expert_linears(self) -> Iterator[tuple[str, nn.Module]]:

@@ -1,5 +1,6 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): greedy output equals HF
-transformers, int8 experts, tensor parallel, and what such a model refuses."""
+transformers, int8 experts, GPTQ and AWQ checkpoints, tensor parallel, and what such a
+model refuses."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from engine.models.spec import DecoderSpec
 from engine.worker import check_moe
 from kernels.quant import quantize_int8
 from tests.helpers.hf import hf_greedy
+from tests.helpers.quantized_checkpoints import Scheme, write_quantized
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 WORDS = "the quick brown fox jumps over the lazy dog and keeps running far away".split()
@@ -113,6 +115,40 @@ def test_int8_experts_equal_hf_on_the_dequantized_weights(arch, tiny_model_facto
     assert greedy(llm, prompts) == ref
 
 
+QUANTIZED = {
+    # name: (architecture, scheme, the native format of every projection)
+    "gptq4-act-order-qwen2_moe": ("qwen2_moe", Scheme(group_size=32, desc_act=True), "q4_0"),
+    "gptq4-zero-biases-mixtral": ("mixtral", Scheme(group_size=32, extra_bias=True), "q4_0"),
+    "awq-qwen3_moe": ("qwen3_moe", Scheme(method="awq", group_size=32, sym=False), "q4_1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_gptq_and_awq_experts_stay_quantized_and_equal_hf(name, tiny_model_factory, prompts,
+                                                           tmp_path):  # fmt: skip
+    arch, scheme, fmt = QUANTIZED[name]
+    quantized, ref = tmp_path / "q", tmp_path / "ref"
+    write_quantized(tiny_model_factory(arch), quantized, ref, scheme)
+    expected = hf_greedy(ref, prompts, 24)
+    for backend in ("auto", "torch"):
+        llm = LLM(str(quantized), attention_backend=backend, kv_cache_memory_gb=0.02)
+        model = llm.engine.worker.model
+        for layer in model.layers:
+            projections = dict(layer.linears())
+            assert all(isinstance(m, QuantLinear) and m.weight.fmt == fmt
+                       for m in projections.values()), name  # fmt: skip
+            # act-order: the inputs of every projection with more than one group gathered
+            ordered = {n for n, m in projections.items() if m.input_order is not None}
+            assert ordered == ({n for n, m in projections.items()
+                                if m.in_features > scheme.group_size}
+                               if scheme.desc_act else set())  # fmt: skip
+            if layer.moe is not None:  # the routers are float, as the checkpoint has them
+                assert isinstance(layer.moe.gate.weight, torch.Tensor)
+                assert len(projections) == 2 + 2 * len(layer.moe.experts) + \
+                    2 * (layer.moe.shared_expert is not None)  # fmt: skip
+        assert greedy(llm, prompts) == expected, backend
+
+
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 def test_tp2_equals_tp1(arch, tiny_model_factory, prompts):
     path = str(tiny_model_factory(arch))
@@ -125,7 +161,7 @@ def test_tp2_equals_tp1(arch, tiny_model_factory, prompts):
         width = full["intermediate_size"] if arch == "mixtral" else full["moe_intermediate_size"]
         assert moe.experts[0].down_proj.in_features == width // 2
         if arch == "qwen2_moe":
-            assert moe.shared_expert.down_proj.in_features == 48 // 2
+            assert moe.shared_expert.down_proj.in_features == 64 // 2
         assert greedy(two, prompts) == ref
 
 
@@ -134,10 +170,10 @@ def test_refusals_name_the_setting(tiny_model_factory, tmp_path):
     with pytest.raises(ValueError, match="enable_lora=True is not supported for mixture-of"):
         LLM(str(path), enable_lora=True)
     spec = DecoderSpec.from_hf(_config(path))
-    for quant in ("gptq", "awq", "gguf"):
-        with pytest.raises(ValueError, match=f"quantization='{quant}' is not supported"):
-            check_moe(spec, False, quant)
-    check_moe(spec, False, "int8")
+    with pytest.raises(ValueError, match="quantization='gguf' is not supported for mixture"):
+        check_moe(spec, False, "gguf")
+    for quant in (None, "int8", "gptq", "awq"):
+        check_moe(spec, False, quant)
     # An expert's tensor missing from the checkpoint.
     broken = tmp_path / "broken"
     shutil.copytree(path, broken)

@@ -134,6 +134,24 @@ def test_op_times_split_each_phase_and_come_off_after_the_run(tiny_llama, tmp_pa
         assert r["rest_s"] == pytest.approx(r["steps_s"] - r["ops_s"])
 
 
+def test_throughput_bench_of_a_model_with_experts(tiny_model_factory, tmp_path, capsys):
+    out = tmp_path / "m.json"
+    throughput.cli(["--model", str(tiny_model_factory("qwen2_moe")), *TINY_WORKLOAD,
+                    "--op-times", *ENGINE, "--save-result", str(out)])  # fmt: skip
+    rep = json.loads(out.read_text())
+    ps = rep["pagedserve"]
+    assert ps["floor"]["floor_s"] > 0  # its router, experts and shared expert timed
+    assert rep["environment"]["cpu_paths"]["layers"] == "per-op (mixture of experts)"
+    bd, times = ps["step_breakdown"], ps["op_times"]
+    for phase, steps in (("decode", bd["decode_steps"]), ("prefill", bd["prefill_steps"])):
+        calls = {op["op"]: op["calls"] for op in times[phase]["ops"]}
+        # Layer 0 has the experts (6, 2 per token) and a shared expert; layer 1 is dense.
+        assert calls["linear moe.router"] == 2 * steps  # the router and the shared gate
+        assert 3 * steps <= calls["linear moe.gate_up_proj"] <= 7 * steps
+        assert calls["linear moe.down_proj"] == calls["linear moe.gate_up_proj"]
+        assert calls["linear gate_up_proj"] == calls["linear qkv_proj"] // 2 == steps
+
+
 def test_op_timers_are_removed(tiny_llama):
     from engine.llm import LLM
     from loadtest.op_times import OpTimes
