@@ -81,9 +81,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def weight_bytes(model: Any) -> int:
-    """Bytes of the weights one decode step reads: every linear and the logits'."""
-    return sum(w.nbytes for w in model.linear_weights())  # tensors and QuantizedWeight
+def weight_bytes(model: Any, batch: int | None = None) -> int:
+    """Bytes of the weights a decode step of ``batch`` requests reads: every linear and
+    the logits'; of a layer's experts, the share that ``batch`` tokens are expected to
+    route to when the routing is uniform (each expert is missed by a token with
+    probability ``1 - top_k / num_experts``). ``None``: every expert."""
+    total = sum(w.nbytes for w in model.linear_weights())  # tensors and QuantizedWeight
+    if batch is None:
+        return total
+    for layer in model.layers:
+        if layer.moe is not None:
+            spec = layer.moe.spec
+            used = 1 - (1 - spec.top_k / spec.num_experts) ** batch
+            experts = sum(p.weight.nbytes for e in layer.moe.experts
+                          for p in (e.gate_up_proj, e.down_proj))  # fmt: skip
+            total -= round(experts * (1 - used))
+    return total
 
 
 def kv_bytes_per_token(worker: Any) -> int:
@@ -208,7 +221,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "model": f"{worker.model_name} ({worker.model_path})",
         "weights": f"{str(worker.dtype).removeprefix('torch.')}"
                    + (f", {worker.quant_desc}" if worker.quant_desc else "")
-                   + f": {nbytes / 1e6:.1f} MB read per step",
+                   + f": {nbytes / 1e6:.1f} MB read per step"
+                   + ("" if nbytes == weight_bytes(worker.model, 1) else
+                      f" with every expert ({weight_bytes(worker.model, 1) / 1e6:.1f} MB at "
+                      "batch 1; 'read ms' counts the experts a batch uses when routed "
+                      "evenly)"),
         "memory": f"read bandwidth {bandwidth:.1f} GB/s: {floor_ms:.2f} ms a step at least "
                   f"(weights), KV cache {kv_token / 1e3:.1f} kB a token of context "
                   f"({str(worker.kv_cache.dtype).removeprefix('torch.')})",
@@ -232,13 +249,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         med, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
         kv = statistics.mean(contexts) * kv_token
         gbs = statistics.median(readings)
-        read_ms = (nbytes + kv) / (gbs * 1e9) * 1e3
+        step_bytes = weight_bytes(worker.model, batch)
+        read_ms = (step_bytes + kv) / (gbs * 1e9) * 1e3
         # Each step against the time to read its own bytes at the bandwidth read beside it.
-        ratios = sorted(dt * gb * 1e9 / (nbytes + ctx * kv_token)
+        ratios = sorted(dt * gb * 1e9 / (step_bytes + ctx * kv_token)
                         for dt, ctx, gb in zip(steps, contexts, readings, strict=True))
         row = {"batch": batch, "median_ms": med * 1e3, "p90_ms": p90 * 1e3,
                "tokens_per_s": batch / med, "floor_ratio": floor_ms / (med * 1e3),
-               "kv_bytes": kv, "read_gbs": gbs, "read_ms": read_ms,
+               "kv_bytes": kv, "weight_bytes": step_bytes, "read_gbs": gbs, "read_ms": read_ms,
                "read_ratio": statistics.median(ratios),
                "read_ratio_p90": ratios[int(0.9 * (len(ratios) - 1))],
                "step_ms": [dt * 1e3 for dt in steps], "step_read_gbs": readings,

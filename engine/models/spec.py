@@ -37,6 +37,8 @@ class MoESpec:
             return None
         mixtral = arch == "MixtralForCausalLM"
         num_experts = cfg.num_local_experts if mixtral else cfg.num_experts
+        if not num_experts and not mixtral:  # num_experts=0: every layer is dense
+            return None
         top_k = cfg.num_experts_per_tok
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the "

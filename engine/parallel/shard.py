@@ -139,7 +139,7 @@ def check_divisible(spec: DecoderSpec, size: int) -> None:
     if spec.intermediate_size % size:
         raise bad(f"intermediate_size={spec.intermediate_size} is not divisible by it")
     moe = spec.moe
-    for name, width in (("the experts' intermediate size", moe and moe.intermediate_size),
+    for name, width in (("moe_intermediate_size", moe and moe.intermediate_size),
                         ("shared_expert_intermediate_size",
                          moe and moe.shared_intermediate_size)):  # fmt: skip
         if width and width % size:

@@ -197,6 +197,19 @@ def _config(path: Path, **changes):
     return cfg
 
 
+def test_tensor_parallel_widths_and_dense_configs(tiny_model_factory):
+    from engine.parallel.shard import check_divisible
+
+    path = tiny_model_factory("qwen2_moe")
+    for key, value in (("moe_intermediate_size", 33), ("shared_expert_intermediate_size", 65)):
+        spec = DecoderSpec.from_hf(_config(path, **{key: value}))
+        with pytest.raises(ValueError, match=rf"tensor_parallel_size=2 .*{key}={value} is not "
+                                             "divisible by it"):  # fmt: skip
+            check_divisible(spec, 2)
+    check_divisible(DecoderSpec.from_hf(_config(path)), 2)
+    assert DecoderSpec.from_hf(_config(path, num_experts=0)).moe is None  # all layers dense
+
+
 def test_mixtral_with_a_sliding_window_is_refused(tiny_model_factory):
     cfg = _config(tiny_model_factory("mixtral"), sliding_window=64)
     with pytest.raises(ValueError, match="model_type='mixtral' with sliding_window=64"):

@@ -152,6 +152,20 @@ def test_throughput_bench_of_a_model_with_experts(tiny_model_factory, tmp_path, 
         assert calls["linear gate_up_proj"] == calls["linear qkv_proj"] // 2 == steps
 
 
+def test_decode_bench_counts_the_experts_a_batch_uses(tiny_model_factory):
+    from engine import LLM
+    from loadtest.decode_bench import weight_bytes
+
+    model = LLM(str(tiny_model_factory("qwen2_moe")), dtype="float32",
+                kv_cache_memory_gb=0.02).engine.worker.model  # fmt: skip
+    total = weight_bytes(model)
+    # One layer with 6 experts (2 a token) of 3 * 64 * 32 float32 weights each.
+    experts = 6 * 3 * 64 * 32 * 4
+    assert total == sum(w.nbytes for w in model.linear_weights())
+    for batch, used in ((1, 2 / 6), (4, 1 - (4 / 6) ** 4)):
+        assert weight_bytes(model, batch) == total - round(experts * (1 - used))
+
+
 def test_op_timers_are_removed(tiny_llama):
     from engine.llm import LLM
     from loadtest.op_times import OpTimes
