@@ -176,8 +176,6 @@ class Worker:
             self.cpu_paths = cpu_paths.describe(self.attn)
             if self.tp is not None:  # the layers' all-reduces come between their ops
                 self.cpu_paths["layers"] = "per-op (tensor parallel)"
-            elif self.spec.moe is not None:  # the native all-layer call has no experts
-                self.cpu_paths["layers"] = "per-op (mixture of experts)"
             logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s",
                        cpu_paths.summary(self.cpu_paths, str(self.dtype).removeprefix("torch."),
                                          self.quant_desc))  # fmt: skip

@@ -114,6 +114,25 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """A layer's mixture of experts, as :class:`LayerWeights` holds it: the router
+    ``[E, hidden]``, each expert's fused gate/up ``[2 inter, hidden]`` and down ``[hidden,
+    inter]``, and Qwen2-MoE's shared expert with its one-row gate (None without one).
+    ``orders``: per expert and for the shared expert, (gate/up, down) input orders."""
+
+    top_k: int
+    norm_topk_prob: bool
+    router: Weight
+    gate_up: tuple[Weight, ...]
+    down: tuple[Weight, ...]
+    orders: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...]
+    shared_gate: Weight | None = None
+    shared_gate_up: Weight | None = None
+    shared_down: Weight | None = None
+    shared_orders: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+
+@dataclass(frozen=True, slots=True)
 class LayerWeights:
     """One decoder layer's weights, as :class:`DecoderStack` lists them."""
 
@@ -122,9 +141,9 @@ class LayerWeights:
     qkv: Weight
     """The fused Q/K/V projection ``[q + 2 kv, hidden]``."""
     o: Weight
-    gate_up: Weight
-    """The fused gate/up projection ``[2 intermediate, hidden]``."""
-    down: Weight
+    gate_up: Weight | None
+    """The fused gate/up projection ``[2 intermediate, hidden]`` (None with experts)."""
+    down: Weight | None
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
@@ -135,14 +154,16 @@ class LayerWeights:
     orders: tuple[torch.Tensor | None, ...] = (None, None, None, None)
     """Per projection (qkv, o, gate_up, down): the order of its input's columns that its
     weight's columns are stored in (int64 ``[k]``; act-order checkpoints), or None."""
+    experts: ExpertWeights | None = None
+    """The layer's experts, in place of the dense MLP."""
 
 
 @dataclass(frozen=True, slots=True)
 class DecoderStack:
     """A model's decoder layers as a backend that runs them all in one call sees them
     (``run_layers``): sizes, weights and float32 RoPE tables ``[max_len, head_dim]``.
-    Each layer is pre-norm attention then a SiLU-gated MLP, with the residual add fused
-    into the next norm."""
+    Each layer is pre-norm attention then a SiLU-gated MLP (or a mixture of such
+    experts), with the residual add fused into the next norm."""
 
     hidden_size: int
     num_heads: int

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from engine.models.decoder import DecoderForCausalLM, DecoderSpec
-from engine.models.spec import MOE_ARCHITECTURES
+from engine.models.spec import MOE_ARCHITECTURES, architecture
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -21,7 +21,7 @@ SUPPORTED_ARCHITECTURES = (
 def build_model(hf_config, tp=None) -> DecoderForCausalLM:
     """The model of ``hf_config`` (tensor parallel: ``tp``'s shard of it, and ``tp.shard``
     is set)."""
-    archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
+    archs = getattr(hf_config, "architectures", None) or [architecture(hf_config)]
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(
             f"architectures={archs} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"

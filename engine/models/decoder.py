@@ -166,11 +166,14 @@ class DecoderForCausalLM(nn.Module):
                 eps=s.rms_norm_eps, scale=s.head_dim ** -0.5, rope_cos=self.rope_cos,
                 rope_sin=self.rope_sin, layers=tuple(LayerWeights(
                     input_norm=x.input_layernorm, post_norm=x.post_attention_layernorm,
-                    qkv=x.qkv_proj.weight, o=x.o_proj.weight, gate_up=x.gate_up_proj.weight,
-                    down=x.down_proj.weight, qkv_bias=x.qkv_proj.bias, o_bias=x.o_proj.bias,
-                    gate_up_bias=x.gate_up_proj.bias, down_bias=x.down_proj.bias,
+                    qkv=x.qkv_proj.weight, o=x.o_proj.weight,
+                    gate_up=getattr(x.gate_up_proj, "weight", None),
+                    down=getattr(x.down_proj, "weight", None), qkv_bias=x.qkv_proj.bias,
+                    o_bias=x.o_proj.bias, gate_up_bias=getattr(x.gate_up_proj, "bias", None),
+                    down_bias=getattr(x.down_proj, "bias", None),
                     q_norm=x.q_norm, k_norm=x.k_norm, orders=tuple(
                         getattr(getattr(x, n), "input_order", None) for n in LINEAR_NAMES),
+                    experts=None if x.moe is None else x.moe.stack_weights(),
                 ) for x in self.layers))  # fmt: skip
         return self._stack
 
@@ -186,7 +189,7 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm (with ``lora``: the step's
         adapters applied, layer by layer)."""
         hidden = self._embed(input_ids, attn.ops)
-        run_layers = None if self.tp is not None or lora is not None or self.spec.moe else \
+        run_layers = None if self.tp is not None or lora is not None else \
             getattr(attn, "run_layers", None)  # fmt: skip
         fused = None if run_layers is None or not self.layers else run_layers(
             self.decoder_stack(), hidden, positions, kv_caches, meta)

@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.models.linear import project
 from engine.models.spec import MoESpec
+from kernels.interface import ExpertWeights
 
 
 class GatedMLP(nn.Module):
@@ -79,6 +80,23 @@ class SparseMoE(nn.Module):
             gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight))
             out = out + gate * self.shared_expert.forward(x, ops)
         return out
+
+    def stack_weights(self) -> ExpertWeights:
+        """The experts as a backend's ``run_layers`` takes them."""
+        def order(proj: nn.Module) -> torch.Tensor | None:
+            return getattr(proj, "input_order", None)
+
+        shared = self.shared_expert
+        return ExpertWeights(
+            top_k=self.spec.top_k, norm_topk_prob=self.spec.norm_topk_prob,
+            router=self.gate.weight, gate_up=tuple(e.gate_up_proj.weight for e in self.experts),
+            down=tuple(e.down_proj.weight for e in self.experts),
+            orders=tuple((order(e.gate_up_proj), order(e.down_proj)) for e in self.experts),
+            shared_gate=None if shared is None else self.shared_expert_gate.weight,
+            shared_gate_up=None if shared is None else shared.gate_up_proj.weight,
+            shared_down=None if shared is None else shared.down_proj.weight,
+            shared_orders=(None, None) if shared is None else
+            (order(shared.gate_up_proj), order(shared.down_proj)))  # fmt: skip
 
     def expert_linears(self) -> Iterator[tuple[str, nn.Module]]:
         """``(name, module)`` of the experts' projections and the shared expert's (not the

@@ -5,6 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_BY_MODEL_TYPE = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def architecture(cfg) -> str:
+    """The HF architecture of a transformers config: its first ``architectures`` entry,
+    else the one its ``model_type`` names (Llama's by default)."""
+    archs = getattr(cfg, "architectures", None)
+    if archs:
+        return archs[0]
+    return _BY_MODEL_TYPE.get(getattr(cfg, "model_type", "llama"), "LlamaForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +91,7 @@ class DecoderSpec:
 
     @classmethod
     def from_hf(cls, cfg) -> DecoderSpec:
-        arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
+        arch = architecture(cfg)
         model_type = getattr(cfg, "model_type", "llama")
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads

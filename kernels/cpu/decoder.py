@@ -29,7 +29,7 @@ from kernels.cpu import abi
 from kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
 from kernels.cpu.native import DTYPE_CODES, kv_layout
 from kernels.cpu.quant import format_code
-from kernels.interface import DecoderStack, LayerWeights, Weight
+from kernels.interface import DecoderStack, ExpertWeights, LayerWeights, Weight
 from kernels.quant import QuantizedWeight
 
 C = abi.CONSTANTS
@@ -130,11 +130,13 @@ class FusedLayers:
                 return None
             entries += row[0]
             max_rows = min(max_rows, row[1])
+            model[C["DM_MOE_ROW"]] = max(int(model[C["DM_MOE_ROW"]]), row[2])
         return _Tables(stack, kv_caches, model, torch.tensor(entries, dtype=torch.int64),
                        max_rows, keep)  # fmt: skip
 
     def _layer_row(self, stack, layer: LayerWeights, k_cache, v_cache, k0, keep):
-        """A layer's DL_SIZE entries and the most rows its linears take, or None."""
+        """A layer's DL_SIZE entries, the most rows its linears take and the scratch floats
+        a row its experts need, or None."""
         for cache in (k_cache, v_cache):
             if not (cache.shape == k0.shape and cache.dtype == k0.dtype and cache.is_cpu
                     and kv_layout(cache) == kv_layout(k0)):  # fmt: skip
@@ -159,14 +161,56 @@ class FusedLayers:
                                  stack.hidden_size),
                   "DL_DOWN": (layer.down, layer.down_bias, stack.hidden_size,
                               stack.intermediate_size)}  # fmt: skip
-        max_rows = NATIVE_LINEAR_MAX_ROWS
-        for (name, (weight, bias, n, k)), order in zip(shapes.items(), layer.orders, strict=True):
+        max_rows, moe_row = NATIVE_LINEAR_MAX_ROWS, 0
+        if layer.experts is not None:
+            shapes.pop("DL_GATE_UP"), shapes.pop("DL_DOWN")
+            table = self._expert_table(stack.hidden_size, layer.experts, keep)
+            if table is None:
+                return None
+            row[C["DL_MOE"]], max_rows = table[0].data_ptr(), table[1]
+            moe_row = self._lib.moe_scratch_per_row(table[0].data_ptr(), stack.hidden_size)
+        for (name, (weight, bias, n, k)), order in zip(shapes.items(), layer.orders[:len(shapes)],
+                                                       strict=True):  # fmt: skip
             lin = self._linear_entries(weight, bias, n, k, keep, order)
             if lin is None:
                 return None
             row[C[name]: C[name] + C["LIN_SIZE"]] = lin[0]
             max_rows = min(max_rows, lin[1])
-        return row, max_rows
+        return row, max_rows, moe_row
+
+    def _expert_table(self, hidden: int, ex: ExpertWeights, keep):
+        """A layer's MOE_* table (kept alive in ``keep``) and the most rows its linears
+        take, or None."""
+        num, size = len(ex.gate_up), C["LIN_SIZE"]
+        inter = ex.down[0].shape[1]
+        shared = 0 if ex.shared_down is None else ex.shared_down.shape[1]
+        table = [0] * (C["MOE_FIRST_EXPERT"] + 2 * num * size)
+        for name, value in (("MOE_EXPERTS", num), ("MOE_TOP_K", ex.top_k), ("MOE_INTER", inter),
+                            ("MOE_SHARED_INTER", shared),
+                            ("MOE_NORM_TOPK", int(ex.norm_topk_prob))):  # fmt: skip
+            table[C[name]] = value
+        linears = [(C["MOE_ROUTER"], ex.router, num, hidden, None)]
+        if shared:
+            linears += [(C["MOE_SHARED_GATE"], ex.shared_gate, 1, hidden, None),
+                        (C["MOE_SHARED_GATE_UP"], ex.shared_gate_up, 2 * shared, hidden,
+                         ex.shared_orders[0]),
+                        (C["MOE_SHARED_DOWN"], ex.shared_down, hidden, shared,
+                         ex.shared_orders[1])]  # fmt: skip
+        for e, (gate_up, down, (up_order, down_order)) in enumerate(
+                zip(ex.gate_up, ex.down, ex.orders, strict=True)):  # fmt: skip
+            at = C["MOE_FIRST_EXPERT"] + 2 * e * size
+            linears += [(at, gate_up, 2 * inter, hidden, up_order),
+                        (at + size, down, hidden, inter, down_order)]
+        max_rows = NATIVE_LINEAR_MAX_ROWS
+        for at, weight, n, k, order in linears:
+            lin = self._linear_entries(weight, None, n, k, keep, order)
+            if lin is None:
+                return None
+            table[at: at + size] = lin[0]
+            max_rows = min(max_rows, lin[1])
+        tensor = torch.tensor(table, dtype=torch.int64)
+        keep.append(tensor)
+        return tensor, max_rows
 
     def _linear_entries(self, weight: Weight, bias, n: int, k: int, keep, order=None):
         """A linear's LIN_SIZE entries and the most rows it takes natively, or None."""

@@ -54,9 +54,12 @@
 #define DM_BLOCK_SIZE 7
 #define DM_NUM_BLOCKS 8
 #define DM_KV_LAYOUT 9
-#define DM_SIZE 10
+#define DM_MOE_ROW 10 /* scratch floats a row the layers' experts need (moe_scratch_per_row) */
+#define DM_SIZE 11
 /* decoder_layers' layer table: DL_SIZE int64 entries a layer (addresses as integers,
- * 0 for none), its four linears at DL_QKV.. as LIN_SIZE entries each. */
+ * 0 for none), its four linears at DL_QKV.. as LIN_SIZE entries each; DL_MOE: the
+ * address of the layer's experts' table (MOE_*), which then stand in for DL_GATE_UP and
+ * DL_DOWN. */
 #define DL_INPUT_NORM 0
 #define DL_POST_NORM 1
 #define DL_Q_NORM 2
@@ -67,7 +70,23 @@
 #define DL_O 12
 #define DL_GATE_UP 18
 #define DL_DOWN 24
-#define DL_SIZE 30
+#define DL_MOE 30
+#define DL_SIZE 31
+/* A layer's experts: their count, the experts a token takes, an expert's width, the
+ * shared expert's width (0: none), whether a token's weights are renormalized to sum 1;
+ * then LIN_SIZE entries each for the router, the shared expert's one-row gate, its
+ * gate/up and its down (zeros without one), and from MOE_FIRST_EXPERT every expert's
+ * gate/up and down. */
+#define MOE_EXPERTS 0
+#define MOE_TOP_K 1
+#define MOE_INTER 2
+#define MOE_SHARED_INTER 3
+#define MOE_NORM_TOPK 4
+#define MOE_ROUTER 5
+#define MOE_SHARED_GATE 11
+#define MOE_SHARED_GATE_UP 17
+#define MOE_SHARED_DOWN 23
+#define MOE_FIRST_EXPERT 29
 /* A linear's entries: its format (LIN_F32: a float32 weight packed for gemm_f32, else a
  * QF_* code), the weight (gemm_f32's panels, or the quantized weight packed by
  * qgemm_pack), the bias, its shape, and the order of its input's columns that the
@@ -143,6 +162,7 @@ int qdequant_packed(int fmt, const void *packed, int64_t n, int64_t k, const int
 
 /* decoder_cpu.c */
 int64_t decoder_scratch_size(const int64_t *model, int rows);
+int64_t moe_scratch_per_row(const int64_t *moe, int64_t hidden);
 int decoder_layers(const int64_t *model, const int64_t *layers, float *residual, float *out,
                    float eps, float scale, const float *cos_table, const float *sin_table,
                    const int64_t *positions, int rows, const int32_t *block_tables,

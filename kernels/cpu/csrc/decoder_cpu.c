@@ -15,7 +15,17 @@
  * quantized one in a QF_* format packed for qgemm_packed; one whose weight columns are
  * stored in another order (act-order checkpoints, LIN_ORDER) multiplies its input
  * gathered in that order. Activations are float32 throughout.
+ *
+ * A layer with experts (DL_MOE) routes each row as engine/models/moe.py does: a softmax
+ * over the router's logits, the top_k most likely experts (the lower index first on a
+ * tie), their probabilities renormalized where MOE_NORM_TOPK says; the rows are grouped
+ * by expert and every expert the step uses multiplies its rows in one call per
+ * projection; a row's outputs, each scaled by its weight, are summed in ascending expert
+ * order. The products and sums are the per-op path's, bit for bit; the softmax and the
+ * shared expert's sigmoid use libm's expf, not torch's vectorized exp, so those (and the
+ * outputs after them) can differ from the per-op path in the last bits.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -40,7 +50,20 @@ static int64_t scratch_per_row(const int64_t *model) {
 }
 
 int64_t decoder_scratch_size(const int64_t *model, int rows) {
-    return scratch_per_row(model) * rows;
+    return (scratch_per_row(model) + model[DM_MOE_ROW]) * rows;
+}
+
+/* Scratch floats a row for the experts of ``moe``: the router's logits, the expert
+ * counts (int32, E + 1 a call), the row's weights, its experts and their slots (int32),
+ * its gathered inputs and its experts' outputs, their gate/up and SiLU rows (or the
+ * shared expert's), the shared gate's logit, and a linear's gathered input. */
+int64_t moe_scratch_per_row(const int64_t *moe, int64_t hidden) {
+    const int64_t e = moe[MOE_EXPERTS], k = moe[MOE_TOP_K], inter = moe[MOE_INTER];
+    const int64_t shared = moe[MOE_SHARED_INTER];
+    const int64_t act = k * inter > shared ? k * inter : shared;
+    int64_t widest = hidden > inter ? hidden : inter;
+    widest = widest > shared ? widest : shared;
+    return 2 * e + 1 + 3 * k + 2 * k * hidden + 3 * act + 1 + widest;
 }
 
 /* y [rows, n] = x [rows, k] @ W^T (+ bias) for the linear at ``lin`` (LIN_* offsets);
@@ -72,6 +95,110 @@ static void head_norm(float *x, int64_t stride, int rows, int heads, int head_di
     for (int r = 0; r < rows; ++r)
         add_rms_norm_f32(x + r * stride, 0, weight, eps, x + r * stride, heads, head_dim,
                          head_dim, num_threads);
+}
+
+/* The top_k experts of one row's router ``logits`` [E] and their weights, the experts in
+ * ascending order. */
+static void route(const float *logits, int e, int k, int norm, int32_t *experts,
+                  float *weights, float *probs) {
+    float mx = logits[0];
+    for (int i = 1; i < e; ++i) mx = logits[i] > mx ? logits[i] : mx;
+    float sum = 0.0f;
+    for (int i = 0; i < e; ++i) sum += probs[i] = expf(logits[i] - mx);
+    for (int i = 0; i < e; ++i) probs[i] /= sum;
+    float total = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        int best = -1;
+        for (int i = 0; i < e; ++i)
+            if (probs[i] >= 0.0f && (best < 0 || probs[i] > probs[best])) best = i;
+        experts[j] = best;
+        weights[j] = probs[best];
+        total += probs[best];
+        probs[best] = -1.0f; /* taken */
+    }
+    if (norm)
+        for (int j = 0; j < k; ++j) weights[j] /= total;
+    for (int j = 1; j < k; ++j) /* insertion sort by expert, the weights alongside */
+        for (int i = j; i > 0 && experts[i - 1] > experts[i]; --i) {
+            const int32_t t = experts[i];
+            experts[i] = experts[i - 1];
+            experts[i - 1] = t;
+            const float w = weights[i];
+            weights[i] = weights[i - 1];
+            weights[i - 1] = w;
+        }
+}
+
+/* out [rows, hidden] = the experts of the table ``moe`` on x [rows, hidden]. */
+static int experts_forward(const int64_t *moe, const float *x, int rows, int hidden,
+                           float *out, float *scratch, int num_threads) {
+    const int e = (int)moe[MOE_EXPERTS], k = (int)moe[MOE_TOP_K], inter = (int)moe[MOE_INTER];
+    const int shared = (int)moe[MOE_SHARED_INTER];
+    const int64_t act_w = (int64_t)k * inter > shared ? (int64_t)k * inter : shared;
+    float *logits = scratch;
+    int32_t *counts = (int32_t *)(logits + (int64_t)rows * e); /* e + 1 of rows * (e + 1) */
+    float *weights = (float *)counts + (int64_t)rows * (e + 1);
+    int32_t *chosen = (int32_t *)(weights + (int64_t)rows * k);
+    int32_t *slot = chosen + (int64_t)rows * k;
+    float *xs = (float *)(slot + (int64_t)rows * k);
+    float *ys = xs + (int64_t)rows * k * hidden;
+    float *gate_up = ys + (int64_t)rows * k * hidden;
+    float *act = gate_up + (int64_t)rows * 2 * act_w;
+    float *shared_logit = act + (int64_t)rows * act_w;
+    float *gather = shared_logit + rows;
+    int status = linear(moe + MOE_ROUTER, x, rows, logits, gather, num_threads);
+    if (status) return status;
+    for (int r = 0; r < rows; ++r) /* the probabilities overwrite the row's logits */
+        route(logits + (int64_t)r * e, e, k, (int)moe[MOE_NORM_TOPK], chosen + r * k,
+              weights + r * k, logits + (int64_t)r * e);
+    memset(counts, 0, sizeof(int32_t) * (e + 1));
+    for (int i = 0; i < rows * k; ++i) ++counts[chosen[i] + 1];
+    for (int i = 0; i < e; ++i) counts[i + 1] += counts[i]; /* counts[i]: expert i's first slot */
+    for (int r = 0; r < rows; ++r) /* rows in order within an expert, as a stable sort */
+        for (int j = 0; j < k; ++j) {
+            const int s = counts[chosen[r * k + j]]++;
+            slot[r * k + j] = s;
+            memcpy(xs + (int64_t)s * hidden, x + (int64_t)r * hidden, sizeof(float) * hidden);
+        }
+    for (int i = 0, begin = 0; i < e; ++i) { /* counts[i] is now expert i's end */
+        const int n = counts[i] - begin;
+        if (n) {
+            const int64_t *lin = moe + MOE_FIRST_EXPERT + 2 * (int64_t)i * LIN_SIZE;
+            if ((status = linear(lin, xs + (int64_t)begin * hidden, n, gate_up, gather,
+                                 num_threads)))
+                return status;
+            silu_mul_f32(gate_up, act, n, inter, num_threads);
+            if ((status = linear(lin + LIN_SIZE, act, n, ys + (int64_t)begin * hidden, gather,
+                                 num_threads)))
+                return status;
+        }
+        begin = counts[i];
+    }
+    for (int r = 0; r < rows; ++r) {
+        float *o = out + (int64_t)r * hidden;
+        for (int j = 0; j < k; ++j) {
+            const float *y = ys + (int64_t)slot[r * k + j] * hidden;
+            const float w = weights[r * k + j];
+            if (j == 0)
+                for (int h = 0; h < hidden; ++h) o[h] = y[h] * w;
+            else
+                for (int h = 0; h < hidden; ++h) o[h] = o[h] + y[h] * w;
+        }
+    }
+    if (!shared) return 0;
+    if ((status = linear(moe + MOE_SHARED_GATE, x, rows, shared_logit, gather, num_threads)) ||
+        (status = linear(moe + MOE_SHARED_GATE_UP, x, rows, gate_up, gather, num_threads)))
+        return status;
+    silu_mul_f32(gate_up, act, rows, shared, num_threads);
+    if ((status = linear(moe + MOE_SHARED_DOWN, act, rows, ys, gather, num_threads)))
+        return status;
+    for (int r = 0; r < rows; ++r) {
+        const float g = 1.0f / (1.0f + expf(-shared_logit[r]));
+        float *o = out + (int64_t)r * hidden;
+        const float *y = ys + (int64_t)r * hidden;
+        for (int h = 0; h < hidden; ++h) o[h] = o[h] + g * y[h];
+    }
+    return 0;
 }
 
 int decoder_layers(const int64_t *model, const int64_t *layers, float *residual, float *out,
@@ -122,6 +249,12 @@ int decoder_layers(const int64_t *model, const int64_t *layers, float *residual,
         if ((status = linear(layer + DL_O, attn, rows, out, gather, num_threads))) return status;
         add_rms_norm_f32(residual, out, PTR(layer, DL_POST_NORM), eps, x, rows, hidden, hidden,
                          num_threads);
+        if (layer[DL_MOE]) {
+            if ((status = experts_forward(PTR(layer, DL_MOE), x, rows, hidden, out,
+                                          gather + (int64_t)rows * max_k(model), num_threads)))
+                return status;
+            continue;
+        }
         if ((status = linear(layer + DL_GATE_UP, x, rows, gate_up, gather, num_threads)))
             return status;
         silu_mul_f32(gate_up, act, rows, inter, num_threads);

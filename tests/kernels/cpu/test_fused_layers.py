@@ -1,5 +1,6 @@
 """Every decoder layer in one native call (``kernels.cpu.decoder``) against the per-op
-loop: the same logits and the same KV cache, bit for bit, at every build level."""
+loop: the same logits and the same KV cache, bit for bit, at every build level (with
+experts: to float32 rounding, their softmax being libm's, not torch's)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def _config(arch: str):
         return transformers.LlamaConfig(**common)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common)
+    if arch == "qwen2_moe":  # layers 0 and 2: 6 experts (2 a token) and a shared one
+        return transformers.Qwen2MoeConfig(
+            **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, mlp_only_layers=[1])  # fmt: skip
+    if arch == "qwen3_moe":  # 8 experts, 3 a token, renormalized
+        return transformers.Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=3,
+                                           moe_intermediate_size=32, norm_topk_prob=True,
+                                           **common)  # fmt: skip
     return transformers.Qwen3Config(head_dim=16, **common)
 
 
@@ -87,7 +96,7 @@ def _caches(model, num_blocks: int, dtype: torch.dtype = torch.float32):
 
 
 def _compare(native_lib, model, q_lens, ctx, expect_fused: bool,
-             kv_dtype: torch.dtype = torch.float32):
+             kv_dtype: torch.dtype = torch.float32, exact: bool = True):
     positions, meta, num_blocks = _step(q_lens, ctx)
     ops = NativeLayerOps(native_lib)
     fused, loop = CpuBackend(native_lib, ops), CpuBackend(native_lib, ops, fuse_layers=False)
@@ -102,9 +111,11 @@ def _compare(native_lib, model, q_lens, ctx, expect_fused: bool,
     kv_fused = _caches(model, num_blocks, kv_dtype)  # undo that probe's cache writes
     got = _run(model, fused, positions, meta, kv_fused)
     want = _run(model, loop, positions, meta, kv_loop)
-    assert torch.equal(got, want)
+    same = torch.equal if exact else \
+        lambda a, b: torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5)  # fmt: skip
+    assert same(got, want), (got - want).abs().max()
     for (kf, vf), (kl, vl) in zip(kv_fused, kv_loop, strict=True):
-        assert torch.equal(kf, kl) and torch.equal(vf, vl)
+        assert same(kf, kl) and same(vf, vl)
 
 
 STEPS = [([1], [0]), ([1], [37]), ([1, 1, 1], [5, 70, 16]), ([1, 1, 9, 3], [20, 33, 0, 40]),
@@ -153,6 +164,30 @@ def test_16bit_cache_fused_equals_loop(native_lib, kv_dtype, quant, q_lens, ctx)
     # the cache as the per-op loop's kernel call does.
     _compare(native_lib, _model("llama", quant), q_lens, ctx,
              quant is not None or bool(native_lib.gemm_f32_available()), kv_dtype)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("q_lens,ctx", STEPS)
+def test_experts_fused_equal_loop(native_lib, arch, quant, q_lens, ctx):
+    # The routers stay float32: no fused call without the native float32 linear.
+    model = _model(arch, quant)
+    assert model.layers[0].moe is not None
+    _compare(native_lib, model, q_lens, ctx, bool(native_lib.gemm_f32_available()),
+             exact=False)  # fmt: skip
+
+
+def test_experts_with_reordered_inputs_fused_equal_loop(native_lib):
+    model = _model("qwen2_moe", "int8")
+    g = torch.Generator().manual_seed(5)
+    model.set_input_orders({
+        f"layers.{i}.{name}": torch.randperm(proj.in_features, generator=g)
+        for i in (0, 2) for name, proj in model.layers[i].linears()
+        if name.endswith("down_proj")})  # fmt: skip
+    ex = model.decoder_stack().layers[0].experts
+    assert ex.orders[0][1] is not None and ex.shared_orders[1] is not None
+    _compare(native_lib, model, [1, 1, 9, 3], [20, 33, 0, 40],
+             bool(native_lib.gemm_f32_available()), exact=False)  # fmt: skip
 
 
 def test_steps_past_the_fused_rows_take_the_loop(native_lib):
