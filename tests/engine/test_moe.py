@@ -51,8 +51,29 @@ def test_layers_hold_the_configured_experts(arch, tiny_model_factory):
         assert len(layer.moe.experts) == experts
         assert (layer.moe.shared_expert is not None) == (arch == "qwen2_moe")
         assert layer.moe.spec.norm_topk_prob == (arch != "qwen2_moe")
-    # The CPU's all-layer native call has no experts: the layers run op by op.
-    assert llm.engine.worker.cpu_paths["layers"] == "per-op (mixture of experts)"
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_steps_run_in_the_all_layer_native_call(arch, tiny_model_factory, prompts):
+    # Where this CPU build has the native float32 linear, every step of this model runs
+    # its layers, experts included, in one native call: ops.linear only makes the logits.
+    llm = LLM(str(tiny_model_factory(arch)), dtype="float32", kv_cache_memory_gb=0.02)
+    worker = llm.engine.worker
+    paths = worker.cpu_paths or {}
+    fused = paths.get("layers") == "fused" and paths.get("linear_f32", "").startswith("native")
+    calls = []
+    linear = worker.attn.ops.linear
+    worker.attn.ops.linear = lambda x, w, b=None: calls.append(w.shape) or linear(x, w, b)
+    try:
+        greedy(llm, prompts[:1], 4)
+    finally:
+        del worker.attn.ops.linear
+    head = tuple(worker.model.embed_tokens.weight.shape if worker.model.lm_head is None
+                 else worker.model.lm_head.weight.shape)  # fmt: skip
+    if fused:
+        assert calls and all(tuple(c) == head for c in calls), calls[:4]
+    else:
+        assert any(tuple(c) != head for c in calls)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

@@ -141,7 +141,6 @@ def test_throughput_bench_of_a_model_with_experts(tiny_model_factory, tmp_path, 
     rep = json.loads(out.read_text())
     ps = rep["pagedserve"]
     assert ps["floor"]["floor_s"] > 0  # its router, experts and shared expert timed
-    assert rep["environment"]["cpu_paths"]["layers"] == "per-op (mixture of experts)"
     bd, times = ps["step_breakdown"], ps["op_times"]
     for phase, steps in (("decode", bd["decode_steps"]), ("prefill", bd["prefill_steps"])):
         calls = {op["op"]: op["calls"] for op in times[phase]["ops"]}
