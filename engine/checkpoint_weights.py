@@ -243,7 +243,8 @@ def iter_checkpoint_weights(path: Path, quant: CheckpointQuant, layout: Layout,
     for name, tensor in iter_weights(path):
         prefix, _, leaf = name.rpartition(".")
         proj = projection(prefix)
-        if leaf == "bias" and proj is not None and not spec.has_bias(proj):
+        router = prefix.endswith((".mlp.gate", ".block_sparse_moe.gate", ".shared_expert_gate"))
+        if leaf == "bias" and (router or proj is not None and not spec.has_bias(proj)):
             if bool(tensor.any()):
                 raise CheckpointQuantError(
                     f"checkpoint tensor {name!r}: a bias the model has none for (its config "

@@ -336,7 +336,8 @@ def capture_decode_graphs(worker: Any) -> DecodeGraphRunner | None:
     cfg = worker.config
     sizes = capture_sizes(cfg.max_num_seqs)
     if not graphs_wanted(worker.device, cfg.enforce_eager, worker.attn, worker.model):
-        if worker.model.spec.moe is not None and worker.device.type == "cuda":
+        if worker.model.spec.moe is not None and worker.device.type == "cuda" \
+                and not cfg.enforce_eager:  # fmt: skip
             logger.info("CUDA graphs off: the model's mixture-of-experts layers group each "
                         "step's tokens by expert with sizes read on the host")
         elif worker.device.type == "cuda" and not cfg.enforce_eager:

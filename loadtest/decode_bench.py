@@ -216,7 +216,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     kv_token = kv_bytes_per_token(worker)
     read_gbs = ReadBandwidth()
     bandwidth = read_gbs(repeats=5)
-    floor_ms = nbytes / (bandwidth * 1e9) * 1e3
+    floor_ms = weight_bytes(worker.model, 1) / (bandwidth * 1e9) * 1e3  # batch 1's experts
     print_header("pagedserve bench decode", env, {
         "model": f"{worker.model_name} ({worker.model_path})",
         "weights": f"{str(worker.dtype).removeprefix('torch.')}"
@@ -227,7 +227,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                       "batch 1; 'read ms' counts the experts a batch uses when routed "
                       "evenly)"),
         "memory": f"read bandwidth {bandwidth:.1f} GB/s: {floor_ms:.2f} ms a step at least "
-                  f"(weights), KV cache {kv_token / 1e3:.1f} kB a token of context "
+                  f"(weights at batch 1), KV cache {kv_token / 1e3:.1f} kB a token of context "
                   f"({str(worker.kv_cache.dtype).removeprefix('torch.')})",
         **({"cpu paths": cpu_paths.summary(worker.cpu_paths,
                                            str(worker.dtype).removeprefix("torch."),
@@ -254,8 +254,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         # Each step against the time to read its own bytes at the bandwidth read beside it.
         ratios = sorted(dt * gb * 1e9 / (step_bytes + ctx * kv_token)
                         for dt, ctx, gb in zip(steps, contexts, readings, strict=True))
+        floor_b = step_bytes / (bandwidth * 1e9) * 1e3
         row = {"batch": batch, "median_ms": med * 1e3, "p90_ms": p90 * 1e3,
-               "tokens_per_s": batch / med, "floor_ratio": floor_ms / (med * 1e3),
+               "tokens_per_s": batch / med, "floor_ratio": floor_b / (med * 1e3),
                "kv_bytes": kv, "weight_bytes": step_bytes, "read_gbs": gbs, "read_ms": read_ms,
                "read_ratio": statistics.median(ratios),
                "read_ratio_p90": ratios[int(0.9 * (len(ratios) - 1))],

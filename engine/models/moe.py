@@ -114,12 +114,13 @@ def moe_tensor(moe: SparseMoE, leaf: list[str]) -> tuple[nn.Module, str, int] | 
     dots) goes in ``moe``: ``(module, "weight" | "bias", row offset)``; None if it is not
     one of the layer's expert or router tensors."""
     mixtral = moe.spec.mixtral_names
-    if leaf[0] != ("block_sparse_moe" if mixtral else "mlp") or len(leaf) < 3:
-        return None
+    if leaf[0] != ("block_sparse_moe" if mixtral else "mlp") or len(leaf) < 3 \
+            or leaf[-1] != "weight":  # fmt: skip
+        return None  # none of these modules has a bias
     kind = leaf[-1]
-    if leaf[1:3] == ["gate", "weight"]:
+    if leaf[1:] == ["gate", "weight"]:
         return moe.gate, kind, 0
-    if leaf[1] == "shared_expert_gate" and moe.shared_expert_gate is not None:
+    if leaf[1:] == ["shared_expert_gate", "weight"] and moe.shared_expert_gate is not None:
         return moe.shared_expert_gate, kind, 0
     if leaf[1] == "experts" and len(leaf) == 5 and leaf[2].isdigit() \
             and int(leaf[2]) < len(moe.experts):  # fmt: skip

@@ -53,8 +53,9 @@ class MoESpec:
             return None
         top_k = cfg.num_experts_per_tok
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the "
-                             f"number of experts ({num_experts})")
+            key = "num_local_experts" if mixtral else "num_experts"
+            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and "
+                             f"{key}={num_experts}")
         if mixtral:
             layers = tuple(range(cfg.num_hidden_layers))
         else:
@@ -112,7 +113,7 @@ class DecoderSpec:
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
-            qkv_bias=is_qwen2 or attention_bias,
+            qkv_bias=bool(getattr(cfg, "qkv_bias", is_qwen2)) or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=is_qwen3,

@@ -136,7 +136,8 @@ def check_divisible(spec: DecoderSpec, size: int) -> None:
     kv = spec.num_kv_heads
     if kv % size and size % kv:
         raise bad(f"num_key_value_heads={kv} neither divides it nor is divisible by it")
-    if spec.intermediate_size % size:
+    dense = spec.moe is None or len(spec.moe.layers) < spec.num_layers
+    if dense and spec.intermediate_size % size:
         raise bad(f"intermediate_size={spec.intermediate_size} is not divisible by it")
     moe = spec.moe
     for name, width in (("moe_intermediate_size", moe and moe.intermediate_size),

@@ -150,6 +150,10 @@ def test_gptq_and_awq_experts_stay_quantized_and_equal_hf(name, tiny_model_facto
     arch, scheme, fmt = QUANTIZED[name]
     quantized, ref = tmp_path / "q", tmp_path / "ref"
     write_quantized(tiny_model_factory(arch), quantized, ref, scheme)
+    if scheme.extra_bias:  # GPTQ's all-zero biases, the routers' too, are dropped
+        tensors = load_file(quantized / "model.safetensors")
+        tensors["model.layers.1.block_sparse_moe.gate.bias"] = torch.zeros(4).half()
+        save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
     expected = hf_greedy(ref, prompts, 24)
     for backend in ("auto", "torch"):
         llm = LLM(str(quantized), attention_backend=backend, kv_cache_memory_gb=0.02)
@@ -203,9 +207,20 @@ def test_refusals_name_the_setting(tiny_model_factory, tmp_path):
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing 1 tensors.*layers\.1\.mlp\.experts\.5\.up_proj"):
         LLM(str(broken), kv_cache_memory_gb=0.02)
+    # Tensors the model has no place for: an expert past num_experts, a dense MLP's
+    # projection in a layer with experts, a router bias.
+    for extra, shape in (("model.layers.0.mlp.experts.8.up_proj.weight", (32, 64)),
+                         ("model.layers.0.mlp.gate_proj.weight", (128, 64)),
+                         ("model.layers.0.mlp.gate.bias", (8,))):  # fmt: skip
+        tensors = load_file(path / "model.safetensors")
+        tensors[extra] = torch.zeros(shape)
+        save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=rf"unexpected checkpoint tensor "
+                                             rf"'{extra.removeprefix('model.')}'"):  # fmt: skip
+            LLM(str(broken), kv_cache_memory_gb=0.02)
     # More experts per token than experts.
-    with pytest.raises(ValueError, match=r"num_experts_per_tok=9 must be between 1 and the "
-                                         r"number of experts \(8\)"):
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=9 must be between 1 and "
+                                         r"num_experts=8"):
         DecoderSpec.from_hf(_config(path, num_experts_per_tok=9))
 
 

@@ -56,14 +56,15 @@ int64_t decoder_scratch_size(const int64_t *model, int rows) {
 /* Scratch floats a row for the experts of ``moe``: the router's logits, the expert
  * counts (int32, E + 1 a call), the row's weights, its experts and their slots (int32),
  * its gathered inputs and its experts' outputs, their gate/up and SiLU rows (or the
- * shared expert's), the shared gate's logit, and a linear's gathered input. */
+ * shared expert's), the shared gate's logit, the router's taken flags (E bytes a call),
+ * and a linear's gathered input. */
 int64_t moe_scratch_per_row(const int64_t *moe, int64_t hidden) {
     const int64_t e = moe[MOE_EXPERTS], k = moe[MOE_TOP_K], inter = moe[MOE_INTER];
     const int64_t shared = moe[MOE_SHARED_INTER];
     const int64_t act = k * inter > shared ? k * inter : shared;
     int64_t widest = hidden > inter ? hidden : inter;
     widest = widest > shared ? widest : shared;
-    return 2 * e + 1 + 3 * k + 2 * k * hidden + 3 * act + 1 + widest;
+    return 3 * e + 1 + 3 * k + 2 * k * hidden + 3 * act + 1 + widest;
 }
 
 /* y [rows, n] = x [rows, k] @ W^T (+ bias) for the linear at ``lin`` (LIN_* offsets);
@@ -97,24 +98,29 @@ static void head_norm(float *x, int64_t stride, int rows, int heads, int head_di
                          head_dim, num_threads);
 }
 
+/* Whether probability ``a`` ranks above ``b`` (a NaN above any number, as torch.topk
+ * ranks it). */
+static int ranks_above(float a, float b) { return isnan(b) ? 0 : isnan(a) || a > b; }
+
 /* The top_k experts of one row's router ``logits`` [E] and their weights, the experts in
- * ascending order. */
+ * ascending order; ``taken`` holds E flags. A row of NaN logits gets NaN weights. */
 static void route(const float *logits, int e, int k, int norm, int32_t *experts,
-                  float *weights, float *probs) {
+                  float *weights, float *probs, unsigned char *taken) {
     float mx = logits[0];
     for (int i = 1; i < e; ++i) mx = logits[i] > mx ? logits[i] : mx;
     float sum = 0.0f;
     for (int i = 0; i < e; ++i) sum += probs[i] = expf(logits[i] - mx);
     for (int i = 0; i < e; ++i) probs[i] /= sum;
+    memset(taken, 0, (size_t)e);
     float total = 0.0f;
     for (int j = 0; j < k; ++j) {
         int best = -1;
         for (int i = 0; i < e; ++i)
-            if (probs[i] >= 0.0f && (best < 0 || probs[i] > probs[best])) best = i;
+            if (!taken[i] && (best < 0 || ranks_above(probs[i], probs[best]))) best = i;
+        taken[best] = 1; /* k <= e: an expert is always left */
         experts[j] = best;
         weights[j] = probs[best];
         total += probs[best];
-        probs[best] = -1.0f; /* taken */
     }
     if (norm)
         for (int j = 0; j < k; ++j) weights[j] /= total;
@@ -145,12 +151,13 @@ static int experts_forward(const int64_t *moe, const float *x, int rows, int hid
     float *gate_up = ys + (int64_t)rows * k * hidden;
     float *act = gate_up + (int64_t)rows * 2 * act_w;
     float *shared_logit = act + (int64_t)rows * act_w;
-    float *gather = shared_logit + rows;
+    unsigned char *taken = (unsigned char *)(shared_logit + rows);
+    float *gather = shared_logit + rows + (int64_t)rows * e;
     int status = linear(moe + MOE_ROUTER, x, rows, logits, gather, num_threads);
     if (status) return status;
     for (int r = 0; r < rows; ++r) /* the probabilities overwrite the row's logits */
         route(logits + (int64_t)r * e, e, k, (int)moe[MOE_NORM_TOPK], chosen + r * k,
-              weights + r * k, logits + (int64_t)r * e);
+              weights + r * k, logits + (int64_t)r * e, taken);
     memset(counts, 0, sizeof(int32_t) * (e + 1));
     for (int i = 0; i < rows * k; ++i) ++counts[chosen[i] + 1];
     for (int i = 0; i < e; ++i) counts[i + 1] += counts[i]; /* counts[i]: expert i's first slot */

@@ -47,12 +47,14 @@ def _model(arch: str, quant: str | None) -> DecoderForCausalLM:
                 0 if p.dim() > 1 else 1))
     if quant == "int8":
         model.quantize_int8()
-    elif quant is not None:
+    elif quant is not None:  # every projection, an expert's too (not the routers)
         for i, layer in enumerate(model.layers):
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                old = getattr(layer, name)
-                w = random_weight(quant, old.out_features, old.in_features, seed=i)
-                setattr(layer, name, QuantLinear(w, old.bias))
+            for j, (name, old) in enumerate(list(layer.linears())):
+                w = random_weight(quant, old.out_features, old.in_features, seed=100 * i + j)
+                parent, _, attr = name.rpartition(".")
+                setattr(layer.get_submodule(parent) if parent else layer, attr,
+                        QuantLinear(w, old.bias))
+        model._stack = None
     model.set_rope(cfg, 512)
     return model.eval()
 
@@ -167,7 +169,7 @@ def test_16bit_cache_fused_equals_loop(native_lib, kv_dtype, quant, q_lens, ctx)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
-@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("quant", [None, "int8", "q4_1"])
 @pytest.mark.parametrize("q_lens,ctx", STEPS)
 def test_experts_fused_equal_loop(native_lib, arch, quant, q_lens, ctx):
     # The routers stay float32: no fused call without the native float32 linear.
@@ -182,12 +184,35 @@ def test_experts_with_reordered_inputs_fused_equal_loop(native_lib):
     g = torch.Generator().manual_seed(5)
     model.set_input_orders({
         f"layers.{i}.{name}": torch.randperm(proj.in_features, generator=g)
-        for i in (0, 2) for name, proj in model.layers[i].linears()
-        if name.endswith("down_proj")})  # fmt: skip
+        for i in (0, 2) for name, proj in model.layers[i].linears() if name.startswith("moe.")})
     ex = model.decoder_stack().layers[0].experts
-    assert ex.orders[0][1] is not None and ex.shared_orders[1] is not None
+    assert all(o is not None for pair in (*ex.orders, ex.shared_orders) for o in pair)
     _compare(native_lib, model, [1, 1, 9, 3], [20, 33, 0, 40],
              bool(native_lib.gemm_f32_available()), exact=False)  # fmt: skip
+
+
+def test_a_row_of_nan_stays_in_its_row(native_lib):
+    # NaN router logits (a request whose activations overflowed) route somewhere and give
+    # that row NaN; the other requests' rows are what they are without it.
+    model = _model("qwen2_moe", None)
+    positions, meta, num_blocks = _step([1, 1, 1], [5, 70, 16])
+    backend = CpuBackend(native_lib, NativeLayerOps(native_lib))
+    backend.prepare(meta, BLOCK)
+    hidden = torch.randn(3, model.spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for bad in (False, True):
+        h = hidden.clone()
+        if bad:
+            h[1] = float("nan")
+        with torch.inference_mode():
+            took = backend.run_layers(model.decoder_stack(), h, positions,
+                                      _caches(model, num_blocks), meta)  # fmt: skip
+        if not native_lib.gemm_f32_available():  # this build has no fused call for it
+            assert took is None
+            return
+        outs.append(took[0])
+    assert torch.isnan(outs[1][1]).all()
+    assert torch.equal(outs[1][[0, 2]], outs[0][[0, 2]])
 
 
 def test_steps_past_the_fused_rows_take_the_loop(native_lib):
