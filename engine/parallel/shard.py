@@ -100,8 +100,8 @@ class TPShard:
         if kind in ("q", "kv"):
             r = self.heads if kind == "q" else self.kv_heads
             return slice(r.start * hd, r.stop * hd)
-        r = {"mlp": self.intermediate, "experts": self.expert_intermediate,
-             "shared_expert": self.shared_intermediate}[kind]
+        r = self.intermediate if kind == "mlp" else \
+            self.expert_intermediate if kind == "experts" else self.shared_intermediate
         return slice(r.start, r.stop)
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
