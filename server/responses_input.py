@@ -24,9 +24,9 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 def wants_logprobs(req: ResponsesRequest) -> bool:
-    """Whether the message's ``output_text`` carries logprobs: ``include`` asks for them,
-    or ``top_logprobs`` is set."""
-    return LOGPROBS_INCLUDE in (req.include or ()) or req.top_logprobs is not None
+    """Whether the message's ``output_text`` carries logprobs: ``include`` asks for them
+    (``top_logprobs`` alone, as OpenAI's API, leaves them empty)."""
+    return LOGPROBS_INCLUDE in (req.include or ())
 ROLES = ("user", "system", "developer", "assistant")
 ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
 
@@ -50,7 +50,9 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                           "/v1/completions", "prompt_logprobs")
     fields = {f: getattr(req, f) for f in _Sampling.__struct_fields__}
     return ChatCompletionRequest(
-        **fields, logprobs=wants_logprobs(req), top_logprobs=req.top_logprobs,
+        # top_logprobs alone is still checked (0-20), as the chat route checks it.
+        **fields, logprobs=wants_logprobs(req) or req.top_logprobs is not None,
+        top_logprobs=req.top_logprobs,
         messages=input_messages(req.input, req.instructions),
         max_completion_tokens=limit, tools=chat_tools(req.tools),
         tool_choice=chat_tool_choice(req.tool_choice),

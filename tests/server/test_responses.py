@@ -108,9 +108,12 @@ def test_logprobs_equal_chat_whole_and_streamed(client):
     done = next(e for e in events if e.type == "response.output_text.done")
     assert [lp.model_dump() for lp in done.logprobs] == want
     assert [lp.model_dump() for lp in final.output[0].content[0].logprobs] == want
-    # Without them asked for: empty lists; an unknown include is ignored.
+    # Without them asked for: empty lists; an unknown include is ignored; top_logprobs
+    # without the include gives none either (as OpenAI's API).
     plain = client.responses.create(include=["reasoning.encrypted_content"], **ask)
     assert plain.output[0].content[0].logprobs == [] and plain.output_text == part.text
+    alone = client.responses.create(top_logprobs=3, **ask)
+    assert alone.output[0].content[0].logprobs == [] and alone.output_text == part.text
 
 
 def test_sse_framing_is_event_then_data(server):
