@@ -98,12 +98,11 @@ def _warn_slow_bf16() -> None:
         "float32 here)")
 
 
-def check_moe(spec: DecoderSpec, enable_lora: bool, quantization: str | None) -> None:
-    """Refuse what a model with experts cannot run: LoRA adapters, GGUF files."""
+def check_moe(spec: DecoderSpec, quantization: str | None) -> None:
+    """Refuse what a model with experts cannot run: GGUF files (an adapter of its
+    experts is refused when the adapter is checked: ``engine.lora.request``)."""
     if spec.moe is None:
         return
-    if enable_lora:
-        raise ValueError("enable_lora=True is not supported for mixture-of-experts models")
     if quantization == "gguf":
         raise ValueError(
             "quantization='gguf' is not supported for mixture-of-experts models: serve the "
@@ -130,7 +129,7 @@ class Worker:
         self.quant_config = read_quantization_config(self.hf_config, self.model_path)
         self.quantization = resolve_quantization(config, self.quant_config, self.model_name)
         """``config.quantization``, or the checkpoint's own (GPTQ, AWQ)."""
-        check_moe(DecoderSpec.from_hf(self.hf_config), config.enable_lora, self.quantization)
+        check_moe(DecoderSpec.from_hf(self.hf_config), self.quantization)
         if tp is None and config.tensor_parallel_size > 1:
             check_divisible(DecoderSpec.from_hf(self.hf_config), config.tensor_parallel_size)
             self.tp, self._procs = start_rank0(config, self.device)

@@ -55,6 +55,8 @@ def write_random_adapter(spec, out: Path, rank: int = 8, alpha: float = 16.0,
         if layers is not None and layer not in layers:
             continue
         for module in targets:
+            if not limits.takes(layer, module):  # a mixture of experts: no adapter
+                continue
             out_f, in_f = limits.shape_of(module)
             kind = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             key = f"base_model.model.model.layers.{layer}.{kind}.{module}"

@@ -20,6 +20,7 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # fmt: skip
 """The decoder's projections and the target modules each fuses, in row order."""
+FUSED_MLP = FUSED["gate_up_proj"] + FUSED["down_proj"]
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -58,20 +59,28 @@ class LoRARequest:
 @dataclass(frozen=True, slots=True)
 class LoRALimits:
     """What an adapter must fit: the engine's ``max_lora_rank`` and the model's layers
-    and ``(out, in)`` size of each target module."""
+    and ``(out, in)`` size of each target module; ``expert_layers``: the layers whose MLP
+    is a mixture of experts, which takes no adapter (their attention does)."""
 
     max_rank: int
     num_layers: int
     shapes: tuple[tuple[str, int, int], ...]
+    expert_layers: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, spec, max_rank: int) -> LoRALimits:
         """For a model of ``spec`` (:class:`engine.models.DecoderSpec`)."""
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         h, m = spec.hidden_size, spec.intermediate_size
+        moe = getattr(spec, "moe", None)
         return cls(max_rank, spec.num_layers, (
             ("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q),
-            ("gate_proj", m, h), ("up_proj", m, h), ("down_proj", h, m)))
+            ("gate_proj", m, h), ("up_proj", m, h), ("down_proj", h, m)),
+            tuple(moe.layers) if moe is not None else ())
+
+    def takes(self, layer: int, module: str) -> bool:
+        """Whether ``module`` of ``layer`` can be adapted (not an MLP made of experts)."""
+        return layer not in self.expert_layers or module not in FUSED_MLP
 
     def shape_of(self, module: str) -> tuple[int, int]:
         return next((o, i) for name, o, i in self.shapes if name == module)
@@ -174,6 +183,10 @@ def check_adapter(path: str | Path, limits: LoRALimits) -> tuple[AdapterConfig, 
         if layer >= limits.num_layers:
             raise LoRAError(f"{file}: tensor {name!r} is for layer {layer}; the model has "
                             f"{limits.num_layers}")
+        if not limits.takes(layer, module):
+            raise LoRAError(f"{file}: tensor {name!r} adapts layer {layer}'s MLP, a mixture "
+                            "of experts; adapters of experts are not served (of the "
+                            "attention, and of dense MLP layers, they are)")
         out_f, in_f = limits.shape_of(module)
         want = (cfg.rank, in_f) if ab == "A" else (out_f, cfg.rank)
         if shape != want:

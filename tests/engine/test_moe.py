@@ -190,15 +190,42 @@ def test_tp2_equals_tp1(arch, tiny_model_factory, prompts):
         assert greedy(two, prompts) == ref
 
 
+def test_adapters_of_the_attention_and_dense_layers_match_hf(tiny_model_factory, prompts,
+                                                             tmp_path):  # fmt: skip
+    from engine.lora.request import LoRAError, LoRALimits, LoRARequest, check_adapter
+    from tests.helpers.lora import hf_greedy_with, make_adapter
+
+    path = tiny_model_factory("qwen2_moe")  # layer 0: experts; layer 1: a dense MLP
+    adapter = make_adapter(path, tmp_path / "a", rank=4, alpha=8, seed=3)
+    names = load_file(adapter / "adapter_model.safetensors")
+    assert any(".layers.1.mlp.gate_proj." in n for n in names)
+    assert not any(".layers.0.mlp." in n for n in names)  # the experts take none
+    ref = hf_greedy_with(path, adapter, prompts, 24)
+    assert ref != hf_greedy_with(path, None, prompts, 24)
+    llm = LLM(str(path), dtype="float32", enable_lora=True, max_lora_rank=8,
+              kv_cache_memory_gb=0.02)  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24),
+                        use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapter)))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    # An adapter of an expert layer's MLP is refused, naming the tensor.
+    tensors = dict(names)
+    tensors["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"] = torch.zeros(4, 32)
+    tensors["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"] = torch.zeros(64, 4)
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    limits = LoRALimits.of(llm.engine.worker.spec, 8)
+    with pytest.raises(LoRAError, match=r"layers\.0\.mlp\.down_proj\.lora_.\.weight' adapts "
+                                        r"layer 0's MLP, a mixture of experts"):  # fmt: skip
+        check_adapter(adapter, limits)
+
+
 def test_refusals_name_the_setting(tiny_model_factory, tmp_path):
     path = tiny_model_factory("qwen3_moe")
-    with pytest.raises(ValueError, match="enable_lora=True is not supported for mixture-of"):
-        LLM(str(path), enable_lora=True)
     spec = DecoderSpec.from_hf(_config(path))
     with pytest.raises(ValueError, match="quantization='gguf' is not supported for mixture"):
-        check_moe(spec, False, "gguf")
+        check_moe(spec, "gguf")
     for quant in (None, "int8", "gptq", "awq"):
-        check_moe(spec, False, quant)
+        check_moe(spec, quant)
     # An expert's tensor missing from the checkpoint.
     broken = tmp_path / "broken"
     shutil.copytree(path, broken)
