@@ -86,14 +86,16 @@ class LoRALimits:
         return next((o, i) for name, o, i in self.shapes if name == module)
 
     def adapter_bytes(self, element_size: int) -> int:
-        """The most an adapter takes loaded (rank ``max_rank``, every target): per fused
-        projection ``A [n r, in]`` and a dense ``B [out, n r]`` for its ``n`` modules."""
+        """The most an adapter takes loaded (rank ``max_rank``, every target it can have:
+        no MLP on the layers with experts): per fused projection ``A [n r, in]`` and a
+        dense ``B [out, n r]`` for its ``n`` modules."""
         r, size = self.max_rank, dict((m, (o, i)) for m, o, i in self.shapes)
         total = 0
         for group in FUSED.values():
             cols = r * len(group)
-            total += cols * size[group[0]][1] + sum(size[m][0] for m in group) * cols
-        return total * self.num_layers * element_size
+            layers = sum(self.takes(i, group[0]) for i in range(self.num_layers))
+            total += (cols * size[group[0]][1] + sum(size[m][0] for m in group) * cols) * layers
+        return total * element_size
 
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")

@@ -214,6 +214,14 @@ def test_adapters_of_the_attention_and_dense_layers_match_hf(tiny_model_factory,
     tensors["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"] = torch.zeros(64, 4)
     save_file(tensors, adapter / "adapter_model.safetensors")
     limits = LoRALimits.of(llm.engine.worker.spec, 8)
+    # The GPU's reservation for an adapter is what the fullest one of this model takes
+    # loaded: no MLP on the expert layer.
+    from engine.lora.weights import load_lora
+
+    full = make_adapter(path, tmp_path / "full", rank=8)
+    w = load_lora(LoRARequest("full", 2, str(full)), limits, torch.float32, torch.device("cpu"))
+    assert sum(t.numel() * t.element_size() for layer in w.layers for ab in layer.values()
+               for t in ab) == limits.adapter_bytes(4)  # fmt: skip
     with pytest.raises(LoRAError, match=r"layers\.0\.mlp\.down_proj\.lora_.\.weight' adapts "
                                         r"layer 0's MLP, a mixture of experts"):  # fmt: skip
         check_adapter(adapter, limits)
