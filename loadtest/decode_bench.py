@@ -216,14 +216,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     kv_token = kv_bytes_per_token(worker)
     read_gbs = ReadBandwidth()
     bandwidth = read_gbs(repeats=5)
-    floor_ms = weight_bytes(worker.model, 1) / (bandwidth * 1e9) * 1e3  # batch 1's experts
+    batch1 = weight_bytes(worker.model, 1)  # the experts one token reads
+    floor_ms = batch1 / (bandwidth * 1e9) * 1e3
     print_header("pagedserve bench decode", env, {
         "model": f"{worker.model_name} ({worker.model_path})",
         "weights": f"{str(worker.dtype).removeprefix('torch.')}"
                    + (f", {worker.quant_desc}" if worker.quant_desc else "")
                    + f": {nbytes / 1e6:.1f} MB read per step"
-                   + ("" if nbytes == weight_bytes(worker.model, 1) else
-                      f" with every expert ({weight_bytes(worker.model, 1) / 1e6:.1f} MB at "
+                   + ("" if nbytes == batch1 else
+                      f" with every expert ({batch1 / 1e6:.1f} MB at "
                       "batch 1; 'read ms' counts the experts a batch uses when routed "
                       "evenly)"),
         "memory": f"read bandwidth {bandwidth:.1f} GB/s: {floor_ms:.2f} ms a step at least "

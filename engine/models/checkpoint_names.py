@@ -78,7 +78,7 @@ def moe_tensor_names(spec: MoESpec) -> list[str]:
     if spec.mixtral_names:
         return ["block_sparse_moe.gate.weight"] + [
             f"block_sparse_moe.experts.{e}.{w}.weight"
-            for e in range(spec.num_experts) for w in ("w1", "w2", "w3")]  # fmt: skip
+            for e in range(spec.num_experts) for w in MIXTRAL_EXPERT]  # fmt: skip
     names = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}.weight" for e in range(spec.num_experts)
                                    for p in ("gate_proj", "up_proj", "down_proj")]  # fmt: skip
     if spec.shared_intermediate_size:

@@ -343,7 +343,7 @@ class DecoderForCausalLM(nn.Module):
                              "the model's config names no quantization (quantization_config)")
         place = None if layer.moe is None else moe_tensor(layer.moe, parts[2:])
         if place is not None:
-            put_rows(place[0], place[1], place[2], tensor)
+            put_rows(place[0], "weight", place[1], tensor)
         elif parts[2] in ("mlp", "block_sparse_moe") and (layer.moe is not None or len(parts) != 5):
             n = "none" if layer.moe is None else len(layer.moe.experts)
             raise ValueError(f"unexpected checkpoint tensor {name!r} (layer {parts[1]}'s "

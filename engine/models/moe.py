@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.models.checkpoint_names import MIXTRAL_EXPERT
 from engine.models.linear import project
 from engine.models.spec import MoESpec
 from kernels.interface import ExpertWeights
@@ -109,33 +110,29 @@ class SparseMoE(nn.Module):
             yield f"{prefix}.down_proj", mlp.down_proj
 
 
-def moe_tensor(moe: SparseMoE, leaf: list[str]) -> tuple[nn.Module, str, int] | None:
-    """Where the checkpoint tensor ``leaf`` (a layer's name after ``layers.N.``, split at
-    dots) goes in ``moe``: ``(module, "weight" | "bias", row offset)``; None if it is not
-    one of the layer's expert or router tensors."""
+def moe_tensor(moe: SparseMoE, leaf: list[str]) -> tuple[nn.Module, int] | None:
+    """Where the checkpoint weight ``leaf`` (a layer's name after ``layers.N.``, split at
+    dots) goes in ``moe``: ``(module, row offset)``; None if it is not one of the layer's
+    expert or router weights (none of these modules has a bias)."""
     mixtral = moe.spec.mixtral_names
     if leaf[0] != ("block_sparse_moe" if mixtral else "mlp") or len(leaf) < 3 \
             or leaf[-1] != "weight":  # fmt: skip
-        return None  # none of these modules has a bias
-    kind = leaf[-1]
+        return None
     if leaf[1:] == ["gate", "weight"]:
-        return moe.gate, kind, 0
+        return moe.gate, 0
     if leaf[1:] == ["shared_expert_gate", "weight"] and moe.shared_expert_gate is not None:
-        return moe.shared_expert_gate, kind, 0
+        return moe.shared_expert_gate, 0
     if leaf[1] == "experts" and len(leaf) == 5 and leaf[2].isdigit() \
             and int(leaf[2]) < len(moe.experts):  # fmt: skip
-        mlp, proj = moe.experts[int(leaf[2])], leaf[3]
+        mlp = moe.experts[int(leaf[2])]
+        # Mixtral names an expert's projections w1/w3/w2 (and only so)
+        proj = MIXTRAL_EXPERT.get(leaf[3]) if mixtral else leaf[3]
     elif leaf[1] == "shared_expert" and len(leaf) == 4 and moe.shared_expert is not None:
         mlp, proj = moe.shared_expert, leaf[2]
     else:
         return None
-    inter = mlp.down_proj.in_features
-    places = {"w1": (mlp.gate_up_proj, 0), "w3": (mlp.gate_up_proj, inter),
-              "w2": (mlp.down_proj, 0)} if mixtral and leaf[1] == "experts" else \
-        {"gate_proj": (mlp.gate_up_proj, 0), "up_proj": (mlp.gate_up_proj, inter),
-         "down_proj": (mlp.down_proj, 0)}  # fmt: skip
-    if proj not in places:
-        return None
-    module, offset = places[proj]
-    return module, kind, offset
+    places = {"gate_proj": (mlp.gate_up_proj, 0),
+              "up_proj": (mlp.gate_up_proj, mlp.down_proj.in_features),
+              "down_proj": (mlp.down_proj, 0)}  # fmt: skip
+    return places.get(proj)
 

@@ -24,14 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.models.checkpoint_names import projection
 from engine.models.decoder import DecoderSpec
 
-_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp",
-           "w1": "mlp", "w3": "mlp"}
-_ROW = {"o_proj": "q", "down_proj": "mlp", "w2": "mlp"}
-"""Mixtral's experts name gate/up/down ``w1``/``w3``/``w2``. An expert (and Qwen2-MoE's
-shared expert) is split as a dense MLP is, over its own width; the routers are whole on
-every rank, so every rank routes a token to the same experts."""
+_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+_ROW = {"o_proj": "q", "down_proj": "mlp"}
+"""By projection (:func:`engine.models.checkpoint_names.projection`, which reads Mixtral's
+expert names ``w1``/``w3``/``w2`` as gate/up/down). An expert (and Qwen2-MoE's shared
+expert) is split as a dense MLP is, over its own width; the routers are whole on every
+rank, so every rank routes a token to the same experts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +109,7 @@ class TPShard:
         """This rank's part of the checkpoint tensor ``name`` (HF names, with or without
         the ``model.`` prefix)."""
         parts = name.removeprefix("model.").split(".")
-        leaf, kind = parts[-2] if len(parts) > 1 else "", parts[-1]
+        leaf, kind = projection(".".join(parts[:-1])), parts[-1]
         if parts[0] in ("embed_tokens", "lm_head"):
             rows = tensor[self.vocab.start:self.vocab.stop]
             pad = self.vocab_per_rank - rows.shape[0]
