@@ -169,14 +169,12 @@ class FusedLayers:
                 return None
             row[C["DL_MOE"]], max_rows = table[0].data_ptr(), table[1]
             moe_row = self._lib.moe_scratch_per_row(table[0].data_ptr(), stack.hidden_size)
-        for (name, (weight, bias, n, k)), order in zip(shapes.items(), layer.orders[:len(shapes)],
-                                                       strict=True):  # fmt: skip
-            lin = self._linear_entries(weight, bias, n, k, keep, order)
-            if lin is None:
-                return None
-            row[C[name]: C[name] + C["LIN_SIZE"]] = lin[0]
-            max_rows = min(max_rows, lin[1])
-        return row, max_rows, moe_row
+        linears = [(C[name], weight, bias, n, k, order) for (name, (weight, bias, n, k)), order
+                   in zip(shapes.items(), layer.orders[:len(shapes)], strict=True)]  # fmt: skip
+        filled = self._fill(row, linears, keep)
+        if filled is None:
+            return None
+        return row, min(max_rows, filled), moe_row
 
     def _expert_table(self, hidden: int, ex: ExpertWeights, keep):
         """A layer's MOE_* table (kept alive in ``keep``) and the most rows its linears
@@ -189,28 +187,36 @@ class FusedLayers:
                             ("MOE_SHARED_INTER", shared),
                             ("MOE_NORM_TOPK", int(ex.norm_topk_prob))):  # fmt: skip
             table[C[name]] = value
-        linears = [(C["MOE_ROUTER"], ex.router, num, hidden, None)]
+        linears = [(C["MOE_ROUTER"], ex.router, None, num, hidden, None)]
         if shared:
-            linears += [(C["MOE_SHARED_GATE"], ex.shared_gate, 1, hidden, None),
-                        (C["MOE_SHARED_GATE_UP"], ex.shared_gate_up, 2 * shared, hidden,
+            linears += [(C["MOE_SHARED_GATE"], ex.shared_gate, None, 1, hidden, None),
+                        (C["MOE_SHARED_GATE_UP"], ex.shared_gate_up, None, 2 * shared, hidden,
                          ex.shared_orders[0]),
-                        (C["MOE_SHARED_DOWN"], ex.shared_down, hidden, shared,
+                        (C["MOE_SHARED_DOWN"], ex.shared_down, None, hidden, shared,
                          ex.shared_orders[1])]  # fmt: skip
         for e, (gate_up, down, (up_order, down_order)) in enumerate(
                 zip(ex.gate_up, ex.down, ex.orders, strict=True)):  # fmt: skip
             at = C["MOE_FIRST_EXPERT"] + 2 * e * size
-            linears += [(at, gate_up, 2 * inter, hidden, up_order),
-                        (at + size, down, hidden, inter, down_order)]
-        max_rows = NATIVE_LINEAR_MAX_ROWS
-        for at, weight, n, k, order in linears:
-            lin = self._linear_entries(weight, None, n, k, keep, order)
-            if lin is None:
-                return None
-            table[at: at + size] = lin[0]
-            max_rows = min(max_rows, lin[1])
+            linears += [(at, gate_up, None, 2 * inter, hidden, up_order),
+                        (at + size, down, None, hidden, inter, down_order)]
+        max_rows = self._fill(table, linears, keep)
+        if max_rows is None:
+            return None
         tensor = torch.tensor(table, dtype=torch.int64)
         keep.append(tensor)
         return tensor, max_rows
+
+    def _fill(self, table: list, linears: list, keep) -> int | None:
+        """Writes each ``(at, weight, bias, n, k, order)``'s LIN_SIZE entries into ``table``
+        at ``at``; returns the most rows all of them take natively, or None."""
+        max_rows = NATIVE_LINEAR_MAX_ROWS
+        for at, weight, bias, n, k, order in linears:
+            lin = self._linear_entries(weight, bias, n, k, keep, order)
+            if lin is None:
+                return None
+            table[at: at + C["LIN_SIZE"]] = lin[0]
+            max_rows = min(max_rows, lin[1])
+        return max_rows
 
     def _linear_entries(self, weight: Weight, bias, n: int, k: int, keep, order=None):
         """A linear's LIN_SIZE entries and the most rows it takes natively, or None."""
