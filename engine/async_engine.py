@@ -92,6 +92,7 @@ class _Add:
     arrival_time: float
     lora_request: LoRARequest | None = None
     pooling: PoolingParams | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -183,6 +184,7 @@ class AsyncEngine:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Post a request; its :class:`StepItem`s (delta outputs) arrive on ``queue``.
 
@@ -195,7 +197,7 @@ class AsyncEngine:
         self._adds_posted += params.n
         self._commands.append(_Add(request_id, prompt_token_ids, params, prompt,
                                    arrival_time if arrival_time is not None else time.monotonic(),
-                                   lora_request, pooling))  # fmt: skip
+                                   lora_request, pooling, cache_salt))  # fmt: skip
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -350,7 +352,7 @@ class AsyncEngine:
                     eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                     prompt=cmd.prompt, arrival_time=cmd.arrival_time,
                                     output_kind=OUTPUT_DELTA, lora_request=cmd.lora_request,
-                                    pooling=cmd.pooling)
+                                    pooling=cmd.pooling, cache_salt=cmd.cache_salt)
                 except Exception as exc:  # a bad request harms no one else
                     self._loop.call_soon_threadsafe(self._deliver_error, cmd.request_id, exc)
             else:

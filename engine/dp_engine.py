@@ -159,12 +159,12 @@ class ReplicaClient:
 
     def add_request(self, rid: str, ids: list[int], params: SamplingParams,
                     queue: asyncio.Queue, prompt: str | None, arrival: float,
-                    lora: LoRARequest | None = None,
-                    pooling: PoolingParams | None = None) -> None:  # fmt: skip
+                    lora: LoRARequest | None = None, pooling: PoolingParams | None = None,
+                    cache_salt: str | None = None) -> None:  # fmt: skip
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
         self.queues[rid] = queue
-        self._send(("add", rid, ids, params, prompt, arrival, lora, pooling))
+        self._send(("add", rid, ids, params, prompt, arrival, lora, pooling, cache_salt))
 
     def abort(self, rid: str) -> bool:
         if self.queues.pop(rid, None) is None:
@@ -298,16 +298,17 @@ class DataParallelEngine:
                 self.on_death(exc)
 
     # -- requests -----------------------------------------------------------------------
-    def _route(self, ids: list[int], params: SamplingParams, lora_id: int = 0) -> int:
+    def _route(self, ids: list[int], lora_id: int = 0, salt: str | None = None) -> int:
         """The least loaded replica, unless the one that took the last request of the
-        same first block (prefix caching: the block's key includes the adapter) or, for a
+        same first block (prefix caching: the block's key includes the adapter and the
+        cache salt, so requests of other salts share nothing with it) or, for a
         first block new to it, of the same LoRA adapter (it has the adapter loaded, and a
         place for it within ``max_loras``) is at most PREFIX_MARGIN_TOKENS busier."""
         least = min(range(len(self.replicas)), key=self.load.__getitem__)
         bs = self.config.block_size
         keys: list[tuple] = []
         if self.config.enable_prefix_caching and len(ids) >= bs:
-            keys.append((lora_id, *ids[:bs]))
+            keys.append((lora_id, salt, *ids[:bs]))
         if lora_id:
             keys.append((lora_id,))  # a new prefix of the adapter: where the adapter is
         holder = next((h for k in keys if (h := self._prefix_holder.get(k)) is not None), None)
@@ -323,11 +324,12 @@ class DataParallelEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, queue: asyncio.Queue, prompt: str | None = None,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None,
-                    pooling: PoolingParams | None = None) -> None:  # fmt: skip
+                    pooling: PoolingParams | None = None,
+                    cache_salt: str | None = None) -> None:  # fmt: skip
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
-        i = self._route(prompt_token_ids, params,
-                        0 if lora_request is None else lora_request.lora_int_id)
+        i = self._route(prompt_token_ids,
+                        0 if lora_request is None else lora_request.lora_int_id, cache_salt)
         limit = self.info.limits.max_model_len - len(prompt_token_ids)
         out = limit if params.max_tokens is None else min(params.max_tokens, limit)
         cost = (len(prompt_token_ids) + out) * params.n
@@ -335,7 +337,8 @@ class DataParallelEngine:
         self.load[i] += cost
         self.replicas[i].add_request(request_id, prompt_token_ids, params, queue, prompt,
                                      arrival_time if arrival_time is not None
-                                     else time.monotonic(), lora_request, pooling)  # fmt: skip
+                                     else time.monotonic(), lora_request, pooling,
+                                     cache_salt)  # fmt: skip
 
     def _finished(self, rid: str) -> None:
         i = self._owner.pop(rid, None)

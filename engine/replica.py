@@ -6,7 +6,8 @@ pickled frames from stdin, the first its :class:`~engine.config.EngineConfig`, a
 writes frames back (:mod:`engine.frames`). The front end
 (:mod:`engine.dp_engine`) sends::
 
-    ("add", request_id, prompt_token_ids, params, prompt, arrival_time, lora_request, pooling)
+    ("add", request_id, prompt_token_ids, params, prompt, arrival_time, lora_request, pooling,
+     cache_salt)
     ("abort", request_id)
     ("kv", ask_id, max_cells, tables)
     ("stop",)
@@ -53,10 +54,11 @@ class ReplicaServer:
     def handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, prompt, arrival, lora, pooling = cmd
+            _, rid, ids, params, prompt, arrival, lora, pooling, salt = cmd
             queue: asyncio.Queue = asyncio.Queue()
             try:
-                self.engine.add_request(rid, ids, params, queue, prompt, arrival, lora, pooling)
+                self.engine.add_request(rid, ids, params, queue, prompt, arrival, lora, pooling,
+                                        salt)
             except Exception as exc:  # noqa: BLE001 - the front end gets it as the request's error
                 self.out.send(("err", rid, exc))
                 return

@@ -119,7 +119,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
         tools=tools, reasoning_parser=state.options.reasoning_parser,
         include_reasoning=req.include_reasoning is not False, prompt_text=rendered)
-    async with Generation(state, [prompt], params, route, arrival, lora) as gen:
+    async with Generation(state, [prompt], params, route, arrival, lora,
+                          cache_salt=req.cache_salt) as gen:
         if req.stream:
             return await _stream(request, state, gen, ctx)
         return await _whole(state, gen, ctx)

@@ -82,7 +82,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         want_prompt_logprobs=req.prompt_logprobs is not None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats))
-    async with Generation(state, prompts, params, COMPLETIONS, arrival, lora) as gen:
+    async with Generation(state, prompts, params, COMPLETIONS, arrival, lora,
+                          cache_salt=req.cache_salt) as gen:
         if req.stream:
             return await _stream(request, state, gen, ctx)
         return await _whole(state, gen, ctx)

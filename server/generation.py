@@ -59,10 +59,11 @@ class Generation:
 
     def __init__(self, state: ServerState, prompts: list[Prompt], params: SamplingParams,
                  route: Route, arrival_time: float, lora: LoRARequest | None = None,
-                 pooling: PoolingParams | None = None) -> None:
+                 pooling: PoolingParams | None = None, cache_salt: str | None = None) -> None:
         """``lora``: the adapter of the served name the request asked for (looked up
         when the request came in: an adapter unloaded since still serves it); ``pooling``:
-        embedding requests."""
+        embedding requests; ``cache_salt``: the prompts share cached blocks only with
+        requests of the same salt."""
         self.state = state
         self.route = route
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -78,7 +79,7 @@ class Generation:
             for rid, p in zip(self.request_ids, prompts, strict=True):
                 engine.add_request(rid, p.token_ids, params, self.queue, prompt=p.text,
                                    arrival_time=arrival_time, lora_request=lora,
-                                   pooling=pooling)
+                                   pooling=pooling, cache_salt=cache_salt)
                 self._unfinished.add(rid)
         except BaseException as exc:
             self.close()

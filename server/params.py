@@ -40,6 +40,8 @@ def _common(req: _Sampling, defaults: dict[str, Any] | None) -> dict[str, Any]:
     for name, value in (defaults or {}).items():
         if kw.get(name) is None:
             kw[name] = value
+    if req.cache_salt is not None and not req.cache_salt:
+        raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     if req.prompt_logprobs is not None:

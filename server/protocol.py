@@ -85,6 +85,7 @@ class _Sampling(msgspec.Struct):
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None
     priority: int | None = None
+    cache_salt: str | None = None
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

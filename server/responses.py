@@ -83,11 +83,11 @@ async def responses(request: web.Request) -> web.StreamResponse:
         special=frozenset(state.tokenizer.all_special_ids),
         parser=ChoiceParser(
             None if reasoning is None else ReasoningParser(reasoning, rendered),
-            None if tools.parser is None else ToolCallParser(tools.parser,
-                                                             tools.function_name)))
+            None if tools.parser is None else ToolCallParser(tools.parser, tools.function_name)))
     if store:  # once whole, with the input it answered
         out.on_done = lambda response: state.responses.put(response, input_items(conv.input))
-    async with Generation(state, [prompt], params, RESPONSES, arrival, lora) as gen:
+    async with Generation(state, [prompt], params, RESPONSES, arrival, lora, None,
+                          chat.cache_salt) as gen:
         if req.stream:
             return await _stream(request, gen, out)
         async for _ in out.run(gen):

@@ -91,6 +91,21 @@ def test_router_balances_and_follows_prefixes(default_model_path):
     assert dp.load == [PREFIX_MARGIN_TOKENS, 0] and dp._owner == {}
 
 
+def test_router_follows_a_prefix_only_within_its_cache_salt(default_model_path):
+    dp = _router(default_model_path)
+    sp = SamplingParams(max_tokens=100)
+    shared = list(range(100, 132))
+    dp.add_request("a", shared, sp, asyncio.Queue(), cache_salt="x")
+    # The same first block under another salt (or none) shares no cached block with "a":
+    # each goes to the least loaded replica.
+    dp.add_request("b", shared, sp, asyncio.Queue(), cache_salt="y")
+    dp.add_request("c", shared, sp, asyncio.Queue())
+    assert [dp._owner[r] for r in "abc"] == [0, 1, 0]
+    dp.add_request("d", shared + [1], sp, asyncio.Queue(), cache_salt="y")
+    dp.add_request("e", shared + [2], sp, asyncio.Queue(), cache_salt="x")
+    assert (dp._owner["d"], dp._owner["e"]) == (1, 0)
+
+
 def test_router_without_prefix_caching_only_balances(default_model_path):
     dp = _router(default_model_path, prefix_caching=False)
     sp = SamplingParams(max_tokens=10)

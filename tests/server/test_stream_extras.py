@@ -1,6 +1,7 @@
 """vLLM's request extras on the OpenAI routes: ``stream_options.continuous_usage_stats``
-(every chunk carries the usage so far) and ``truncate_prompt_tokens`` (a prompt cut to
-its last k tokens: the same output as sending those k tokens)."""
+(every chunk carries the usage so far), ``truncate_prompt_tokens`` (a prompt cut to
+its last k tokens: the same output as sending those k tokens) and ``cache_salt`` (cached
+prefixes shared only among requests of one salt)."""
 
 from __future__ import annotations
 
@@ -96,3 +97,37 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(engine):
     assert out["whole"][1]["usage"]["prompt_tokens"] == 60
     for status, err in out["bad"]:
         assert status == 400 and err["error"]["param"] == "truncate_prompt_tokens", err
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_cache_salt_shares_cached_prefixes_only_within_a_salt(engine, route):
+    # A system message of its own: no route's first block is another's.
+    words = " ".join([route.rsplit("/", 1)[1]] * 60)
+    ask = {"/v1/completions": {"prompt": list(range(100, 160)), "max_tokens": 2},
+           "/v1/chat/completions": {"messages": [{"role": "system", "content": words},
+                                                 {"role": "user", "content": "hi"}],
+                                    "max_tokens": 2},
+           "/v1/responses": {"instructions": words, "input": "hi",
+                             "max_output_tokens": 2}}[route]
+    salts = [None, None, "tenant-a", "tenant-a", "tenant-b", None]
+
+    async def script(client):
+        out = []
+        for salt in salts:
+            body = {**ask, "temperature": 0} | ({} if salt is None else {"cache_salt": salt})
+            out.append(await _post(client, route, body))
+        out.append(await _post(client, route, {**ask, "cache_salt": ""}))
+        return out
+
+    *answers, (bad_status, bad) = _serve(engine, script)
+    assert [status for status, _ in answers] == [200] * len(salts)
+    usage = [a["usage"] for _, a in answers]
+    details = "input_tokens_details" if route == "/v1/responses" else "prompt_tokens_details"
+    cached = [u[details]["cached_tokens"] for u in usage]
+    # Whole blocks of the prompt are cached after the first request of each salt; a salt
+    # never sees another's blocks (nor the unsalted ones).
+    whole = cached[1]
+    assert whole > 0 and whole % 16 == 0
+    assert cached == [0, whole, 0, whole, 0, whole], cached
+    assert bad_status == 400
+    assert bad["error"]["param"] == "cache_salt" and "non-empty" in bad["error"]["message"]
