@@ -4,6 +4,8 @@
 #
 #   bash scripts/cpu_acceptance.sh [OUT_DIR]      # default /tmp/cpu-acceptance; ~1-2 h
 #   QUICK=1 bash scripts/cpu_acceptance.sh        # small sizes: checks the plumbing only
+#   HF_CONTINUOUS=0 bash scripts/cpu_acceptance.sh # without HF continuous batching (the
+#                                                  # issues compare with HF static only)
 #
 # 1. Every-CPU issue: `bench throughput --compare-hf` in float32 (--repeat 3) and bfloat16
 #    (--repeat 1), with the chosen CPU paths in each header.
@@ -55,9 +57,11 @@ run() {  # run LOG CMD...: the command, then its output, in OUT/LOG
 cat "$OUT/host.txt" >&2
 
 # -- 1. throughput against HF static batching ---------------------------------------
-run throughput_float32.log "$PS" bench throughput --dtype float32 --compare-hf \
+HF=(--compare-hf)
+[ "${HF_CONTINUOUS:-1}" = 0 ] && HF+=(--no-hf-continuous)
+run throughput_float32.log "$PS" bench throughput --dtype float32 "${HF[@]}" \
     --repeat "$REPEAT" "${REQS[@]}" --save-result "$OUT/throughput_float32.json"
-run throughput_bfloat16.log "$PS" bench throughput --dtype bfloat16 --compare-hf \
+run throughput_bfloat16.log "$PS" bench throughput --dtype bfloat16 "${HF[@]}" \
     --repeat 1 "${REQS[@]}" --save-result "$OUT/throughput_bfloat16.json"
 
 # -- 2. the long decode against its read time ---------------------------------------
