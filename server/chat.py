@@ -17,7 +17,7 @@ from server.generation import (
     usage_dict,
     with_finish,
 )
-from server.logprobs import chat_logprobs, prompt_logprobs_json
+from server.logprobs import TokenPieces, chat_logprobs, prompt_logprobs_json
 from server.params import chat_params
 from server.prompts import chat_prompt, truncate_prompts
 from server.protocol import ChatCompletionRequest, read_request
@@ -46,6 +46,10 @@ class _Ctx:
     reasoning_parser: str | None = None
     include_reasoning: bool = True
     prompt_text: str | None = None
+    pieces: TokenPieces | None = None
+    """How logprobs name tokens (``ServerState.pieces``)."""
+    prompt_ids: list[int] | None = None
+    """``return_token_ids``: the prompt's ids, and each choice's token ids, go out too."""
 
     def parsers(self) -> list[ChoiceParser]:
         """One parser per choice."""
@@ -118,7 +122,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
         tools=tools, reasoning_parser=state.options.reasoning_parser,
-        include_reasoning=req.include_reasoning is not False, prompt_text=rendered)
+        include_reasoning=req.include_reasoning is not False, prompt_text=rendered,
+        pieces=state.pieces(req.return_tokens_as_token_ids),
+        prompt_ids=prompt.token_ids if req.return_token_ids else None)
     async with Generation(state, [prompt], params, route, arrival, lora,
                           cache_salt=req.cache_salt) as gen:
         if req.stream:
@@ -126,9 +132,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _whole(state, gen, ctx)
 
 
-def _chunk(ctx: _Ctx, choices: list[dict], usage: dict | None = None) -> bytes:
+def _chunk(ctx: _Ctx, choices: list[dict], usage: dict | None = None,
+           first: bool = False) -> bytes:
     obj = {"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created,
            "model": ctx.model, "choices": choices}
+    if first and ctx.prompt_ids is not None:  # the stream's first chunk alone carries them
+        obj["prompt_token_ids"] = ctx.prompt_ids
     if ctx.include_usage:
         obj["usage"] = usage if usage is not None or not ctx.continuous_usage else ctx.usage_now
     return event(obj)
@@ -137,7 +146,7 @@ def _chunk(ctx: _Ctx, choices: list[dict], usage: dict | None = None) -> bytes:
 def _lp(state: ServerState, ctx: _Ctx, entries: list[TokenLogprobs] | None) -> dict | None:
     if not ctx.want_logprobs or entries is None:
         return None
-    return {"content": chat_logprobs(entries, state.token_piece)}
+    return {"content": chat_logprobs(entries, ctx.pieces or state.token_piece)}
 
 
 async def _stream(request: web.Request, state: ServerState, gen: Generation,
@@ -148,8 +157,9 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
     ctx.usage_now = _usage(ctx, tally, parsers)
     await resp.write(b"".join(
         _chunk(ctx, [{"index": i, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None}])
+                      "logprobs": None, "finish_reason": None}], first=i == 0)
         for i in range(ctx.n)))
+    held: list[list[int]] = [[] for _ in range(ctx.n)]  # token ids of skipped deltas
     try:
         async for updates in choice_updates(gen, ctx.n, tally):
             choices = []
@@ -158,12 +168,15 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
                 delta, reason = _delta(ctx, parsers[i], c.text, c.finish_reason,
                                        len(c.token_ids))
                 if not delta and reason is None and not has_lp:
-                    continue  # nothing new to show (text held back by a possible stop string)
+                    held[i] += c.token_ids  # their text held back by a possible stop string
+                    continue
                 if has_lp and "content" not in delta:
                     delta["content"] = ""
                 choice = with_finish({"index": i, "delta": delta, "logprobs":
                                       _lp(state, ctx, c.logprobs) if has_lp else None}, c)
                 choice["finish_reason"] = reason
+                if ctx.prompt_ids is not None:
+                    choice["token_ids"], held[i] = held[i] + list(c.token_ids), []
                 choices.append(choice)
             if choices:
                 ctx.usage_now = _usage(ctx, tally, parsers) if ctx.continuous_usage else None
@@ -221,6 +234,7 @@ def _message(ctx: _Ctx, parser: ChoiceParser) -> dict:
 async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response:
     parsers = ctx.parsers()
     lps: list[list[TokenLogprobs]] = [[] for _ in range(ctx.n)]
+    ids: list[list[int]] = [[] for _ in range(ctx.n)]
     reasons: list[str | None] = [None] * ctx.n
     stop_reasons: list[int | str | None] = [None] * ctx.n
     tally = ChoiceTally()
@@ -229,6 +243,7 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
             parsers[i].feed(c.text, c.finish_reason is not None, len(c.token_ids))
             if c.logprobs:
                 lps[i].extend(c.logprobs)
+            ids[i] += c.token_ids
             reasons[i] = c.finish_reason
             stop_reasons[i] = c.stop_reason
     choices = [{"index": i,
@@ -239,6 +254,10 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
     body = {
         "id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
         "choices": choices, "usage": _usage(ctx, tally, parsers)}
+    if ctx.prompt_ids is not None:
+        body["prompt_token_ids"] = ctx.prompt_ids
+        for choice, choice_ids in zip(choices, ids, strict=True):
+            choice["token_ids"] = choice_ids
     if ctx.want_prompt_logprobs:
         body["prompt_logprobs"] = prompt_logprobs_json(tally.prompt_logprobs[0])
     return json_response(body)

@@ -26,6 +26,7 @@ from server.generation import (
 )
 from server.logprobs import (
     CompletionLogprobs,
+    TokenPieces,
     merge_completion_logprobs,
     prompt_logprobs_json,
 )
@@ -52,6 +53,10 @@ class _Ctx:
     continuous_usage: bool = False
     """``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
     usage_now: dict | None = None
+    pieces: TokenPieces | None = None
+    """How logprobs name tokens (``ServerState.pieces``)."""
+    token_ids: bool = False
+    """``return_token_ids``: each choice carries its prompt's ids and its token ids."""
 
     @property
     def num_choices(self) -> int:
@@ -81,7 +86,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         want_logprobs=req.logprobs is not None,
         want_prompt_logprobs=req.prompt_logprobs is not None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats))
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        pieces=state.pieces(req.return_tokens_as_token_ids),
+        token_ids=bool(req.return_token_ids))
     async with Generation(state, prompts, params, COMPLETIONS, arrival, lora,
                           cache_salt=req.cache_salt) as gen:
         if req.stream:
@@ -101,7 +108,7 @@ def _logprob_builders(state: ServerState, ctx: _Ctx) -> list[CompletionLogprobs]
     if not ctx.want_logprobs:
         return None
     return [CompletionLogprobs(
-        state.token_piece,
+        ctx.pieces or state.token_piece,
         len(ctx.echo_texts[k // ctx.n]) if ctx.echo_texts else 0)
         for k in range(ctx.num_choices)]
 
@@ -128,6 +135,10 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
     # (held: what its choices produce before that; the first sibling computes the prompt
     # before the others are admitted, so this is a guard).
     held: dict[int, list[bytes]] | None = None
+    # return_token_ids: the token ids of deltas not sent (their text held back by a
+    # possible stop string), and the choices whose prompt ids went out (with the echo).
+    held_ids: dict[int, list[int]] = {}
+    sent = set(range(ctx.num_choices)) if ctx.echo_texts else set()
     try:
         if ctx.echo_texts and builders is not None:
             held = {p: [] for p in range(len(ctx.prompts))}
@@ -145,10 +156,17 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
             for k, c in updates:
                 has_lp = builders is not None and bool(c.logprobs)
                 if not c.text and c.finish_reason is None and not has_lp:
+                    held_ids.setdefault(k, []).extend(c.token_ids)
                     continue
-                frame = _chunk(ctx, [with_finish({
+                choice = with_finish({
                     "index": k, "text": c.text,
-                    "logprobs": builders[k].build(c.logprobs) if has_lp else None}, c)])
+                    "logprobs": builders[k].build(c.logprobs) if has_lp else None}, c)
+                if ctx.token_ids:
+                    if k not in sent:
+                        sent.add(k)
+                        choice["prompt_token_ids"] = ctx.prompts[k // ctx.n].token_ids
+                    choice["token_ids"] = held_ids.pop(k, []) + list(c.token_ids)
+                frame = _chunk(ctx, [choice])
                 (held[k // ctx.n] if held and k // ctx.n in held else frames).append(frame)
             if frames:
                 await resp.write(b"".join(frames))
@@ -164,8 +182,10 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
 
 def _echo_chunks(ctx: _Ctx, prompt_indices: Iterable[int],
                  logprobs: dict | None = None) -> list[bytes]:
+    ids = (lambda p: {"prompt_token_ids": ctx.prompts[p].token_ids, "token_ids": []}) \
+        if ctx.token_ids else (lambda p: {})  # fmt: skip
     return [_chunk(ctx, [{"index": p * ctx.n + i, "text": ctx.echo_texts[p],
-                          "logprobs": logprobs, "finish_reason": None}])
+                          "logprobs": logprobs, "finish_reason": None, **ids(p)}])
             for p in prompt_indices for i in range(ctx.n)]
 
 
@@ -175,6 +195,7 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
                               for k in range(m)]
     builders = _logprob_builders(state, ctx)
     lps: list[list[dict]] = [[] for _ in range(m)]
+    ids: list[list[int]] = [[] for _ in range(m)]
     reasons: list[str | None] = [None] * m
     stop_reasons: list[int | str | None] = [None] * m
     tally = ChoiceTally()
@@ -183,6 +204,7 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
             texts[k].append(c.text)
             if builders is not None and c.logprobs:
                 lps[k].append(builders[k].build(c.logprobs))
+            ids[k] += c.token_ids
             reasons[k] = c.finish_reason
             stop_reasons[k] = c.stop_reason
     if builders is not None and ctx.echo_texts:
@@ -198,6 +220,9 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
                       for p in range(len(ctx.prompts))]
         for k, choice in enumerate(choices):
             choice["prompt_logprobs"] = per_prompt[k // ctx.n]
+    if ctx.token_ids:
+        for k, choice in enumerate(choices):
+            choice["prompt_token_ids"], choice["token_ids"] = ctx.prompts[k // ctx.n].token_ids, ids[k]
     return json_response({
         "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
         "choices": choices, "usage": _usage(ctx, tally)})

@@ -114,6 +114,8 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -123,6 +125,8 @@ class CompletionRequest(_Sampling):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class ResponsesRequest(_Sampling):

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from engine import AsyncEngine, EngineInputError, LoRARequest, SamplingParams
 from server.errors import bad_request, not_found, overloaded, unavailable
-from server.logprobs import TokenPiece, token_piece
+from server.logprobs import TokenPiece, TokenPieces, token_piece
 from server.lora import LoRAAdapters
 from server.metrics import ServerMetrics
 from server.options import ServeOptions
@@ -141,6 +141,15 @@ class ServerState:
     def token_piece(self, token_id: int) -> TokenPiece:
         """One token as logprobs show it (cached)."""
         return self._token_piece(token_id)
+
+    def pieces(self, as_token_ids: bool | None) -> TokenPieces:
+        """How a request's logprobs name tokens: by their text, or as ``token_id:N``
+        (vLLM's ``return_tokens_as_token_ids``: tokens no JSON string can carry whole)."""
+        return self._id_piece if as_token_ids else self.token_piece
+
+    def _id_piece(self, token_id: int) -> TokenPiece:
+        name = f"token_id:{token_id}"
+        return TokenPiece(name, list(name.encode()), self._token_piece(token_id).width)
 
     # -- in-flight accounting (graceful shutdown) ----------------------------------------
     def enter(self) -> None:

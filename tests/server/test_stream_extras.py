@@ -131,3 +131,85 @@ def test_cache_salt_shares_cached_prefixes_only_within_a_salt(engine, route):
     assert cached == [0, whole, 0, whole, 0, whole], cached
     assert bad_status == 400
     assert bad["error"]["param"] == "cache_salt" and "non-empty" in bad["error"]["message"]
+
+
+def _stream_ids(chunks: list[dict], choice: int = 0) -> list[int]:
+    return [t for c in chunks for ch in c["choices"] if ch["index"] == choice
+            for t in ch.get("token_ids", [])]
+
+
+def test_return_token_ids_on_completions(engine):
+    """vLLM's ``return_token_ids``: each choice carries its prompt's ids and the ids it
+    generated (streamed: the prompt ids in its first chunk, the new ids in every chunk,
+    ids whose text a possible stop string held back included); with
+    ``return_tokens_as_token_ids`` logprobs name tokens ``token_id:N``."""
+    gen = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+
+    async def script(client):
+        plain = await _post(client, "/v1/completions", {"prompt": [5, 6, 7, 8], **gen})
+        text = plain[1]["choices"][0]["text"]
+        # A stop string spanning the 3rd and 4th tokens' text: the 3rd is held back.
+        toks = plain[1]["choices"][0]["logprobs"]["tokens"]
+        stop = toks[2][-1:] + toks[3][:1] if toks[2] and toks[3] else None
+        body = {"prompt": [[5, 6, 7, 8], [9, 10]], "n": 2, "return_token_ids": True,
+                "return_tokens_as_token_ids": True, **gen}
+        runs = [await _post(client, "/v1/completions", {**body, "stream": s}) for s in (False, True)]
+        stopped = [await _post(client, "/v1/completions", {
+            "prompt": [5, 6, 7, 8], "stop": [stop], "return_token_ids": True, "stream": s,
+            **gen}) for s in (False, True)]
+        echo = await _post(client, "/v1/completions", {
+            "prompt": [5, 6, 7, 8], "echo": True, "stream": True, "return_token_ids": True,
+            **gen})
+        return plain, text, stop, runs, stopped, echo
+
+    plain, text, stop, ((s1, whole), (s2, chunks)), stopped, (s3, echo) = _serve(engine, script)
+    assert plain[0] == s1 == s2 == s3 == 200 and stop, (whole, stop)
+    assert "token_ids" not in plain[1]["choices"][0]
+    assert "prompt_token_ids" not in plain[1]["choices"][0]
+    for k, choice in enumerate(whole["choices"]):
+        assert choice["prompt_token_ids"] == [[5, 6, 7, 8], [9, 10]][k // 2]
+        ids = choice["token_ids"]
+        assert len(ids) == 8
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+        assert all(set(top) >= {f"token_id:{t}"}
+                   for top, t in zip(choice["logprobs"]["top_logprobs"], ids, strict=True))
+        assert _stream_ids(chunks, k) == ids  # greedy: the stream's ids are the same
+        firsts = [ch for c in chunks for ch in c["choices"] if ch["index"] == k]
+        assert firsts[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+        assert all("prompt_token_ids" not in ch for ch in firsts[1:])
+    assert whole["choices"][0]["text"] == text
+    (_, cut), (_, cut_chunks) = stopped
+    cut_ids = cut["choices"][0]["token_ids"]
+    assert cut["choices"][0]["finish_reason"] == "stop" and 4 <= len(cut_ids) < 8
+    assert cut_ids == whole["choices"][0]["token_ids"][:len(cut_ids)]
+    assert _stream_ids(cut_chunks) == cut_ids
+    first = echo[0]["choices"][0]  # the echoed prompt's chunk carries the prompt ids
+    assert first["prompt_token_ids"] == [5, 6, 7, 8] and first["token_ids"] == []
+    assert _stream_ids(echo) == whole["choices"][0]["token_ids"]
+
+
+def test_return_token_ids_on_chat(engine):
+    messages = [{"role": "user", "content": "Say something about the weather."}]
+    gen = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    async def script(client):
+        r = await client.post("/tokenize", json={"messages": messages})
+        prompt = (await r.json())["tokens"]
+        out = [await _post(client, "/v1/chat/completions", {
+            **gen, "stream": s, "return_token_ids": True, "logprobs": True,
+            "top_logprobs": 2, "return_tokens_as_token_ids": True}) for s in (False, True)]
+        return prompt, out, await _post(client, "/v1/chat/completions", gen)
+
+    prompt, ((s1, whole), (s2, chunks)), (s3, plain) = _serve(engine, script)
+    assert s1 == s2 == s3 == 200
+    assert whole["prompt_token_ids"] == prompt == chunks[0]["prompt_token_ids"]
+    assert whole["usage"]["prompt_tokens"] == len(prompt)
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    ids = whole["choices"][0]["token_ids"]
+    assert len(ids) == 6 and _stream_ids(chunks) == ids
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in ids]
+    assert all(e["bytes"] == list(e["token"].encode()) for e in content)
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+    assert whole["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
