@@ -148,9 +148,10 @@ def test_return_token_ids_on_completions(engine):
     async def script(client):
         plain = await _post(client, "/v1/completions", {"prompt": [5, 6, 7, 8], **gen})
         text = plain[1]["choices"][0]["text"]
-        # A stop string spanning the 3rd and 4th tokens' text: the 3rd is held back.
+        # A stop string of the 3rd token's text and the 4th's first character: the 3rd
+        # token's whole text is held back (it may begin the stop string).
         toks = plain[1]["choices"][0]["logprobs"]["tokens"]
-        stop = toks[2][-1:] + toks[3][:1] if toks[2] and toks[3] else None
+        stop = toks[2] + toks[3][:1] if toks[2] and toks[3] else None
         body = {"prompt": [[5, 6, 7, 8], [9, 10]], "n": 2, "return_token_ids": True,
                 "return_tokens_as_token_ids": True, **gen}
         runs = [await _post(client, "/v1/completions", {**body, "stream": s}) for s in (False, True)]
@@ -183,6 +184,8 @@ def test_return_token_ids_on_completions(engine):
     assert cut["choices"][0]["finish_reason"] == "stop" and 4 <= len(cut_ids) < 8
     assert cut_ids == whole["choices"][0]["token_ids"][:len(cut_ids)]
     assert _stream_ids(cut_chunks) == cut_ids
+    assert any(not ch["choices"][0]["text"] and ch["choices"][0]["finish_reason"] for ch in
+               cut_chunks)  # the held text never went out
     first = echo[0]["choices"][0]  # the echoed prompt's chunk carries the prompt ids
     assert first["prompt_token_ids"] == [5, 6, 7, 8] and first["token_ids"] == []
     assert _stream_ids(echo) == whole["choices"][0]["token_ids"]
@@ -198,9 +201,14 @@ def test_return_token_ids_on_chat(engine):
         out = [await _post(client, "/v1/chat/completions", {
             **gen, "stream": s, "return_token_ids": True, "logprobs": True,
             "top_logprobs": 2, "return_tokens_as_token_ids": True}) for s in (False, True)]
-        return prompt, out, await _post(client, "/v1/chat/completions", gen)
+        plain = await _post(client, "/v1/chat/completions", {**gen, "logprobs": True})
+        toks = [e["token"] for e in plain[1]["choices"][0]["logprobs"]["content"]]
+        stop = toks[2] + toks[3][:1]  # the 3rd token's text is held back
+        stopped = [await _post(client, "/v1/chat/completions", {
+            **gen, "stop": stop, "stream": s, "return_token_ids": True}) for s in (False, True)]
+        return prompt, out, plain, stopped
 
-    prompt, ((s1, whole), (s2, chunks)), (s3, plain) = _serve(engine, script)
+    prompt, ((s1, whole), (s2, chunks)), (s3, plain), stopped = _serve(engine, script)
     assert s1 == s2 == s3 == 200
     assert whole["prompt_token_ids"] == prompt == chunks[0]["prompt_token_ids"]
     assert whole["usage"]["prompt_tokens"] == len(prompt)
@@ -213,3 +221,7 @@ def test_return_token_ids_on_chat(engine):
     assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
     assert whole["choices"][0]["message"] == plain["choices"][0]["message"]
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    (_, cut), (_, cut_chunks) = stopped
+    cut_ids = cut["choices"][0]["token_ids"]
+    assert cut["choices"][0]["finish_reason"] == "stop" and 4 <= len(cut_ids) < 6
+    assert cut_ids == ids[:len(cut_ids)] and _stream_ids(cut_chunks) == cut_ids
