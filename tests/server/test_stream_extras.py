@@ -103,7 +103,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(engine):
 def test_cache_salt_shares_cached_prefixes_only_within_a_salt(engine, route):
     # A system message of its own: no route's first block is another's.
     words = " ".join([route.rsplit("/", 1)[1]] * 60)
-    ask = {"/v1/completions": {"prompt": list(range(100, 160)), "max_tokens": 2},
+    ask = {"/v1/completions": {"prompt": list(range(300, 360)), "max_tokens": 2},
            "/v1/chat/completions": {"messages": [{"role": "system", "content": words},
                                                  {"role": "user", "content": "hi"}],
                                     "max_tokens": 2},
