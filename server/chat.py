@@ -168,7 +168,8 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
                 delta, reason = _delta(ctx, parsers[i], c.text, c.finish_reason,
                                        len(c.token_ids))
                 if not delta and reason is None and not has_lp:
-                    held[i] += c.token_ids  # their text held back by a possible stop string
+                    if ctx.prompt_ids is not None:  # text held back by a possible stop string
+                        held[i] += c.token_ids
                     continue
                 if has_lp and "content" not in delta:
                     delta["content"] = ""

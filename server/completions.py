@@ -156,7 +156,8 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
             for k, c in updates:
                 has_lp = builders is not None and bool(c.logprobs)
                 if not c.text and c.finish_reason is None and not has_lp:
-                    held_ids.setdefault(k, []).extend(c.token_ids)
+                    if ctx.token_ids:
+                        held_ids.setdefault(k, []).extend(c.token_ids)
                     continue
                 choice = with_finish({
                     "index": k, "text": c.text,
@@ -222,7 +223,8 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
             choice["prompt_logprobs"] = per_prompt[k // ctx.n]
     if ctx.token_ids:
         for k, choice in enumerate(choices):
-            choice["prompt_token_ids"], choice["token_ids"] = ctx.prompts[k // ctx.n].token_ids, ids[k]
+            choice["prompt_token_ids"] = ctx.prompts[k // ctx.n].token_ids
+            choice["token_ids"] = ids[k]
     return json_response({
         "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
         "choices": choices, "usage": _usage(ctx, tally)})

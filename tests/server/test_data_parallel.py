@@ -60,13 +60,16 @@ def test_load_200_streams_on_two_replicas(default_tokenizer):
     assert samples_of(text, "pagedserve:kv_cache_usage_perc") == {"0": 0.0, "1": 0.0}
 
 
-def _router(default_model_path, prefix_caching: bool = True) -> DataParallelEngine:
+def _router(default_model_path, prefix_caching: bool = True,
+            sent: list | None = None) -> DataParallelEngine:
+    """A front end over two stand-in replicas; ``sent`` collects what each was given."""
     ready = {"model_name": MODEL, "model_path": str(default_model_path),
              "eos_token_ids": (2,), "max_num_seqs": 8,
              "limits": SimpleNamespace(max_model_len=4096, vocab_size=49152), "lora": None,
              "pooling_defaults": PoolingParams()}
     replicas = [SimpleNamespace(ready=ready, snapshot=EngineSnapshot(), queues={},
-                                add_request=lambda *a: None) for _ in range(2)]
+                                add_request=lambda *a, i=i: sent is not None and sent.append(
+                                    (i, a))) for i in range(2)]  # fmt: skip
     cfg = EngineConfig(enable_prefix_caching=prefix_caching)
     return DataParallelEngine(cfg, replicas)
 
@@ -92,7 +95,8 @@ def test_router_balances_and_follows_prefixes(default_model_path):
 
 
 def test_router_follows_a_prefix_only_within_its_cache_salt(default_model_path):
-    dp = _router(default_model_path)
+    sent: list = []
+    dp = _router(default_model_path, sent=sent)
     sp = SamplingParams(max_tokens=100)
     shared = list(range(100, 132))
     dp.add_request("a", shared, sp, asyncio.Queue(), cache_salt="x")
@@ -101,9 +105,17 @@ def test_router_follows_a_prefix_only_within_its_cache_salt(default_model_path):
     dp.add_request("b", shared, sp, asyncio.Queue(), cache_salt="y")
     dp.add_request("c", shared, sp, asyncio.Queue())
     assert [dp._owner[r] for r in "abc"] == [0, 1, 0]
+    # Each salt's prefix is followed to its holder while that one is busier (within the
+    # margin) than the other replica.
+    dp.load[1] += 300  # replica 1, y's holder, is now the busier one
     dp.add_request("d", shared + [1], sp, asyncio.Queue(), cache_salt="y")
+    dp.load[0] += 600
     dp.add_request("e", shared + [2], sp, asyncio.Queue(), cache_salt="x")
     assert (dp._owner["d"], dp._owner["e"]) == (1, 0)
+    assert dp.load[0] - dp.load[1] < PREFIX_MARGIN_TOKENS
+    # Each replica is sent the request's salt (the last field of its "add").
+    assert [(i, a[0], a[-1]) for i, a in sent] == [
+        (0, "a", "x"), (1, "b", "y"), (0, "c", None), (1, "d", "y"), (0, "e", "x")]
 
 
 def test_router_without_prefix_caching_only_balances(default_model_path):
