@@ -32,6 +32,7 @@ from engine.loader import (
 )
 from engine.model_runner import ModelRunner
 from engine.models import DecoderSpec, build_model, load_model
+from engine.models.spec import position_limit
 from engine.parallel.group import SHUTDOWN, STEP, ParallelError, TensorParallel, for_workers
 from engine.parallel.launch import WorkerProcesses, core_share, start_rank0, use_cores
 from engine.parallel.shard import check_divisible
@@ -100,7 +101,13 @@ def _warn_slow_bf16() -> None:
 
 def check_moe(spec: DecoderSpec, quantization: str | None) -> None:
     """Refuse what a model with experts cannot run: GGUF files (an adapter of its
-    experts is refused when the adapter is checked: ``engine.lora.request``)."""
+    experts is refused when the adapter is checked: ``engine.lora.request``); and what a
+    model with fused checkpoint projections (Phi-3) cannot: quantized checkpoints."""
+    if spec.fused_checkpoint and quantization in ("gguf", "gptq", "awq"):
+        raise ValueError(
+            f"quantization={quantization!r} is not supported for Phi-3 models (their "
+            "checkpoints fuse qkv_proj and gate_up_proj): serve the float checkpoint "
+            "(quantization='int8' keeps its linears in int8)")
     if spec.moe is None:
         return
     if quantization == "gguf":
@@ -149,11 +156,12 @@ class Worker:
         config = self.config
         self.dtype = torch.float32 if self.quantization else \
             resolve_dtype(config.dtype, self.hf_config, self.device)  # fmt: skip
-        hf_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        hf_max, why = position_limit(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > hf_max:
             raise ValueError(
-                f"max_model_len={config.max_model_len} is larger than the model's "
-                f"max_position_embeddings={hf_max}")
+                f"max_model_len={config.max_model_len} is larger than the model's {why}")
+        if hf_max < (getattr(self.hf_config, "max_position_embeddings", None) or 2048):
+            logger.info("max_model_len at most %d: the model's %s", hf_max, why)
         self.max_model_len = config.max_model_len or hf_max
         if config.max_num_batched_tokens is not None:
             self.max_num_batched_tokens = config.max_num_batched_tokens

@@ -24,7 +24,8 @@ HELP: dict[str, str] = {
                       "float16 (CPU backends; on CUDA the model's dtype).",
     "tokenizer": "Tokenizer folder or hub id (default: the model's).",
     "revision": "Hub revision (branch, tag or commit) of the model.",
-    "max_model_len": "Context length (default: the model's max_position_embeddings).",
+    "max_model_len": "Context length (default: the model's max_position_embeddings, or "
+                     "its sliding window or longrope original length where smaller).",
     "seed": "Seed of the engine's global random generator.",
     "block_size": "Tokens per KV cache block (8, 16, 32, 64 or 128).",
     "gpu_memory_utilization": "Fraction of GPU memory the engine may use (CUDA).",

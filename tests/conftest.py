@@ -97,6 +97,10 @@ def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0,
             **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=64, mlp_only_layers=[1], rope_theta=10000.0)
         cls = transformers.Qwen2MoeForCausalLM
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
+        cfg = transformers.Phi3Config(**common, rope_parameters={"rope_type": "default",
+                                                                 "rope_theta": 10000.0})
+        cls = transformers.Phi3ForCausalLM
     elif arch == "qwen3_moe":  # 8 experts, 3 per token, their weights renormalized
         cfg = transformers.Qwen3MoeConfig(
             **common, head_dim=32, num_experts=8, num_experts_per_tok=3,

@@ -6,8 +6,9 @@ from collections.abc import Iterable
 
 import torch
 
+from engine.models.checkpoint_names import unfuse
 from engine.models.decoder import DecoderForCausalLM, DecoderSpec
-from engine.models.spec import MOE_ARCHITECTURES, architecture
+from engine.models.spec import FUSED_CHECKPOINT_ARCHITECTURES, MOE_ARCHITECTURES, architecture
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -15,6 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     *MOE_ARCHITECTURES,
+    *FUSED_CHECKPOINT_ARCHITECTURES,
 )
 
 
@@ -46,6 +48,8 @@ def load_model(hf_config, weights: Iterable[tuple[str, torch.Tensor]], device: t
     """
     with torch.device("meta"):
         model = build_model(hf_config, tp)
+    if model.full_spec.fused_checkpoint:
+        weights = unfuse(weights, model.full_spec)
     if tp is not None:
         from engine.parallel.shard import shard_weights
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from engine.lora.request import FUSED
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.models.spec import DecoderSpec, MoESpec
 
 _FUSED = {part: fused for fused, parts in FUSED.items() for part in parts}
@@ -85,3 +88,27 @@ def moe_tensor_names(spec: MoESpec) -> list[str]:
         names += [f"mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
         names.append("mlp.shared_expert_gate.weight")
     return names
+
+
+def unfuse(weights: Iterable[tuple[str, torch.Tensor]],
+           spec: DecoderSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with Phi-3's fused projections split into the names every other path
+    reads: ``self_attn.qkv_proj`` into ``q_proj``, ``k_proj``, ``v_proj`` and
+    ``mlp.gate_up_proj`` into ``gate_proj``, ``up_proj`` (views of the stored tensor)."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    splits = {"self_attn.qkv_proj": (("q_proj", "k_proj", "v_proj"), (q, kv, kv)),
+              "mlp.gate_up_proj": (("gate_proj", "up_proj"),
+                                   (spec.intermediate_size, spec.intermediate_size))}
+    for name, tensor in weights:
+        module, _, leaf = name.rpartition(".")
+        fused = next((f for f in splits if module.endswith("." + f)), None)
+        if fused is None:
+            yield name, tensor
+            continue
+        parts, sizes = splits[fused]
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows; the "
+                             f"config's sizes give {sum(sizes)}")
+        base = module[: -len(fused)] + fused.split(".")[0]
+        for part, piece in zip(parts, tensor.split(sizes), strict=True):
+            yield f"{base}.{part}.{leaf}", piece

@@ -7,7 +7,11 @@ from dataclasses import dataclass
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _BY_MODEL_TYPE = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "phi3": "Phi3ForCausalLM"}
+FUSED_CHECKPOINT_ARCHITECTURES = ("Phi3ForCausalLM",)
+"""Architectures whose checkpoints hold each layer's q/k/v as one ``qkv_proj`` and its
+gate/up as one ``gate_up_proj`` (gate first)."""
 
 
 def architecture(cfg) -> str:
@@ -17,6 +21,48 @@ def architecture(cfg) -> str:
     if archs:
         return archs[0]
     return _BY_MODEL_TYPE.get(getattr(cfg, "model_type", "llama"), "LlamaForCausalLM")
+
+
+def _rope(cfg) -> dict:
+    """The config's RoPE settings (``rope_parameters``, or the older ``rope_scaling``)."""
+    return getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+
+
+def sliding_window(cfg) -> int | None:
+    """The attention window of a config whose layers (some or all) attend to their last
+    ``sliding_window`` positions only, else None."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or not getattr(cfg, "use_sliding_window", True):
+        return None
+    types = getattr(cfg, "layer_types", None)
+    return window if types is None or "sliding_attention" in types else None
+
+
+def position_limit(cfg) -> tuple[int, str]:
+    """The longest context (prompt and output) this engine serves ``cfg`` with exactly as
+    HF transformers runs it, and the setting that sets it:
+
+    * ``max_position_embeddings``;
+    * ``sliding_window``: past it the attention would slide (not implemented: within it
+      full causal attention is the same computation);
+    * a ``longrope`` model's ``original_max_position_embeddings``: past it HF switches
+      every position to the long factors (not implemented: within it the short factors
+      are the model's RoPE).
+    """
+    limit = getattr(cfg, "max_position_embeddings", None) or 2048
+    why = f"max_position_embeddings={limit}"
+    window = sliding_window(cfg)
+    if window is not None and window < limit:
+        limit, why = window, (f"sliding_window={window}: a longer context would slide the "
+                              "attention window, which this engine does not do")
+    rope = _rope(cfg)
+    original = rope.get("original_max_position_embeddings") or getattr(
+        cfg, "original_max_position_embeddings", None)
+    if (rope.get("rope_type") or rope.get("type")) == "longrope" and original and original < limit:
+        limit, why = original, (f"original_max_position_embeddings={original}: past it a "
+                                "longrope model switches to its long factors, which this "
+                                "engine does not do")
+    return limit, why
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +135,9 @@ class DecoderSpec:
     max_position_embeddings: int
     moe: MoESpec | None = None
     """The mixture-of-experts layers, if the model has any."""
+    fused_checkpoint: bool = False
+    """Checkpoint projections ``qkv_proj`` and ``gate_up_proj`` (Phi-3) rather than
+    ``q_proj`` .. ``up_proj``: :func:`engine.models.checkpoint_names.unfuse` splits them."""
 
     @classmethod
     def from_hf(cls, cfg) -> DecoderSpec:
@@ -99,11 +148,11 @@ class DecoderSpec:
         is_qwen2 = model_type == "qwen2" or arch.startswith("Qwen2")
         is_qwen3 = model_type == "qwen3" or arch.startswith("Qwen3")
         attention_bias = bool(getattr(cfg, "attention_bias", False))
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
-                and model_type in ("mistral", "mixtral"):
-            raise ValueError(
-                f"model_type={model_type!r} with sliding_window={cfg.sliding_window} is not supported"
-            )
+        partial = _rope(cfg).get("partial_rotary_factor") or getattr(
+            cfg, "partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial} is not supported: RoPE turns "
+                             "every dimension of a head here")
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -120,6 +169,7 @@ class DecoderSpec:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
             moe=MoESpec.from_hf(cfg, arch),
+            fused_checkpoint=arch in FUSED_CHECKPOINT_ARCHITECTURES,
         )
 
     def has_bias(self, proj: str) -> bool:

@@ -281,10 +281,15 @@ def test_tensor_parallel_widths_and_dense_configs(tiny_model_factory):
     assert DecoderSpec.from_hf(_config(path, num_experts=0)).moe is None  # all layers dense
 
 
-def test_mixtral_with_a_sliding_window_is_refused(tiny_model_factory):
-    cfg = _config(tiny_model_factory("mixtral"), sliding_window=64)
-    with pytest.raises(ValueError, match="model_type='mixtral' with sliding_window=64"):
-        DecoderSpec.from_hf(cfg)
+def test_mixtral_with_a_sliding_window_is_served_within_it(tiny_model_factory, tmp_path):
+    path = tmp_path / "windowed"
+    shutil.copytree(tiny_model_factory("mixtral"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 64}))
+    assert LLM(str(path), kv_cache_memory_gb=0.02).engine.worker.max_model_len == 64
+    with pytest.raises(ValueError, match=r"max_model_len=65 is larger than the model's "
+                                         r"sliding_window=64"):
+        LLM(str(path), kv_cache_memory_gb=0.02, max_model_len=65)
 
 
 def test_no_cuda_graphs_for_experts(tiny_model_factory):
