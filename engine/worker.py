@@ -99,15 +99,18 @@ def _warn_slow_bf16() -> None:
         "float32 here)")
 
 
-def check_moe(spec: DecoderSpec, quantization: str | None) -> None:
+def check_moe(spec: DecoderSpec, quantization: str | None, gguf_file: bool = False) -> None:
     """Refuse what a model with experts cannot run: GGUF files (an adapter of its
     experts is refused when the adapter is checked: ``engine.lora.request``); and what a
-    model with fused checkpoint projections (Phi-3) cannot: quantized checkpoints."""
-    if spec.fused_checkpoint and quantization in ("gguf", "gptq", "awq"):
+    model with fused checkpoint projections (Phi-3) cannot: quantized checkpoints and GGUF
+    files (``gguf_file``: ``model`` names one; its converted config would lack the
+    model's longrope factors and sliding window)."""
+    if spec.fused_checkpoint and (gguf_file or quantization in ("gguf", "gptq", "awq")):
+        what = "a GGUF file" if gguf_file else f"quantization={quantization!r}"
         raise ValueError(
-            f"quantization={quantization!r} is not supported for Phi-3 models (their "
-            "checkpoints fuse qkv_proj and gate_up_proj): serve the float checkpoint "
-            "(quantization='int8' keeps its linears in int8)")
+            f"{what} is not supported for Phi-3 models (their checkpoints fuse qkv_proj and "
+            "gate_up_proj): serve the float checkpoint (quantization='int8' keeps its "
+            "linears in int8)")
     if spec.moe is None:
         return
     if quantization == "gguf":
@@ -136,7 +139,8 @@ class Worker:
         self.quant_config = read_quantization_config(self.hf_config, self.model_path)
         self.quantization = resolve_quantization(config, self.quant_config, self.model_name)
         """``config.quantization``, or the checkpoint's own (GPTQ, AWQ)."""
-        check_moe(DecoderSpec.from_hf(self.hf_config), self.quantization)
+        check_moe(DecoderSpec.from_hf(self.hf_config), self.quantization,
+                  gguf_file=config.model is not None and is_gguf_file(config.model))
         if tp is None and config.tensor_parallel_size > 1:
             check_divisible(DecoderSpec.from_hf(self.hf_config), config.tensor_parallel_size)
             self.tp, self._procs = start_rank0(config, self.device)

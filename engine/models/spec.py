@@ -31,8 +31,8 @@ def _rope(cfg) -> dict:
 def sliding_window(cfg) -> int | None:
     """The attention window of a config whose layers (some or all) attend to their last
     ``sliding_window`` positions only, else None."""
-    window = getattr(cfg, "sliding_window", None)
-    if not window or not getattr(cfg, "use_sliding_window", True):
+    window = getattr(cfg, "sliding_window", None)  # Qwen's configs null it without
+    if not window:  # use_sliding_window; Mistral's and Phi-3's ignore that key
         return None
     types = getattr(cfg, "layer_types", None)
     return window if types is None or "sliding_attention" in types else None
@@ -56,8 +56,8 @@ def position_limit(cfg) -> tuple[int, str]:
         limit, why = window, (f"sliding_window={window}: a longer context would slide the "
                               "attention window, which this engine does not do")
     rope = _rope(cfg)
-    original = rope.get("original_max_position_embeddings") or getattr(
-        cfg, "original_max_position_embeddings", None)
+    original = getattr(cfg, "original_max_position_embeddings", None) or rope.get(
+        "original_max_position_embeddings")  # the top-level value wins, as in HF
     if (rope.get("rope_type") or rope.get("type")) == "longrope" and original and original < limit:
         limit, why = original, (f"original_max_position_embeddings={original}: past it a "
                                 "longrope model switches to its long factors, which this "

@@ -32,6 +32,13 @@ def greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _filling(prompts: list[list[int]], length: int) -> list[list[int]]:
+    """``prompts`` and one more whose ``length`` tokens, with the output, fill the
+    context."""
+    ids = [t for p in prompts for t in p] * 8
+    return [*prompts, ids[:length]]
+
+
 def _variant(src: Path, dst: Path, **changes) -> Path:
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
@@ -56,8 +63,10 @@ def test_sliding_window_caps_the_context(tiny_model_factory, prompts, tmp_path):
     path = _variant(tiny_model_factory("phi3"), tmp_path / "windowed", sliding_window=40)
     llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
     assert llm.engine.worker.max_model_len == 40
-    # Within the window the attention is plain causal attention: HF's output, exactly.
-    assert greedy(llm, prompts, 12) == hf_greedy(path, prompts, 12)
+    # Within the window the attention is plain causal attention: HF's output, exactly,
+    # up to the last position (the last prompt and its output fill all 40).
+    ask = _filling(prompts, 40 - 12)
+    assert greedy(llm, ask, 12) == hf_greedy(path, ask, 12)
     with pytest.raises(ValueError, match=r"max_model_len=41 is larger than the model's "
                                          r"sliding_window=40"):
         LLM(str(path), kv_cache_memory_gb=0.02, max_model_len=41)
@@ -74,7 +83,8 @@ def test_longrope_runs_its_short_factors_up_to_the_original_length(tiny_model_fa
                     original_max_position_embeddings=64)
     llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
     assert llm.engine.worker.max_model_len == 64
-    assert greedy(llm, prompts, 16) == hf_greedy(path, prompts, 16)
+    ask = _filling(prompts, 64 - 16)  # positions up to 63: the short factors throughout
+    assert greedy(llm, ask, 16) == hf_greedy(path, ask, 16)
     with pytest.raises(ValueError, match=r"original_max_position_embeddings=64"):
         LLM(str(path), kv_cache_memory_gb=0.02, max_model_len=65)
 
@@ -99,6 +109,8 @@ def test_int8_and_refusals(tiny_model_factory, prompts, tmp_path):
         with pytest.raises(ValueError, match=rf"quantization='{quantization}' is not supported "
                                              "for Phi-3 models"):  # fmt: skip
             check_moe(spec, quantization)
+    with pytest.raises(ValueError, match="a GGUF file is not supported for Phi-3 models"):
+        check_moe(spec, None, gguf_file=True)  # its converted config has no longrope
     partial = _variant(path, tmp_path / "partial", rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
     with pytest.raises(ValueError, match=r"partial_rotary_factor=0.75 is not supported"):
@@ -114,6 +126,37 @@ def test_int8_and_refusals(tiny_model_factory, prompts, tmp_path):
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_up_proj.weight' has 255 "
                                          r"rows; the config's sizes give 256"):
         LLM(str(broken), kv_cache_memory_gb=0.02)
+
+
+@pytest.mark.parametrize(("config", "limit", "why"), [
+    # Phi-3-mini-4k: a 2,047-token window; Phi-3.5-mini: longrope, a window of 262,144.
+    (dict(model_type="phi3", max_position_embeddings=4096, sliding_window=2047), 2047,
+     "sliding_window=2047"),
+    (dict(model_type="phi3", max_position_embeddings=131072, sliding_window=262144,
+          original_max_position_embeddings=4096,
+          rope_scaling={"type": "longrope", "short_factor": [1.0] * 48,
+                        "long_factor": [2.0] * 48}), 4096,
+     "original_max_position_embeddings=4096"),
+    (dict(model_type="mistral", max_position_embeddings=32768, sliding_window=4096), 4096,
+     "sliding_window=4096"),  # Mistral 7B v0.1
+    (dict(model_type="mistral", max_position_embeddings=32768, sliding_window=None), 32768,
+     "max_position_embeddings=32768"),  # v0.2, v0.3
+    (dict(model_type="qwen2", max_position_embeddings=32768, sliding_window=131072,
+          use_sliding_window=False), 32768, "max_position_embeddings=32768"),  # Qwen2.5
+    (dict(model_type="qwen2", max_position_embeddings=32768, sliding_window=4096,
+          use_sliding_window=True, max_window_layers=2, num_hidden_layers=2), 32768,
+     "max_position_embeddings=32768"),  # every layer below max_window_layers: none slides
+    (dict(model_type="llama", max_position_embeddings=8192), 8192,
+     "max_position_embeddings=8192"),
+])
+def test_position_limit_of_known_configs(config, limit, why):
+    import transformers
+
+    from engine.models.spec import position_limit
+
+    cfg = transformers.AutoConfig.for_model(**config)
+    got = position_limit(cfg)
+    assert got[0] == limit and got[1].startswith(why), got
 
 
 def _hf_config(path: Path):
