@@ -9,4 +9,5 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
     || echo "could not install chromium: the browser test will fail" >&2
 fi
-exec .venv/bin/python -m pytest -q "$@"
+# The 25 slowest tests are listed at the end, so every CI log shows where its time went.
+exec .venv/bin/python -m pytest -q --durations=25 "$@"
