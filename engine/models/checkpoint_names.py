@@ -109,6 +109,6 @@ def unfuse(weights: Iterable[tuple[str, torch.Tensor]],
         if tensor.shape[0] != sum(sizes):
             raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows; the "
                              f"config's sizes give {sum(sizes)}")
-        base = module[: -len(fused)] + fused.split(".")[0]
+        parent = module.rpartition(".")[0]  # ...layers.N.self_attn or ...layers.N.mlp
         for part, piece in zip(parts, tensor.split(sizes), strict=True):
-            yield f"{base}.{part}.{leaf}", piece
+            yield f"{parent}.{part}.{leaf}", piece

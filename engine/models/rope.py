@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from engine.models.spec import rope_type
+
 
 def rope_tables(cfg, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_len, head_dim] in float32, computed as HF transformers does."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(cfg, "rope_parameters", None) or {}
-    scaling = getattr(cfg, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") \
-        or "default"
-    if rope_type == "default":
+    kind = rope_type(cfg)
+    if kind == "default":
         base = params.get("rope_theta") or getattr(cfg, "rope_theta", 10000.0)
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         attn_scale = 1.0
-    elif rope_type in ("linear", "llama3", "yarn", "longrope"):
-        inv_freq, attn_scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    elif kind in ("linear", "llama3", "yarn", "longrope"):
+        inv_freq, attn_scale = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"))
     else:
-        raise ValueError(f"rope_type={rope_type!r} is not supported")
+        raise ValueError(f"rope_type={kind!r} is not supported")
     pos = torch.arange(max_len, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -28,6 +28,15 @@ def _rope(cfg) -> dict:
     return getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
 
 
+def rope_type(cfg) -> str:
+    """The config's RoPE type (``rope_parameters``' ``rope_type``, else the older
+    ``rope_scaling``'s ``rope_type`` or ``type``), ``"default"`` without one."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    scaling = getattr(cfg, "rope_scaling", None) or {}
+    return params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") \
+        or "default"  # fmt: skip
+
+
 def sliding_window(cfg) -> int | None:
     """The attention window of a config whose layers (some or all) attend to their last
     ``sliding_window`` positions only, else None."""
@@ -58,7 +67,7 @@ def position_limit(cfg) -> tuple[int, str]:
     rope = _rope(cfg)
     original = getattr(cfg, "original_max_position_embeddings", None) or rope.get(
         "original_max_position_embeddings")  # the top-level value wins, as in HF
-    if (rope.get("rope_type") or rope.get("type")) == "longrope" and original and original < limit:
+    if rope_type(cfg) == "longrope" and original and original < limit:
         limit, why = original, (f"original_max_position_embeddings={original}: past it a "
                                 "longrope model switches to its long factors, which this "
                                 "engine does not do")
