@@ -92,23 +92,31 @@ static inline void softmax_heads(float *s, int nq, int m, float *mx, float *den,
         const vf m_new = vf_select(vm_gt(run_max, m_old), run_max, m_old);
         float mn[VW] __attribute__((aligned(64)));
         vf_store_aligned(mn, m_new);
+        /* The heads' exponentials and the correction's, all overlapping. */
+        vf e[VW + 1];
+        for (int i = 0; i < cn; ++i) e[i] = vf_sub(vf_load_aligned(sc + i * VW), vf_set1(mn[i]));
+        e[cn] = vf_sub(m_old, m_new);
+        vf_exp_array(e, cn + 1);
         for (int i = 0; i < VW; ++i) {
-            vf e = vf_zero();
-            if (i < cn) {
-                const vf x = vf_sub(vf_load_aligned(sc + i * VW), vf_set1(mn[i]));
-                e = vf_select(mask, vf_exp(x), vf_zero());
-                vf_store_aligned(sc + i * VW, e);
-            }
-            in[VF_SUM_SLOT(i)] = e;
+            const vf w = i < cn ? vf_select(mask, e[i], vf_zero()) : vf_zero();
+            if (i < cn) vf_store_aligned(sc + i * VW, w);
+            in[VF_SUM_SLOT(i)] = w;
         }
         /* No correction before a head's first run (its sums are still zero). */
-        const vf c = vf_select(vm_gt(m_old, vf_set1(-INFINITY)), vf_exp(vf_sub(m_old, m_new)),
-                               vf_zero());
+        const vf c = vf_select(vm_gt(m_old, vf_set1(-INFINITY)), e[cn], vf_zero());
         vf_store_first(corr + c0, cn, c);
         vf_store_first(den + c0, cn, vf_fmadd(vf_load_first(den + c0, cn), c, vf_sum_lanes(in)));
         vf_store_first(mx + c0, cn, m_new);
     }
 }
+
+/* The largest power of two up to 8 (at least 1) such that ``GN * n`` accumulators,
+ * ``GN`` broadcast weights and a V vector fit the register file: the V vectors of a block
+ * of value_run's fallback. */
+#define BLOCK_FOR(GN)                                          \
+    ((VREGS - (GN) - 1) / (GN) >= 8   ? 8                      \
+     : (VREGS - (GN) - 1) / (GN) >= 4 ? 4                      \
+     : (VREGS - (GN) - 1) / (GN) >= 2 ? 2 : 1)
 
 /* The weighted V rows of one run (of one KV head, the first at element offset ``base``,
  * rows ``sh->row_stride`` apart) for ``GN`` query heads: each head's unnormalised output
@@ -143,20 +151,33 @@ static inline __attribute__((always_inline)) void value_run(
             for (int j = 0; j < nv; ++j) vf_store(acc + (int64_t)g * D + VW * j, a[g][j]);
         return;
     }
-    /* Too many accumulators for the register file (AVX2's 16 registers): one vector of
-     * the head dim at a time, over the run's rows (in L1 after the first), so that the
-     * accumulators never spill. The same sums in the same order. */
-    for (int j = 0; j < nv; ++j) {
-        vf a[GCHUNK];
+    /* Too many accumulators for the register file (AVX2's 16 registers): a block of
+     * ``JB`` vectors of the head dim at a time (each row's weights broadcast once a block),
+     * over the run's rows (in L1 after the first block), so that the accumulators never
+     * spill. The same sums in the same order. */
+    const int JB = BLOCK_FOR(GN);
+    for (int j0 = 0; j0 < nv; j0 += JB) {
+        const int jn = nv - j0 < JB ? nv - j0 : JB;
+        float *out = acc + VW * j0;
+        vf a[GCHUNK][8];
         for (int g = 0; g < GN; ++g)
-            a[g] = vf_mul(vf_set1(corr[g]), vf_load(acc + (int64_t)g * D + VW * j));
+            for (int j = 0; j < JB; ++j)
+                a[g][j] = j < jn ? vf_mul(vf_set1(corr[g]), vf_load(out + g * D + VW * j))
+                                 : vf_zero();
         for (int r = 0; r < m; ++r) {
-            const int64_t row = base + r * stride;
-            if (j == 0 && next_v != NULL) prefetch_bytes(next_v + r * next_stride, pf_bytes);
-            const vf v = load_vec(sh->v_cache, row + VW * j, dtype);
-            for (int g = 0; g < GN; ++g) a[g] = vf_fmadd(vf_set1(p[g * VW + r]), v, a[g]);
+            const int64_t row = base + r * stride + VW * j0;
+            if (j0 == 0 && next_v != NULL) prefetch_bytes(next_v + r * next_stride, pf_bytes);
+            vf w[GCHUNK];
+            for (int g = 0; g < GN; ++g) w[g] = vf_set1(p[g * VW + r]);
+            for (int j = 0; j < JB; ++j) {
+                if (j >= jn) continue;
+                const vf v = load_vec(sh->v_cache, row + VW * j, dtype);
+                for (int g = 0; g < GN; ++g) a[g][j] = vf_fmadd(w[g], v, a[g][j]);
+            }
         }
-        for (int g = 0; g < GN; ++g) vf_store(acc + (int64_t)g * D + VW * j, a[g]);
+        for (int g = 0; g < GN; ++g)
+            for (int j = 0; j < JB; ++j)
+                if (j < jn) vf_store(out + g * D + VW * j, a[g][j]);
     }
 }
 

@@ -172,22 +172,31 @@ static inline vmask vm_nan(vf a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }
 static inline vmask vm_or(vmask a, vmask b) { return _mm256_or_ps(a, b); }
 static inline int vm_any(vmask m) { return _mm256_movemask_ps(m) != 0; }
 static inline vf vf_select(vmask m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); }
-/* Through a stack copy for a partial vector: AMD cores microcode VMASKMOVPS stores
- * (tens of cycles each). */
+/* A partial vector: a masked load (lanes past ``n`` read nothing, so never fault), and a
+ * store of 4, 2 and 1 lanes as ``n``'s bits say (AMD cores microcode VMASKMOVPS stores,
+ * tens of cycles each; a memcpy of a run-time size is a library call). */
 static inline vf vf_load_first(const float *p, int n) {
     if (n >= 8) return _mm256_loadu_ps(p);
-    float tmp[8] = {0};
-    memcpy(tmp, p, sizeof(float) * (size_t)(n > 0 ? n : 0));
-    return _mm256_loadu_ps(tmp);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
 }
 static inline void vf_store_first(float *p, int n, vf v) {
     if (n >= 8) {
         _mm256_storeu_ps(p, v);
         return;
     }
-    float tmp[8];
-    _mm256_storeu_ps(tmp, v);
-    memcpy(p, tmp, sizeof(float) * (size_t)(n > 0 ? n : 0));
+    __m128 part = _mm256_castps256_ps128(v);
+    if (n & 4) {
+        _mm_storeu_ps(p, part);
+        p += 4;
+        part = _mm256_extractf128_ps(v, 1);
+    }
+    if (n & 2) {
+        _mm_storel_pi((__m64 *)p, part);
+        p += 2;
+        part = _mm_movehl_ps(part, part);
+    }
+    if (n & 1) _mm_store_ss(p, part);
 }
 static inline vf vf_load_bf16(const uint16_t *p) {
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
@@ -243,21 +252,45 @@ static inline void vf_load_nibbles32(const uint8_t *p, vf *out) {
         vf_load_nibble_lanes(p + h * SIMD_VW, &out[h], &out[16 / SIMD_VW + h]);
 }
 
-/* exp(x) (Cephes' polynomial after n*ln2 range reduction; ~1 ulp). Inputs below -87
- * give about 1e-38 and above 88.7 overflow to +inf, as expf. */
+/* exp of the ``N`` vectors at ``x``, in place (Cephes' polynomial after n*ln2 range
+ * reduction; ~1 ulp). Inputs below -87 give about 1e-38 and above 88.7 overflow to
+ * +inf, as expf. Each step is taken for all the vectors before the next, so that their
+ * chains of dependent operations overlap (``N`` a compile-time constant up to 4). */
+static inline __attribute__((always_inline)) void vf_exp_many(vf *x, const int N) {
+    vf n[4], r[4], p[4];
+    for (int i = 0; i < N; ++i) {
+        x[i] = vf_min(vf_max(x[i], vf_set1(-87.0f)), vf_set1(89.0f));
+        n[i] = vf_round(vf_mul(x[i], vf_set1(1.44269504088896341f)));
+    }
+    for (int i = 0; i < N; ++i) r[i] = vf_fnmadd(n[i], vf_set1(0.693359375f), x[i]);
+    for (int i = 0; i < N; ++i) r[i] = vf_fnmadd(n[i], vf_set1(-2.12194440e-4f), r[i]);
+    for (int i = 0; i < N; ++i)
+        p[i] = vf_fmadd(vf_set1(1.9875691500e-4f), r[i], vf_set1(1.3981999507e-3f));
+    for (int i = 0; i < N; ++i) p[i] = vf_fmadd(p[i], r[i], vf_set1(8.3334519073e-3f));
+    for (int i = 0; i < N; ++i) p[i] = vf_fmadd(p[i], r[i], vf_set1(4.1665795894e-2f));
+    for (int i = 0; i < N; ++i) p[i] = vf_fmadd(p[i], r[i], vf_set1(1.6666665459e-1f));
+    for (int i = 0; i < N; ++i) p[i] = vf_fmadd(p[i], r[i], vf_set1(5.0000001201e-1f));
+    for (int i = 0; i < N; ++i)
+        p[i] = vf_fmadd(vf_mul(p[i], r[i]), r[i], vf_add(r[i], vf_set1(1.0f)));
+    for (int i = 0; i < N; ++i) x[i] = vf_scale2(p[i], n[i]);
+}
+
+/* exp of ``n`` vectors at ``x`` (a run-time count), in place: groups of four, then two,
+ * then one, each overlapping its vectors' steps. */
+static inline __attribute__((always_inline)) void vf_exp_array(vf *x, int n) {
+    int i = 0;
+    for (; i + 4 <= n; i += 4) vf_exp_many(x + i, 4);
+    if (i + 2 <= n) {
+        vf_exp_many(x + i, 2);
+        i += 2;
+    }
+    if (i < n) vf_exp_many(x + i, 1);
+}
+
+/* exp(x) of one vector (vf_exp_many's bits). */
 static inline vf vf_exp(vf x) {
-    x = vf_min(vf_max(x, vf_set1(-87.0f)), vf_set1(89.0f));
-    const vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
-    vf r = vf_fnmadd(n, vf_set1(0.693359375f), x);
-    r = vf_fnmadd(n, vf_set1(-2.12194440e-4f), r);
-    vf p = vf_set1(1.9875691500e-4f);
-    p = vf_fmadd(p, r, vf_set1(1.3981999507e-3f));
-    p = vf_fmadd(p, r, vf_set1(8.3334519073e-3f));
-    p = vf_fmadd(p, r, vf_set1(4.1665795894e-2f));
-    p = vf_fmadd(p, r, vf_set1(1.6666665459e-1f));
-    p = vf_fmadd(p, r, vf_set1(5.0000001201e-1f));
-    p = vf_fmadd(vf_mul(p, r), r, vf_add(r, vf_set1(1.0f)));
-    return vf_scale2(p, n);
+    vf_exp_many(&x, 1);
+    return x;
 }
 
 /* Fetch the cache line at ``p`` into L2. */
