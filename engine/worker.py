@@ -32,7 +32,7 @@ from engine.loader import (
 )
 from engine.model_runner import ModelRunner
 from engine.models import DecoderSpec, build_model, load_model
-from engine.models.spec import position_limit
+from engine.models.spec import max_positions, position_limit
 from engine.parallel.group import SHUTDOWN, STEP, ParallelError, TensorParallel, for_workers
 from engine.parallel.launch import WorkerProcesses, core_share, start_rank0, use_cores
 from engine.parallel.shard import check_divisible
@@ -164,7 +164,7 @@ class Worker:
         if config.max_model_len is not None and config.max_model_len > hf_max:
             raise ValueError(
                 f"max_model_len={config.max_model_len} is larger than the model's {why}")
-        if hf_max < (getattr(self.hf_config, "max_position_embeddings", None) or 2048):
+        if hf_max < max_positions(self.hf_config):
             logger.info("max_model_len at most %d: the model's %s", hf_max, why)
         self.max_model_len = config.max_model_len or hf_max
         if config.max_num_batched_tokens is not None:

@@ -40,14 +40,14 @@ class _Ctx:
     want_prompt_logprobs: bool
     include_usage: bool
     tools: ToolPlan
+    pieces: TokenPieces
+    """How logprobs name tokens (``ServerState.pieces``)."""
     continuous_usage: bool = False
     """``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
     usage_now: dict | None = None
     reasoning_parser: str | None = None
     include_reasoning: bool = True
     prompt_text: str | None = None
-    pieces: TokenPieces | None = None
-    """How logprobs name tokens (``ServerState.pieces``)."""
     prompt_ids: list[int] | None = None
     """``return_token_ids``: the prompt's ids, and each choice's token ids, go out too."""
 
@@ -143,10 +143,10 @@ def _chunk(ctx: _Ctx, choices: list[dict], usage: dict | None = None,
     return event(obj)
 
 
-def _lp(state: ServerState, ctx: _Ctx, entries: list[TokenLogprobs] | None) -> dict | None:
+def _lp(ctx: _Ctx, entries: list[TokenLogprobs] | None) -> dict | None:
     if not ctx.want_logprobs or entries is None:
         return None
-    return {"content": chat_logprobs(entries, ctx.pieces or state.token_piece)}
+    return {"content": chat_logprobs(entries, ctx.pieces)}
 
 
 async def _stream(request: web.Request, state: ServerState, gen: Generation,
@@ -174,7 +174,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
                 if has_lp and "content" not in delta:
                     delta["content"] = ""
                 choice = with_finish({"index": i, "delta": delta, "logprobs":
-                                      _lp(state, ctx, c.logprobs) if has_lp else None}, c)
+                                      _lp(ctx, c.logprobs) if has_lp else None}, c)
                 choice["finish_reason"] = reason
                 if ctx.prompt_ids is not None:
                     choice["token_ids"], held[i] = held[i] + list(c.token_ids), []
@@ -249,7 +249,7 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
             stop_reasons[i] = c.stop_reason
     choices = [{"index": i,
                 "message": _message(ctx, parsers[i]),
-                "logprobs": _lp(state, ctx, lps[i]),
+                "logprobs": _lp(ctx, lps[i]),
                 "finish_reason": _reason(parsers[i], reasons[i]),
                 "stop_reason": stop_reasons[i]} for i in range(ctx.n)]
     body = {

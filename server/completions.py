@@ -50,11 +50,11 @@ class _Ctx:
     want_logprobs: bool
     want_prompt_logprobs: bool
     include_usage: bool
+    pieces: TokenPieces
+    """How logprobs name tokens (``ServerState.pieces``)."""
     continuous_usage: bool = False
     """``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
     usage_now: dict | None = None
-    pieces: TokenPieces | None = None
-    """How logprobs name tokens (``ServerState.pieces``)."""
     token_ids: bool = False
     """``return_token_ids``: each choice carries its prompt's ids and its token ids."""
 
@@ -104,11 +104,11 @@ def _chunk(ctx: _Ctx, choices: list[dict], usage: dict | None = None) -> bytes:
     return event(obj)
 
 
-def _logprob_builders(state: ServerState, ctx: _Ctx) -> list[CompletionLogprobs] | None:
+def _logprob_builders(ctx: _Ctx) -> list[CompletionLogprobs] | None:
     if not ctx.want_logprobs:
         return None
     return [CompletionLogprobs(
-        ctx.pieces or state.token_piece,
+        ctx.pieces,
         len(ctx.echo_texts[k // ctx.n]) if ctx.echo_texts else 0)
         for k in range(ctx.num_choices)]
 
@@ -128,7 +128,7 @@ def _prompt_logprobs(ctx: _Ctx, tally: ChoiceTally, builders: list[CompletionLog
 async def _stream(request: web.Request, state: ServerState, gen: Generation,
                   ctx: _Ctx) -> web.StreamResponse:
     resp = await open_stream(request)
-    builders = _logprob_builders(state, ctx)
+    builders = _logprob_builders(ctx)
     tally = ChoiceTally()
     ctx.usage_now = _usage(ctx, tally)
     # Echo with logprobs: a prompt's echo goes out with its logprobs once they are in
@@ -194,7 +194,7 @@ async def _whole(state: ServerState, gen: Generation, ctx: _Ctx) -> web.Response
     m = ctx.num_choices
     texts: list[list[str]] = [[ctx.echo_texts[k // ctx.n]] if ctx.echo_texts else []
                               for k in range(m)]
-    builders = _logprob_builders(state, ctx)
+    builders = _logprob_builders(ctx)
     lps: list[list[dict]] = [[] for _ in range(m)]
     ids: list[list[int]] = [[] for _ in range(m)]
     reasons: list[str | None] = [None] * m

@@ -47,6 +47,12 @@ def sliding_window(cfg) -> int | None:
     return window if types is None or "sliding_attention" in types else None
 
 
+def max_positions(cfg) -> int:
+    """The positions the model was trained for (``max_position_embeddings``; 2,048 when
+    the config leaves it out)."""
+    return getattr(cfg, "max_position_embeddings", None) or 2048
+
+
 def position_limit(cfg) -> tuple[int, str]:
     """The longest context (prompt and output) this engine serves ``cfg`` with exactly as
     HF transformers runs it, and the setting that sets it:
@@ -58,7 +64,7 @@ def position_limit(cfg) -> tuple[int, str]:
       every position to the long factors (not implemented: within it the short factors
       are the model's RoPE).
     """
-    limit = getattr(cfg, "max_position_embeddings", None) or 2048
+    limit = max_positions(cfg)
     why = f"max_position_embeddings={limit}"
     window = sliding_window(cfg)
     if window is not None and window < limit:

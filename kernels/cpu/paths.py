@@ -62,11 +62,14 @@ def describe(backend: AttentionBackend | None = None) -> dict[str, object]:
 
 
 def summary(info: dict[str, object], dtype: str, quantization: str | None = None) -> str:
-    """One log line: ``cpu kernels: attention avx2, linear native-avx2 ..., layer ops avx2;
-    dtype float32 (no native bf16)``; with ``quantization`` the quantized linears' path."""
+    """One log line: ``cpu kernels: attention avx2, linear native-avx2 ..., layer ops avx2,
+    layers fused; dtype float32 (no native bf16)``; with ``quantization`` the quantized
+    linears' path. The fused layers take float32 activations only (quantized models run
+    in float32), so with 16-bit ones the layers are ``per-op``."""
     linear = info["linear_bf16"] if dtype == "bfloat16" else info["linear_f32"]
     if quantization:
         linear = f"{quantization} {info['linear_quant']}"
+    layers = info["layers"] if dtype == "float32" or quantization else f"per-op ({dtype})"
     bf16 = "native bf16" if info["native_bf16"] else "no native bf16"
     return (f"cpu kernels: attention {info['attention']}, linear {linear}, layer ops "
-            f"{info['layer_ops']}, layers {info['layers']}; dtype {dtype} ({bf16})")  # fmt: skip
+            f"{info['layer_ops']}, layers {layers}; dtype {dtype} ({bf16})")  # fmt: skip

@@ -36,7 +36,7 @@ def test_a_siblings_tokens_wait_for_the_prompts_echo(monkeypatch):
     ctx = completions._Ctx(
         id="cmpl-1", created=0, model="m", n=2, prompts=[Prompt([7, 8], "<7><8>")],
         echo_texts=["<7><8>"], want_logprobs=True, want_prompt_logprobs=False,
-        include_usage=False)
+        include_usage=False, pieces=state.token_piece)
 
     async def handler(request):
         return await completions._stream(request, state, None, ctx)

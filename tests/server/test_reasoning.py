@@ -108,7 +108,7 @@ def _serve_fake(ctx: chat._Ctx, pieces: list[str], stream: bool, monkeypatch) ->
 def _ctx(prompt_text: str, tools: ToolPlan, include_reasoning: bool = True) -> chat._Ctx:
     return chat._Ctx(id="chatcmpl-1", created=0, model="m", n=1, prompt_tokens=3,
                      want_logprobs=False, want_prompt_logprobs=False, include_usage=False,
-                     tools=tools, reasoning_parser="qwen3",
+                     tools=tools, pieces=None, reasoning_parser="qwen3",
                      include_reasoning=include_reasoning, prompt_text=prompt_text)
 
 
