@@ -8,7 +8,8 @@ chunks of 512 tokens at the end of 512-8192-token contexts (GFLOP/s of the causa
 products), decodes of long contexts (GB/s of K/V read), and one 7,864-token decode
 through 30 layers laid out as the engine's KV cache (huge pages, blocks in order).
 ``--threads 1 --cpu-time`` measures one core by its thread CPU time, which holds on a
-machine shared with other work.
+machine shared with other work. ``--against LIB.so`` times another build of the library
+(an earlier commit's) on the 30-layer decode in turn with this tree's, and prints the ratio.
 
 It runs with ``GOMP_SPINCOUNT=1000``, as ``pagedserve`` runs the engine: unless that or
 ``OMP_WAIT_POLICY`` is set already, it starts itself again with it set (libgomp reads it
@@ -20,6 +21,7 @@ called right after one runs at about one thread's speed.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import sys
@@ -133,16 +135,24 @@ def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool) -> No
 
 
 def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
-                 context: int = 7864) -> None:
+                 context: int = 7864, against: str | None = None) -> None:
     """One long request's decode through every layer, as the engine lays it out: one
     cache per layer on huge pages, each KV head's rows of a block contiguous
-    (``CpuBackend.kv_heads_first``), the request's blocks in order (GB/s of K/V read)."""
+    (``CpuBackend.kv_heads_first``), the request's blocks in order (GB/s of K/V read).
+
+    ``against``: another build of the native library (e.g. an earlier commit's), timed
+    in turn with this tree's on the same cache, so that the two share the machine's
+    state of the moment; each is reported with its ratio to this tree's."""
+    from kernels.cpu import abi
     from kernels.cpu import native as cpu_native
     from kernels.cpu.backend import CpuBackend
     from kernels.cpu.memory import huge_empty
     from kernels.interface import allocate_kv_cache
 
-    lib = cpu_native.build_library(level)
+    libs = {level: cpu_native.build_library(level)}
+    if against is not None:
+        libs[against] = ctypes.CDLL(against)
+        abi.declare(libs[against])
     block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
     num_blocks = -(-context // block_size) + 1  # block 0 unused, as the engine's padding
     cache = allocate_kv_cache((layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
@@ -152,15 +162,24 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
     lens = torch.tensor([context], dtype=torch.int32)
     query = torch.randn(1, num_heads, head_dim)
 
-    def step() -> None:
+    def step(lib: ctypes.CDLL) -> None:
         for layer in range(layers):
             cpu_native.paged_attention(lib, query, cache[layer, 0], cache[layer, 1], table,
                                        lens, context, head_dim**-0.5)  # fmt: skip
 
-    best = _time_ms(step, iters)
+    best = {name: float("inf") for name in libs}
+    for lib in libs.values():
+        step(lib)
+    for _ in range(iters):
+        for name, lib in libs.items():
+            start = time.perf_counter()
+            step(lib)
+            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
     kv = 2 * layers * context * num_kv_heads * head_dim * cache.element_size()
-    log.info("%-6s %d layers x ctx %d decode: %8.2f ms  %6.2f GB/s (%d threads)", level,
-             layers, context, best, kv / best / 1e6, torch.get_num_threads())  # fmt: skip
+    for name, ms in best.items():
+        ratio = "" if name == level else f"  ({ms / best[level]:.2f}x this tree's)"
+        log.info("%-6s %d layers x ctx %d decode: %8.2f ms  %6.2f GB/s (%d threads)%s", name,
+                 layers, context, ms, kv / ms / 1e6, torch.get_num_threads(), ratio)  # fmt: skip
 
 
 def _omp_wait() -> str:
@@ -190,6 +209,9 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="the native kernel at long contexts")
     parser.add_argument("--level", default=None, help="native build level (--long; default: "
                         "the best this CPU runs)")
+    parser.add_argument("--against", default=None, metavar="LIB.so",
+                        help="--long: also time the 30-layer decode with this build of the "
+                        "native library, in turn with this tree's")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time by the calling thread's CPU time (--long, with --threads 1)")
     args = parser.parse_args()
@@ -203,7 +225,7 @@ def main() -> None:
         log.info("%s", _omp_wait())
         level = args.level or cpu_native.runnable_levels()[-1]
         bench_long(level, dtype, args.iters, args.cpu_time)
-        bench_layers(level, dtype, args.iters)
+        bench_layers(level, dtype, args.iters, against=args.against)
         return
     shapes = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
     gen = torch.Generator().manual_seed(0)

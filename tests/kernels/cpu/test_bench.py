@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 
+import pytest
 import torch
 
 from kernels.cpu import bench
@@ -32,6 +33,19 @@ def test_layers_bench_reads_the_engine_layout(caplog) -> None:
     (line,) = [r.getMessage() for r in caplog.records]
     m = re.match(rf"{level}\s+2 layers x ctx 100 decode: +([\d.]+) ms +([\d.]+) GB/s", line)
     assert m and all(float(x) > 0 for x in m.groups()), line
+
+
+def test_layers_bench_times_another_build_in_turn(caplog) -> None:
+    level = cpu_native.runnable_levels()[0]
+    other = cpu_native.build_library(level)._name  # any build: here the same one, by path
+    with caplog.at_level(logging.INFO, logger="kernels.cpu.bench"):
+        bench.bench_layers(level, torch.float32, iters=2, layers=2, context=100, against=other)
+    mine, theirs = [r.getMessage() for r in caplog.records]
+    a = re.match(rf"{level}\s+2 layers x ctx 100 decode: +([\d.]+) ms", mine)
+    b = re.match(rf"{re.escape(other)} 2 layers x ctx 100 decode: +([\d.]+) ms .*\(([\d.]+)x "
+                 r"this tree's\)$", theirs)  # fmt: skip
+    assert a and b, (mine, theirs)
+    assert float(b.group(2)) == pytest.approx(float(b.group(1)) / float(a.group(1)), abs=0.02)
 
 
 def test_the_bench_runs_again_with_the_engine_spin_unless_the_wait_is_set(monkeypatch) -> None:
