@@ -184,7 +184,7 @@ class Worker:
         self.attn = get_attention_backend(config.attention_backend, self.device, kernel_settings())
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.attn.name)
         if self.device.type == "cpu":
-            self.cpu_paths = cpu_paths.describe(self.attn)
+            self.cpu_paths = cpu_paths.describe(self.attn, self.dtype)
             if self.tp is not None:  # the layers' all-reduces come between their ops
                 self.cpu_paths["layers"] = "per-op (tensor parallel)"
             logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s",

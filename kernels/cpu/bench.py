@@ -140,9 +140,10 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
     cache per layer on huge pages, each KV head's rows of a block contiguous
     (``CpuBackend.kv_heads_first``), the request's blocks in order (GB/s of K/V read).
 
-    ``against``: another build of the native library (e.g. an earlier commit's), timed
-    in turn with this tree's on the same cache, so that the two share the machine's
-    state of the moment; each is reported with its ratio to this tree's."""
+    ``against``: another build of the native library (e.g. an earlier commit's, whose
+    ``paged_attention`` takes this tree's arguments: it is declared with this tree's
+    ABI), timed in turn with this tree's on the same cache, so that the two share the
+    machine's state of the moment; each is reported with its ratio to this tree's."""
     from kernels.cpu import abi
     from kernels.cpu import native as cpu_native
     from kernels.cpu.backend import CpuBackend

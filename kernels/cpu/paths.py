@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import platform
 
+import torch
+
 from kernels.cpu import native
 from kernels.cpu.layer_ops import NativeLayerOps
 from kernels.interface import AttentionBackend
@@ -28,15 +30,16 @@ def native_bf16(features: frozenset[str] | None = None) -> bool:
     return any(flag in have for flag in _NATIVE_BF16)
 
 
-def describe(backend: AttentionBackend | None = None) -> dict[str, object]:
+def describe(backend: AttentionBackend | None = None,
+             dtype: torch.dtype = torch.float32) -> dict[str, object]:
     """The CPU's relevant features and the path each op takes with ``backend`` (default:
-    the backend ``"auto"`` picks on the CPU).
+    the backend ``"auto"`` picks on the CPU) and activations of ``dtype``.
 
     Keys: ``cpu`` (machine), ``features``, ``native_bf16``, ``levels`` (native build
     levels this CPU runs), ``attention``, ``layer_ops``, ``linear_f32``, ``linear_bf16``,
     ``linear_quant`` (weight-only quantized linears), ``layers`` (``fused``: a decode
-    step's decoder layers run in one native call where its linears all run natively;
-    ``per-op``: one call per op).
+    step's decoder layers run in one native call where its linears all run natively and
+    its activations are float32; ``per-op``: one call per op).
     """
     if backend is None:
         from kernels.registry import get_attention_backend
@@ -53,7 +56,8 @@ def describe(backend: AttentionBackend | None = None) -> dict[str, object]:
     if isinstance(ops, NativeLayerOps):
         info["attention"] = ops.isa if backend.name == "cpu" else backend.name
         info.update(ops.paths())
-        info["layers"] = "fused" if getattr(backend, "fuses_layers", False) else "per-op"
+        info["layers"] = "per-op" if not getattr(backend, "fuses_layers", False) else \
+            "fused" if dtype == torch.float32 else f"per-op ({str(dtype).removeprefix('torch.')})"
     else:
         info.update(attention=backend.name, layer_ops="torch", linear_f32="torch",
                     linear_bf16="torch", linear_quant="torch (dequantized per call)",
@@ -64,12 +68,10 @@ def describe(backend: AttentionBackend | None = None) -> dict[str, object]:
 def summary(info: dict[str, object], dtype: str, quantization: str | None = None) -> str:
     """One log line: ``cpu kernels: attention avx2, linear native-avx2 ..., layer ops avx2,
     layers fused; dtype float32 (no native bf16)``; with ``quantization`` the quantized
-    linears' path. The fused layers take float32 activations only (quantized models run
-    in float32), so with 16-bit ones the layers are ``per-op``."""
+    linears' path."""
     linear = info["linear_bf16"] if dtype == "bfloat16" else info["linear_f32"]
     if quantization:
         linear = f"{quantization} {info['linear_quant']}"
-    layers = info["layers"] if dtype == "float32" or quantization else f"per-op ({dtype})"
     bf16 = "native bf16" if info["native_bf16"] else "no native bf16"
     return (f"cpu kernels: attention {info['attention']}, linear {linear}, layer ops "
-            f"{info['layer_ops']}, layers {layers}; dtype {dtype} ({bf16})")  # fmt: skip
+            f"{info['layer_ops']}, layers {info['layers']}; dtype {dtype} ({bf16})")  # fmt: skip

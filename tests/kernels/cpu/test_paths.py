@@ -35,8 +35,13 @@ def test_describe_reports_what_the_backend_runs() -> None:
     assert info["native_bf16"] == ("avx512_bf16" in feats or "amx_bf16" in feats or "bf16" in feats)
     assert set(info["features"]) <= feats
     assert info["layers"] == "fused"
+    # The fused call takes float32 activations only: bfloat16 steps run op by op.
+    backend = get_attention_backend("cpu", "cpu")
+    assert cpu_paths.describe(backend, torch.bfloat16)["layers"] == "per-op (bfloat16)"
     unfused = cpu_paths.describe(CpuBackend(lib, NativeLayerOps(lib), fuse_layers=False))
     assert unfused["layers"] == "per-op"
+    assert cpu_paths.describe(CpuBackend(lib, NativeLayerOps(lib), fuse_layers=False),
+                              torch.bfloat16)["layers"] == "per-op"  # fmt: skip
 
 
 def test_describe_the_torch_backend() -> None:
@@ -48,13 +53,11 @@ def test_describe_the_torch_backend() -> None:
 def test_summary_line_names_every_choice() -> None:
     info = {"attention": "avx2", "layer_ops": "avx2", "native_bf16": False,
             "linear_f32": "native-avx2 (1-256 rows), onednn-packed above",
-            "linear_bf16": "torch", "linear_quant": "native", "layers": "fused"}  # fmt: skip
+            "linear_bf16": "torch", "layers": "fused"}  # fmt: skip
     assert cpu_paths.summary(info, "float32") == (
         "cpu kernels: attention avx2, linear native-avx2 (1-256 rows), onednn-packed above, "
         "layer ops avx2, layers fused; dtype float32 (no native bf16)")
-    bf16 = cpu_paths.summary(info, "bfloat16")
-    assert "linear torch" in bf16 and "layers per-op (bfloat16)" in bf16
-    assert "layers fused" in cpu_paths.summary(info, "float32", quantization="gguf")
+    assert "linear torch" in cpu_paths.summary(info, "bfloat16")
 
 
 def test_native_bf16_follows_the_cpu_flags() -> None:
