@@ -56,8 +56,12 @@ def describe(backend: AttentionBackend | None = None,
     if isinstance(ops, NativeLayerOps):
         info["attention"] = ops.isa if backend.name == "cpu" else backend.name
         info.update(ops.paths())
-        info["layers"] = "per-op" if not getattr(backend, "fuses_layers", False) else \
-            "fused" if dtype == torch.float32 else f"per-op ({str(dtype).removeprefix('torch.')})"
+        if not getattr(backend, "fuses_layers", False):
+            info["layers"] = "per-op"
+        elif dtype == torch.float32:
+            info["layers"] = "fused"
+        else:  # the fused call takes float32 activations only
+            info["layers"] = f"per-op ({str(dtype).removeprefix('torch.')})"
     else:
         info.update(attention=backend.name, layer_ops="torch", linear_f32="torch",
                     linear_bf16="torch", linear_quant="torch (dequantized per call)",

@@ -172,31 +172,22 @@ static inline vmask vm_nan(vf a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }
 static inline vmask vm_or(vmask a, vmask b) { return _mm256_or_ps(a, b); }
 static inline int vm_any(vmask m) { return _mm256_movemask_ps(m) != 0; }
 static inline vf vf_select(vmask m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); }
-/* A partial vector: a masked load (lanes past ``n`` read nothing, so never fault), and a
- * store of 4, 2 and 1 lanes as ``n``'s bits say (AMD cores microcode VMASKMOVPS stores,
- * tens of cycles each; a memcpy of a run-time size is a library call). */
+/* Through a stack copy for a partial vector: AMD cores microcode VMASKMOVPS stores
+ * (tens of cycles each). */
 static inline vf vf_load_first(const float *p, int n) {
     if (n >= 8) return _mm256_loadu_ps(p);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+    float tmp[8] = {0};
+    memcpy(tmp, p, sizeof(float) * (size_t)(n > 0 ? n : 0));
+    return _mm256_loadu_ps(tmp);
 }
 static inline void vf_store_first(float *p, int n, vf v) {
     if (n >= 8) {
         _mm256_storeu_ps(p, v);
         return;
     }
-    __m128 part = _mm256_castps256_ps128(v);
-    if (n & 4) {
-        _mm_storeu_ps(p, part);
-        p += 4;
-        part = _mm256_extractf128_ps(v, 1);
-    }
-    if (n & 2) {
-        _mm_storel_pi((__m64 *)p, part);
-        p += 2;
-        part = _mm_movehl_ps(part, part);
-    }
-    if (n & 1) _mm_store_ss(p, part);
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    memcpy(p, tmp, sizeof(float) * (size_t)(n > 0 ? n : 0));
 }
 static inline vf vf_load_bf16(const uint16_t *p) {
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
