@@ -326,10 +326,12 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     int status = 0;
     for (int w = 0; w < num_threads && status == 0; ++w) {
         scores[w] = vector_path ? NULL : malloc(sizeof(float) * (nq * (size_t)max_seq_len + 16));
-        /* After the tokens' states, the vector path's scores of a run (up to 16 floats
-         * a query head) and corrections (one a head), aligned to 64 bytes. */
+        /* After the tokens' states, the vector path's scores of a block's runs (up to
+         * block_size + 15 floats a query head) and their corrections (one a head and
+         * run, at most block_size / 8 + 1 runs), aligned to 64 bytes. */
+        const size_t run_floats = (size_t)block_size + 16 + (size_t)block_size / 8 + 1;
         acc[w] = malloc(sizeof(float) *
-                        (nq * ((size_t)head_dim + 2) * TOKEN_TILE + nq * (16 + 1) + 16));
+                        (nq * ((size_t)head_dim + 2) * TOKEN_TILE + nq * run_floats + 16));
         if ((scores[w] == NULL && !vector_path) || acc[w] == NULL) status = PA_ERR_NOMEM;
         if (any_tiled && status == 0) {
             tiled[w] = malloc(sizeof(float) * tiled_scratch_floats(sh.group, head_dim));

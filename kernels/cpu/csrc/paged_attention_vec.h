@@ -197,27 +197,35 @@ static inline const char *block_rows(const void *cache, const shape_t *sh, const
     return (const char *)cache + cache_at(sh, block, 0, it->h0) * elem;
 }
 
+/* The first token of a tile (the first of which sees ``L0`` rows) that sees context row
+ * ``pos``. */
+static inline int first_seeing(int pos, int L0) { return pos - L0 + 1 > 0 ? pos - L0 + 1 : 0; }
+
 /* ``nv`` (head_dim / VW) and ``dtype`` are compile-time constants in each caller.
  *
- * One pass over the context in runs of at most VW rows of one block: each run's K
- * rows (the scores of every query head of the item), one online-softmax step for all
- * those heads together, then the run's V rows, so both streams are in flight together
- * and only one run's scores are kept. Every token of the tile that sees part of a run
- * takes it (its first rows, up to the token's own position) while the run is in L1.
+ * One pass over the context a block at a time, in runs of at most VW rows: each KV
+ * head's K rows of the block in order (the scores of its query heads, run by run), one
+ * online-softmax step a run for all the item's heads together, then each KV head's V
+ * rows in order. So K and V are each read as one stream in memory order (a KV head's
+ * rows of a block are contiguous, and its heads follow one another): reading a run of
+ * every head in turn instead, the 30-layer decode of a 7,864-token context took 1.13x as
+ * long on a Zen 1 host, where it is bound by memory. The sums are the same in the same
+ * order as run after run. Every token of the tile that sees part of a block takes it
+ * (its first rows, up to the token's own position) while the block is in cache.
  * ``state`` holds ``ntok * nq * (head_dim + 2)`` floats, then (64-byte aligned) ``nq *
- * VW`` scores and ``nq`` corrections. */
+ * VW`` scores and ``nq`` corrections for each run of a block. */
 static inline __attribute__((always_inline)) void attend_vec(const item_t *it,
                                                              const shape_t *sh,
                                                              const int dtype, const int nv,
                                                              float *state) {
     const int D = VW * nv, G = sh->group, nq = it->nh * G, T = it->ntok;
     const int L0 = it->seq_len, L = L0 + T - 1 < it->c1 ? L0 + T - 1 : it->c1;
-    const int bs = sh->block_size, nblocks = (L + bs - 1) / bs;
+    const int bs = sh->block_size, nblocks = (L + bs - 1) / bs, bs_runs = (bs + VW - 1) / VW;
     const int elem = dtype == DTYPE_F32 ? 4 : 2;
     const int64_t per_tok = (int64_t)nq * (D + 2);
-    /* After the tokens' states: a run's scores (then weights) and corrections. */
+    /* After the tokens' states: each run's scores (then weights) and corrections. */
     float *scores = (float *)(((uintptr_t)(state + T * per_tok) + 63) & ~(uintptr_t)63);
-    float *corr = scores + (int64_t)nq * VW;
+    float *corr = scores + (int64_t)nq * bs_runs * VW;
     for (int j = 0; j < T; ++j) {
         float *acc = state + j * per_tok, *mx = acc + (int64_t)nq * D, *den = mx + nq;
         memset(acc, 0, sizeof(float) * (size_t)nq * D);
@@ -243,42 +251,47 @@ static inline __attribute__((always_inline)) void attend_vec(const item_t *it,
         const int64_t ahead = last ? 0 : it->table[b + PREFETCH_BLOCKS];
         const char *next_k = last ? NULL : block_rows(sh->k_cache, sh, it, ahead, elem);
         const char *next_v = last ? NULL : block_rows(sh->v_cache, sh, it, ahead, elem);
-        for (int r0 = 0; r0 < n; r0 += VW) {
-            const int pos = t + r0; /* the run's first row */
-            const int run = n - r0 < VW ? n - r0 : VW;
-            /* Token j sees rows before L0 + j: the first that sees this run is j0. */
-            const int j0 = pos - L0 + 1 > 0 ? pos - L0 + 1 : 0;
-            for (int j = j0; j < T; ++j) {
-                const int seen = L0 + j - pos;
-                const int m = seen < run ? seen : run;
-                float *acc = state + j * per_tok, *mx = acc + (int64_t)nq * D, *den = mx + nq;
-                const float *q = it->query + j * it->q_stride;
-                /* K: every query head's scores; then their softmax step together; then V.
-                 * The first token to see the run fetches each head's slice of the block
-                 * ahead (``slice``: that slice's byte offset in the run). */
-                const int pf = !last && j == j0;
-                const int64_t slice = r0 * row_bytes;
-                for (int hh = 0; hh < it->nh; ++hh) {
+        /* Token j sees the block's first ``L0 + j - t`` rows (all ``n`` from some token
+         * on): from token jb on, some of them. */
+        const int jb = first_seeing(t, L0);
+        for (int j = jb; j < T; ++j) {
+            const int nr = L0 + j - t < n ? L0 + j - t : n;
+            const int runs = (nr + VW - 1) / VW;
+            float *acc = state + j * per_tok, *mx = acc + (int64_t)nq * D, *den = mx + nq;
+            const float *q = it->query + j * it->q_stride;
+            for (int hh = 0; hh < it->nh; ++hh) {
+                const int64_t hb = hh * head_bytes;
+                for (int ri = 0; ri < runs; ++ri) {
+                    const int r0 = ri * VW, m = nr - r0 < VW ? nr - r0 : VW;
+                    const int pf = !last && j == first_seeing(t + r0, L0);
                     const int64_t base = cache_at(sh, block, r0, it->h0 + hh);
-                    const int64_t hb = hh * head_bytes;
+                    float *sr = scores + (int64_t)ri * nq * VW;
                     for (int g0 = 0; g0 < G; g0 += GCHUNK) {
                         const int qh = hh * G + g0;
-                        const char *pk = pf && g0 == 0 ? next_k + slice + hb : NULL;
+                        const char *pk = pf && g0 == 0 ? next_k + r0 * row_bytes + hb : NULL;
 #define RUN(GN) score_run(sh, q + (int64_t)qh * D, dtype, nv, GN, base, m, \
-                          scores + (int64_t)qh * VW, pk, row_bytes, pf_bytes)
+                          sr + (int64_t)qh * VW, pk, row_bytes, pf_bytes)
                         FOR_GN(G - g0, RUN)
 #undef RUN
                     }
                 }
-                softmax_heads(scores, nq, m, mx, den, corr);
-                for (int hh = 0; hh < it->nh; ++hh) {
+            }
+            for (int ri = 0; ri < runs; ++ri) {
+                const int m = nr - ri * VW < VW ? nr - ri * VW : VW;
+                softmax_heads(scores + (int64_t)ri * nq * VW, nq, m, mx, den, corr + ri * nq);
+            }
+            for (int hh = 0; hh < it->nh; ++hh) {
+                const int64_t hb = hh * head_bytes;
+                for (int ri = 0; ri < runs; ++ri) {
+                    const int r0 = ri * VW, m = nr - r0 < VW ? nr - r0 : VW;
+                    const int pf = !last && j == first_seeing(t + r0, L0);
                     const int64_t base = cache_at(sh, block, r0, it->h0 + hh);
-                    const int64_t hb = hh * head_bytes;
+                    const float *pr = scores + (int64_t)ri * nq * VW;
                     for (int g0 = 0; g0 < G; g0 += GCHUNK) {
                         const int qh = hh * G + g0;
-                        const char *pv = pf && g0 == 0 ? next_v + slice + hb : NULL;
-#define RUN(GN) value_run(sh, dtype, nv, GN, base, m, scores + (int64_t)qh * VW, \
-                          corr + qh, acc + (int64_t)qh * D, pv, row_bytes, pf_bytes)
+                        const char *pv = pf && g0 == 0 ? next_v + r0 * row_bytes + hb : NULL;
+#define RUN(GN) value_run(sh, dtype, nv, GN, base, m, pr + (int64_t)qh * VW, \
+                          corr + ri * nq + qh, acc + (int64_t)qh * D, pv, row_bytes, pf_bytes)
                         FOR_GN(G - g0, RUN)
 #undef RUN
                     }

@@ -44,12 +44,13 @@ def prefill_reference(step) -> torch.Tensor:
 
 
 # Contexts around the 512-row parts (one, two, many), up to 16k; a 48-row block does
-# not divide 512, so parts are rounded to whole blocks.
+# not divide 512, so parts are rounded to whole blocks; a 128-row block (the largest the
+# engine takes) holds 16 runs of AVX2's 8 rows, all of whose scores a block keeps.
 DECODE_LENS = [1, 7, 511, 512, 513, 1025, 1500, 4097, 16384]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("block_size", [16, 48, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)])
 def test_long_decodes_match_reference(lib, heads, block_size, dtype) -> None:
     step = step_of(DECODE_LENS, [1] * len(DECODE_LENS), heads, 64, block_size, dtype)
@@ -71,7 +72,7 @@ CHUNKS = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("block_size", [16, 48, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1), (16, 2)])
 @pytest.mark.parametrize("case", CHUNKS)
 def test_long_chunks_match_reference(lib, case, heads, block_size, dtype) -> None:
