@@ -6,10 +6,11 @@ layer forward (prepare runs once per step and is reported separately).
 ``--long`` times the native attention kernel alone at long contexts instead: prefill
 chunks of 512 tokens at the end of 512-8192-token contexts (GFLOP/s of the causal
 products), decodes of long contexts (GB/s of K/V read), and one 7,864-token decode
-through 30 layers laid out as the engine's KV cache (huge pages, blocks in order).
+through 30 layers laid out as the engine's KV cache (huge pages, blocks in order), then a
+64-request decode batch at contexts of 100-400 the same way.
 ``--threads 1 --cpu-time`` measures one core by its thread CPU time, which holds on a
 machine shared with other work. ``--against LIB.so`` times another build of the library
-(an earlier commit's) on the 30-layer decode in turn with this tree's, and prints the ratio.
+(an earlier commit's) on the 30-layer decodes in turn with this tree's, and prints the ratio.
 
 It runs with ``GOMP_SPINCOUNT=1000``, as ``pagedserve`` runs the engine: unless that or
 ``OMP_WAIT_POLICY`` is set already, it starts itself again with it set (libgomp reads it
@@ -26,7 +27,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -135,10 +136,11 @@ def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool) -> No
 
 
 def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
-                 context: int = 7864, against: str | None = None) -> None:
-    """One long request's decode through every layer, as the engine lays it out: one
-    cache per layer on huge pages, each KV head's rows of a block contiguous
-    (``CpuBackend.kv_heads_first``), the request's blocks in order (GB/s of K/V read).
+                 contexts: Sequence[int] = (7864,), against: str | None = None) -> None:
+    """One decode step through every layer, as the engine lays it out: one cache per
+    layer on huge pages, each KV head's rows of a block contiguous
+    (``CpuBackend.kv_heads_first``), each request's blocks in order, one request a
+    context of ``contexts`` (GB/s of K/V read).
 
     ``against``: another build of the native library (e.g. an earlier commit's, whose
     ``paged_attention`` takes this tree's arguments: it is declared with this tree's
@@ -155,18 +157,23 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
         libs[against] = ctypes.CDLL(against)
         abi.declare(libs[against])
     block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
-    num_blocks = -(-context // block_size) + 1  # block 0 unused, as the engine's padding
+    per_request = [-(-n // block_size) for n in contexts]
+    num_blocks = sum(per_request) + 1  # block 0 unused, as the engine's padding
     cache = allocate_kv_cache((layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
                               CpuBackend.kv_heads_first, lambda dims: huge_empty(dims, dtype))  # fmt: skip
     cache.normal_(generator=torch.Generator().manual_seed(0))
-    table = torch.arange(1, num_blocks, dtype=torch.int32)[None]
-    lens = torch.tensor([context], dtype=torch.int32)
-    query = torch.randn(1, num_heads, head_dim)
+    table = torch.zeros(len(contexts), max(per_request), dtype=torch.int32)
+    first = 1
+    for row, n in enumerate(per_request):
+        table[row, :n] = torch.arange(first, first + n, dtype=torch.int32)
+        first += n
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    query = torch.randn(len(contexts), num_heads, head_dim)
 
     def step(lib: ctypes.CDLL) -> None:
         for layer in range(layers):
             cpu_native.paged_attention(lib, query, cache[layer, 0], cache[layer, 1], table,
-                                       lens, context, head_dim**-0.5)  # fmt: skip
+                                       lens, max(contexts), head_dim**-0.5)  # fmt: skip
 
     best = {name: float("inf") for name in libs}
     for lib in libs.values():
@@ -176,11 +183,18 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
             start = time.perf_counter()
             step(lib)
             best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
-    kv = 2 * layers * context * num_kv_heads * head_dim * cache.element_size()
+    kv = 2 * layers * sum(contexts) * num_kv_heads * head_dim * cache.element_size()
+    what = (f"ctx {contexts[0]}" if len(contexts) == 1
+            else f"{len(contexts)} requests, ctx {min(contexts)}-{max(contexts)},")
     for name, ms in best.items():
         ratio = "" if name == level else f"  ({ms / best[level]:.2f}x this tree's)"
-        log.info("%-6s %d layers x ctx %d decode: %8.2f ms  %6.2f GB/s (%d threads)%s", name,
-                 layers, context, ms, kv / ms / 1e6, torch.get_num_threads(), ratio)  # fmt: skip
+        log.info("%-6s %d layers x %s decode: %8.2f ms  %6.2f GB/s (%d threads)%s", name,
+                 layers, what, ms, kv / ms / 1e6, torch.get_num_threads(), ratio)  # fmt: skip
+
+
+def _batch_contexts() -> list[int]:
+    """The contexts of a 64-request decode batch, 100-400 tokens (seed 0)."""
+    return torch.randint(100, 401, (64,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def _omp_wait() -> str:
@@ -227,10 +241,10 @@ def main() -> None:
         level = args.level or cpu_native.runnable_levels()[-1]
         bench_long(level, dtype, args.iters, args.cpu_time)
         bench_layers(level, dtype, args.iters, against=args.against)
+        bench_layers(level, dtype, args.iters, contexts=_batch_contexts(), against=args.against)
         return
     shapes = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
-    gen = torch.Generator().manual_seed(0)
-    ctx = torch.randint(100, 401, (64,), generator=gen).tolist()
+    ctx = _batch_contexts()
     log.info("SmolLM2-135M shapes (Hq 9, Hkv 3, D 64, block 16), %s, %d threads, %s",
              args.dtype, torch.get_num_threads(), _omp_wait())  # fmt: skip
     bench_step("64 decodes, ctx 100-400", make_step(ctx, [1] * 64, **shapes), args.iters)

@@ -29,17 +29,37 @@ def test_long_context_bench_reports_each_case(caplog) -> None:
 def test_layers_bench_reads_the_engine_layout(caplog) -> None:
     level = cpu_native.runnable_levels()[-1]
     with caplog.at_level(logging.INFO, logger="kernels.cpu.bench"):
-        bench.bench_layers(level, torch.float32, iters=1, layers=2, context=100)
+        bench.bench_layers(level, torch.float32, iters=1, layers=2, contexts=[100])
     (line,) = [r.getMessage() for r in caplog.records]
     m = re.match(rf"{level}\s+2 layers x ctx 100 decode: +([\d.]+) ms +([\d.]+) GB/s", line)
     assert m and all(float(x) > 0 for x in m.groups()), line
+
+
+def test_layers_bench_takes_a_batch_of_requests(caplog) -> None:
+    """A batch's line names its requests and contexts; its GB/s counts every request's
+    K/V (a bench reading one request's would report a third of this rate)."""
+    level = cpu_native.runnable_levels()[-1]
+    contexts = [40, 17, 100]
+    with caplog.at_level(logging.INFO, logger="kernels.cpu.bench"):
+        bench.bench_layers(level, torch.float32, iters=1, layers=2, contexts=contexts)
+    (record,) = caplog.records
+    line = record.getMessage()
+    m = re.match(rf"{level}\s+2 layers x 3 requests, ctx 17-100, decode: +([\d.]+) ms +([\d.]+) "
+                 r"GB/s", line)  # fmt: skip
+    assert m, line
+    kv_bytes = 2 * 2 * sum(contexts) * 3 * 64 * 4  # K and V, 2 layers, 3 KV heads, dim 64
+    assert record.args[4] == pytest.approx(kv_bytes / record.args[3] / 1e6)
+    assert bench._batch_contexts() == bench._batch_contexts()
+    assert len(bench._batch_contexts()) == 64
+    assert all(100 <= n <= 400 for n in bench._batch_contexts())
 
 
 def test_layers_bench_times_another_build_in_turn(caplog) -> None:
     level = cpu_native.runnable_levels()[0]
     other = cpu_native.build_library(level)._name  # any build: here the same one, by path
     with caplog.at_level(logging.INFO, logger="kernels.cpu.bench"):
-        bench.bench_layers(level, torch.float32, iters=2, layers=2, context=100, against=other)
+        bench.bench_layers(level, torch.float32, iters=2, layers=2, contexts=[100],
+                           against=other)
     mine, theirs = caplog.records
     assert re.match(rf"{level}\s+2 layers x ctx 100 decode: +[\d.]+ ms", mine.getMessage())
     m = re.match(rf"{re.escape(other)} 2 layers x ctx 100 decode: +[\d.]+ ms .*\(([\d.]+)x "
