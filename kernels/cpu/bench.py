@@ -162,11 +162,7 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
     cache = allocate_kv_cache((layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
                               CpuBackend.kv_heads_first, lambda dims: huge_empty(dims, dtype))  # fmt: skip
     cache.normal_(generator=torch.Generator().manual_seed(0))
-    table = torch.zeros(len(contexts), max(per_request), dtype=torch.int32)
-    first = 1
-    for row, n in enumerate(per_request):
-        table[row, :n] = torch.arange(first, first + n, dtype=torch.int32)
-        first += n
+    table = block_table(per_request)
     lens = torch.tensor(contexts, dtype=torch.int32)
     query = torch.randn(len(contexts), num_heads, head_dim)
 
@@ -190,6 +186,17 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
         ratio = "" if name == level else f"  ({ms / best[level]:.2f}x this tree's)"
         log.info("%-6s %d layers x %s decode: %8.2f ms  %6.2f GB/s (%d threads)%s", name,
                  layers, what, ms, kv / ms / 1e6, torch.get_num_threads(), ratio)  # fmt: skip
+
+
+def block_table(per_request: Sequence[int]) -> torch.Tensor:
+    """Each request's blocks in order, one request after another from block 1 (block 0
+    is the engine's padding), padded with 0: ``[len(per_request), max(per_request)]``."""
+    table = torch.zeros(len(per_request), max(per_request), dtype=torch.int32)
+    first = 1
+    for row, n in enumerate(per_request):
+        table[row, :n] = torch.arange(first, first + n, dtype=torch.int32)
+        first += n
+    return table
 
 
 def _batch_contexts() -> list[int]:

@@ -24,14 +24,14 @@
  * A work item is a tile of up to TOKEN_TILE consecutive query tokens of one request
  * and a run of its KV heads (all of them when there are enough tiles to keep every
  * thread busy): the slot rows of a block are then read as one contiguous stream, once
- * per tile (so once per step and layer for a decode), and each run of rows serves
- * every token of the tile from L1. A token sees the first ``pos + 1`` rows of the
+ * per tile (so once per step and layer for a decode), and each block serves every
+ * token of the tile from cache. A token sees the first ``pos + 1`` rows of the
  * context, so causality is the row count of each run, never a mask. The G = num_heads
  * / num_kv_heads query heads sharing a KV head are computed together, all in float32.
  * The vector path (AVX-512 or AVX2, one source over simd.h's ``vf``) makes one pass
- * with an online softmax (K and V of each run of rows together); the portable path
- * keeps the scores of the whole context (two passes: q.K, then softmax-weighted V),
- * one token at a time. A request's chunk of TILED_MIN_Q or more tokens instead goes
+ * with an online softmax (a block's K rows, then its V rows, each in memory order);
+ * the portable path keeps the scores of the whole context (two passes: q.K, then
+ * softmax-weighted V), one token at a time. A request's chunk of TILED_MIN_Q or more tokens instead goes
  * through paged_attention_tiled.h's tiles of Q.K^T and P.V products (vector and
  * portable forms), and a context of more than SPLIT_ROWS rows on the vector path is
  * split into parts that threads share, merged in part order.
