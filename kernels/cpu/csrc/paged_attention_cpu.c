@@ -31,10 +31,10 @@
  * The vector path (AVX-512 or AVX2, one source over simd.h's ``vf``) makes one pass
  * with an online softmax (a block's K rows, then its V rows, each in memory order);
  * the portable path keeps the scores of the whole context (two passes: q.K, then
- * softmax-weighted V), one token at a time. A request's chunk of TILED_MIN_Q or more tokens instead goes
- * through paged_attention_tiled.h's tiles of Q.K^T and P.V products (vector and
- * portable forms), and a context of more than SPLIT_ROWS rows on the vector path is
- * split into parts that threads share, merged in part order.
+ * softmax-weighted V), one token at a time. A request's chunk of TILED_MIN_Q or more
+ * tokens instead goes through paged_attention_tiled.h's tiles of Q.K^T and P.V products
+ * (vector and portable forms), and a context of more than SPLIT_ROWS rows on the vector
+ * path is split into parts that threads share, merged in part order.
  */
 #include <limits.h>
 #include <math.h>
