@@ -143,6 +143,36 @@ def _linear_floor(model, steps: Sequence[StepRecord], linear) -> dict[str, Any]:
     }
 
 
+def token_flops(spec) -> tuple[int, int]:
+    """FLOPs (two a multiply-add) of one token through every layer's projections (qkv,
+    o, and the MLP: gate_up and down, or a layer's router, ``top_k`` experts and shared
+    expert), and of one sampled row through the lm_head."""
+    h = spec.hidden_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    attn = h * (q + 2 * kv) + q * h
+    dense = 3 * h * spec.intermediate_size
+    moe, sparse = spec.moe, dense
+    if moe is not None:
+        sparse = h * moe.num_experts + moe.top_k * 3 * h * moe.intermediate_size
+        if moe.shared_intermediate_size:
+            sparse += 3 * h * moe.shared_intermediate_size + h  # and its one-row gate
+    experts = set(moe.layers) if moe is not None else set()
+    layers = sum(attn + (sparse if i in experts else dense) for i in range(spec.num_layers))
+    return 2 * layers, 2 * h * spec.vocab_size
+
+
+def arithmetic_bound(spec, steps: Sequence[StepRecord], peak_gflops: float) -> dict[str, Any]:
+    """The time the workload's matrix products take at ``peak_gflops``, the CPU's
+    multiply-add peak: a bound no engine computing the same products can beat on this
+    host (attention and everything else left out)."""
+    per_token, per_row = token_flops(spec)
+    layers = per_token * sum(s.num_tokens for s in steps)
+    head = per_row * sum(s.num_sampled for s in steps)
+    return {"matmul_flops": layers + head, "layers_flops": layers, "lm_head_flops": head,
+            "fma_peak_gflops": peak_gflops,
+            "bound_s": (layers + head) / (peak_gflops * 1e9)}
+
+
 def step_breakdown(steps: Sequence[StepRecord], floor: dict[str, Any] | None) -> dict[str, Any]:
     """Time of pure-decode steps vs steps with prefill, each against its floor."""
     dec = [s for s in steps if s.num_tokens > 0 and s.num_decodes == s.num_tokens]

@@ -3,7 +3,11 @@
 Runs a seeded random workload through the engine, one ``LLMEngine.step()`` at a time,
 and reports requests/s, generated tokens/s, peak KV cache waste and blocks, and the
 workload's matrix-product floor: the time the model's linear layers alone take at the
-token counts of the steps the engine ran. ``--compare-hf`` runs the same requests with
+token counts of the steps the engine ran. With float32 weights on a vector build of the
+CPU kernels it also reports the arithmetic bound: the workload's matrix-product FLOPs at
+this CPU's measured multiply-add peak, the least time any engine computing them needs
+here (and, with ``--compare-hf``, HF static's time over it: the highest ratio this host
+allows). ``--compare-hf`` runs the same requests with
 HF transformers (static batching and its own continuous batching) in the same process.
 
 Also runnable as ``python -m loadtest.throughput``.
@@ -34,7 +38,7 @@ from loadtest.bench_common import (
     vocab_token_ids,
     warm_up,
 )
-from loadtest.linear_floor import linear_floor, step_breakdown
+from loadtest.linear_floor import arithmetic_bound, linear_floor, step_breakdown
 from loadtest.op_times import OpTimes, format_report
 from loadtest.workloads import Workload, random_workload, shared_prefix_workload
 
@@ -94,6 +98,8 @@ def _fmt_rate(d: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark, print its report, and return it (also saved with --save-result)."""
+    import torch
+
     from engine.llm import LLM
     from kernels.cpu import paths as cpu_paths
 
@@ -168,9 +174,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     max_tokens = llm.engine.scheduler.max_num_batched_tokens
     model_path = worker.model_path
     pagedserve_ids = run.output_token_ids
+    peak_of = getattr(worker.attn.ops, "fma_peak_gflops", None)
+    spec = worker.model.spec
+    plain_f32 = dtype == "float32" and not worker.quantization
     llm.close()
     del llm, worker, tp
     gc.collect()
+    # Measured with the engine closed, so that its threads do not share the cores.
+    peak = peak_of() if peak_of is not None and plain_f32 else None
+    if peak is not None:
+        ps["arithmetic"] = arithmetic_bound(spec, run.steps, peak)
+        ps["arithmetic"].update(threads=torch.get_num_threads(),
+                                fraction_of_peak=ps["arithmetic"]["bound_s"] / run.elapsed_s)
 
     _print_engine(run, ps, floor, breakdown)
     if timers is not None:
@@ -191,7 +206,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                                   ps, pagedserve_ids))
         if args.repeat > 1 and args.hf_static:
             first = (ps["elapsed_s"], report["hf_static"]["elapsed_s"])
-            report["repeats"] = _repeat_pairs(args, workload, model_path, dtype, first)
+            bound = ps["arithmetic"]["bound_s"] if "arithmetic" in ps else None
+            report["repeats"] = _repeat_pairs(args, workload, model_path, dtype, first, bound)
     if save_report(args.save_result, report):
         print(f"saved {args.save_result}")
     return report
@@ -226,13 +242,21 @@ def _print_engine(run: EngineRun, ps: dict[str, Any], floor: dict[str, Any] | No
             print(f"               decode step at batch {bd['decode_batch_max']}: median "
                   f"{1e3 * bd['decode_step_median_s_at_max']:.1f} ms vs floor "
                   f"{1e3 * bd['decode_step_floor_s_at_max']:.1f} ms")
+    ar = ps.get("arithmetic")
+    if ar is not None:
+        print(f"arithmetic:    {ar['matmul_flops'] / 1e12:.3f} TFLOP of matrix products "
+              f"(layers {ar['layers_flops'] / 1e12:.3f} + lm_head "
+              f"{ar['lm_head_flops'] / 1e12:.3f}); FMA peak {ar['fma_peak_gflops']:.1f} "
+              f"GFLOP/s on {ar['threads']} threads: {ar['bound_s']:.2f} s at peak, the run "
+              f"at {ar['fraction_of_peak']:.2f} of it")
 
 
 def _repeat_pairs(args, workload: Workload, model_path, dtype: str,
-                  first: tuple[float, float]) -> dict[str, Any]:
+                  first: tuple[float, float], bound_s: float | None) -> dict[str, Any]:
     """More pagedserve / HF static pairs after the first one (HF first in every other
-    pair); the ratio of each pair and their median. The engine's prefix cache is reset
-    before every run."""
+    pair); the ratio of each pair and their median, and with the arithmetic bound
+    ``bound_s`` the median of HF static's times over it. The engine's prefix cache is
+    reset before every run."""
     from engine.llm import LLM
     from loadtest import hf_baseline as hf
 
@@ -262,9 +286,14 @@ def _repeat_pairs(args, workload: Workload, model_path, dtype: str,
     med = statistics.median(ratios)
     print(f"median ratio output tok s vs hf static over {len(pairs)} pairs: {med:.2f}x "
           f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
-    return {"pairs": [{"pagedserve_s": e, "hf_static_s": h, "ratio": r}
-                      for (e, h), r in zip(pairs, ratios, strict=True)],
-            "median_ratio_vs_hf_static": med}
+    out = {"pairs": [{"pagedserve_s": e, "hf_static_s": h, "ratio": r}
+                     for (e, h), r in zip(pairs, ratios, strict=True)],
+           "median_ratio_vs_hf_static": med}
+    if bound_s is not None:
+        out["median_ceiling_vs_hf_static"] = statistics.median(h / bound_s for _, h in pairs)
+        print(f"median ceiling vs hf static (HF static s / arithmetic bound "
+              f"{bound_s:.2f} s): {out['median_ceiling_vs_hf_static']:.2f}x")
+    return out
 
 
 def _compare_hf(args, workload: Workload, model_path, dtype: str, kv_gb: float,
@@ -287,6 +316,8 @@ def _compare_hf(args, workload: Workload, model_path, dtype: str, kv_gb: float,
         agreement["hf_static"] = hf.greedy_agreement(ps_ids, st.output_token_ids)
         print(f"hf static      {_fmt_rate(out['hf_static'])}  (batch {bs}, left padding, "
               f"{st.num_generated_tokens} tokens generated for {st.num_output_tokens} useful)")
+        if "arithmetic" in ps:  # the most any engine's ratio can be on this host
+            out["ceiling_vs_hf_static"] = st.elapsed_s / ps["arithmetic"]["bound_s"]
     if args.hf_continuous:
         cb = hf.run_continuous(model, workload, kv_gb, max_tokens, args.max_num_seqs)
         out["hf_continuous"] = cb.summary()
@@ -300,6 +331,9 @@ def _compare_hf(args, workload: Workload, model_path, dtype: str, kv_gb: float,
     gc.collect()
     for k, v in ratios.items():
         print(f"ratio {k.replace('_', ' ')}: {v:.2f}x")
+    if "ceiling_vs_hf_static" in out:
+        print(f"ceiling vs hf static: {out['ceiling_vs_hf_static']:.2f}x (HF static's time over "
+              "the arithmetic bound: no engine computing the same products exceeds it here)")
     for k, v in agreement.items():
         print(f"greedy agreement with {k}: {100 * v['identical']:.0f}% identical outputs, "
               f"{100 * v['common_prefix']:.1f}% mean common prefix")

@@ -116,6 +116,14 @@ class NativeLayerOps(TorchLayerOps):
                 "linear_quant": f"native-{self.isa} (1-{self.quant_max_rows} rows), "
                                 "dequantize + torch above"}
 
+    def fma_peak_gflops(self, num_threads: int | None = None) -> float | None:
+        """This CPU's float32 multiply-add peak at the library's vector width, GFLOP/s
+        (``num_threads`` threads at once, default torch's): register-only chains, no
+        memory traffic. ``None`` for the portable build, whose loops have no such
+        ceiling of their own."""
+        g = self._lib.fma_peak_gflops(num_threads or torch.get_num_threads())
+        return g if g > 0 else None
+
     def prepare_weights(
         self, weights: Iterable[torch.Tensor | QuantizedWeight],
         allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -59,6 +60,49 @@ def test_floor_grid_and_interpolation():
     assert bd["decode_batch_max"] == 4
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2_moe"])
+def test_token_flops_count_every_projection_weight(tiny_model_factory, kind):
+    """The arithmetic bound's FLOPs a token: two for each weight a token multiplies, read
+    off the loaded model's own weights (a layer with experts: its router, top_k experts,
+    shared expert and that expert's gate)."""
+    from engine.llm import LLM
+
+    llm = LLM(model=str(tiny_model_factory(kind)), kv_cache_memory_gb=0.02, max_model_len=512)
+    try:
+        model = llm.engine.worker.model
+        spec = model.spec
+        want = 0
+        for layer in model.layers:
+            want += layer.qkv_proj.weight.numel() + layer.o_proj.weight.numel()
+            if layer.moe is None:
+                want += layer.gate_up_proj.weight.numel() + layer.down_proj.weight.numel()
+                continue
+            moe, e0 = layer.moe, layer.moe.experts[0]
+            want += moe.gate.weight.numel() + spec.moe.top_k * (
+                e0.gate_up_proj.weight.numel() + e0.down_proj.weight.numel())
+            if moe.shared_expert is not None:
+                want += (moe.shared_expert.gate_up_proj.weight.numel()
+                         + moe.shared_expert.down_proj.weight.numel()
+                         + moe.shared_expert_gate.weight.numel())
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        assert (kind == "qwen2_moe") == any(layer.moe is not None for layer in model.layers)
+        assert linear_floor.token_flops(spec) == (2 * want, 2 * head.numel())
+    finally:
+        llm.close()
+
+
+def test_arithmetic_bound_of_recorded_steps():
+    spec = argparse.Namespace(hidden_size=4, num_heads=2, num_kv_heads=1, head_dim=2,
+                              intermediate_size=3, num_layers=2, vocab_size=10, moe=None)
+    # qkv 4x8, o 4x4, gate_up 4x6, down 3x4 = 32 + 16 + 24 + 12 = 84 a layer, 2 layers
+    assert linear_floor.token_flops(spec) == (2 * 168, 2 * 40)
+    steps = [StepRecord(9, 1, 0, 0.3), StepRecord(4, 2, 2, 0.1)]  # 13 tokens, 3 sampled
+    b = linear_floor.arithmetic_bound(spec, steps, peak_gflops=2.0)
+    assert (b["layers_flops"], b["lm_head_flops"]) == (13 * 336, 3 * 80)
+    assert b["matmul_flops"] == 13 * 336 + 3 * 80
+    assert b["bound_s"] == pytest.approx((13 * 336 + 3 * 80) / 2e9)
+
+
 def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
     out = tmp_path / "t.json"
     throughput.cli(["--model", tiny_llama, *TINY_WORKLOAD, "--compare-hf", *ENGINE,
@@ -97,6 +141,19 @@ def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
     paths = env["cpu_paths"]
     assert paths["attention"] == paths["layer_ops"] == cpu_native.runnable_levels()[-1]
     assert f"cpu paths: {cpu_paths.summary(paths, rep['dtype'])}" in text
+    # The arithmetic bound: float32 weights on a vector build (the one with an FMA peak).
+    ar = ps.get("arithmetic")
+    assert (ar is not None) == (paths["layer_ops"] != "portable")
+    if ar is not None:
+        cfg = json.loads((Path(tiny_llama) / "config.json").read_text())
+        assert ar["lm_head_flops"] == 2 * cfg["hidden_size"] * cfg["vocab_size"] * want
+        assert ar["matmul_flops"] == ar["layers_flops"] + ar["lm_head_flops"]
+        assert ar["fma_peak_gflops"] > 0 and ar["threads"] == env["torch_threads"]
+        assert ar["bound_s"] == pytest.approx(ar["matmul_flops"] / ar["fma_peak_gflops"] / 1e9)
+        assert ar["fraction_of_peak"] == pytest.approx(ar["bound_s"] / ps["elapsed_s"])
+        assert rep["ceiling_vs_hf_static"] == pytest.approx(
+            rep["hf_static"]["elapsed_s"] / ar["bound_s"])
+        assert "arithmetic:" in text and "ceiling vs hf static:" in text
 
 
 def test_throughput_bench_repeated_pairs(tiny_llama, tmp_path, capsys):
@@ -111,6 +168,10 @@ def test_throughput_bench_repeated_pairs(tiny_llama, tmp_path, capsys):
         assert pair["ratio"] == pytest.approx(pair["hf_static_s"] / pair["pagedserve_s"])
     ratios = sorted(p["ratio"] for p in rep["pairs"])
     assert rep["median_ratio_vs_hf_static"] == pytest.approx(ratios[1])
+    ar = json.loads(out.read_text())["pagedserve"].get("arithmetic")
+    if ar is not None:  # a vector build: HF static's times over the bound too
+        hf = sorted(p["hf_static_s"] for p in rep["pairs"])
+        assert rep["median_ceiling_vs_hf_static"] == pytest.approx(hf[1] / ar["bound_s"])
 
 
 def test_op_times_split_each_phase_and_come_off_after_the_run(tiny_llama, tmp_path, capsys):

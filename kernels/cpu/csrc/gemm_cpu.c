@@ -206,9 +206,52 @@ void gemm_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *pa
     pool_run(gemm_panels, &task, panels, (panels + 4 * nt - 1) / (4 * nt), nt);
 }
 
+/* Independent multiply-add chains a thread keeps in registers: enough to cover the
+ * FMA latency times the number of FMA units on every x86-64 core (Zen 1: 5 cycles x 1
+ * 256-bit unit; Skylake-X: 4 x 2 512-bit units). */
+#define PEAK_CHAINS 12
+#define PEAK_STEPS (1 << 20)
+
+/* The float32 multiply-add peak of ``num_threads`` threads at this build's vector width,
+ * in GFLOP/s (2 per multiply-add): every thread runs PEAK_CHAINS independent chains of
+ * vf_fmadd on registers alone, all threads at once, best of 5 timings. The ceiling the
+ * matrix products of gemm_f32 (and torch's BLAS) work against. */
+float fma_peak_gflops(int num_threads) {
+    static volatile float sink;
+    double best = 0.0;
+    for (int rep = 0; rep < 5; rep++) {
+        int team = 1;
+        const double t0 = omp_get_wtime();
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+        {
+            const vf a = vf_set1(0.999f), b = vf_set1(1e-4f);
+            vf acc[PEAK_CHAINS];
+            for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = vf_set1((float)c);
+            for (int64_t s = 0; s < PEAK_STEPS; s++) {
+#pragma GCC unroll 12
+                for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = vf_fmadd(acc[c], a, b);
+            }
+            for (int c = 1; c < PEAK_CHAINS; c++) acc[0] = vf_add(acc[0], acc[c]);
+#pragma omp master
+            team = omp_get_num_threads();
+#pragma omp critical
+            sink += vf_reduce_add(acc[0]);
+        }
+        const double dt = omp_get_wtime() - t0;
+        const double gflops = 2.0 * SIMD_VW * PEAK_CHAINS * (double)PEAK_STEPS * team / dt / 1e9;
+        best = gflops > best ? gflops : best;
+    }
+    return (float)best;
+}
+
 #else
 
 int gemm_f32_available(void) { return 0; }
+
+float fma_peak_gflops(int num_threads) {
+    (void)num_threads;
+    return 0.0f;
+}
 
 void gemm_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *packed,
               int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {

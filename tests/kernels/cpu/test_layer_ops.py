@@ -207,6 +207,17 @@ def test_linear_with_packed_weights(native, rows, dtype) -> None:
     torch.testing.assert_close(native.linear(x, w), F.linear(x, w), **tol)
 
 
+def test_fma_peak_is_measured_by_vector_builds_only(native) -> None:
+    """The multiply-add peak that ``bench throughput`` divides a workload's matrix
+    products by: a rate from each vector build, none from the portable one."""
+    for threads in (1, 2):
+        peak = native.fma_peak_gflops(threads)
+        if native.isa == "portable":
+            assert peak is None
+        else:
+            assert peak is not None and 0 < peak < float("inf")
+
+
 VECTOR_LEVELS = [lv for lv in cpu_native.runnable_levels() if lv != "portable"]
 
 
