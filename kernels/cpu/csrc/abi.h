@@ -42,6 +42,7 @@
 #define PA_ERR_RANGE -5 /* a context length, query length or block id is out of range */
 #define PA_ERR_SLOT -6 /* a KV write slot is out of range */
 #define PA_ERR_LAYOUT -8 /* unknown KV cache layout */
+#define PA_ERR_BLOCK_SIZE -9 /* block_size is not positive */
 
 /* decoder_layers' model table: int64 entries at these offsets. */
 #define DM_NUM_LAYERS 0

@@ -263,6 +263,7 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     if (head_dim <= 0 || head_dim > MAX_HEAD_DIM) return PA_ERR_HEAD_DIM;
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16) return PA_ERR_DTYPE;
     if (kv_layout != KV_ROWS_FIRST && kv_layout != KV_HEADS_FIRST) return PA_ERR_LAYOUT;
+    if (block_size <= 0) return PA_ERR_BLOCK_SIZE;
 #ifndef __FLT16_MAX__
     if (dtype == DTYPE_F16) return PA_ERR_DTYPE;
 #endif

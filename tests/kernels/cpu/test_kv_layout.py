@@ -126,9 +126,15 @@ def test_heads_first_rounds_float32_rows_into_a_16_bit_cache(lib, dtype) -> None
     assert torch.equal(got[:n], want[:n])
 
 
-def test_an_unknown_layout_code_is_refused(lib) -> None:
-    """The C entry point itself: a layout code other than the two is refused before
-    anything is written."""
+@pytest.mark.parametrize("layout,block_size,code,message", [
+    (abi.KV_HEADS_FIRST + 1, 16, "PA_ERR_LAYOUT", "unknown KV cache layout"),
+    (abi.KV_ROWS_FIRST, 0, "PA_ERR_BLOCK_SIZE", "block_size is not positive"),
+    (abi.KV_ROWS_FIRST, -16, "PA_ERR_BLOCK_SIZE", "block_size is not positive"),
+])
+def test_a_bad_layout_code_or_block_size_is_refused(lib, layout, block_size, code,
+                                                    message) -> None:
+    """The C entry point itself: a layout code other than the two, or a block size below
+    one, is refused before anything is written."""
     step = make_step([5], [1], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                      dtype=torch.float32)  # fmt: skip
     m = step.meta
@@ -137,12 +143,12 @@ def test_an_unknown_layout_code_is_refused(lib) -> None:
     out = torch.empty_like(query)
     status = lib.paged_attention(
         query.data_ptr(), k_cache.data_ptr(), step.v_cache.data_ptr(), abi.DTYPE_F32,
-        abi.KV_HEADS_FIRST + 1, m.block_tables.data_ptr(), m.seq_lens.data_ptr(), None,
-        query.stride(0), out.data_ptr(), 1, 4, 2, 64, 16, k_cache.shape[0],
+        layout, m.block_tables.data_ptr(), m.seq_lens.data_ptr(), None,
+        query.stride(0), out.data_ptr(), 1, 4, 2, 64, block_size, k_cache.shape[0],
         m.block_tables.shape[1], 5, step.scale, key.data_ptr(), value.data_ptr(), abi.DTYPE_F32,
         key.stride(0), m.slot_mapping.to(torch.int64).data_ptr(), 1, 1)  # fmt: skip
-    assert status == abi.CONSTANTS["PA_ERR_LAYOUT"]
-    assert abi.ATTENTION_ERRORS[status] == "unknown KV cache layout"
+    assert status == abi.CONSTANTS[code]
+    assert abi.ATTENTION_ERRORS[status] == message
     torch.testing.assert_close(k_cache, step.k_cache, atol=0, rtol=0, equal_nan=True)
 
 
