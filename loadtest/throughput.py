@@ -176,12 +176,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     pagedserve_ids = run.output_token_ids
     peak_of = getattr(worker.attn.ops, "fma_peak_gflops", None)
     spec = worker.model.spec
-    plain_f32 = dtype == "float32" and not worker.quantization
+    # One process's float32 products: its threads' FMA peak bounds them (tensor-parallel
+    # ranks run on other cores too; quantized or bfloat16 weights take other units).
+    bounded = dtype == "float32" and not worker.quantization and tp is None
     llm.close()
     del llm, worker, tp
     gc.collect()
     # Measured with the engine closed, so that its threads do not share the cores.
-    peak = peak_of() if peak_of is not None and plain_f32 else None
+    peak = peak_of() if peak_of is not None and bounded else None
     if peak is not None:
         ps["arithmetic"] = arithmetic_bound(spec, run.steps, peak)
         ps["arithmetic"].update(threads=torch.get_num_threads(),

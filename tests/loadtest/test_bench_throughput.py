@@ -174,6 +174,19 @@ def test_throughput_bench_repeated_pairs(tiny_llama, tmp_path, capsys):
         assert rep["median_ceiling_vs_hf_static"] == pytest.approx(hf[1] / ar["bound_s"])
 
 
+def test_tensor_parallel_run_reports_its_collectives_and_no_arithmetic_bound(tiny_llama,
+                                                                              tmp_path):
+    """Two ranks: the time in collectives is reported; the arithmetic bound is not (this
+    process's FMA peak does not bound products that other processes compute too)."""
+    out = tmp_path / "tp.json"
+    throughput.cli(["--model", tiny_llama, *TINY_WORKLOAD, "--no-floor", "--no-warmup",
+                    "--tensor-parallel-size", "2", *ENGINE, "--save-result", str(out)])
+    ps = json.loads(out.read_text())["pagedserve"]
+    assert ps["tensor_parallel"]["size"] == 2 and ps["tensor_parallel"]["collectives"] > 0
+    assert ps["num_output_tokens"] == json.loads(out.read_text())["workload"]["num_output_tokens"]
+    assert "arithmetic" not in ps
+
+
 def test_op_times_split_each_phase_and_come_off_after_the_run(tiny_llama, tmp_path, capsys):
     out = tmp_path / "o.json"
     throughput.cli(["--model", tiny_llama, *TINY_WORKLOAD, "--no-floor", "--op-times", *ENGINE,
