@@ -7,6 +7,8 @@ weights through the engine's own quantized linear; a layer with experts: its rou
 the experts its T tokens fill when routed evenly and its shared expert), timed on a grid of T and S and
 interpolated per step. :func:`step_breakdown` splits a run's steps into
 decode-only steps and steps with prefill, each against its share of the floor.
+:func:`arithmetic_bound` counts the FLOPs of the same products (:func:`token_flops`) and
+the time they take at a given multiply-add peak.
 """
 
 from __future__ import annotations
@@ -162,9 +164,11 @@ def token_flops(spec) -> tuple[int, int]:
 
 
 def arithmetic_bound(spec, steps: Sequence[StepRecord], peak_gflops: float) -> dict[str, Any]:
-    """The time the workload's matrix products take at ``peak_gflops``, the CPU's
-    multiply-add peak: a bound no engine computing the same products can beat on this
-    host (attention and everything else left out)."""
+    """The time the matrix products of the tokens ``steps`` computed take at
+    ``peak_gflops``, the CPU's multiply-add peak: a bound no engine computing the same
+    products can beat on this host (attention and everything else left out). Without
+    preemptions (recomputed tokens count) and prefix-cache hits (cached ones do not),
+    these are exactly the workload's products."""
     per_token, per_row = token_flops(spec)
     layers = per_token * sum(s.num_tokens for s in steps)
     head = per_row * sum(s.num_sampled for s in steps)

@@ -3,11 +3,12 @@
 Runs a seeded random workload through the engine, one ``LLMEngine.step()`` at a time,
 and reports requests/s, generated tokens/s, peak KV cache waste and blocks, and the
 workload's matrix-product floor: the time the model's linear layers alone take at the
-token counts of the steps the engine ran. With float32 weights on a vector build of the
-CPU kernels it also reports the arithmetic bound: the workload's matrix-product FLOPs at
-this CPU's measured multiply-add peak, the least time any engine computing them needs
-here (and, with ``--compare-hf``, HF static's time over it: the highest ratio this host
-allows). ``--compare-hf`` runs the same requests with
+token counts of the steps the engine ran. With float32 weights on the native CPU
+kernels built at the CPU's best vector level, in one process (no tensor parallelism), it
+also reports the arithmetic bound: the FLOPs of the matrix products the run computed at
+this CPU's measured multiply-add peak, the least time any engine computing the same
+products needs here (and, with ``--compare-hf``, HF static's time over it: the highest
+ratio this host allows). ``--compare-hf`` runs the same requests with
 HF transformers (static batching and its own continuous batching) in the same process.
 
 Also runnable as ``python -m loadtest.throughput``.
@@ -101,6 +102,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from engine.llm import LLM
+    from kernels.cpu import native as cpu_native
     from kernels.cpu import paths as cpu_paths
 
     apply_threads(args)
@@ -174,16 +176,20 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     max_tokens = llm.engine.scheduler.max_num_batched_tokens
     model_path = worker.model_path
     pagedserve_ids = run.output_token_ids
-    peak_of = getattr(worker.attn.ops, "fma_peak_gflops", None)
+    # One process's float32 products at the CPU's widest vectors: its threads' FMA peak
+    # bounds them (tensor-parallel ranks run on other cores too; quantized or bfloat16
+    # weights take other units; a library built narrower than torch's BLAS runs measures
+    # a lower peak than torch reaches).
+    bounded = (dtype == "float32" and not worker.quantization and tp is None
+               and worker.cpu_paths is not None
+               and worker.cpu_paths["layer_ops"] == cpu_native.runnable_levels()[-1])
+    peak_of = worker.attn.ops.fma_peak_gflops if bounded else None
     spec = worker.model.spec
-    # One process's float32 products: its threads' FMA peak bounds them (tensor-parallel
-    # ranks run on other cores too; quantized or bfloat16 weights take other units).
-    bounded = dtype == "float32" and not worker.quantization and tp is None
     llm.close()
     del llm, worker, tp
     gc.collect()
-    # Measured with the engine closed, so that its threads do not share the cores.
-    peak = peak_of() if peak_of is not None and bounded else None
+    peak = peak_of() if peak_of is not None else None
+    del peak_of
     if peak is not None:
         ps["arithmetic"] = arithmetic_bound(spec, run.steps, peak)
         ps["arithmetic"].update(threads=torch.get_num_threads(),
@@ -292,9 +298,13 @@ def _repeat_pairs(args, workload: Workload, model_path, dtype: str,
                      for (e, h), r in zip(pairs, ratios, strict=True)],
            "median_ratio_vs_hf_static": med}
     if bound_s is not None:
-        out["median_ceiling_vs_hf_static"] = statistics.median(h / bound_s for _, h in pairs)
+        ceilings = [h / bound_s for _, h in pairs]
+        for pair, c in zip(out["pairs"], ceilings, strict=True):
+            pair["ceiling"] = c
+        out["median_ceiling_vs_hf_static"] = statistics.median(ceilings)
         print(f"median ceiling vs hf static (HF static s / arithmetic bound "
-              f"{bound_s:.2f} s): {out['median_ceiling_vs_hf_static']:.2f}x")
+              f"{bound_s:.2f} s): {out['median_ceiling_vs_hf_static']:.2f}x "
+              f"(pairs: {', '.join(f'{c:.2f}x' for c in ceilings)})")
     return out
 
 

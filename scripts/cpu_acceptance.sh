@@ -137,7 +137,7 @@ done
         echo
         echo "### $(basename "$f")"
         head -1 "$f"
-        grep -E "cpu kernels|ratio|read x|^ *1 |TTFT|ITL|Successful|Failed|exit [0-9]|skipped" "$f" | tail -25
+        grep -E "cpu kernels|ratio|ceiling|arithmetic:|read x|^ *1 |TTFT|ITL|Successful|Failed|exit [0-9]|skipped" "$f" | tail -25
     done
 } >"$OUT/summary.txt"
 cat "$OUT/summary.txt"

@@ -118,9 +118,9 @@ class NativeLayerOps(TorchLayerOps):
 
     def fma_peak_gflops(self, num_threads: int | None = None) -> float | None:
         """This CPU's float32 multiply-add peak at the library's vector width, GFLOP/s
-        (``num_threads`` threads at once, default torch's): register-only chains, no
-        memory traffic. ``None`` for the portable build, whose loops have no such
-        ceiling of their own."""
+        (an OpenMP team of ``num_threads`` threads, default torch's count): register-only
+        chains, no memory traffic. ``None`` for the portable build, whose loops have no
+        such ceiling of their own, or when OpenMP gives fewer threads than asked."""
         g = self._lib.fma_peak_gflops(num_threads or torch.get_num_threads())
         return g if g > 0 else None
 

@@ -143,7 +143,8 @@ int64_t gemm_f32_packed_size(int64_t n, int64_t k);
 void gemm_f32_pack(const float *w, int64_t n, int64_t k, float *packed);
 void gemm_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *packed,
               int64_t n, const float *bias, float *y, int64_t ldy, int num_threads);
-/* GFLOP/s of num_threads threads' register-only multiply-adds (0 without a vector unit). */
+/* GFLOP/s of num_threads threads' register-only multiply-adds (0 on the portable build,
+ * or when OpenMP gives fewer threads). */
 float fma_peak_gflops(int num_threads);
 
 /* qgemm_cpu.c */

@@ -210,21 +210,23 @@ void gemm_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *pa
  * FMA latency times the number of FMA units on every x86-64 core (Zen 1: 5 cycles x 1
  * 256-bit unit; Skylake-X: 4 x 2 512-bit units). */
 #define PEAK_CHAINS 12
-#define PEAK_STEPS (1 << 20)
+#define PEAK_STEPS (1 << 21)
 
 /* The float32 multiply-add peak of ``num_threads`` threads at this build's vector width,
  * in GFLOP/s (2 per multiply-add): every thread runs PEAK_CHAINS independent chains of
- * vf_fmadd on registers alone, all threads at once, best of 5 timings. The ceiling the
- * matrix products of gemm_f32 (and torch's BLAS) work against. */
+ * vf_fmadd on registers alone, all threads at once; best of 5 timings after an untimed
+ * one. The ceiling the matrix products of gemm_f32 (and torch's BLAS at the same width)
+ * work against. 0 when OpenMP gives fewer threads than asked. */
 float fma_peak_gflops(int num_threads) {
-    static volatile float sink;
+    static volatile float sink, factor = 0.999f, term = 1e-4f; /* not constants to fold */
+    if (num_threads < 1) num_threads = 1;
     double best = 0.0;
-    for (int rep = 0; rep < 5; rep++) {
-        int team = 1;
+    for (int rep = 0; rep < 6; rep++) {
+        int team = 0;
         const double t0 = omp_get_wtime();
-#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+#pragma omp parallel num_threads(num_threads)
         {
-            const vf a = vf_set1(0.999f), b = vf_set1(1e-4f);
+            const vf a = vf_set1(factor), b = vf_set1(term);
             vf acc[PEAK_CHAINS];
             for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = vf_set1((float)c);
             for (int64_t s = 0; s < PEAK_STEPS; s++) {
@@ -232,14 +234,14 @@ float fma_peak_gflops(int num_threads) {
                 for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = vf_fmadd(acc[c], a, b);
             }
             for (int c = 1; c < PEAK_CHAINS; c++) acc[0] = vf_add(acc[0], acc[c]);
-#pragma omp master
-            team = omp_get_num_threads();
+            if (omp_get_thread_num() == 0) team = omp_get_num_threads();
 #pragma omp critical
             sink += vf_reduce_add(acc[0]);
         }
         const double dt = omp_get_wtime() - t0;
+        if (team != num_threads) return 0.0f;
         const double gflops = 2.0 * SIMD_VW * PEAK_CHAINS * (double)PEAK_STEPS * team / dt / 1e9;
-        best = gflops > best ? gflops : best;
+        if (rep > 0 && gflops > best) best = gflops;
     }
     return (float)best;
 }

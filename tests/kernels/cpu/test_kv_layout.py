@@ -138,11 +138,11 @@ def test_a_bad_layout_code_or_block_size_is_refused(lib, layout, block_size, cod
     step = make_step([5], [1], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                      dtype=torch.float32)  # fmt: skip
     m = step.meta
-    k_cache, query = step.k_cache.clone(), step.query.contiguous()
-    key, value = step.key.contiguous(), step.value.contiguous()
+    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
+    query, key, value = step.query.contiguous(), step.key.contiguous(), step.value.contiguous()
     out = torch.empty_like(query)
     status = lib.paged_attention(
-        query.data_ptr(), k_cache.data_ptr(), step.v_cache.data_ptr(), abi.DTYPE_F32,
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), abi.DTYPE_F32,
         layout, m.block_tables.data_ptr(), m.seq_lens.data_ptr(), None,
         query.stride(0), out.data_ptr(), 1, 4, 2, 64, block_size, k_cache.shape[0],
         m.block_tables.shape[1], 5, step.scale, key.data_ptr(), value.data_ptr(), abi.DTYPE_F32,
@@ -150,6 +150,7 @@ def test_a_bad_layout_code_or_block_size_is_refused(lib, layout, block_size, cod
     assert status == abi.CONSTANTS[code]
     assert abi.ATTENTION_ERRORS[status] == message
     torch.testing.assert_close(k_cache, step.k_cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, step.v_cache, atol=0, rtol=0, equal_nan=True)
 
 
 def test_allocated_caches_index_alike_in_either_layout() -> None:
