@@ -178,8 +178,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     pagedserve_ids = run.output_token_ids
     # One process's float32 products at the CPU's widest vectors: its threads' FMA peak
     # bounds them (tensor-parallel ranks run on other cores too; quantized or bfloat16
-    # weights take other units; a library built narrower than torch's BLAS runs measures
-    # a lower peak than torch reaches).
+    # weights take other units; a library built at a narrower level than torch's BLAS
+    # would measure a lower peak than torch reaches).
     bounded = (dtype == "float32" and not worker.quantization and tp is None
                and worker.cpu_paths is not None
                and worker.cpu_paths["layer_ops"] == cpu_native.runnable_levels()[-1])
