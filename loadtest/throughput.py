@@ -102,7 +102,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from engine.llm import LLM
-    from kernels.cpu import native as cpu_native
     from kernels.cpu import paths as cpu_paths
 
     apply_threads(args)
@@ -182,17 +181,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     # would measure a lower peak than torch reaches).
     bounded = (dtype == "float32" and not worker.quantization and tp is None
                and worker.cpu_paths is not None
-               and worker.cpu_paths["layer_ops"] == cpu_native.runnable_levels()[-1])
+               and worker.cpu_paths["layer_ops"] == worker.cpu_paths["levels"][-1])
     peak_of = worker.attn.ops.fma_peak_gflops if bounded else None
     spec = worker.model.spec
     llm.close()
     del llm, worker, tp
     gc.collect()
-    peak = peak_of() if peak_of is not None else None
+    threads = torch.get_num_threads()
+    peak = peak_of(threads) if peak_of is not None else None
     del peak_of
     if peak is not None:
         ps["arithmetic"] = arithmetic_bound(spec, run.steps, peak)
-        ps["arithmetic"].update(threads=torch.get_num_threads(),
+        ps["arithmetic"].update(threads=threads,
                                 fraction_of_peak=ps["arithmetic"]["bound_s"] / run.elapsed_s)
 
     _print_engine(run, ps, floor, breakdown)
