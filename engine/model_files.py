@@ -40,6 +40,22 @@ def load_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
     return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
+def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
+    """The ids that end a generation: ``generation_config.json``'s ``eos_token_id`` (one
+    or a list) and the tokenizer's own, sorted."""
+    ids: set[int] = set()
+    gen_path = path / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(x) for x in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
 def weight_files(path: Path) -> list[Path]:
     """Return the safetensors files of a model folder, in index order."""
     index = path / WEIGHTS_INDEX_NAME

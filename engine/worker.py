@@ -30,6 +30,7 @@ from engine.loader import (
     load_tokenizer,
     resolve_model_path,
 )
+from engine.model_files import eos_token_ids
 from engine.model_runner import ModelRunner
 from engine.models import DecoderSpec, build_model, load_model
 from engine.models.spec import max_positions, position_limit
@@ -139,10 +140,12 @@ class Worker:
         self.quant_config = read_quantization_config(self.hf_config, self.model_path)
         self.quantization = resolve_quantization(config, self.quant_config, self.model_name)
         """``config.quantization``, or the checkpoint's own (GPTQ, AWQ)."""
-        check_moe(DecoderSpec.from_hf(self.hf_config), self.quantization,
+        self.hf_spec = DecoderSpec.from_hf(self.hf_config)
+        """The whole model's shapes (``spec``, set once it is built, is this rank's part)."""
+        check_moe(self.hf_spec, self.quantization,
                   gguf_file=config.model is not None and is_gguf_file(config.model))
         if tp is None and config.tensor_parallel_size > 1:
-            check_divisible(DecoderSpec.from_hf(self.hf_config), config.tensor_parallel_size)
+            check_divisible(self.hf_spec, config.tensor_parallel_size)
             self.tp, self._procs = start_rank0(config, self.device)
             ref = weakref.ref(self)  # the ranks stop with the interpreter at the latest
             atexit.register(lambda: (w := ref()) is not None and w.shutdown())
@@ -179,7 +182,7 @@ class Worker:
         self.spec = model.spec
         """The decoder this process holds (a tensor-parallel rank's: its heads)."""
         self.vocab_size = model.full_spec.vocab_size
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
 
         self.attn = get_attention_backend(config.attention_backend, self.device, kernel_settings())
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.attn.name)
@@ -288,7 +291,7 @@ class Worker:
             layout = checkpoint_weights.tensor_layout(self.model_path, cq)
             formats, orders = layout.formats, layout.orders
             weights = checkpoint_weights.iter_checkpoint_weights(
-                self.model_path, cq, layout, DecoderSpec.from_hf(self.hf_config))
+                self.model_path, cq, layout, self.hf_spec)
             kept = sorted(set(formats.values()))
             self.quant_desc = f"{cq.describe()} ({', '.join(kept) or 'float32'})"
         with torch.device("meta"):
@@ -311,21 +314,6 @@ class Worker:
             f"quantization='gguf' serves the weights of a GGUF file, and model={model!r} is "
             "not one: pass a .gguf file (or omit model for the embedded default), or use "
             "quantization='int8' for a float checkpoint")
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        ids: set[int] = set()
-        gen_path = self.model_path / "generation_config.json"
-        if gen_path.exists():
-            import json
-
-            eos = json.loads(gen_path.read_text()).get("eos_token_id")
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, list):
-                ids.update(int(x) for x in eos)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return tuple(sorted(ids))
 
     def block_bytes(self) -> int:
         s = self.spec

@@ -246,3 +246,16 @@ def test_bf16_checkpoint_loads_in_bf16_at_2_bytes_per_parameter(tmp_path: Path) 
     assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
     assert sum(p.numel() for p in model.parameters()) == num_params
     assert peak / num_params < 2.2, f"peak {peak / num_params:.2f} bytes per parameter"
+
+
+@pytest.mark.parametrize(("gen_eos", "tok_eos", "want"), [
+    (None, 2, (2,)), (7, 2, (2, 7)), ([9, 2, 5], 2, (2, 5, 9)), ([4], None, (4,)),
+    ("absent", 3, (3,)),
+])  # fmt: skip
+def test_eos_token_ids_join_generation_config_and_tokenizer(tmp_path, gen_eos, tok_eos, want):
+    """A generation stops at any EOS id of ``generation_config.json`` (one or a list) or
+    the tokenizer's own."""
+    if gen_eos != "absent":
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": gen_eos}))
+    tok = type("Tok", (), {"eos_token_id": tok_eos})()
+    assert model_files.eos_token_ids(tmp_path, tok) == want

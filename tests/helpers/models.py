@@ -1,10 +1,14 @@
-"""Tiny random-weight models written to a folder, for engine tests that need no download."""
+"""Tiny random-weight models (written to a folder, or built in memory) for engine tests that
+need no download."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+
+from engine.models.decoder import DecoderForCausalLM, DecoderSpec
 
 
 def write_tiny_model(out: Path, vocab_size: int = 49152, seed: int = 0) -> Path:
@@ -36,3 +40,17 @@ def write_tiny_model(out: Path, vocab_size: int = 49152, seed: int = 0) -> Path:
         pad_token="</s>")  # fmt: skip
     fast.save_pretrained(out)
     return out
+
+
+def tiny_decoder(max_model_len: int = 128) -> DecoderForCausalLM:
+    """A two-layer decoder (GQA, head dim 8, vocab 97) with seeded random weights."""
+    spec = DecoderSpec(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, qkv_bias=False, o_bias=False,
+        mlp_bias=False, qk_norm=False, tie_word_embeddings=False,
+        max_position_embeddings=max_model_len,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = DecoderForCausalLM(spec).eval()
+    model.set_rope(SimpleNamespace(rope_theta=10000.0), max_model_len)
+    return model

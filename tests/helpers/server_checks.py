@@ -13,6 +13,9 @@ from tests.helpers.server import metric_value, sse_events
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT_PATH = "/v1/chat/completions"
+# A chat and a prompt the API tests send the default model.
+CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
+PROMPT = "The capital of France is"
 
 
 def chat_prompt_len(tok, messages) -> int:

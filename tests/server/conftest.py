@@ -1,0 +1,29 @@
+"""The default model's server that ``test_api.py`` and ``test_api_logprobs.py`` share: one
+subprocess for the package (one for each test worker that runs either module)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.helpers.server import ServerProcess
+
+API_SERVER_ARGS = ["--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25",
+                   "--max-model-len", "2048", "--dtype", "float32", "--log-level", "warning"]
+
+
+@pytest.fixture(scope="package")
+def api_server(default_model_path):
+    with ServerProcess(API_SERVER_ARGS) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="package")
+def api_client(api_server):
+    return openai.OpenAI(base_url=api_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="package")
+def api_aclient_factory(api_server):
+    return lambda: openai.AsyncOpenAI(base_url=api_server.url + "/v1", api_key="unused",
+                                      max_retries=0)
