@@ -168,6 +168,10 @@ class DecoderSpec:
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor={partial} is not supported: RoPE turns "
                              "every dimension of a head here")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):  # one function under two names, as in HF
+            raise ValueError(f"hidden_act={act!r} is not supported: the MLP here is SiLU-gated "
+                             "(hidden_act='silu')")
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,

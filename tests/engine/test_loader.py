@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -259,3 +260,22 @@ def test_eos_token_ids_join_generation_config_and_tokenizer(tmp_path, gen_eos, t
         (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": gen_eos}))
     tok = type("Tok", (), {"eos_token_id": tok_eos})()
     assert model_files.eos_token_ids(tmp_path, tok) == want
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"hidden_act": "gelu_pytorch_tanh"}, r"hidden_act='gelu_pytorch_tanh' is not supported"),
+    ({"architectures": ["GPT2LMHeadModel"]},
+     r"architectures=\['GPT2LMHeadModel'\] is not supported"),
+])  # fmt: skip
+def test_a_model_the_engine_would_compute_wrongly_is_refused(tiny_model_factory, tmp_path,
+                                                             change, message):
+    """A config whose model this engine computes otherwise (another MLP activation, an
+    architecture it does not have) is refused by name, not served with other outputs."""
+    from engine import LLM
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_factory("llama"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), kv_cache_memory_gb=0.02)
