@@ -10,4 +10,6 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     || echo "could not install chromium: the browser test will fail" >&2
 fi
 # The 25 slowest tests are listed at the end, so every CI log shows where its time went.
+# One process: on the 2-core CI host two pytest-xdist workers (--dist loadfile) took as
+# long as one (54.7 against 53.9 minutes; the heavy tests already use both cores).
 exec .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -29,12 +29,10 @@ def _rope(cfg) -> dict:
 
 
 def rope_type(cfg) -> str:
-    """The config's RoPE type (``rope_parameters``' ``rope_type``, else the older
-    ``rope_scaling``'s ``rope_type`` or ``type``), ``"default"`` without one."""
-    params = getattr(cfg, "rope_parameters", None) or {}
-    scaling = getattr(cfg, "rope_scaling", None) or {}
-    return params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") \
-        or "default"  # fmt: skip
+    """The RoPE type of the config's settings (:func:`_rope`: their ``rope_type``, or the
+    older ``type``), ``"default"`` without one."""
+    params = _rope(cfg)
+    return params.get("rope_type") or params.get("type") or "default"
 
 
 def sliding_window(cfg) -> int | None:
