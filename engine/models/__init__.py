@@ -8,27 +8,13 @@ import torch
 
 from engine.models.checkpoint_names import unfuse
 from engine.models.decoder import DecoderForCausalLM, DecoderSpec
-from engine.models.spec import FUSED_CHECKPOINT_ARCHITECTURES, MOE_ARCHITECTURES, architecture
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    *MOE_ARCHITECTURES,
-    *FUSED_CHECKPOINT_ARCHITECTURES,
-)
+from engine.models.spec import SUPPORTED_ARCHITECTURES
 
 
 def build_model(hf_config, tp=None) -> DecoderForCausalLM:
     """The model of ``hf_config`` (tensor parallel: ``tp``'s shard of it, and ``tp.shard``
     is set)."""
-    archs = getattr(hf_config, "architectures", None) or [architecture(hf_config)]
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(
-            f"architectures={archs} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    spec = DecoderSpec.from_hf(hf_config)
+    spec = DecoderSpec.from_hf(hf_config)  # refuses what it cannot compute
     if tp is not None:
         from engine.parallel.shard import TPShard
 

@@ -12,6 +12,9 @@ _BY_MODEL_TYPE = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
 FUSED_CHECKPOINT_ARCHITECTURES = ("Phi3ForCausalLM",)
 """Architectures whose checkpoints hold each layer's q/k/v as one ``qkv_proj`` and its
 gate/up as one ``gate_up_proj`` (gate first)."""
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", *MOE_ARCHITECTURES,
+                           *FUSED_CHECKPOINT_ARCHITECTURES)  # fmt: skip
 
 
 def architecture(cfg) -> str:
@@ -154,6 +157,13 @@ class DecoderSpec:
 
     @classmethod
     def from_hf(cls, cfg) -> DecoderSpec:
+        """The spec of a transformers config; a config this engine does not compute as HF
+        does (another architecture, activation or partial RoPE) is a ``ValueError`` naming
+        the setting."""
+        archs = getattr(cfg, "architectures", None) or [architecture(cfg)]
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"architectures={archs} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         arch = architecture(cfg)
         model_type = getattr(cfg, "model_type", "llama")
         num_heads = cfg.num_attention_heads

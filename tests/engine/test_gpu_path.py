@@ -251,7 +251,7 @@ def test_model_runner_uses_decode_runner(tmp_path, monkeypatch, tail_bytes) -> N
             assert lo <= t.data_ptr() < hi
 
 
-# -- the KV budget -----------------------------------------------------------------------
+# -- imports ----------------------------------------------------------------------------
 
 
 def test_cpu_path_imports_no_triton() -> None:

@@ -266,6 +266,8 @@ def test_eos_token_ids_join_generation_config_and_tokenizer(tmp_path, gen_eos, t
     ({"hidden_act": "gelu_pytorch_tanh"}, r"hidden_act='gelu_pytorch_tanh' is not supported"),
     ({"architectures": ["GPT2LMHeadModel"]},
      r"architectures=\['GPT2LMHeadModel'\] is not supported"),
+    ({"architectures": ["GemmaForCausalLM"], "hidden_act": "gelu_pytorch_tanh"},
+     r"architectures=\['GemmaForCausalLM'\] is not supported"),  # the first thing wrong
 ])  # fmt: skip
 def test_a_model_the_engine_would_compute_wrongly_is_refused(tiny_model_factory, tmp_path,
                                                              change, message):

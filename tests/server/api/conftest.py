@@ -1,5 +1,5 @@
 """The default model's server that ``test_api.py`` and ``test_api_logprobs.py`` share: one
-subprocess for the package (one for each test worker that runs either module)."""
+subprocess for this folder, stopped after its tests."""
 
 from __future__ import annotations
 

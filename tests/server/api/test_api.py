@@ -1,6 +1,6 @@
 """The real server (subprocess, default model) through the official ``openai`` client:
 models, streaming, stop strings, sampling options, SSE framing, metrics. Its logprobs are
-tested in ``test_api_logprobs.py`` on the same server (``tests/server/conftest.py``)."""
+tested in ``test_api_logprobs.py`` on the same server (``conftest.py``)."""
 
 from __future__ import annotations
 
