@@ -59,6 +59,14 @@ class ServerProcess:
                 self.url = m.group(1)
                 self._ready.set()
 
+    def openai_client(self, api_key: str = "unused", asynchronous: bool = False):
+        """The official ``openai`` client (``AsyncOpenAI`` with ``asynchronous``) on this
+        server, without retries: a test sees every error as the server sent it."""
+        import openai
+
+        cls = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+        return cls(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+
     @property
     def output(self) -> str:
         return "".join(self.lines)

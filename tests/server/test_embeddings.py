@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import openai
 import pytest
 import requests
 
@@ -28,7 +27,7 @@ def server(default_model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.openai_client()
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,7 @@ def test_unknown_route_is_json(server):
 
 
 def test_sdk_sees_the_error(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    client = server.openai_client("x")
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MSG,
                                        temperature=7000)

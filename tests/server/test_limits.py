@@ -37,11 +37,11 @@ def test_401_without_key(server, method, route):
 def test_key_accepted_and_health_open(server):
     assert requests.get(server.url + "/health").status_code == 200
     assert requests.get(server.url + "/v1/models", headers=AUTH).status_code == 200
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    client = server.openai_client(KEY)
     out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MSG,
                                          max_tokens=2, temperature=0)
     assert out.choices[0].message.content
-    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    bad = server.openai_client("nope")
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
 

@@ -36,7 +36,7 @@ def server(default_model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.openai_client()
 
 
 def _streamed(client, **kw):
@@ -328,7 +328,7 @@ def test_reasoning_items_with_a_reasoning_parser(default_model_path):
     args = [*ARGS, "--reasoning-parser", "qwen3",
             "--chat-template", str(DATA / "thinking_template.jinja")]
     with ServerProcess(args) as srv:
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        c = srv.openai_client()
         ask = [{"role": "user", "content": "What is the capital of France?"}]
         chat = c.chat.completions.create(messages=ask, max_completion_tokens=10, **GREEDY)
         thought = chat.choices[0].message.model_extra["reasoning_content"]

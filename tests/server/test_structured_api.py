@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated
 
 import jsonschema
-import openai
 import pydantic
 import pytest
 import requests
@@ -63,7 +62,7 @@ def server(default_model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.openai_client()
 
 
 def ask(text):
@@ -210,7 +209,7 @@ def test_auto_without_parser_is_400(default_model_path):
 
 def test_llguidance_backend_serves_parse_tools_and_400s(default_model_path):
     with ServerProcess([*ARGS, "--structured-outputs-backend", "llguidance"]) as srv:
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        c = srv.openai_client()
         for i in range(3):
             r = c.chat.completions.parse(
                 model=MODEL, messages=ask(f"Invent person number {i} as JSON."),

@@ -13,7 +13,6 @@ import signal
 import time
 from pathlib import Path
 
-import openai
 import pytest
 import requests
 
@@ -49,7 +48,7 @@ def server(tiny_path):
 
 
 def test_stream_equals_whole(server, default_tokenizer):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    client = server.openai_client()
     chat_stream_equals_whole(client, default_tokenizer, MSG)
 
 

@@ -3,7 +3,6 @@ subprocess for this folder, stopped after its tests."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from tests.helpers.server import ServerProcess
@@ -20,10 +19,9 @@ def api_server(default_model_path):
 
 @pytest.fixture(scope="package")
 def api_client(api_server):
-    return openai.OpenAI(base_url=api_server.url + "/v1", api_key="unused", max_retries=0)
+    return api_server.openai_client()
 
 
 @pytest.fixture(scope="package")
 def api_aclient_factory(api_server):
-    return lambda: openai.AsyncOpenAI(base_url=api_server.url + "/v1", api_key="unused",
-                                      max_retries=0)
+    return lambda: api_server.openai_client(asynchronous=True)
