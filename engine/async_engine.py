@@ -25,16 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.engine_info import EngineInfo
-from engine.kv_state import DEFAULT_MAX_CELLS, KVState, KVStateTaker
-from engine.llm_engine import OUTPUT_DELTA, LLMEngine
-from engine.lora.request import LoRARequest
-from engine.outputs import RequestOutput
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.engine_info import EngineInfo
+from pagedserve.engine.kv_state import DEFAULT_MAX_CELLS, KVState, KVStateTaker
+from pagedserve.engine.llm_engine import OUTPUT_DELTA, LLMEngine
+from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
-logger = logging.getLogger("engine.async")
+logger = logging.getLogger("pagedserve.engine.async")
 
 _IDLE_WAIT_S = 1.0
 """How long the idle engine thread sleeps between heartbeats when nothing wakes it."""
@@ -210,7 +210,7 @@ class AsyncEngine:
     def kv_state(self, max_cells: int = DEFAULT_MAX_CELLS,
                  tables: bool = True) -> asyncio.Future[KVState]:
         """A future of the KV cache snapshot, taken by the engine thread between steps
-        (:meth:`engine.kv_state.KVStateTaker.take`); asks made during a step share one snapshot."""
+        (:meth:`pagedserve.engine.kv_state.KVStateTaker.take`); asks made during a step share one snapshot."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
         assert self._loop is not None, "the engine thread is not started"

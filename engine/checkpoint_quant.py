@@ -6,7 +6,7 @@ beside it); its linears are stored as packed integer codes (``qweight``),
 per-group zero points (``qzeros``) and float16 scales (``scales``), a weight being
 ``scale * (code - zero)`` over groups of ``group_size`` input columns (GPTQ's ``g_idx``
 gives each column's group; with act-order, ``desc_act``, the groups are not contiguous).
-They load into the native formats of :mod:`kernels.quant` whenever that is exact or
+They load into the native formats of :mod:`pagedserve.kernels.quant` whenever that is exact or
 nearly so, and nothing is expanded:
 
 - 4 bits, symmetric (every zero point 8, GPTQ's default): ``q4_0``, exact.
@@ -18,7 +18,7 @@ nearly so, and nothing is expanded:
 Groups are split into the 32-weight blocks of those formats (a group size that is a
 multiple of 32, or one group per row). An act-order weight is stored with its columns
 sorted by group, and its projection takes its input in that order
-(:meth:`engine.models.decoder.DecoderForCausalLM.set_input_orders`); the parts of a
+(:meth:`pagedserve.engine.models.decoder.DecoderForCausalLM.set_input_orders`); the parts of a
 fused projection (q/k/v, gate/up) must then share one ``g_idx``, as GPTQ makes them
 (they see the same input). Any other quantized linear (8 bits with zero points, 2 bits,
 another group size, an lm_head, fused parts with different groups) is expanded to
@@ -27,7 +27,7 @@ GPTQ's (codes packed along the input dimension, ``checkpoint_format`` ``gptq``, 
 zero points are stored minus one, or ``gptq_v2``) and AWQ's GEMM (codes packed along the
 output dimension in the order 0, 2, 4, 6, 1, 3, 5, 7).
 
-This module reads ``quantization_config``; :mod:`engine.checkpoint_weights` the tensors.
+This module reads ``quantization_config``; :mod:`pagedserve.engine.checkpoint_weights` the tensors.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kernels.quant import QK
+from pagedserve.kernels.quant import QK
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from pagedserve.engine.config import EngineConfig
 
 CHECKPOINT_METHODS = ("gptq", "awq")
 """``quantization_config.quant_method`` values served (``quantization`` names them too)."""
@@ -162,7 +162,7 @@ class CheckpointQuant:
 
     @property
     def native_format(self) -> str | None:
-        """The :data:`kernels.quant.FORMATS` name a linear of this checkpoint loads in
+        """The :data:`pagedserve.kernels.quant.FORMATS` name a linear of this checkpoint loads in
         (None: expanded to float32)."""
         if self.group_size != -1 and self.group_size % QK:
             return None

@@ -1,6 +1,6 @@
 """A GPTQ or AWQ checkpoint's tensors, read into the native quantized formats.
 
-What maps onto which format, and why, is in :mod:`engine.checkpoint_quant`:
+What maps onto which format, and why, is in :mod:`pagedserve.engine.checkpoint_quant`:
 :func:`tensor_layout` decides it per decoder projection from the tensor names (and
 ``g_idx``) before loading; :func:`iter_checkpoint_weights` then unpacks each linear's
 codes, zero points and scales and yields it as the model loads it.
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from engine.checkpoint_quant import CheckpointQuant, CheckpointQuantError
-from engine.models.checkpoint_names import QUANTIZED_PARTS, layout_key, projection
-from kernels.quant import QK, QuantizedWeight
+from pagedserve.engine.checkpoint_quant import CheckpointQuant, CheckpointQuantError
+from pagedserve.engine.models.checkpoint_names import QUANTIZED_PARTS, layout_key, projection
+from pagedserve.kernels.quant import QK, QuantizedWeight
 
 if TYPE_CHECKING:
-    from engine.models.spec import DecoderSpec
+    from pagedserve.engine.models.spec import DecoderSpec
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 def _tensor_files(path: Path) -> dict[str, Path]:
     """Every tensor name of the checkpoint at ``path`` and the file that holds it."""
-    from engine.model_files import weight_files
+    from pagedserve.engine.model_files import weight_files
 
     names: dict[str, Path] = {}
     for file in weight_files(path):
@@ -235,7 +235,7 @@ def iter_checkpoint_weights(path: Path, quant: CheckpointQuant, layout: Layout,
     :func:`tensor_layout`) keeps them (its columns in the layout's order), else float32;
     other tensors as stored, less the (all-zero) biases of projections that ``spec`` has
     none for."""
-    from engine.model_files import iter_weights
+    from pagedserve.engine.model_files import iter_weights
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
     expanded: dict[str, str] = {}

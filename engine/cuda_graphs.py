@@ -33,15 +33,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from blockmgr import cdiv
-from engine import envs
-from engine.step_buffers import NUMPY_DTYPES, layout
-from kernels.interface import AttentionBackend, AttentionMetadata
+from pagedserve.blockmgr import cdiv
+from pagedserve.engine import envs
+from pagedserve.engine.step_buffers import NUMPY_DTYPES, layout
+from pagedserve.kernels.interface import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
-    from engine.step_inputs import StepInputs
+    from pagedserve.engine.step_inputs import StepInputs
 
-logger = logging.getLogger("engine.cuda_graphs")
+logger = logging.getLogger("pagedserve.engine.cuda_graphs")
 
 MAX_CAPTURE_SIZE = 256
 """Largest decode batch captured; larger decode batches run eagerly."""
@@ -110,7 +110,7 @@ class DecodeBuffers:
 
     packed: torch.Tensor
     """uint8: ``input_ids``, ``positions``, ``slot_mapping`` and ``seq_lens`` at the
-    offsets :func:`~engine.step_buffers.layout` gives them, then :data:`TAIL_BYTES` for
+    offsets :func:`~pagedserve.engine.step_buffers.layout` gives them, then :data:`TAIL_BYTES` for
     the rest of a step's staged arrays: a decode step is staged straight into it, in one
     copy (:meth:`head_arrays`)."""
 
@@ -325,7 +325,7 @@ class DecodeGraphRunner:
 
 
 def capture_decode_graphs(worker: Any) -> DecodeGraphRunner | None:
-    """Capture the decode graphs of ``worker`` (a :class:`engine.worker.Worker` whose
+    """Capture the decode graphs of ``worker`` (a :class:`pagedserve.engine.worker.Worker` whose
     model runner exists), or None when graphs are off (device, ``enforce_eager``, or a
     backend that cannot be captured). With ``PAGEDSERVE_DECODE_BUFFERS=1`` a runner that
     captures nothing runs decode steps on the padded buffers instead of None.

@@ -6,7 +6,7 @@ style folder, ``<cache root>/models/SmolLM2-135M-Instruct``, atomically; later u
 memory-map that folder. Any other GGUF file given as the model is converted the same
 way, once, into ``<cache root>/models/<file stem>-<hash>`` (the hash of its path, size
 and modification time, so an edited file is converted again). The cache root is
-``$PAGEDSERVE_CACHE`` (default ``~/.cache/pagedserve``; :func:`engine.envs.cache_root`).
+``$PAGEDSERVE_CACHE`` (default ``~/.cache/pagedserve``; :func:`pagedserve.engine.envs.cache_root`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from engine.envs import cache_root
-from engine.model_files import (
+from pagedserve.engine.envs import cache_root
+from pagedserve.engine.model_files import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     ModelNotFoundError,
@@ -107,34 +107,13 @@ def _conversion_version(path: Path) -> int:
         return 0
 
 
-def hf_kernels_version() -> str | None:
-    """The version of an installed distribution named ``kernels`` (Hugging Face's hub
-    kernels, which transformers 5.25 requires), or None. pagedserve's ``kernels``
-    package is part of the ``pagedserve`` distribution, never one of that name."""
-    try:
-        return importlib.metadata.version("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _write_converted(gguf: Path, out: Path) -> None:
     """Dequantize ``gguf`` into an HF-style folder ``out`` (which must exist and be empty)."""
     folder, fname = str(gguf.parent), gguf.name
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=fname, dtype=CONVERTED_DTYPE
-        )
-    except ImportError as exc:
-        conflict = hf_kernels_version()
-        if conflict is None or "kernels" not in str(exc):
-            raise
-        raise ImportError(
-            f"transformers {transformers.__version__} found Hugging Face's `kernels` package "
-            f"({conflict}), whose import name is also that of pagedserve's own `kernels` "
-            "package, and failed to import from it. pagedserve needs a transformers that does "
-            "not require it: pip uninstall -y kernels && pip install 'transformers<5.25'"
-        ) from exc
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=fname, dtype=CONVERTED_DTYPE
+    )
     config = model.config
 
     # Weights: safetensors refuses shared storage, so drop the tied lm_head.

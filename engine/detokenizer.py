@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.stop import StopChecker
+from pagedserve.engine.stop import StopChecker
 
 __all__ = ["IncrementalDetokenizer", "StopChecker"]
 

@@ -1,8 +1,8 @@
 """Data parallel: M engine replicas, each its own process, behind one front end.
 
-:class:`DataParallelEngine` offers the server what :class:`~engine.async_engine.AsyncEngine`
+:class:`DataParallelEngine` offers the server what :class:`~pagedserve.engine.async_engine.AsyncEngine`
 offers (add, abort, snapshots, the KV state, health), and routes each request to one
-replica (:mod:`engine.replica`, its own KV cache and threads, pinned to its share of
+replica (:mod:`pagedserve.engine.replica`, its own KV cache and threads, pinned to its share of
 the cores; a replica may itself be tensor-parallel):
 
 * to the replica with the fewest tokens in flight (prompt plus ``max_tokens`` of every
@@ -30,18 +30,18 @@ from collections.abc import Callable
 from dataclasses import fields
 from types import SimpleNamespace
 
-from engine import envs, frames
-from engine.async_engine import EngineDeadError, EngineSnapshot, StepItem
-from engine.config import EngineConfig
-from engine.engine_info import EngineInfo, generation_defaults
-from engine.kv_state import DEFAULT_MAX_CELLS, KVState
-from engine.loader import load_tokenizer
-from engine.lora.request import LoRARequest
-from engine.parallel.launch import core_share
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from pagedserve.engine import envs, frames
+from pagedserve.engine.async_engine import EngineDeadError, EngineSnapshot, StepItem
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.engine_info import EngineInfo, generation_defaults
+from pagedserve.engine.kv_state import DEFAULT_MAX_CELLS, KVState
+from pagedserve.engine.loader import load_tokenizer
+from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.parallel.launch import core_share
+from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
-logger = logging.getLogger("engine.dp")
+logger = logging.getLogger("pagedserve.engine.dp")
 
 PREFIX_MARGIN_TOKENS = 2048
 """How much more loaded than the least loaded replica the holder of a request's first
@@ -57,7 +57,7 @@ class ReplicaClient:
         self.index = index
         cores = core_share(index, size)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.replica", str(index), str(os.getpid()),
+            [sys.executable, "-m", "pagedserve.engine.replica", str(index), str(os.getpid()),
              ",".join(map(str, cores or ())), str(logging.getLogger().getEffectiveLevel())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=envs.child_environment(sys.path))  # fmt: skip
@@ -221,7 +221,7 @@ def _sum_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
 
 
 class DataParallelEngine:
-    """M replicas behind the :class:`~engine.async_engine.AsyncEngine` interface the
+    """M replicas behind the :class:`~pagedserve.engine.async_engine.AsyncEngine` interface the
     server uses. All methods but :meth:`start` and :meth:`shutdown` run on the loop."""
 
     def __init__(self, config: EngineConfig, replicas: list[ReplicaClient]) -> None:
@@ -390,7 +390,7 @@ class DataParallelEngine:
 
 
 def _front_end_grammars(config: EngineConfig, tokenizer, ready: dict):
-    from engine.structured.manager import StructuredOutputManager
+    from pagedserve.engine.structured.manager import StructuredOutputManager
 
     return StructuredOutputManager(config.structured_outputs_backend, tokenizer,
                                    ready["limits"].vocab_size, ready["eos_token_ids"])

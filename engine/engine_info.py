@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockmgr import cdiv
-from engine.errors import EngineInputError, InputField, PromptTooLongError, TokenIdError
-from engine.lora.request import LoRALimits
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from pagedserve.blockmgr import cdiv
+from pagedserve.engine.errors import EngineInputError, InputField, PromptTooLongError, TokenIdError
+from pagedserve.engine.lora.request import LoRALimits
+from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +157,7 @@ class EngineInfo:
     lora: LoRALimits | None = None
     """What a LoRA adapter must fit (``enable_lora``); None: LoRA is off."""
     pooling_defaults: PoolingParams = field(default_factory=PoolingParams)
-    """How the model pools an embedding by default (:func:`engine.pooling.pooling_defaults`)."""
+    """How the model pools an embedding by default (:func:`pagedserve.engine.pooling.pooling_defaults`)."""
 
     @property
     def max_model_len(self) -> int:

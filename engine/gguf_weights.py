@@ -1,6 +1,6 @@
 """Weights read from a GGUF file as it stores them (``quantization="gguf"``).
 
-Tensors in ``Q8_0``, ``Q4_0`` and ``Q4_1`` become :class:`~kernels.quant.QuantizedWeight`
+Tensors in ``Q8_0``, ``Q4_0`` and ``Q4_1`` become :class:`~pagedserve.kernels.quant.QuantizedWeight`
 planes (the bytes of the file, split into codes, scales and offsets; nothing is
 expanded); ``F32``/``F16``/``BF16`` tensors load as they are; any other GGML type (the
 K-quants, I-quants, ...) is dequantized to float32 by the ``gguf`` package and runs as a
@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.models.checkpoint_names import layout_key
-from kernels.quant import QK, QuantizedWeight
+from pagedserve.engine.models.checkpoint_names import layout_key
+from pagedserve.kernels.quant import QK, QuantizedWeight
 
 NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-"""GGML types kept quantized, and their :data:`kernels.quant.FORMATS` names."""
+"""GGML types kept quantized, and their :data:`pagedserve.kernels.quant.FORMATS` names."""
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 """``general.architecture`` values this loader maps (Llama's q/k rows are permuted)."""

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from blockmgr import cdiv
-from kernels.interface import AttentionBackend, AttentionMetadata
+from pagedserve.blockmgr import cdiv
+from pagedserve.kernels.interface import AttentionBackend, AttentionMetadata
 
-logger = logging.getLogger("engine.gpu_memory")
+logger = logging.getLogger("pagedserve.engine.gpu_memory")
 
 GiB = 2**30
 DUMMY_CACHE_BLOCKS = 4
@@ -193,8 +193,8 @@ def dummy_kv_caches(
 def heavy_sampling_rows(num_rows: int, vocab_size: int) -> list[Any]:
     """Sampler rows that take every costly path: penalties, top-k, top-p, min-p and
     logprobs (the sampler copies the logits for each)."""
-    from engine.sampler import SamplingRow
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampler import SamplingRow
+    from pagedserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01,
                             repetition_penalty=1.1, presence_penalty=0.5,
@@ -219,7 +219,7 @@ def run_dummy_step(
         attn.prepare(step.meta, block_size)
         hidden = model(step.input_ids, step.positions, kv_caches, step.meta, attn)
         if num_sample_rows:
-            from engine.sampler import Sampler
+            from pagedserve.engine.sampler import Sampler
 
             vocab = vocab_size or model.spec.vocab_size
             idx = torch.arange(num_sample_rows, device=hidden.device) % hidden.shape[0]
@@ -249,9 +249,9 @@ def _peak_above_current(fn: Callable[[], Any], device: torch.device,
 
 
 def profile_kv_budget(worker: Any) -> float:
-    """KV cache bytes for ``worker`` (an :class:`engine.worker.Worker` with its model and
+    """KV cache bytes for ``worker`` (an :class:`pagedserve.engine.worker.Worker` with its model and
     attention backend on a CUDA device, before its cache exists); logs the numbers."""
-    from engine.cuda_graphs import capture_sizes, graphs_wanted
+    from pagedserve.engine.cuda_graphs import capture_sizes, graphs_wanted
 
     cfg = worker.config
     device = worker.device
@@ -290,7 +290,7 @@ def profile_kv_budget(worker: Any) -> float:
     non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
     lora_reserve = 0
     if cfg.enable_lora:
-        from engine.lora.request import LoRALimits
+        from pagedserve.engine.lora.request import LoRALimits
 
         lora_reserve = cfg.lora_capacity * LoRALimits.of(spec, cfg.max_lora_rank).adapter_bytes(
             worker.dtype.itemsize)

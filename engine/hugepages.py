@@ -5,14 +5,14 @@ of the default model, ~0.6 GB in 12 KiB blocks scattered over a 1 GiB pool. On 4
 pages nearly every block starts with TLB misses, and under a hypervisor each miss walks
 two page tables. With ``/sys/kernel/mm/transparent_hugepage/enabled`` at ``madvise``
 (the common default) only memory that asks for huge pages gets them, so :func:`empty`
-asks (:func:`kernels.cpu.memory.huge_empty`: fresh anonymous memory advised
+asks (:func:`pagedserve.kernels.cpu.memory.huge_empty`: fresh anonymous memory advised
 ``MADV_HUGEPAGE``, the tensor on a 2 MiB boundary). 30 layers of decode attention at 64
 requests took 2-8% less time (BENCHMARKS.md). The native linear's packed float32
-weights (one tensor for all of them, :meth:`kernels.cpu.layer_ops.NativeLayerOps.
+weights (one tensor for all of them, :meth:`pagedserve.kernels.cpu.layer_ops.NativeLayerOps.
 prepare_weights`) are read as long sequential panels, which the hardware prefetchers
 stream without stopping at every 4 KiB page: one decode row's linears took 4-8% less
 time on huge pages. ``PAGEDSERVE_HUGEPAGES=0`` turns both off (:func:`enabled`, reported
-at engine start by :func:`engine.process_tuning.apply`); elsewhere than Linux it does
+at engine start by :func:`pagedserve.engine.process_tuning.apply`); elsewhere than Linux it does
 nothing.
 """
 
@@ -24,12 +24,12 @@ import platform
 
 import torch
 
-from engine import envs
-from kernels.cpu.memory import HUGE_PAGE, advise_huge_pages, huge_empty
+from pagedserve.engine import envs
+from pagedserve.kernels.cpu.memory import HUGE_PAGE, advise_huge_pages, huge_empty
 
 __all__ = ["HUGE_PAGE", "empty", "enabled"]
 
-log = logging.getLogger("engine.hugepages")
+log = logging.getLogger("pagedserve.engine.hugepages")
 
 
 def enabled() -> bool:
@@ -39,7 +39,7 @@ def enabled() -> bool:
 
 
 def _try_advise(mm: mmap.mmap, length: int) -> None:
-    """:func:`kernels.cpu.memory.advise_huge_pages`, a refusal logged instead of raised."""
+    """:func:`pagedserve.kernels.cpu.memory.advise_huge_pages`, a refusal logged instead of raised."""
     try:
         advise_huge_pages(mm, length)
     except OSError as exc:
@@ -48,7 +48,7 @@ def _try_advise(mm: mmap.mmap, length: int) -> None:
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous CPU tensor on fresh memory (zeros), on huge pages where the kernel
-    allows (:func:`kernels.cpu.memory.huge_empty`). Smaller than one huge page, or with
+    allows (:func:`pagedserve.kernels.cpu.memory.huge_empty`). Smaller than one huge page, or with
     huge pages off: ``torch.empty``."""
     if not enabled():
         return torch.empty(shape, dtype=dtype)

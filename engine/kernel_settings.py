@@ -1,10 +1,10 @@
 """The kernels' settings, from the environment: the one place the engine hands its
-switches (:mod:`engine.envs`) to :mod:`kernels`, which reads none itself."""
+switches (:mod:`pagedserve.engine.envs`) to :mod:`kernels`, which reads none itself."""
 
 from __future__ import annotations
 
-from engine import envs
-from kernels.settings import KernelSettings
+from pagedserve.engine import envs
+from pagedserve.kernels.settings import KernelSettings
 
 
 def kernel_settings() -> KernelSettings:

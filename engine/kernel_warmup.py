@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from engine.gpu_memory import DUMMY_CACHE_BLOCKS, build_dummy_step
+from pagedserve.engine.gpu_memory import DUMMY_CACHE_BLOCKS, build_dummy_step
 
-logger = logging.getLogger("engine.kernel_warmup")
+logger = logging.getLogger("pagedserve.engine.kernel_warmup")
 
 SPLIT_CONTEXT = 512
 """Context of the warm-up decode that splits (two splits of the decode kernel's

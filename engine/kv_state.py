@@ -1,7 +1,7 @@
 """A snapshot of the KV cache for the live block map: the pool, the requests, counters.
 
 Taken on the thread that owns the scheduler, between steps (never while a step mutates
-the block manager): :class:`engine.async_engine.AsyncEngine` takes it when the event loop
+the block manager): :class:`pagedserve.engine.async_engine.AsyncEngine` takes it when the event loop
 asks for it. Plain data, no torch.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blockmgr.snapshot import Run, encode_blocks, summarize, table_runs
-from engine.request import Request
-from engine.scheduler import Scheduler
+from pagedserve.blockmgr.snapshot import Run, encode_blocks, summarize, table_runs
+from pagedserve.engine.request import Request
+from pagedserve.engine.scheduler import Scheduler
 
 DEFAULT_MAX_CELLS = 2048
 """Cells in a snapshot unless asked otherwise: a pool with more blocks is summarized."""
@@ -36,7 +36,7 @@ class KVRequestState:
 
 @dataclass(slots=True)
 class KVState:
-    """The pool (see :mod:`blockmgr.snapshot` for the cell bytes), requests and counters."""
+    """The pool (see :mod:`pagedserve.blockmgr.snapshot` for the cell bytes), requests and counters."""
 
     time: float
     num_blocks: int

@@ -7,16 +7,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.lora.request import LoRARequest
-from engine.outputs import RequestOutput
-from engine.parallel.launch import is_worker_rank
-from engine.parallel.rank import run_worker_rank
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.parallel.launch import is_worker_rank
+from pagedserve.engine.parallel.rank import run_worker_rank
+from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
-logger = logging.getLogger("engine")
+logger = logging.getLogger("pagedserve.engine")
 
 PromptType = str | dict[str, Any]
 
@@ -24,7 +24,7 @@ PromptType = str | dict[str, Any]
 class LLM:
     """An engine driven in the caller's thread.
 
-    Every keyword maps onto a field of :class:`engine.config.EngineConfig`; an unknown
+    Every keyword maps onto a field of :class:`pagedserve.engine.config.EngineConfig`; an unknown
     keyword is a ``TypeError``.
     """
 

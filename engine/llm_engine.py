@@ -15,25 +15,25 @@ import time
 from concurrent import futures
 from dataclasses import dataclass, field
 
-from engine import process_tuning
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_info import EngineInfo, InputLimits, generation_defaults
-from engine.errors import EngineFatalError, EngineInputError, InputField
-from engine.lora.request import LoRAError, LoRARequest
-from engine.lora.slots import lora_names
-from engine.output_processor import OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor
-from engine.outputs import RequestOutput
-from engine.penalties import bad_word_sequences
-from engine.pooling import PoolingParams, pooling_defaults
-from engine.request import Request, RequestGroup, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.stop import StopChecker
-from engine.structured import StructuredOutputsError
-from engine.worker import Worker
+from pagedserve.engine import process_tuning
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.engine_info import EngineInfo, InputLimits, generation_defaults
+from pagedserve.engine.errors import EngineFatalError, EngineInputError, InputField
+from pagedserve.engine.lora.request import LoRAError, LoRARequest
+from pagedserve.engine.lora.slots import lora_names
+from pagedserve.engine.output_processor import OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.penalties import bad_word_sequences
+from pagedserve.engine.pooling import PoolingParams, pooling_defaults
+from pagedserve.engine.request import Request, RequestGroup, RequestStatus
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.stop import StopChecker
+from pagedserve.engine.structured import StructuredOutputsError
+from pagedserve.engine.worker import Worker
 
-logger = logging.getLogger("engine")
+logger = logging.getLogger("pagedserve.engine")
 
 __all__ = ["OUTPUT_DELTA", "OUTPUT_FINAL", "EngineStats", "LLMEngine", "StepStats"]
 
@@ -69,7 +69,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     loras: dict = field(default_factory=dict)
-    """The running and waiting adapters (:func:`engine.lora.slots.lora_names`)."""
+    """The running and waiting adapters (:func:`pagedserve.engine.lora.slots.lora_names`)."""
 
 
 class LLMEngine:
@@ -146,7 +146,7 @@ class LLMEngine:
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The request's resolved token limit (see :meth:`InputLimits.resolve_max_tokens`);
-        raises :class:`~engine.errors.PromptTooLongError`."""
+        raises :class:`~pagedserve.engine.errors.PromptTooLongError`."""
         return self.limits.resolve_max_tokens(num_prompt_tokens, params)
 
     def add_request(
@@ -360,7 +360,7 @@ class LLMEngine:
         return failed
 
     def check_alive(self) -> None:
-        """Raise :class:`~engine.errors.EngineFatalError` when the engine cannot step any
+        """Raise :class:`~pagedserve.engine.errors.EngineFatalError` when the engine cannot step any
         more (a tensor-parallel rank exited), even while it is idle."""
         self.worker.check_alive()
 

@@ -17,9 +17,9 @@ Four kinds of references are understood by :func:`resolve_model_path`:
 * A hub id (``"org/name"``): served from the local Hugging Face cache, or
   downloaded when the network is allowed.
 
-The embedded default model is :mod:`engine.default_model`; the files of a model
-folder and reading them, :mod:`engine.model_files`. Their public names are
-re-exported here, so ``engine.loader`` stays the one module callers import.
+The embedded default model is :mod:`pagedserve.engine.default_model`; the files of a model
+folder and reading them, :mod:`pagedserve.engine.model_files`. Their public names are
+re-exported here, so ``pagedserve.engine.loader`` stays the one module callers import.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import os
 import re
 from pathlib import Path
 
-from engine import envs
-from engine.default_model import (
+from pagedserve.engine import envs
+from pagedserve.engine.default_model import (
     CONVERSION_VERSION,
     CONVERTED_DTYPE,
     DEFAULT_GGUF_FILE,
@@ -43,7 +43,7 @@ from engine.default_model import (
     default_model_dir,
     is_gguf_file,
 )
-from engine.model_files import (
+from pagedserve.engine.model_files import (
     CONFIG_NAME,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,

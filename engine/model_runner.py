@@ -2,7 +2,7 @@
 
 The runner keeps its own state of every request it runs (token ids, block table,
 sampling parameters, random generator), brought up to date from each step's
-:class:`~engine.scheduler_output.SchedulerOutput` diffs; it never sees the scheduler's
+:class:`~pagedserve.engine.scheduler_output.SchedulerOutput` diffs; it never sees the scheduler's
 objects or the block manager.
 """
 
@@ -15,28 +15,28 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine import rejection_sampler
-from engine.models import DecoderForCausalLM
-from engine.ngram_proposer import NgramProposer
-from engine.outputs import TokenLogprobs
-from engine.pooling import Pooler
-from engine.rejection_sampler import Span
-from engine.sampler import Sampler, SamplingRow, make_generator, token_logprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ModelRunnerOutput
-from engine.scheduler_output import SchedulerOutput
-from engine.spec_config import SpeculativeConfig
-from engine.step_buffers import BlockTableRows, StagingBuffer, layout
-from engine.step_inputs import CachedRequestState, StepInputs
-from engine.structured.backend import Matcher
-from engine.structured.manager import StructuredOutputManager
-from kernels.interface import AttentionBackend, AttentionMetadata
+from pagedserve.engine import rejection_sampler
+from pagedserve.engine.models import DecoderForCausalLM
+from pagedserve.engine.ngram_proposer import NgramProposer
+from pagedserve.engine.outputs import TokenLogprobs
+from pagedserve.engine.pooling import Pooler
+from pagedserve.engine.rejection_sampler import Span
+from pagedserve.engine.sampler import Sampler, SamplingRow, make_generator, token_logprobs
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import ModelRunnerOutput
+from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.engine.spec_config import SpeculativeConfig
+from pagedserve.engine.step_buffers import BlockTableRows, StagingBuffer, layout
+from pagedserve.engine.step_inputs import CachedRequestState, StepInputs
+from pagedserve.engine.structured.backend import Matcher
+from pagedserve.engine.structured.manager import StructuredOutputManager
+from pagedserve.kernels.interface import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
-    from engine.cuda_graphs import DecodeGraphRunner
-    from engine.lora.weights import LoRARegistry
+    from pagedserve.engine.cuda_graphs import DecodeGraphRunner
+    from pagedserve.engine.lora.weights import LoRARegistry
 
-logger = logging.getLogger("engine.model_runner")
+logger = logging.getLogger("pagedserve.engine.model_runner")
 
 NONFINITE = ("the model's logits were NaN or infinite (at the chosen token, or anywhere in a "
              "sampled distribution): its numbers overflowed or broke down for this request "
@@ -84,7 +84,7 @@ class ModelRunner:
         """Every step's integer inputs, staged on the host and copied once."""
         self.block_rows = BlockTableRows(max_blocks_per_seq, device)
         self.decode_graphs: DecodeGraphRunner | None = None
-        """Set on CUDA (``engine.cuda_graphs``): runs decode-only steps as CUDA graphs."""
+        """Set on CUDA (``pagedserve.engine.cuda_graphs``): runs decode-only steps as CUDA graphs."""
         self._prompt_lp: set[str] = set()
         """Requests whose prompt logprobs are not all reported yet."""
         self.pooler = Pooler()

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from engine.request import Request, RequestGroup, RequestStatus
-from engine.scheduler import SampledToken, Scheduler
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from pagedserve.engine.request import Request, RequestGroup, RequestStatus
+from pagedserve.engine.scheduler import SampledToken, Scheduler
 
-logger = logging.getLogger("engine")
+logger = logging.getLogger("pagedserve.engine")
 
 OUTPUT_FINAL = "final"
 OUTPUT_DELTA = "delta"

@@ -2,7 +2,7 @@
 presence/frequency penalties, batched over the rows that need each of them.
 
 A step's processing is planned on the host (:func:`plan`): every index and parameter
-array it needs goes into the step's :class:`~engine.step_buffers.Pack`, which the
+array it needs goes into the step's :class:`~pagedserve.engine.step_buffers.Pack`, which the
 sampler stages with the rest of its arrays in one host-to-device copy; :func:`apply`
 then runs on the device from those views alone.
 
@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.step_buffers import Pack, RowPool, StagingBuffer
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.step_buffers import Pack, RowPool, StagingBuffer
 
 i64, f32 = torch.int64, torch.float32
 _NONE = np.zeros(0, dtype=np.int64)

@@ -24,12 +24,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import EngineInputError, InputField
+from pagedserve.engine.errors import EngineInputError, InputField
 
 if TYPE_CHECKING:
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
 
-logger = logging.getLogger("engine.pooling")
+logger = logging.getLogger("pagedserve.engine.pooling")
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",

@@ -23,7 +23,7 @@
 
 :func:`apply` runs when an engine starts (``LLMEngine``, so ``LLM`` and the server too):
 it tunes malloc and logs one line with what is in effect, the OpenMP spin (and whether
-it was set in time), malloc and the KV cache's huge pages (:mod:`engine.hugepages`).
+it was set in time), malloc and the KV cache's huge pages (:mod:`pagedserve.engine.hugepages`).
 This module imports only the standard library, so the command line can use it before
 torch is loaded.
 """
@@ -37,9 +37,9 @@ import platform
 import sys
 from dataclasses import dataclass
 
-from engine import envs
+from pagedserve.engine import envs
 
-log = logging.getLogger("engine.process_tuning")
+log = logging.getLogger("pagedserve.engine.process_tuning")
 
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
@@ -139,7 +139,7 @@ class Tuning:
     malloc_tuned: bool
     """Whether malloc keeps freed memory (:func:`tune_malloc`)."""
     hugepages: bool
-    """Whether the CPU KV cache asks for huge pages (:func:`engine.hugepages.enabled`)."""
+    """Whether the CPU KV cache asks for huge pages (:func:`pagedserve.engine.hugepages.enabled`)."""
 
     def summary(self) -> str:
         malloc = "tuned (keeps freed memory)" if self.malloc_tuned else "left alone"
@@ -150,7 +150,7 @@ class Tuning:
 
 def apply() -> Tuning:
     """At engine start: tune malloc; log and return what is in effect."""
-    from engine import hugepages
+    from pagedserve.engine import hugepages
 
     tuning = Tuning(omp_spin(), tune_malloc(), hugepages.enabled())
     log.info("%s", tuning.summary())

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import penalties
-from engine.outputs import TokenLogprobs
-from engine.sampler import (
+from pagedserve.engine import penalties
+from pagedserve.engine.outputs import TokenLogprobs
+from pagedserve.engine.sampler import (
     SamplingRow,
     is_greedy,
     logprobs_of,
@@ -34,7 +34,7 @@ from engine.sampler import (
     sampling_probs,
     tokens_and_nonfinite,
 )
-from engine.step_buffers import Pack, StagingBuffer
+from pagedserve.engine.step_buffers import Pack, StagingBuffer
 
 
 @dataclass(slots=True)

@@ -1,10 +1,10 @@
-"""One data-parallel engine replica: an :class:`~engine.async_engine.AsyncEngine` in its
+"""One data-parallel engine replica: an :class:`~pagedserve.engine.async_engine.AsyncEngine` in its
 own process, spoken to over its stdin and stdout.
 
-``python -m engine.replica INDEX PARENT_PID CORES LOG_LEVEL`` reads length-prefixed
-pickled frames from stdin, the first its :class:`~engine.config.EngineConfig`, and
-writes frames back (:mod:`engine.frames`). The front end
-(:mod:`engine.dp_engine`) sends::
+``python -m pagedserve.engine.replica INDEX PARENT_PID CORES LOG_LEVEL`` reads length-prefixed
+pickled frames from stdin, the first its :class:`~pagedserve.engine.config.EngineConfig`, and
+writes frames back (:mod:`pagedserve.engine.frames`). The front end
+(:mod:`pagedserve.engine.dp_engine`) sends::
 
     ("add", request_id, prompt_token_ids, params, prompt, arrival_time, lora_request, pooling,
      cache_salt)
@@ -25,12 +25,12 @@ import os
 import sys
 import threading
 
-from engine import frames, process_tuning
-from engine.async_engine import AsyncEngine, EngineSnapshot
-from engine.config import EngineConfig
-from engine.parallel.launch import die_with_parent
+from pagedserve.engine import frames, process_tuning
+from pagedserve.engine.async_engine import AsyncEngine, EngineSnapshot
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.parallel.launch import die_with_parent
 
-logger = logging.getLogger("engine.replica")
+logger = logging.getLogger("pagedserve.engine.replica")
 
 
 class ReplicaServer:

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.lora.request import LoRARequest
-from engine.outputs import RequestMetrics, TokenLogprobs
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.outputs import RequestMetrics, TokenLogprobs
+from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -97,7 +97,7 @@ class Request:
     lora_request: LoRARequest | None = None
     lora_waited_steps: int = 0
     """Steps this request waited first in line for a place for its adapter
-    (:func:`engine.lora.slots.lora_gate`)."""
+    (:func:`pagedserve.engine.lora.slots.lora_gate`)."""
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)

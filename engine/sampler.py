@@ -1,13 +1,13 @@
 """Batched token sampling: one row of the step's logits per request that samples this step.
 
 Pipeline per row: logit_bias -> min_tokens masking -> repetition penalty ->
-presence/frequency penalties (``engine.penalties``) -> the grammar's token bitmask (rows
-with structured outputs, ``engine.structured``) -> temperature; greedy rows take the
+presence/frequency penalties (``pagedserve.engine.penalties``) -> the grammar's token bitmask (rows
+with structured outputs, ``pagedserve.engine.structured``) -> temperature; greedy rows take the
 argmax of the processed logits, sampled rows apply top_k, top_p, min_p and then sample.
 
 Every index and parameter array a step needs (rows, temperatures, top-k/p, min-p,
 penalties, logit bias, banned tokens) is planned on the host and staged in one
-host-to-device copy (``engine.step_buffers``); nothing builds a device tensor from a
+host-to-device copy (``pagedserve.engine.step_buffers``); nothing builds a device tensor from a
 Python list per step.
 
 Randomness: a seeded row draws only from its own generator, always a ``[vocab_size]``
@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import penalties
-from engine.outputs import Logprob, TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.step_buffers import Pack, StagingBuffer
-from engine.structured import bitmask
-from engine.structured.backend import Matcher
+from pagedserve.engine import penalties
+from pagedserve.engine.outputs import Logprob, TokenLogprobs
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.step_buffers import Pack, StagingBuffer
+from pagedserve.engine.structured import bitmask
+from pagedserve.engine.structured.backend import Matcher
 
 _GREEDY_EPS = 1e-5
 i64, f32 = torch.int64, torch.float32

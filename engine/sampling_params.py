@@ -1,6 +1,6 @@
 """Sampling parameters, validated on construction.
 
-Every error is a :class:`~engine.errors.SamplingParamError` naming the field, the value
+Every error is a :class:`~pagedserve.engine.errors.SamplingParamError` naming the field, the value
 and the allowed range. A ``SamplingParams`` is never changed after construction: what
 the engine resolves for a request (its token limit, the model's EOS ids) lives on the
 request.
@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import SamplingParamError
-from engine.structured.params import StructuredOutputsParams
+from pagedserve.engine.errors import SamplingParamError
+from pagedserve.engine.structured.params import StructuredOutputsParams
 
 __all__ = ["MAX_LOGPROBS", "SamplingParamError", "SamplingParams", "StructuredOutputsParams"]
 

@@ -35,10 +35,10 @@ import itertools
 import logging
 from collections.abc import Iterable
 
-from blockmgr import KVCacheManager, cdiv
-from engine.lora.slots import LoRAGate, active_loras, lora_gate, lora_victims
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import (
+from pagedserve.blockmgr import KVCacheManager, cdiv
+from pagedserve.engine.lora.slots import LoRAGate, active_loras, lora_gate, lora_victims
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
@@ -46,10 +46,10 @@ from engine.scheduler_output import (
     SchedulerOutput,
     SpecStats,
 )
-from engine.spec_config import SpeculativeConfig
-from engine.waiting_queue import WaitingQueue, priority_key
+from pagedserve.engine.spec_config import SpeculativeConfig
+from pagedserve.engine.waiting_queue import WaitingQueue, priority_key
 
-logger = logging.getLogger("engine.scheduler")
+logger = logging.getLogger("pagedserve.engine.scheduler")
 
 
 class Scheduler:

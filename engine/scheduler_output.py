@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.lora.request import LoRARequest
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from pagedserve.engine.request import Request
 
 
 @dataclass(slots=True)

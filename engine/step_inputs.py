@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.lora.request import LoRARequest
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
-from engine.structured.backend import Matcher
-from kernels.interface import AttentionMetadata
+from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured.backend import Matcher
+from pagedserve.kernels.interface import AttentionMetadata
 
 if TYPE_CHECKING:
-    from engine.lora.weights import LoRAStep
+    from pagedserve.engine.lora.weights import LoRAStep
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ import bisect
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from engine.request import Request
+from pagedserve.engine.request import Request
 
 POLICIES = ("fcfs", "priority")
 

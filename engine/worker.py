@@ -12,16 +12,16 @@ from pathlib import Path
 
 import torch
 
-from engine import checkpoint_weights, gguf_weights, hugepages, process_tuning
-from engine.checkpoint_quant import (
+from pagedserve.engine import checkpoint_weights, gguf_weights, hugepages, process_tuning
+from pagedserve.engine.checkpoint_quant import (
     CheckpointQuant,
     read_quantization_config,
     resolve_quantization,
 )
-from engine.config import EngineConfig
-from engine.errors import EngineFatalError
-from engine.kernel_settings import kernel_settings
-from engine.loader import (
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import EngineFatalError
+from pagedserve.engine.kernel_settings import kernel_settings
+from pagedserve.engine.loader import (
     DEFAULT_MODEL_NAME,
     default_gguf_path,
     is_gguf_file,
@@ -30,21 +30,27 @@ from engine.loader import (
     load_tokenizer,
     resolve_model_path,
 )
-from engine.model_files import eos_token_ids
-from engine.model_runner import ModelRunner
-from engine.models import DecoderSpec, build_model, load_model
-from engine.models.spec import max_positions, position_limit
-from engine.parallel.group import SHUTDOWN, STEP, ParallelError, TensorParallel, for_workers
-from engine.parallel.launch import WorkerProcesses, core_share, start_rank0, use_cores
-from engine.parallel.shard import check_divisible
-from engine.scheduler import ModelRunnerOutput
-from engine.scheduler_output import SchedulerOutput
-from engine.structured.manager import StructuredOutputManager
-from kernels.cpu import paths as cpu_paths
-from kernels.interface import allocate_kv_cache
-from kernels.registry import get_attention_backend
+from pagedserve.engine.model_files import eos_token_ids
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.models import DecoderSpec, build_model, load_model
+from pagedserve.engine.models.spec import max_positions, position_limit
+from pagedserve.engine.parallel.group import (
+    SHUTDOWN,
+    STEP,
+    ParallelError,
+    TensorParallel,
+    for_workers,
+)
+from pagedserve.engine.parallel.launch import WorkerProcesses, core_share, start_rank0, use_cores
+from pagedserve.engine.parallel.shard import check_divisible
+from pagedserve.engine.scheduler import ModelRunnerOutput
+from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.engine.structured.manager import StructuredOutputManager
+from pagedserve.kernels.cpu import paths as cpu_paths
+from pagedserve.kernels.interface import allocate_kv_cache
+from pagedserve.kernels.registry import get_attention_backend
 
-logger = logging.getLogger("engine")
+logger = logging.getLogger("pagedserve.engine")
 
 DEFAULT_CPU_KV_GB = 1.0
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -102,7 +108,7 @@ def _warn_slow_bf16() -> None:
 
 def check_moe(spec: DecoderSpec, quantization: str | None, gguf_file: bool = False) -> None:
     """Refuse what a model with experts cannot run: GGUF files (an adapter of its
-    experts is refused when the adapter is checked: ``engine.lora.request``); and what a
+    experts is refused when the adapter is checked: ``pagedserve.engine.lora.request``); and what a
     model with fused checkpoint projections (Phi-3) cannot: quantized checkpoints and GGUF
     files (``gguf_file``: ``model`` names one; its converted config would lack the
     model's longrope factors and sliding window)."""
@@ -123,7 +129,7 @@ def check_moe(spec: DecoderSpec, quantization: str | None, gguf_file: bool = Fal
 
 class Worker:
     """``tp``: this process's rank of a tensor-parallel group (ranks other than 0 get one
-    from :mod:`engine.parallel.launch`); with ``tensor_parallel_size > 1`` and no ``tp``
+    from :mod:`pagedserve.engine.parallel.launch`); with ``tensor_parallel_size > 1`` and no ``tp``
     the worker is rank 0 and starts the group itself."""
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
@@ -204,7 +210,7 @@ class Worker:
         shape = (self.spec.num_layers, 2, num_blocks, config.block_size,
                  self.spec.num_kv_heads, self.spec.head_dim)
         # The backend's layout in memory; every cache indexes as [blocks, block_size, Hkv,
-        # D] (kernels.interface).
+        # D] (pagedserve.kernels.interface).
         def empty(dims: tuple[int, ...]) -> torch.Tensor:
             if self.device.type == "cpu":
                 # Fresh memory reads as zeros; zero_() faults every page in now rather
@@ -227,17 +233,17 @@ class Worker:
         self.loras = None
         """The loaded LoRA adapters (``enable_lora``), shared with the runner."""
         if config.enable_lora:
-            from engine.lora.request import LoRALimits
-            from engine.lora.weights import LoRARegistry
+            from pagedserve.engine.lora.request import LoRALimits
+            from pagedserve.engine.lora.weights import LoRARegistry
 
             self.loras = self.runner.loras = LoRARegistry(
                 LoRALimits.of(self.spec, config.max_lora_rank), self.dtype, self.device,
                 config.lora_capacity)
         if self.attn.name == "triton":
-            from engine.kernel_warmup import warm_up_kernels
+            from pagedserve.engine.kernel_warmup import warm_up_kernels
 
             warm_up_kernels(self)
-        from engine.cuda_graphs import capture_decode_graphs
+        from pagedserve.engine.cuda_graphs import capture_decode_graphs
 
         self.runner.decode_graphs = capture_decode_graphs(self)
         capacity = num_blocks * config.block_size
@@ -265,7 +271,7 @@ class Worker:
 
     def _load_model(self):
         """The model in the engine's dtype: a float checkpoint is loaded straight into it
-        (:func:`engine.models.load_model`); GGUF, GPTQ and AWQ weights keep their
+        (:func:`pagedserve.engine.models.load_model`); GGUF, GPTQ and AWQ weights keep their
         quantized layout."""
         quant = self.quantization
         if quant in (None, "int8"):
@@ -327,7 +333,7 @@ class Worker:
         if cfg.kv_cache_memory_gb is not None:
             budget = cfg.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
-            from engine.gpu_memory import profile_kv_budget
+            from pagedserve.engine.gpu_memory import profile_kv_budget
 
             budget = profile_kv_budget(self)
         else:
@@ -360,7 +366,7 @@ class Worker:
             raise EngineFatalError(f"a tensor-parallel step failed on rank 0: {exc!r}") from exc
 
     def check_alive(self) -> None:
-        """Raise :class:`~engine.parallel.group.ParallelError` once a tensor-parallel rank
+        """Raise :class:`~pagedserve.engine.parallel.group.ParallelError` once a tensor-parallel rank
         has exited."""
         if self._procs is not None and self._procs.failure is not None:
             raise ParallelError(self._procs.failure)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 
 PROMPTS = [
     "Explain the architectural differences between microservices and monoliths.",
@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.no_block_log:  # the physical block allocation log: ids per request
-        logging.getLogger("blockmgr").setLevel(logging.DEBUG)
+        logging.getLogger("pagedserve.blockmgr").setLevel(logging.DEBUG)
 
     # Configure sampling parameters: max tokens and temperature
     sampling_params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,

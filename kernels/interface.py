@@ -19,8 +19,8 @@ tokens ``query_start_loc[i]:query_start_loc[i+1]``; those are the *last*
 ``q_len`` positions of its context of ``seq_lens[i]`` tokens (earlier tokens are read
 from the cache through ``block_tables[i]``), and attention is causal.
 
-Backends are chosen in :mod:`kernels.registry`, each with the
-:class:`~kernels.layer_ops.LayerOps` the model runs beside it. Each backend turns the
+Backends are chosen in :mod:`pagedserve.kernels.registry`, each with the
+:class:`~pagedserve.kernels.layer_ops.LayerOps` the model runs beside it. Each backend turns the
 step's metadata into its own typed per-step plan once per step (``prepare``), which
 every layer's ``forward`` reads back with :meth:`AttentionMetadata.plan`.
 """
@@ -33,8 +33,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from kernels.layer_ops import LayerOps
-from kernels.quant import QuantizedWeight
+from pagedserve.kernels.layer_ops import LayerOps
+from pagedserve.kernels.quant import QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight
 
@@ -178,12 +178,12 @@ class DecoderStack:
 
 
 class AttentionBackend(Protocol):
-    """Paged attention over the KV cache; made by :func:`kernels.registry.select_kernels`."""
+    """Paged attention over the KV cache; made by :func:`pagedserve.kernels.registry.select_kernels`."""
 
     name: str
     ops: LayerOps
     """The layer ops chosen with this backend (the same object as
-    :attr:`kernels.registry.Kernels.ops`)."""
+    :attr:`pagedserve.kernels.registry.Kernels.ops`)."""
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Once per step, before the layers run: set ``meta.prepared`` to this backend's

@@ -1,12 +1,12 @@
 """The layer ops of a decoder: the :class:`LayerOps` protocol and its torch implementation.
 
 Every op of a decoder layer other than attention goes through one ``LayerOps`` object,
-chosen with the attention backend (:func:`kernels.registry.select_kernels`): the
+chosen with the attention backend (:func:`pagedserve.kernels.registry.select_kernels`): the
 norms (RMSNorm, and RMSNorm fused with the residual add), RoPE, SiLU-and-multiply,
 the linear layers (whose weights it may prepare once at load), the embedding lookup
 and greedy sampling's argmax. :class:`TorchLayerOps` is plain torch: the reference,
 used on CUDA (where CUDA graphs capture it) and wherever the native library is
-unavailable; :class:`kernels.cpu.layer_ops.NativeLayerOps` runs the same ops in the
+unavailable; :class:`pagedserve.kernels.cpu.layer_ops.NativeLayerOps` runs the same ops in the
 native CPU library. So the model code is the same on every device.
 
 The residual stream follows the usual fused form: ``add_rms_norm(residual, delta)``
@@ -22,8 +22,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels import quant
-from kernels.quant import QuantizedWeight
+from pagedserve.kernels import quant
+from pagedserve.kernels.quant import QuantizedWeight
 
 
 class LayerOps(Protocol):

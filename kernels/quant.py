@@ -14,7 +14,7 @@ The planes are kept apart (``qs`` the codes, one row per output row; ``d`` the s
 ``m`` the offsets) so each native kernel reads rows as streams. :meth:`dequantize` is the
 reference: it computes each weight as GGML's dequantizer does (product rounded, then the
 offset added), which is also what transformers' GGUF loader produces. The native
-products of these weights are in :mod:`kernels.cpu.quant`.
+products of these weights are in :mod:`pagedserve.kernels.cpu.quant`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.abi import QK, QUANT_FORMATS
+from pagedserve.kernels.cpu.abi import QK, QUANT_FORMATS
 
 FORMATS = tuple(QUANT_FORMATS)
 """Format names, in the order of the native library's format codes (``QK``, the weights
@@ -92,7 +92,7 @@ class QuantizedWeight:
 
     def release_planes(self) -> None:
         """Free the planes' memory once another copy serves every use of the weight (the
-        native CPU kernels' packed copy: ``kernels.cpu.layer_ops.NativeLayerOps``, which
+        native CPU kernels' packed copy: ``pagedserve.kernels.cpu.layer_ops.NativeLayerOps``, which
         multiplies and dequantizes from it). :attr:`nbytes` still counts them; the
         methods that read them refuse to."""
         if self.released:

@@ -1,10 +1,10 @@
 """Choosing the kernels by name and device: an attention backend and its layer ops.
 
 :func:`select_kernels` picks the attention backend and the
-:class:`~kernels.layer_ops.LayerOps` that run beside it as one choice (the native
+:class:`~pagedserve.kernels.layer_ops.LayerOps` that run beside it as one choice (the native
 attention kernel with the native layer ops of the same library, torch ops
 everywhere else). The Triton backend is imported lazily, only when chosen, so the CPU
-path never imports triton. The caller's :class:`~kernels.settings.KernelSettings` say
+path never imports triton. The caller's :class:`~pagedserve.kernels.settings.KernelSettings` say
 what ``"auto"`` stands for and how to build the native library; nothing here reads the
 environment.
 """
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu import native
-from kernels.interface import AttentionBackend
-from kernels.layer_ops import LayerOps, TorchLayerOps
-from kernels.settings import KernelSettings
+from pagedserve.kernels.cpu import native
+from pagedserve.kernels.interface import AttentionBackend
+from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
+from pagedserve.kernels.settings import KernelSettings
 
 BACKENDS = ("auto", "cpu", "torch", "triton")
 
@@ -63,14 +63,14 @@ def select_kernels(
         if lib is None:
             raise RuntimeError("the cpu attention backend's native kernel is unavailable: "
                                f"{native.unavailable_reason(settings)}")  # fmt: skip
-        from kernels.cpu.backend import CpuBackend
-        from kernels.cpu.layer_ops import NativeLayerOps
+        from pagedserve.kernels.cpu.backend import CpuBackend
+        from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
 
         ops: LayerOps = NativeLayerOps(lib, settings.pack_weights)
         return Kernels(CpuBackend(lib, ops, settings.fuse_layers), ops)
     ops = TorchLayerOps()
     if name == "torch":
-        from kernels.torch_backend import TorchBackend
+        from pagedserve.kernels.torch_backend import TorchBackend
 
         return Kernels(TorchBackend(ops), ops)
     if device_type != "cuda" and not settings.triton_interpret:
@@ -81,7 +81,7 @@ def select_kernels(
     try:
         import triton.language as tl
 
-        from kernels.triton.backend import TritonBackend, TritonLayerOps
+        from pagedserve.kernels.triton.backend import TritonBackend, TritonLayerOps
     except ImportError as exc:
         raise RuntimeError(
             "the triton attention backend needs the 'triton' package "
@@ -91,7 +91,7 @@ def select_kernels(
     if device_type != "cuda" and type(tl.zeros).__name__ != "InterpretedFunction":
         raise RuntimeError(
             "the triton kernels were compiled for a GPU: TRITON_INTERPRET=1 must be set "
-            "before triton and kernels.triton are first imported"
+            "before triton and pagedserve.kernels.triton are first imported"
         )
     ops = TritonLayerOps()
     return Kernels(TritonBackend(ops), ops)

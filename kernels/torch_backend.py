@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.interface import AttentionMetadata
-from kernels.layer_ops import LayerOps, TorchLayerOps
-from kernels.paged_index import context_slots, padded_rows
+from pagedserve.kernels.interface import AttentionMetadata
+from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
+from pagedserve.kernels.paged_index import context_slots, padded_rows
 
 
 @dataclass(slots=True)

@@ -3,14 +3,14 @@
 These functions are the test oracle for every backend and are readable rather than
 fast: they gather each request's context into a padded tensor and attend in
 float32, returning the input dtype. Cache layout and slot conventions are those of
-:mod:`kernels.interface`.
+:mod:`pagedserve.kernels.interface`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.paged_index import context_slots, flat_to_padded_index, padded_query_rows
+from pagedserve.kernels.paged_index import context_slots, flat_to_padded_index, padded_query_rows
 
 
 def write_kv(

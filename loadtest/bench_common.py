@@ -14,11 +14,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine import envs
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
-from loadtest.workloads import Workload, allowed_token_ids
+from pagedserve.engine import envs
+from pagedserve.engine.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+)
+from pagedserve.loadtest.workloads import Workload, allowed_token_ids
 
-logger = logging.getLogger("loadtest")
+logger = logging.getLogger("pagedserve.loadtest")
 
 
 
@@ -119,7 +125,7 @@ def _pagedserve_version() -> str:
     import subprocess
     from pathlib import Path
 
-    from engine import __version__ as version
+    from pagedserve import __version__ as version
 
     root = Path(__file__).resolve().parent.parent
     try:
@@ -162,7 +168,7 @@ def command_line() -> str:
     if argv:
         exe = os.path.basename(argv[0])
         if exe.endswith(".py") and os.path.basename(os.path.dirname(argv[0])) == "loadtest":
-            argv[:1] = ["python", "-m", f"loadtest.{exe[:-3]}"]
+            argv[:1] = ["python", "-m", f"pagedserve.loadtest.{exe[:-3]}"]
         elif exe.endswith(".py"):
             argv[:1] = ["python", os.path.relpath(argv[0])]
         else:
@@ -254,7 +260,7 @@ def run_engine(llm, workload: Workload, sample_stats: bool = True) -> EngineRun:
     ``output_len`` tokens. After every step the KV cache statistics are sampled; the
     time spent sampling them is measured and left out of ``elapsed_s``.
     """
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
 
     eng = llm.engine
     kv = eng.kv
@@ -318,7 +324,7 @@ def run_engine(llm, workload: Workload, sample_stats: bool = True) -> EngineRun:
 
 def warm_up(llm, token_ids: list[int], seed: int) -> None:
     """A short run so that one-time kernel and allocator setup stays out of the timing."""
-    from loadtest.workloads import random_workload
+    from pagedserve.loadtest.workloads import random_workload
 
     run_engine(llm, random_workload(token_ids, 4, (48, 96), (4, 8), seed + 7919),
                sample_stats=False)

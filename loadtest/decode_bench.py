@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from loadtest.bench_common import (
+from pagedserve.loadtest.bench_common import (
     add_engine_args,
     apply_threads,
     engine_kwargs,
@@ -114,7 +114,7 @@ def time_decode(llm: Any, batch: int, prompt_len: int, steps: int, seed: int,
     untimed, after each timed step."""
     import random
 
-    from engine import SamplingParams
+    from pagedserve import SamplingParams
 
     eng = llm.engine
     rng = random.Random(seed + batch)
@@ -155,8 +155,8 @@ AGREEMENT_PROMPTS = (
 def check_agreement_model(args: argparse.Namespace) -> None:
     """Before any run: the model ``--agreement`` compares with (``--agreement-model``,
     else ``--model``) must be a float one; a GPTQ or AWQ checkpoint has no float32 form."""
-    from engine.checkpoint_quant import read_quantization_config
-    from engine.loader import load_config, resolve_model_path
+    from pagedserve.engine.checkpoint_quant import read_quantization_config
+    from pagedserve.engine.loader import load_config, resolve_model_path
 
     if not args.agreement:
         return
@@ -174,7 +174,7 @@ def agreement(args: argparse.Namespace, num_tokens: int) -> dict[str, Any]:
     """Greedy outputs of the configured engine against the float32 model's."""
     import gc
 
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, min_tokens=num_tokens,
                             logprobs=0)
@@ -203,9 +203,9 @@ def agreement(args: argparse.Namespace, num_tokens: int) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    from engine import LLM
-    from kernels.cpu import paths as cpu_paths
-    from loadtest.op_times import OpTimes, format_report
+    from pagedserve import LLM
+    from pagedserve.kernels.cpu import paths as cpu_paths
+    from pagedserve.loadtest.op_times import OpTimes, format_report
 
     apply_threads(args)
     check_agreement_model(args)
@@ -293,7 +293,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
-    return module_cli("python -m loadtest.decode_bench", __doc__, add_arguments, main, argv)
+    return module_cli("python -m pagedserve.loadtest.decode_bench", __doc__, add_arguments, main, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A GGUF file re-quantized to another block format, for benchmarks and tests.
 
-``python -m loadtest.gguf_requant IN.gguf OUT.gguf --type q8_0`` copies every metadata
+``python -m pagedserve.loadtest.gguf_requant IN.gguf OUT.gguf --type q8_0`` copies every metadata
 field and tensor of ``IN`` and re-encodes its quantized weights (``Q8_0``, ``Q4_0``,
 ``Q4_1``) in ``--type``; float tensors (norms) are copied as they are. The weights go
 through float32 on the way (the ``gguf`` package's dequantizer and quantizer), so a Q8_0
@@ -63,7 +63,7 @@ def requantize(src: Path, dst: Path, target: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.gguf_requant",
+    p = argparse.ArgumentParser(prog="python -m pagedserve.loadtest.gguf_requant",
                                 description=__doc__.split("\n\n")[0])  # fmt: skip
     p.add_argument("src", type=Path, help="the GGUF file to read")
     p.add_argument("dst", type=Path, help="the GGUF file to write")

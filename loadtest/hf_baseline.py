@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from loadtest.workloads import Workload
+from pagedserve.loadtest.workloads import Workload
 
-logger = logging.getLogger("loadtest")
+logger = logging.getLogger("pagedserve.loadtest")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -198,7 +198,7 @@ def run_continuous(
 
 def warm_up_static(model, workload: Workload) -> None:
     """A tiny ``generate`` so one-time setup stays out of the static-batching timing."""
-    from loadtest.workloads import BenchRequest
+    from pagedserve.loadtest.workloads import BenchRequest
 
     small = Workload("warmup", [BenchRequest(r.prompt_token_ids[:16], 4)
                                 for r in workload.requests[:2]], {})

@@ -1,16 +1,16 @@
 """The cost of the block map's snapshot (``GET /v1/kv_cache/state``).
 
-``snapshot``: time :func:`engine.kv_state.take_kv_state` (what the engine thread does
+``snapshot``: time :func:`pagedserve.engine.kv_state.take_kv_state` (what the engine thread does
 between steps for each poll) and size its JSON body, for pools of 1k to 100k blocks with
 32 running requests holding half the pool::
 
-    python -m loadtest.kv_state_bench snapshot [--blocks 1000,10000,100000]
+    python -m pagedserve.loadtest.kv_state_bench snapshot [--blocks 1000,10000,100000]
 
 ``poll``: poll a running server's state endpoint at a fixed rate, as the page does while
 anything runs (4 Hz, ``max_cells=16384``), for a while; run it beside
 ``pagedserve bench serve`` to see what polling costs the serving throughput::
 
-    python -m loadtest.kv_state_bench poll --url http://127.0.0.1:8000 --hz 4 --seconds 60
+    python -m pagedserve.loadtest.kv_state_bench poll --url http://127.0.0.1:8000 --hz 4 --seconds 60
 
 ``alternate``: the same poller switched on and off in windows of ``--window`` seconds
 (order A B B A, A off and B on, so that a steady drift cancels) beside one long
@@ -19,7 +19,7 @@ each window's edge from one small snapshot (the engine's own clock and token cou
 Pairs of adjacent windows give the throughput with polling over that without it, with
 a bootstrap interval, all within one run of one server::
 
-    python -m loadtest.kv_state_bench alternate --url http://127.0.0.1:8000 --seconds 900
+    python -m pagedserve.loadtest.kv_state_bench alternate --url http://127.0.0.1:8000 --seconds 900
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ NUM_REQUESTS = 32
 
 def _filled_scheduler(num_blocks: int):
     """32 running requests whose prompts fill half the pool (prefix caching on)."""
-    from engine.request import Request, RequestGroup
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler
+    from pagedserve.engine.request import Request, RequestGroup
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.engine.scheduler import Scheduler
 
     tokens_each = num_blocks * BLOCK_SIZE // 2 // NUM_REQUESTS
     s = Scheduler(num_blocks, BLOCK_SIZE, max_num_seqs=NUM_REQUESTS,
@@ -62,8 +62,8 @@ def _filled_scheduler(num_blocks: int):
 
 
 def snapshot(args: argparse.Namespace) -> None:
-    from engine.kv_state import DEFAULT_MAX_CELLS, KVStateTaker
-    from server.playground import encode_state
+    from pagedserve.engine.kv_state import DEFAULT_MAX_CELLS, KVStateTaker
+    from pagedserve.server.playground import encode_state
 
     print(f"python {platform.python_version()}, {platform.processor() or platform.machine()}")
     print("| blocks | max_cells | cells | first snapshot ms | snapshot ms (median of 50) | "

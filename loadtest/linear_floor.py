@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from loadtest.bench_common import StepRecord
+from pagedserve.loadtest.bench_common import StepRecord
 
 
 def _grid(values: Sequence[int]) -> list[int]:

@@ -2,7 +2,7 @@
 
 Each user sends chat completions to ``/v1/chat/completions``, streamed or not, and
 waits a think time between requests. A streamed request is validated with the
-benchmark's stream checker (:class:`loadtest.sse_check.StreamChecker`): a stream
+benchmark's stream checker (:class:`pagedserve.loadtest.sse_check.StreamChecker`): a stream
 without ``data: [DONE]`` last, without exactly one finish chunk per choice, with an
 in-stream error or no content is a failure. Besides the request entries
 (``POST chat stream`` / ``POST chat``, timed to the end of the body), every stream
@@ -17,24 +17,21 @@ Run it with ``make loadtest`` (starts a server) or against a server of your own:
 
 Settings: the ``PAGEDSERVE_LOCUST_*`` variables and ``PAGEDSERVE_API_KEY`` (sent as
 ``Authorization: Bearer KEY`` when set), all optional, each documented once in
-:mod:`engine.envs` (README.md's table of environment variables).
+:mod:`pagedserve.engine.envs` (README.md's table of environment variables).
 """
 
 from __future__ import annotations
 
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from locust import FastHttpUser, between, task
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine import envs  # noqa: E402  (the standard library only: no torch here)
-from loadtest.datasets import CONVERSATIONS_FILE, load_conversations  # noqa: E402
-from loadtest.sse_check import StreamChecker  # noqa: E402
+from pagedserve.engine import envs  # the standard library only: no torch here
+from pagedserve.loadtest.datasets import CONVERSATIONS_FILE, load_conversations
+from pagedserve.loadtest.sse_check import StreamChecker
 
 MAX_TOKENS = envs.locust_max_tokens()
 IGNORE_EOS = envs.locust_ignore_eos()

@@ -10,7 +10,7 @@ output throughput and its ratio to the base model's: what serving adapters costs
 The adapters are written into a temporary directory in PEFT's format
 (:func:`write_random_adapter`), with random A and B of every targeted projection.
 
-Also runnable as ``python -m loadtest.lora_bench``.
+Also runnable as ``python -m pagedserve.loadtest.lora_bench``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.lora.request import TARGET_MODULES, LoRALimits
-from loadtest.bench_common import (
+from pagedserve.engine.lora.request import TARGET_MODULES, LoRALimits
+from pagedserve.loadtest.bench_common import (
     add_engine_args,
     apply_threads,
     command_line,
@@ -43,7 +43,7 @@ def write_random_adapter(spec, out: Path, rank: int = 8, alpha: float = 16.0,
                          layers: tuple[int, ...] | None = None,
                          extra: dict | None = None) -> Path:  # fmt: skip
     """A PEFT LoRA adapter directory for a model of ``spec``
-    (:class:`engine.models.DecoderSpec`) with random A and B (PEFT starts B at zero;
+    (:class:`pagedserve.engine.models.DecoderSpec`) with random A and B (PEFT starts B at zero;
     random B makes the adapter change the output)."""
     import torch
     from safetensors.torch import save_file
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(llm, prompts: list[list[int]], loras: list, output_len: int) -> dict[str, Any]:
-    from engine import SamplingParams
+    from pagedserve import SamplingParams
 
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
     per_prompt = [loras[i % len(loras)] if loras else None for i in range(len(prompts))]
@@ -104,7 +104,7 @@ def _run(llm, prompts: list[list[int]], loras: list, output_len: int) -> dict[st
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload once per adapter count; print and return the report."""
-    from engine import LLM, LoRARequest
+    from pagedserve import LLM, LoRARequest
 
     apply_threads(args)
     counts = [int(k) for k in str(args.num_loras).split(",")]
@@ -149,4 +149,4 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(module_cli("python -m loadtest.lora_bench", __doc__, add_arguments, main))
+    raise SystemExit(module_cli("python -m pagedserve.loadtest.lora_bench", __doc__, add_arguments, main))

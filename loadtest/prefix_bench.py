@@ -13,7 +13,7 @@ cache, from ``RequestOutput.num_cached_tokens``), hit rate and peak blocks used,
 ratios off/on. ``--profile-hashing`` runs the zero-reuse workload with caching on under
 cProfile and lists the prefix-caching functions and their share of the run.
 
-Also runnable as ``python -m loadtest.prefix_bench``.
+Also runnable as ``python -m pagedserve.loadtest.prefix_bench``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from loadtest.bench_common import (
+from pagedserve.loadtest.bench_common import (
     EngineRun,
     add_engine_args,
     apply_threads,
@@ -43,9 +43,9 @@ from loadtest.bench_common import (
     vocab_token_ids,
     warm_up,
 )
-from loadtest.workloads import Workload, fixed_workload, shared_prefix_workload
+from pagedserve.loadtest.workloads import Workload, fixed_workload, shared_prefix_workload
 
-logger = logging.getLogger("loadtest")
+logger = logging.getLogger("pagedserve.loadtest")
 
 # Functions on the prefix-caching path, reported by --profile-hashing.
 _HASH_PATH = ("blockmgr/",)
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fresh_llm(args: argparse.Namespace, caching: bool):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     return LLM(model=args.model, **engine_kwargs(args, enable_prefix_caching=caching))
 
@@ -215,7 +215,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
-    return module_cli("python -m loadtest.prefix_bench", __doc__, add_arguments, main, argv)
+    return module_cli("python -m pagedserve.loadtest.prefix_bench", __doc__, add_arguments, main, argv)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ short ones arrive (priority -1). The same workload runs under ``scheduling_polic
 compares the interactive requests' time to first token and end-to-end time, the batch's
 completion time, and the preemptions each policy paid for them.
 
-Also runnable as ``python -m loadtest.priority_bench``.
+Also runnable as ``python -m pagedserve.loadtest.priority_bench``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from loadtest.bench_common import (
+from pagedserve.loadtest.bench_common import (
     add_engine_args,
     apply_threads,
     command_line,
@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run(llm, prompts: list[list[int]], args: argparse.Namespace,
          by_priority: bool) -> dict[str, Any]:
-    from engine import SamplingParams
-    from engine.llm_engine import OUTPUT_DELTA
+    from pagedserve import SamplingParams
+    from pagedserve.engine.llm_engine import OUTPUT_DELTA
 
     eng = llm.engine
     n_batch = args.batch_requests
@@ -100,7 +100,7 @@ def _run(llm, prompts: list[list[int]], args: argparse.Namespace,
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload under both policies; print and return the report."""
-    from engine import LLM
+    from pagedserve import LLM
 
     apply_threads(args)
     env = environment_info()
@@ -154,5 +154,5 @@ def _warm_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    raise SystemExit(module_cli("python -m loadtest.priority_bench", __doc__, add_arguments,
+    raise SystemExit(module_cli("python -m pagedserve.loadtest.priority_bench", __doc__, add_arguments,
                                 main))

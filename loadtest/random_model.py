@@ -6,14 +6,14 @@ default model's layers, widths, vocabulary, tokenizer and chat template, and
 ``--num-heads``/``--num-kv-heads`` heads of the same size (64), so its cost per token is
 close to the default model's::
 
-    python -m loadtest.random_model /tmp/smollm2-8h --num-heads 8 --num-kv-heads 2
+    python -m pagedserve.loadtest.random_model /tmp/smollm2-8h --num-heads 8 --num-kv-heads 2
     pagedserve bench throughput --model /tmp/smollm2-8h --tensor-parallel-size 2
 
 With ``--experts E --experts-per-token K`` it is a Mixtral of the same shape whose MLPs
 are E experts of 1/K the default's width: a token's experts do the default MLP's
 arithmetic, so a benchmark against the dense model measures what routing costs::
 
-    python -m loadtest.random_model /tmp/smollm2-moe --num-heads 9 --num-kv-heads 3 \
+    python -m pagedserve.loadtest.random_model /tmp/smollm2-moe --num-heads 9 --num-kv-heads 3 \
         --experts 16 --experts-per-token 4
 """
 
@@ -28,7 +28,7 @@ def write(out: Path, num_heads: int, num_kv_heads: int, seed: int = 0, experts: 
     import torch
     import transformers
 
-    from engine.loader import convert_default_model, load_tokenizer
+    from pagedserve.engine.loader import convert_default_model, load_tokenizer
 
     src = convert_default_model()
     cfg = transformers.AutoConfig.from_pretrained(src)
@@ -55,7 +55,7 @@ def write(out: Path, num_heads: int, num_kv_heads: int, seed: int = 0, experts: 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m loadtest.random_model", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pagedserve.loadtest.random_model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)
     p.add_argument("--num-heads", type=int, default=8)

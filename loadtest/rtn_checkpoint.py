@@ -1,7 +1,7 @@
 """GPTQ- and AWQ-format checkpoints of a float model, by round-to-nearest, for benchmarks
 and tests.
 
-``python -m loadtest.rtn_checkpoint IN_DIR OUT_DIR --method gptq --bits 4 --group-size 128``
+``python -m pagedserve.loadtest.rtn_checkpoint IN_DIR OUT_DIR --method gptq --bits 4 --group-size 128``
 rounds every decoder projection (q/k/v/o, gate/up/down) of the float checkpoint in
 ``IN_DIR`` to integer codes per group of input columns (the scales in float16) and writes
 ``OUT_DIR`` as AutoGPTQ / AutoAWQ write theirs: ``qweight``/``qzeros``/``scales``
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint_weights import AWQ_ORDER
-from engine.models.checkpoint_names import layout_key, projection
+from pagedserve.engine.checkpoint_weights import AWQ_ORDER
+from pagedserve.engine.models.checkpoint_names import layout_key, projection
 
 
 @dataclass(frozen=True)
@@ -176,9 +176,9 @@ def write_folder(src: Path, out: Path, tensors: dict[str, torch.Tensor],
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.loader import iter_weights, resolve_model_path
+    from pagedserve.engine.loader import iter_weights, resolve_model_path
 
-    p = argparse.ArgumentParser(prog="python -m loadtest.rtn_checkpoint",
+    p = argparse.ArgumentParser(prog="python -m pagedserve.loadtest.rtn_checkpoint",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("src", help="a float checkpoint folder (or 'default': the embedded model)")
     p.add_argument("out", type=Path)

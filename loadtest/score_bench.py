@@ -11,7 +11,7 @@ embeddings; the runs alternate ``--repeats`` times. Reports prompt tokens per se
 rows' logits (``lm_head`` over every prompt position), their log-softmax and top-k, or of
 the pooling.
 
-Also runnable as ``python -m loadtest.score_bench``.
+Also runnable as ``python -m pagedserve.loadtest.score_bench``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import random
 import time
 from typing import Any
 
-from loadtest.bench_common import (
+from pagedserve.loadtest.bench_common import (
     add_engine_args,
     apply_threads,
     command_line,
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the three kinds of request in alternation; print and return the report."""
 
-    from engine import LLM, PoolingParams, SamplingParams
+    from pagedserve import LLM, PoolingParams, SamplingParams
 
     apply_threads(args)
     env = environment_info()
@@ -105,4 +105,4 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(module_cli("python -m loadtest.score_bench", __doc__, add_arguments, main))
+    raise SystemExit(module_cli("python -m pagedserve.loadtest.score_bench", __doc__, add_arguments, main))

@@ -1,6 +1,6 @@
 """The online serving benchmark's client: streaming requests at a running
 OpenAI-compatible server, every stream checked as it arrives, and the report.
-``pagedserve bench serve`` (:mod:`loadtest.serve_bench_cli`) is its command line."""
+``pagedserve bench serve`` (:mod:`pagedserve.loadtest.serve_bench_cli`) is its command line."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from loadtest.datasets import SampleRequest
-from loadtest.serve_report import (  # noqa: F401 - part of this module's interface
+from pagedserve.loadtest.datasets import SampleRequest
+from pagedserve.loadtest.serve_report import (  # noqa: F401 - part of this module's interface
     RequestResult,
     format_report,
     plot_sweep,
     run_problems,
     summarize,
 )
-from loadtest.server_metrics import (  # noqa: F401 - part of this module's interface
+from pagedserve.loadtest.server_metrics import (  # noqa: F401 - part of this module's interface
     SERVER_HISTOGRAMS,
     compare_server_metrics,
     fetch_metrics,
@@ -32,9 +32,9 @@ from loadtest.server_metrics import (  # noqa: F401 - part of this module's inte
     spec_decode_summary,
     wait_server_idle,
 )
-from loadtest.sse_check import StreamChecker  # noqa: F401
+from pagedserve.loadtest.sse_check import StreamChecker  # noqa: F401
 
-logger = logging.getLogger("loadtest.serve_bench")
+logger = logging.getLogger("pagedserve.loadtest.serve_bench")
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 

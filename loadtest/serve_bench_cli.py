@@ -33,8 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadtest.datasets import DATASETS, SampleRequest
-from loadtest.serve_bench import ENDPOINTS, format_report, plot_sweep, run_benchmark
+from pagedserve.loadtest.datasets import DATASETS, SampleRequest
+from pagedserve.loadtest.serve_bench import ENDPOINTS, format_report, plot_sweep, run_benchmark
 
 
 def _rate(text: str) -> float:
@@ -122,7 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_samples(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
     """The request set named by the dataset flags."""
-    from loadtest.datasets import (
+    from pagedserve.loadtest.datasets import (
         conversation_dataset,
         grounded_dataset,
         random_dataset,
@@ -140,7 +140,7 @@ def build_samples(args: argparse.Namespace, tokenizer: Any) -> list[SampleReques
 
 def load_bench_tokenizer(name: str | None) -> Any:
     """The tokenizer of ``name`` (a folder or hub id), or of the embedded default model."""
-    from engine.loader import load_tokenizer, resolve_model_path
+    from pagedserve.engine.loader import load_tokenizer, resolve_model_path
 
     return load_tokenizer(resolve_model_path(name))
 

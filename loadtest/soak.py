@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from loadtest.server_metrics import metric_total
+from pagedserve.loadtest.server_metrics import metric_total
 
 READY = re.compile(r"pagedserve ready on (http://\S+)")
 DEFAULT_SERVER_ARGS = ("--max-model-len 2048 --kv-cache-memory-gb 0.5 --max-num-seqs 16 "
@@ -321,7 +321,7 @@ class Soak:
 
 
 def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0",
+    cmd = [sys.executable, "-m", "pagedserve.server.cli", "serve", "--port", "0",
            *shlex.split(args.server_args)]
     if args.api_key:
         cmd += ["--api-key", args.api_key]

@@ -9,7 +9,7 @@ ratios, and the bitmask fill and apply alone (best of N, this thread's CPU time)
 grammar compile time: the first compile (which builds the backend's tokenizer tables),
 another cold spec, and a cached one.
 
-    python -m loadtest.structured_bench [--rounds 6] [--steps 12] [--backend xgrammar]
+    python -m pagedserve.loadtest.structured_bench [--rounds 6] [--steps 12] [--backend xgrammar]
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.structured import bitmask
-from loadtest.bench_common import cpu_model
+from pagedserve import LLM, SamplingParams, StructuredOutputsParams
+from pagedserve.engine.structured import bitmask
+from pagedserve.loadtest.bench_common import cpu_model
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"},

@@ -11,7 +11,7 @@ products needs here (and, with ``--compare-hf``, HF static's time over it: the h
 ratio this host allows). ``--compare-hf`` runs the same requests with
 HF transformers (static batching and its own continuous batching) in the same process.
 
-Also runnable as ``python -m loadtest.throughput``.
+Also runnable as ``python -m pagedserve.loadtest.throughput``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from loadtest.bench_common import (
+from pagedserve.loadtest.bench_common import (
     EngineRun,
     add_engine_args,
     apply_threads,
@@ -39,11 +39,11 @@ from loadtest.bench_common import (
     vocab_token_ids,
     warm_up,
 )
-from loadtest.linear_floor import arithmetic_bound, linear_floor, step_breakdown
-from loadtest.op_times import OpTimes, format_report
-from loadtest.workloads import Workload, random_workload, shared_prefix_workload
+from pagedserve.loadtest.linear_floor import arithmetic_bound, linear_floor, step_breakdown
+from pagedserve.loadtest.op_times import OpTimes, format_report
+from pagedserve.loadtest.workloads import Workload, random_workload, shared_prefix_workload
 
-logger = logging.getLogger("loadtest")
+logger = logging.getLogger("pagedserve.loadtest")
 
 
 # -- flags ---------------------------------------------------------------------------------
@@ -101,8 +101,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark, print its report, and return it (also saved with --save-result)."""
     import torch
 
-    from engine.llm import LLM
-    from kernels.cpu import paths as cpu_paths
+    from pagedserve.engine.llm import LLM
+    from pagedserve.kernels.cpu import paths as cpu_paths
 
     apply_threads(args)
     env = environment_info()
@@ -265,8 +265,8 @@ def _repeat_pairs(args, workload: Workload, model_path, dtype: str,
     pair); the ratio of each pair and their median, and with the arithmetic bound
     ``bound_s`` the median of HF static's times over it. The engine's prefix cache is
     reset before every run."""
-    from engine.llm import LLM
-    from loadtest import hf_baseline as hf
+    from pagedserve.engine.llm import LLM
+    from pagedserve.loadtest import hf_baseline as hf
 
     llm = LLM(model=args.model, **engine_kwargs(args))
     model = hf.load_hf_model(model_path, dtype)
@@ -310,7 +310,7 @@ def _repeat_pairs(args, workload: Workload, model_path, dtype: str,
 
 def _compare_hf(args, workload: Workload, model_path, dtype: str, kv_gb: float,
                 max_tokens: int, ps: dict[str, Any], ps_ids: list[list[int]]) -> dict[str, Any]:
-    from loadtest import hf_baseline as hf
+    from pagedserve.loadtest import hf_baseline as hf
 
     model = hf.load_hf_model(model_path, dtype)
     out: dict[str, Any] = {}
@@ -355,7 +355,7 @@ def _compare_hf(args, workload: Workload, model_path, dtype: str, kv_gb: float,
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
-    return module_cli("python -m loadtest.throughput", __doc__, add_arguments, main, argv)
+    return module_cli("python -m pagedserve.loadtest.throughput", __doc__, add_arguments, main, argv)
 
 
 if __name__ == "__main__":

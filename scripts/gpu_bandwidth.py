@@ -63,8 +63,12 @@ def cmd_bandwidth(args: argparse.Namespace, before_cuda: Callable, emit: Callabl
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     import torch
 
-    from kernels import torch_ref
-    from kernels.triton.decode import choose_num_splits, device_num_sms, paged_decode_attention
+    from pagedserve.kernels import torch_ref
+    from pagedserve.kernels.triton.decode import (
+        choose_num_splits,
+        device_num_sms,
+        paged_decode_attention,
+    )
 
     device = args.device
     dtype = getattr(torch, args.dtype if device == "cuda" else "float32")

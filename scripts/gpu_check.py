@@ -7,7 +7,7 @@ Subcommands (each appends one-line results to ``--summary FILE`` when given):
 * ``hf-equivalence``: greedy tokens of the engine (decode CUDA graphs on, and eager)
   against HF transformers ``generate`` on tiny random Llama / Qwen2 / Qwen3 models;
   float32 must match exactly, bfloat16 reports agreement.
-* ``bench``: ``pagedserve bench throughput`` (``loadtest.throughput``) with CUDA graphs
+* ``bench``: ``pagedserve bench throughput`` (``pagedserve.loadtest.throughput``) with CUDA graphs
   on or off (``--enforce-eager``), plus the engine's KV-budget and capture log lines.
 * ``gate``: the bfloat16 gate (:mod:`gpu_gate`): engines, kernels, compiles after
   warm-up and the step-time split.
@@ -35,9 +35,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-for _path in (ROOT, ROOT / "scripts"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+# The sibling scripts first; the checkout (for ``tests.helpers``) after site-packages, where
+# its folders' bare names (``kernels``) cannot shadow installed distributions.
+if str(ROOT / "scripts") not in sys.path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
 
 import gpu_bandwidth  # noqa: E402  (scripts/gpu_bandwidth.py: the decode-attention part)
 import gpu_gate  # noqa: E402  (scripts/gpu_gate.py: the bf16 gate part)
@@ -109,7 +112,7 @@ def engine_greedy(path: Path, prompts: list[list[int]], new_tokens: int,
     """Greedy tokens of the engine and a few facts about the run."""
     import torch
 
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     llm = LLM(model=str(path), **kwargs)
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
@@ -190,8 +193,8 @@ class _Collect(logging.Handler):
 
 
 def bench_parser() -> argparse.ArgumentParser:
-    """The parser of ``pagedserve bench throughput`` (``loadtest.throughput``'s flags)."""
-    from loadtest import throughput
+    """The parser of ``pagedserve bench throughput`` (``pagedserve.loadtest.throughput``'s flags)."""
+    from pagedserve.loadtest import throughput
 
     parser = argparse.ArgumentParser(prog="gpu_check.py bench", add_help=False)
     throughput.add_arguments(parser)
@@ -199,7 +202,7 @@ def bench_parser() -> argparse.ArgumentParser:
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    from loadtest import throughput
+    from pagedserve.loadtest import throughput
 
     bargs = bench_parser().parse_args(rest)
     if "enforce_eager" in vars(bargs):
@@ -218,7 +221,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
                       f"max_num_seqs={kwargs['max_num_seqs']}, "
                       f"enforce_eager={kwargs.get('enforce_eager', False)})")  # fmt: skip
     collect = _Collect()
-    for name in ("engine.gpu_memory", "engine.cuda_graphs", "engine"):
+    for name in ("pagedserve.engine.gpu_memory", "pagedserve.engine.cuda_graphs", "pagedserve.engine"):
         lg = logging.getLogger(name)
         lg.setLevel(logging.INFO)
         lg.addHandler(collect)
@@ -272,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--new-tokens", type=int, default=32)
     h.add_argument("--max-num-batched-tokens", type=int, default=16)
     b = sub.add_parser("bench", help="the throughput bench; other flags go to it",
-                       description="Flags not listed here go to loadtest.throughput.")  # fmt: skip
+                       description="Flags not listed here go to pagedserve.loadtest.throughput.")  # fmt: skip
     b.add_argument("--enforce-eager", action="store_true")
     b.add_argument("--save-json", default=None)
     gpu_gate.add_parser(sub)

@@ -13,7 +13,7 @@
 #                groups 1/7/16 and a KV cache past 2^31 elements against the torch
 #                reference, compiles after warm-up, the decode step's time split
 #   bench-model  a random-weight Llama-3.2-1B-shaped model (bf16) with a synthetic tokenizer
-#   bench        `pagedserve bench throughput` (loadtest.throughput) on that model with
+#   bench        `pagedserve bench throughput` (pagedserve.loadtest.throughput) on that model with
 #                decode CUDA graphs, then (bench-eager) with --enforce-eager; the KV-budget
 #                profile lines
 #   bandwidth    Triton paged decode attention: K/V bytes read / kernel time, against
@@ -27,7 +27,8 @@
 #
 # The machine has no network: nothing is pip-installed from the internet. The repository
 # is used in place through PYTHONPATH (equivalent to `pip install --no-deps
-# --no-build-isolation -e .`); models are random weights written on the machine, so no
+# --no-build-isolation -e .`: a folder whose pagedserve/ links to the package folders);
+# models are random weights written on the machine, so no
 # model files travel. Everything the parts import (torch, triton, transformers,
 # tokenizers, safetensors, huggingface_hub, tqdm, pytest, pytest-xdist) is in the H200
 # image. To use other versions of pure-Python packages (or ones an image lacks, e.g.
@@ -85,7 +86,15 @@ export GPU_CHECK_SUMMARY=$WORK/results.txt
 unset TRITON_INTERPRET
 export GPU_CHECK_DRY_RUN=$DRY_RUN
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+# The checkout under the one name it installs as: pagedserve/ with a link to each package
+# folder (the repository root itself is not put first on the path: its folders' bare names,
+# `kernels` among them, would shadow installed distributions of those names).
+mkdir -p "$WORK/src/pagedserve"
+ln -s "$ROOT/pagedserve/__init__.py" "$WORK/src/pagedserve/__init__.py"
+for d in engine blockmgr kernels server loadtest; do ln -s "$ROOT/$d" "$WORK/src/pagedserve/$d"; done
+export PYTHONPATH=$WORK/src${PYTHONPATH:+:$PYTHONPATH}
+# Nor the working folder (`python -m`, `-c`): scripts/gpu_check.py adds what it needs.
+export PYTHONSAFEPATH=1
 export PAGEDSERVE_CACHE=$WORK/cache
 
 if compgen -G ".whl/*.whl" >/dev/null; then

@@ -87,10 +87,10 @@ def _kernel_case(d: int, group: int, num_blocks: int, top: bool, dtype, dev: str
     """
     import torch
 
-    from kernels import torch_ref
-    from kernels.triton.decode import paged_decode_attention
-    from kernels.triton.prefill import paged_prefill_attention
-    from kernels.triton.write_kv import write_kv
+    from pagedserve.kernels import torch_ref
+    from pagedserve.kernels.triton.decode import paged_decode_attention
+    from pagedserve.kernels.triton.prefill import paged_prefill_attention
+    from pagedserve.kernels.triton.write_kv import write_kv
 
     bs, hkv = 16, 2 if group < 16 else 1
     hq = group * hkv
@@ -178,7 +178,7 @@ def _engine_run(model: Path, prompts, new_tokens: int, **kw):
 
     import torch
 
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     llm = LLM(model=str(model), dtype="bfloat16", max_model_len=8192, max_num_seqs=256,
               enable_prefix_caching=False, **kw)  # fmt: skip
@@ -246,7 +246,7 @@ class _TimedCalls:
 
 def step_split(model: Path, say: Callable[[str], None]) -> None:
     """Median microseconds of each part of a decode step, per batch size."""
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     llm = LLM(model=str(model), dtype="bfloat16", max_model_len=8192, max_num_seqs=256,
               attention_backend="triton")  # fmt: skip

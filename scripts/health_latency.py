@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.helpers
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout: tests.helpers
 
 from tests.helpers.server import ServerProcess  # noqa: E402
 

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:  # for tests.helpers; after site-packages (see scripts/gpu_check.py)
+    sys.path.append(str(ROOT))
 
 
 def _timed(times: list[float], fn):
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=1, help="timed generate calls")
     args = p.parse_args(argv)
 
-    from engine import LLM, SamplingParams, process_tuning
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.engine import process_tuning
     from tests.helpers.models import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

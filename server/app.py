@@ -10,20 +10,20 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from server import info, playground
-from server.chat import chat_completions
-from server.completions import completions
-from server.cors import Cors
-from server.embeddings import embeddings
-from server.errors import APIError, timed_out
-from server.openapi import openapi
-from server.responses import responses
-from server.score import rerank, score
-from server.sse import STREAM_KEY, send_error_and_done
-from server.state import STATE_KEY, ServerState
-from server.stored_responses import delete_response, list_input_items, retrieve_response
+from pagedserve.server import info, playground
+from pagedserve.server.chat import chat_completions
+from pagedserve.server.completions import completions
+from pagedserve.server.cors import Cors
+from pagedserve.server.embeddings import embeddings
+from pagedserve.server.errors import APIError, timed_out
+from pagedserve.server.openapi import openapi
+from pagedserve.server.responses import responses
+from pagedserve.server.score import rerank, score
+from pagedserve.server.sse import STREAM_KEY, send_error_and_done
+from pagedserve.server.state import STATE_KEY, ServerState
+from pagedserve.server.stored_responses import delete_response, list_input_items, retrieve_response
 
-logger = logging.getLogger("server")
+logger = logging.getLogger("pagedserve.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -11,22 +11,22 @@ import importlib
 import logging
 
 BENCHMARKS: list[tuple[str, str, str]] = [
-    ("throughput", "loadtest.throughput",
+    ("throughput", "pagedserve.loadtest.throughput",
      "offline throughput on a random workload, matrix-product floor, --compare-hf"),
-    ("prefix", "loadtest.prefix_bench",
+    ("prefix", "pagedserve.loadtest.prefix_bench",
      "prefix caching on/off on a shared-prefix and a zero-reuse workload"),
-    ("decode", "loadtest.decode_bench",
+    ("decode", "pagedserve.loadtest.decode_bench",
      "decode latency per step at a few batch sizes, bytes read against the read bandwidth"),
-    ("score", "loadtest.score_bench",
+    ("score", "pagedserve.loadtest.score_bench",
      "scoring and embedding prompts: prompt tokens/s with prompt logprobs and as "
      "embeddings, against plain prefill"),
-    ("priority", "loadtest.priority_bench",
+    ("priority", "pagedserve.loadtest.priority_bench",
      "a batch job and interactive requests under fcfs and priority scheduling"),
-    ("lora", "loadtest.lora_bench",
+    ("lora", "pagedserve.loadtest.lora_bench",
      "the same workload on the base model and spread over k LoRA adapters"),
-    ("serve", "loadtest.serve_bench_cli",
+    ("serve", "pagedserve.loadtest.serve_bench_cli",
      "online serving: streaming requests at a running server (TTFT, TPOT, ITL, throughput)"),
-    ("soak", "loadtest.soak",
+    ("soak", "pagedserve.loadtest.soak",
      "a long run of mixed traffic, disconnects, bad requests and bursts; what leaked"),
 ]
 """(name, module, help) of every benchmark, in ``--help`` order."""

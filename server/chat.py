@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from engine import TokenLogprobs
-from server.errors import APIError
-from server.generation import (
+from pagedserve import TokenLogprobs
+from pagedserve.server.errors import APIError
+from pagedserve.server.generation import (
     ChoiceTally,
     Generation,
     choice_updates,
@@ -17,16 +17,16 @@ from server.generation import (
     usage_dict,
     with_finish,
 )
-from server.logprobs import TokenPieces, chat_logprobs, prompt_logprobs_json
-from server.params import chat_params
-from server.prompts import chat_prompt, truncate_prompts
-from server.protocol import ChatCompletionRequest, read_request
-from server.reasoning import ReasoningParser, gate_after_reasoning
-from server.sse import DONE, event, json_response, open_stream, send_error_and_done
-from server.state import STATE_KEY, ServerState
-from server.structured import check_compiles, request_constraint
-from server.tool_parser import ToolCallParser
-from server.tools import ToolPlan, tool_plan, with_tool_constraint
+from pagedserve.server.logprobs import TokenPieces, chat_logprobs, prompt_logprobs_json
+from pagedserve.server.params import chat_params
+from pagedserve.server.prompts import chat_prompt, truncate_prompts
+from pagedserve.server.protocol import ChatCompletionRequest, read_request
+from pagedserve.server.reasoning import ReasoningParser, gate_after_reasoning
+from pagedserve.server.sse import DONE, event, json_response, open_stream, send_error_and_done
+from pagedserve.server.state import STATE_KEY, ServerState
+from pagedserve.server.structured import check_compiles, request_constraint
+from pagedserve.server.tool_parser import ToolCallParser
+from pagedserve.server.tools import ToolPlan, tool_plan, with_tool_constraint
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 Each subcommand is a module exposing ``add_parser(subparsers) -> ArgumentParser`` and
 ``run(args) -> int``; adding one is one line in :data:`SUBCOMMANDS`. :func:`main` sets
-the OpenMP spin (:func:`engine.process_tuning.set_omp_spin`) before anything imports
+the OpenMP spin (:func:`pagedserve.engine.process_tuning.set_omp_spin`) before anything imports
 torch, since libgomp reads it only when torch loads it.
 """
 
@@ -13,8 +13,8 @@ import importlib
 import sys
 
 SUBCOMMANDS: list[tuple[str, str]] = [
-    ("serve", "server.serve_cli"),
-    ("bench", "server.bench_cli"),
+    ("serve", "pagedserve.server.serve_cli"),
+    ("bench", "pagedserve.server.bench_cli"),
 ]
 """(name, module) of every subcommand, in ``--help`` order."""
 
@@ -22,7 +22,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve", description="pagedserve: a paged-KV-cache LLM serving engine")
-    from engine import __version__
+    from pagedserve import __version__
 
     parser.add_argument("--version", action="version", version=f"pagedserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns its exit status."""
-    from engine import process_tuning
+    from pagedserve.engine import process_tuning
 
     process_tuning.set_omp_spin()  # first: the subcommands' modules import torch
     args = build_parser().parse_args(argv)

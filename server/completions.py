@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from server.errors import APIError
-from server.generation import (
+from pagedserve.server.errors import APIError
+from pagedserve.server.generation import (
     ChoiceTally,
     Generation,
     Prompt,
@@ -24,19 +24,19 @@ from server.generation import (
     usage_dict,
     with_finish,
 )
-from server.logprobs import (
+from pagedserve.server.logprobs import (
     CompletionLogprobs,
     TokenPieces,
     merge_completion_logprobs,
     prompt_logprobs_json,
 )
-from server.param_names import COMPLETIONS
-from server.params import completion_params
-from server.prompts import completion_prompts, echo_texts, truncate_prompts
-from server.protocol import CompletionRequest, read_request
-from server.sse import DONE, event, json_response, open_stream, send_error_and_done
-from server.state import STATE_KEY, ServerState
-from server.structured import check_compiles, request_constraint
+from pagedserve.server.param_names import COMPLETIONS
+from pagedserve.server.params import completion_params
+from pagedserve.server.prompts import completion_prompts, echo_texts, truncate_prompts
+from pagedserve.server.protocol import CompletionRequest, read_request
+from pagedserve.server.sse import DONE, event, json_response, open_stream, send_error_and_done
+from pagedserve.server.state import STATE_KEY, ServerState
+from pagedserve.server.structured import check_compiles, request_constraint
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.errors import APIError
+from pagedserve.server.errors import APIError
 
 ANY = "*"
 ALLOW_METHODS = "GET, POST, OPTIONS"

@@ -3,7 +3,7 @@ reads it.
 
 Every input (a string, a list of strings, token ids or lists of token ids) is an engine
 request with no output tokens whose prompt's final hidden states are pooled
-(:mod:`engine.pooling`: the model's sentence-transformers pooling, else the last
+(:mod:`pagedserve.engine.pooling`: the model's sentence-transformers pooling, else the last
 token's, L2-normalized); they batch with generation on the same engine. ``dimensions``
 keeps the first values (then normalizes); ``encoding_format: "base64"`` (the OpenAI SDK's
 default) sends each vector as little-endian float32 bytes in base64.
@@ -18,15 +18,15 @@ from typing import Any
 
 from aiohttp import web
 
-from engine import EngineInputError, LoRARequest, PoolingParams
-from server.errors import bad_request
-from server.generation import Generation, raise_if_failed
-from server.param_names import Route, input_error
-from server.params import embedding_params
-from server.prompts import completion_prompts, truncate_prompts
-from server.protocol import EmbeddingRequest, read_request
-from server.sse import json_response
-from server.state import STATE_KEY, ServerState
+from pagedserve import EngineInputError, LoRARequest, PoolingParams
+from pagedserve.server.errors import bad_request
+from pagedserve.server.generation import Generation, raise_if_failed
+from pagedserve.server.param_names import Route, input_error
+from pagedserve.server.params import embedding_params
+from pagedserve.server.prompts import completion_prompts, truncate_prompts
+from pagedserve.server.protocol import EmbeddingRequest, read_request
+from pagedserve.server.sse import json_response
+from pagedserve.server.state import STATE_KEY, ServerState
 
 EMBEDDINGS = Route(prompt="input")
 ENCODINGS = ("float", "base64")

@@ -16,7 +16,7 @@ import types
 import typing
 from typing import Any
 
-from engine import EngineConfig
+from pagedserve import EngineConfig
 
 HELP: dict[str, str] = {
     "dtype": "Weights and activations dtype: auto, float32, float16 or bfloat16.",

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine import (
+from pagedserve import (
     CompletionOutput,
     EngineDeadError,
     EngineInputError,
@@ -17,9 +17,9 @@ from engine import (
     SamplingParams,
     StepItem,
 )
-from server.errors import APIError, internal, unavailable
-from server.param_names import Route, input_error
-from server.state import ServerState
+from pagedserve.server.errors import APIError, internal, unavailable
+from pagedserve.server.param_names import Route, input_error
+from pagedserve.server.state import ServerState
 
 
 class ServerShutdown(Exception):

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from engine import __version__
-from engine.lora import LoRAError
-from server.errors import bad_request, not_found
-from server.lora import LoRAModule, LoRANameError
-from server.metrics import CONTENT_TYPE
-from server.param_names import DETOKENIZE
-from server.prompts import chat_prompt
-from server.protocol import DetokenizeRequest, TokenizeRequest, read_request
-from server.sse import json_response
-from server.state import STATE_KEY, ServerState
+from pagedserve import __version__
+from pagedserve.engine.lora import LoRAError
+from pagedserve.server.errors import bad_request, not_found
+from pagedserve.server.lora import LoRAModule, LoRANameError
+from pagedserve.server.metrics import CONTENT_TYPE
+from pagedserve.server.param_names import DETOKENIZE
+from pagedserve.server.prompts import chat_prompt
+from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest, read_request
+from pagedserve.server.sse import json_response
+from pagedserve.server.state import STATE_KEY, ServerState
 
 
 def _card(state: ServerState, name: str) -> dict:

@@ -6,7 +6,7 @@ start-up (config and files; the weights when the first request loads them), so a
 ``--lora-modules`` entry stops the server with a message naming it. With
 ``--allow-runtime-lora-updating``, ``POST /v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter`` add and remove adapters while the server runs (vLLM's
-endpoints and bodies; :mod:`server.info`). Imports no web framework.
+endpoints and bodies; :mod:`pagedserve.server.info`). Imports no web framework.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import itertools
 import json
 from dataclasses import dataclass
 
-from engine.lora.request import (
+from pagedserve.engine.lora.request import (
     LoRAError,
     LoRALimits,
     LoRARequest,

@@ -1,7 +1,7 @@
 """Prometheus metrics, named ``pagedserve:*`` after vLLM's ``vllm:*`` names.
 
 Engine counters and gauges are read from the engine thread's latest
-:class:`~engine.async_engine.EngineSnapshot` at scrape time (a custom collector);
+:class:`~pagedserve.engine.async_engine.EngineSnapshot` at scrape time (a custom collector);
 per-request latencies are histograms observed on the event loop.
 """
 
@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine import EngineSnapshot, RequestMetrics
+from pagedserve import EngineSnapshot, RequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

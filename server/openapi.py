@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from engine import __version__
-from server.protocol import (
+from pagedserve import __version__
+from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

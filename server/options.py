@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.lora import LoRAModule
+from pagedserve.server.lora import LoRAModule
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class ServeOptions:
     """Entries in ``logit_bias``."""
     exit_on_engine_death: bool = True
     data_parallel_size: int = 1
-    """Engine replicas, each its own process (:mod:`engine.dp_engine`)."""
+    """Engine replicas, each its own process (:mod:`pagedserve.engine.dp_engine`)."""
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     generation_config: str = "auto"
@@ -42,7 +42,7 @@ class ServeOptions:
     of requests that leave them unset (as in vLLM); ``vllm``: the engine's defaults."""
     reasoning_parser: str | None = None
     """``qwen3`` or ``deepseek_r1``: chat outputs' thinking goes to ``reasoning_content``
-    (:mod:`server.reasoning`)."""
+    (:mod:`pagedserve.server.reasoning`)."""
     chat_template: str | None = None
     """A chat template (its text) used instead of the tokenizer's."""
     max_stored_responses: int = 1000
@@ -54,4 +54,4 @@ class ServeOptions:
     """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
     allowed_origins: tuple[str, ...] = ("*",)
     """Origins whose pages may call the API from a browser (CORS); ``*`` any, none: no
-    CORS headers (:mod:`server.cors`)."""
+    CORS headers (:mod:`pagedserve.server.cors`)."""

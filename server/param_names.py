@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import EngineInputError, InputField
-from server.errors import APIError, bad_request
+from pagedserve import EngineInputError, InputField
+from pagedserve.server.errors import APIError, bad_request
 
 
 @dataclass(frozen=True, slots=True)

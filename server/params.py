@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import MAX_LOGPROBS, SamplingParamError, SamplingParams, StructuredOutputsParams
-from server.errors import bad_request
-from server.param_names import CHAT, CHAT_MAX_COMPLETION_TOKENS, COMPLETIONS, Route, input_error
-from server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from pagedserve import MAX_LOGPROBS, SamplingParamError, SamplingParams, StructuredOutputsParams
+from pagedserve.server.errors import bad_request
+from pagedserve.server.param_names import (
+    CHAT,
+    CHAT_MAX_COMPLETION_TOKENS,
+    COMPLETIONS,
+    Route,
+    input_error,
+)
+from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -75,7 +81,7 @@ def chat_params(req: ChatCompletionRequest, structured: StructuredOutputsParams 
                 defaults: dict[str, Any] | None = None) -> tuple[SamplingParams, Route]:
     """Sampling parameters of a chat request and how the request names its fields (its
     token limit is ``max_completion_tokens`` or ``max_tokens``). ``structured`` is the
-    request's constraint (``server.structured``, ``server.tools``).
+    request's constraint (``pagedserve.server.structured``, ``pagedserve.server.tools``).
 
     ``max_tokens`` of the result is None when the request sets no limit.
     """

@@ -14,11 +14,11 @@ from importlib import resources
 
 from aiohttp import web
 
-from engine.async_engine import EngineDeadError
-from engine.kv_state import DEFAULT_MAX_CELLS, MAX_CELLS_LIMIT, KVState
-from server.errors import bad_request, unavailable
-from server.sse import json_response
-from server.state import STATE_KEY
+from pagedserve.engine.async_engine import EngineDeadError
+from pagedserve.engine.kv_state import DEFAULT_MAX_CELLS, MAX_CELLS_LIMIT, KVState
+from pagedserve.server.errors import bad_request, unavailable
+from pagedserve.server.sse import json_response
+from pagedserve.server.state import STATE_KEY
 
 STATE_PATH = "/v1/kv_cache/state"
 SNAPSHOT_TIMEOUT_S = 30.0

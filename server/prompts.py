@@ -6,11 +6,11 @@ import inspect
 import json
 from typing import Any
 
-from server.errors import bad_request
-from server.generation import Prompt
-from server.param_names import COMPLETIONS, Route
-from server.protocol import ChatMessage
-from server.state import ServerState
+from pagedserve.server.errors import bad_request
+from pagedserve.server.generation import Prompt
+from pagedserve.server.param_names import COMPLETIONS, Route
+from pagedserve.server.protocol import ChatMessage
+from pagedserve.server.state import ServerState
 
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool",
          "developer": "system"}

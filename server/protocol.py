@@ -3,7 +3,7 @@
 Unknown fields are ignored, as vLLM does by default (OpenAI SDKs and wrappers send
 extras); the names of ignored fields are logged once each. Optional fields are
 ``X | None = None`` so that clients sending explicit ``null``s are accepted; defaults
-are applied in :mod:`server.params`.
+are applied in :mod:`pagedserve.server.params`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from server.errors import bad_request
-from server.sse import read_json
-from server.state import STATE_KEY
+from pagedserve.server.errors import bad_request
+from pagedserve.server.sse import read_json
+from pagedserve.server.state import STATE_KEY
 
-logger = logging.getLogger("server")
+logger = logging.getLogger("pagedserve.server")
 
 T = TypeVar("T")
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from engine.structured.params import ReasoningGate
-from server.tool_parser import held
+from pagedserve.engine.structured.params import ReasoningGate
+from pagedserve.server.tool_parser import held
 
 PARSERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
 """Parser name -> (start tag, end tag)."""

@@ -1,6 +1,6 @@
 """``POST /v1/responses``: the Responses API over the chat machinery, whole or streamed.
 
-The request becomes a chat request (:mod:`server.responses_input`): the same template,
+The request becomes a chat request (:mod:`pagedserve.server.responses_input`): the same template,
 sampling, tools, constraints and reasoning parser. The output is a list of items: a
 ``reasoning`` item (with ``--reasoning-parser``), a ``message`` with one ``output_text``
 part, and a ``function_call`` item per call. Streamed, each item opens with
@@ -24,21 +24,26 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from server.chat import ChoiceParser
-from server.errors import APIError, bad_request, not_found
-from server.generation import ChoiceTally, Generation, Prompt, choice_updates
-from server.logprobs import TokenPieces, chat_logprobs
-from server.params import chat_params
-from server.prompts import chat_prompt, truncate_prompts
-from server.protocol import ResponsesRequest, read_request
-from server.reasoning import ReasoningParser, gate_after_reasoning
-from server.responses_input import RESPONSES, chat_request, text_constraint, wants_logprobs
-from server.responses_store import input_items
-from server.sse import STREAM_ERROR_KEY, json_response, open_stream, send_error_and_done
-from server.state import STATE_KEY
-from server.structured import check_compiles, request_constraint
-from server.tool_parser import ToolCallParser
-from server.tools import tool_plan, with_tool_constraint
+from pagedserve.server.chat import ChoiceParser
+from pagedserve.server.errors import APIError, bad_request, not_found
+from pagedserve.server.generation import ChoiceTally, Generation, Prompt, choice_updates
+from pagedserve.server.logprobs import TokenPieces, chat_logprobs
+from pagedserve.server.params import chat_params
+from pagedserve.server.prompts import chat_prompt, truncate_prompts
+from pagedserve.server.protocol import ResponsesRequest, read_request
+from pagedserve.server.reasoning import ReasoningParser, gate_after_reasoning
+from pagedserve.server.responses_input import (
+    RESPONSES,
+    chat_request,
+    text_constraint,
+    wants_logprobs,
+)
+from pagedserve.server.responses_store import input_items
+from pagedserve.server.sse import STREAM_ERROR_KEY, json_response, open_stream, send_error_and_done
+from pagedserve.server.state import STATE_KEY
+from pagedserve.server.structured import check_compiles, request_constraint
+from pagedserve.server.tool_parser import ToolCallParser
+from pagedserve.server.tools import tool_plan, with_tool_constraint
 
 _encode = msgspec.json.Encoder().encode
 

@@ -4,7 +4,7 @@ function tools and ``tool_choice`` in chat's shape, ``text.format`` as a constra
 A conversation is sent whole in ``input`` (earlier outputs as items: ``message``,
 ``reasoning``, ``function_call``), with the results of calls as ``function_call_output``
 items, or continued from a stored response (``previous_response_id``, which
-:mod:`server.responses` resolves into these items first). ``conversation`` and
+:mod:`pagedserve.server.responses` resolves into these items first). ``conversation`` and
 ``background`` are refused with a 400 naming them.
 """
 
@@ -12,10 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.errors import bad_request
-from server.param_names import Route
-from server.protocol import ChatCompletionRequest, ChatMessage, ResponsesRequest, _Sampling
-from server.structured import Constraint, _make
+from pagedserve.server.errors import bad_request
+from pagedserve.server.param_names import Route
+from pagedserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ResponsesRequest,
+    _Sampling,
+)
+from pagedserve.server.structured import Constraint, _make
 
 RESPONSES = Route(prompt="input", max_tokens="max_output_tokens", logprobs="top_logprobs")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

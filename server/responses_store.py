@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from server.errors import not_found
+from pagedserve.server.errors import not_found
 
 
 @dataclass(slots=True)

@@ -16,14 +16,15 @@ import socket
 
 from aiohttp import web
 
-from engine import AsyncEngine, EngineConfig, envs, process_tuning
-from engine.lora import LoRAError
-from server.app import build_app
-from server.generation import ServerShutdown
-from server.state import ServeOptions, ServerState
+from pagedserve import AsyncEngine, EngineConfig
+from pagedserve.engine import envs, process_tuning
+from pagedserve.engine.lora import LoRAError
+from pagedserve.server.app import build_app
+from pagedserve.server.generation import ServerShutdown
+from pagedserve.server.state import ServeOptions, ServerState
 
-logger = logging.getLogger("server")
-ready_logger = logging.getLogger("server.ready")
+logger = logging.getLogger("pagedserve.server")
+ready_logger = logging.getLogger("pagedserve.server.ready")
 ready_logger.setLevel(logging.INFO)  # the ready line is logged whatever --log-level says
 
 API_KEY_ENV = envs.API_KEY.name
@@ -52,7 +53,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Load the model, serve until a signal, shut down gracefully; the exit status."""
     loop = asyncio.get_running_loop()
     if options.data_parallel_size > 1:
-        from engine.dp_engine import DataParallelEngine
+        from pagedserve.engine.dp_engine import DataParallelEngine
 
         engine = await loop.run_in_executor(None, DataParallelEngine.from_config, config,
                                             options.data_parallel_size)  # fmt: skip

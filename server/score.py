@@ -1,6 +1,6 @@
 """``POST /v1/score`` and ``/v1/rerank`` (also ``/rerank``, ``/v2/rerank``): how alike texts
 are, as vLLM serves them for embedding models, from the cosine similarity of their
-embeddings (:mod:`server.embeddings`' pooling).
+embeddings (:mod:`pagedserve.server.embeddings`' pooling).
 
 * score: ``text_1`` against ``text_2``; one against many, or pairwise when both are lists
   of the same length. ``data`` holds a ``score`` per pair, in order.
@@ -17,15 +17,15 @@ from typing import Any
 
 from aiohttp import web
 
-from engine import PoolingParams
-from server.embeddings import embed
-from server.errors import bad_request
-from server.generation import random_id
-from server.param_names import Route
-from server.prompts import MAX_PROMPTS
-from server.protocol import RerankRequest, ScoreRequest, read_request
-from server.sse import json_response
-from server.state import STATE_KEY
+from pagedserve import PoolingParams
+from pagedserve.server.embeddings import embed
+from pagedserve.server.errors import bad_request
+from pagedserve.server.generation import random_id
+from pagedserve.server.param_names import Route
+from pagedserve.server.prompts import MAX_PROMPTS
+from pagedserve.server.protocol import RerankRequest, ScoreRequest, read_request
+from pagedserve.server.sse import json_response
+from pagedserve.server.state import STATE_KEY
 
 SCORE = Route(prompt="text_1")
 RERANK = Route(prompt="documents")

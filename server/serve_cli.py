@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine import envs
-from engine.lora import LoRAError
-from server.cors import parse_origins
-from server.engine_args import add_engine_args, config_from_args
-from server.lora import LoRAAdapters, LoRAModule, parse_lora_module
-from server.options import ServeOptions
-from server.reasoning import PARSERS as REASONING_PARSERS
+from pagedserve.engine import envs
+from pagedserve.engine.lora import LoRAError
+from pagedserve.server.cors import parse_origins
+from pagedserve.server.engine_args import add_engine_args, config_from_args
+from pagedserve.server.lora import LoRAAdapters, LoRAModule, parse_lora_module
+from pagedserve.server.options import ServeOptions
+from pagedserve.server.reasoning import PARSERS as REASONING_PARSERS
 
-logger = logging.getLogger("server")
+logger = logging.getLogger("pagedserve.server")
 
 API_KEY_ENV = envs.API_KEY.name
 
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the server with the parsed flags; the process exit status."""
     import asyncio
 
-    from server.runner import serve
+    from pagedserve.server.runner import serve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -229,8 +229,8 @@ def run(args: argparse.Namespace) -> int:
         max_stored_responses=args.max_stored_responses,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
-    from engine.parallel.launch import is_worker_rank
-    from engine.parallel.rank import run_worker_rank
+    from pagedserve.engine.parallel.launch import is_worker_rank
+    from pagedserve.engine.parallel.rank import run_worker_rank
 
     if is_worker_rank(config):  # torchrun: rank 0 serves, this rank steps its shard
         logger.info("tensor-parallel rank of a launcher's group: stepping for rank 0")

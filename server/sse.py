@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from server.errors import APIError, bad_request, timed_out
-from server.state import STATE_KEY
+from pagedserve.server.errors import APIError, bad_request, timed_out
+from pagedserve.server.state import STATE_KEY
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode

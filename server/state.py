@@ -11,14 +11,14 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from engine import AsyncEngine, EngineInputError, LoRARequest, SamplingParams
-from server.errors import bad_request, not_found, overloaded, unavailable
-from server.logprobs import TokenPiece, TokenPieces, token_piece
-from server.lora import LoRAAdapters
-from server.metrics import ServerMetrics
-from server.options import ServeOptions
-from server.param_names import Route, input_error
-from server.responses_store import ResponseStore
+from pagedserve import AsyncEngine, EngineInputError, LoRARequest, SamplingParams
+from pagedserve.server.errors import bad_request, not_found, overloaded, unavailable
+from pagedserve.server.logprobs import TokenPiece, TokenPieces, token_piece
+from pagedserve.server.lora import LoRAAdapters
+from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.options import ServeOptions
+from pagedserve.server.param_names import Route, input_error
+from pagedserve.server.responses_store import ResponseStore
 
 T = TypeVar("T")
 

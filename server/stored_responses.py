@@ -1,14 +1,14 @@
 """``GET /v1/responses/{response_id}``, its ``/input_items`` and ``DELETE``: the stored
-responses of :mod:`server.responses_store`, as ``client.responses.retrieve``,
+responses of :mod:`pagedserve.server.responses_store`, as ``client.responses.retrieve``,
 ``client.responses.input_items.list`` and ``client.responses.delete`` read them."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from server.errors import bad_request
-from server.sse import json_response
-from server.state import STATE_KEY
+from pagedserve.server.errors import bad_request
+from pagedserve.server.sse import json_response
+from pagedserve.server.state import STATE_KEY
 
 
 async def retrieve_response(request: web.Request) -> web.Response:

@@ -13,10 +13,10 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from engine import StructuredOutputsError, StructuredOutputsParams
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, _Sampling
-from server.state import ServerState
+from pagedserve import StructuredOutputsError, StructuredOutputsParams
+from pagedserve.server.errors import bad_request
+from pagedserve.server.protocol import ChatCompletionRequest, _Sampling
+from pagedserve.server.state import ServerState
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest
-from server.state import ServeOptions
-from server.structured import Constraint, _make
+from pagedserve.server.errors import bad_request
+from pagedserve.server.protocol import ChatCompletionRequest
+from pagedserve.server.state import ServeOptions
+from pagedserve.server.structured import Constraint, _make
 
 _ANY_OBJECT = {"type": "object"}
 

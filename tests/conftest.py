@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]
+
+# The repository's folders install as ``pagedserve.<folder>``; by their bare names they
+# would shadow other distributions of those names (Hugging Face's ``kernels``, which
+# transformers imports). ``tests`` is imported from the repository root, so the root stays
+# on the path, but after site-packages; ``python -m``/``-c`` children do not put their
+# working folder first (``PYTHONSAFEPATH``).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT] + [str(ROOT)]
+os.environ["PYTHONSAFEPATH"] = "1"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -27,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _native_levels() -> tuple[str, ...]:
-    from kernels.cpu import native as cpu_native
+    from pagedserve.kernels.cpu import native as cpu_native
 
     return cpu_native.runnable_levels()
 
@@ -36,7 +46,7 @@ def _native_levels() -> tuple[str, ...]:
 def native_lib(request):
     """The native CPU library at each build level this CPU runs (portable, and AVX2 and
     AVX-512 where the CPU has them); each build reports the vector path it runs."""
-    from kernels.cpu import native as cpu_native
+    from pagedserve.kernels.cpu import native as cpu_native
 
     lib = cpu_native.build_library(request.param)
     assert cpu_native.isa(lib) == request.param
@@ -46,14 +56,14 @@ def native_lib(request):
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The converted default model (converted once into the user cache)."""
-    from engine.loader import convert_default_model
+    from pagedserve.engine.loader import convert_default_model
 
     return convert_default_model()
 
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_model_path):
-    from engine.loader import load_tokenizer
+    from pagedserve.engine.loader import load_tokenizer
 
     return load_tokenizer(default_model_path)
 
@@ -117,7 +127,7 @@ def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0,
             else:  # norms and biases: not all ones / zeros, so their loading is tested
                 p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(out)
-    from engine.loader import load_tokenizer
+    from pagedserve.engine.loader import load_tokenizer
 
     load_tokenizer(tokenizer_src).save_pretrained(out)
     return out

@@ -3,7 +3,7 @@
 Adapters are PEFT LoRA checkpoints: a directory with ``adapter_config.json`` and
 ``adapter_model.safetensors``. The config, and the weights' names and shapes (from the
 safetensors header), are checked here without torch, so a server checks an adapter
-before any request names it; the weights are read by :mod:`engine.lora.weights` on the
+before any request names it; the weights are read by :mod:`pagedserve.engine.lora.weights` on the
 engine side. Torch-free.
 """
 
@@ -69,7 +69,7 @@ class LoRALimits:
 
     @classmethod
     def of(cls, spec, max_rank: int) -> LoRALimits:
-        """For a model of ``spec`` (:class:`engine.models.DecoderSpec`)."""
+        """For a model of ``spec`` (:class:`pagedserve.engine.models.DecoderSpec`)."""
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         h, m = spec.hidden_size, spec.intermediate_size
         moe = getattr(spec, "moe", None)

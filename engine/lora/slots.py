@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.request import Request
+from pagedserve.engine.request import Request
 
 
 def active_loras(running: Iterable[Request]) -> set[int]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.lora.request import (
+from pagedserve.engine.lora.request import (
     FUSED,
     WEIGHTS_FILE,
     LoRAError,

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from engine.lora.request import FUSED
+from pagedserve.engine.lora.request import FUSED
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.models.spec import DecoderSpec, MoESpec
+    from pagedserve.engine.models.spec import DecoderSpec, MoESpec
 
 _FUSED = {part: fused for fused, parts in FUSED.items() for part in parts}
 PROJECTIONS = tuple(_FUSED)
@@ -22,7 +22,7 @@ QUANTIZED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def layout_key(hf: str) -> str | None:
-    """The :meth:`engine.models.decoder.DecoderForCausalLM.quantize_layout` key of a
+    """The :meth:`pagedserve.engine.models.decoder.DecoderForCausalLM.quantize_layout` key of a
     checkpoint weight (``layers.{i}.{fused projection}``; an expert's
     ``layers.{i}.moe.experts.{e}.{fused projection}`` or ``layers.{i}.moe.shared_expert.
     {fused projection}``; ``embed_tokens``, ``lm_head``), or None for a weight that is

@@ -16,16 +16,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.models.checkpoint_names import QUANTIZED_PARTS, required_tensors
-from engine.models.linear import QuantEmbedding, QuantLinear, project, put_rows
-from engine.models.moe import SparseMoE, moe_tensor
-from engine.models.rope import rope_tables
-from engine.models.spec import DecoderSpec
-from kernels.interface import AttentionBackend, AttentionMetadata, DecoderStack, LayerWeights
-from kernels.quant import QuantizedWeight, quantize_int8
+from pagedserve.engine.models.checkpoint_names import QUANTIZED_PARTS, required_tensors
+from pagedserve.engine.models.linear import QuantEmbedding, QuantLinear, project, put_rows
+from pagedserve.engine.models.moe import SparseMoE, moe_tensor
+from pagedserve.engine.models.rope import rope_tables
+from pagedserve.engine.models.spec import DecoderSpec
+from pagedserve.kernels.interface import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecoderStack,
+    LayerWeights,
+)
+from pagedserve.kernels.quant import QuantizedWeight, quantize_int8
 
 if TYPE_CHECKING:
-    from engine.lora.weights import LoRAStep
+    from pagedserve.engine.lora.weights import LoRAStep
 
 
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -36,7 +41,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, tp: Any = None, index: int = 0) -> None:
         super().__init__()
         self.tp = tp
-        """Tensor parallel (:class:`engine.parallel.group.TensorParallel`): this layer
+        """Tensor parallel (:class:`pagedserve.engine.parallel.group.TensorParallel`): this layer
         holds its rank's heads and MLP columns; o and down are all-reduced."""
         s = spec
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
@@ -129,7 +134,7 @@ class DecoderLayer(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     def __init__(self, spec: DecoderSpec, tp: Any = None) -> None:
-        """``tp``: a :class:`engine.parallel.group.TensorParallel` whose ``shard`` is this
+        """``tp``: a :class:`pagedserve.engine.parallel.group.TensorParallel` whose ``shard`` is this
         rank's part of ``spec``; the model is then that part (``self.spec`` is the
         shard's, ``self.full_spec`` the whole model's)."""
         super().__init__()
@@ -240,7 +245,7 @@ class DecoderForCausalLM(nn.Module):
     def quantize_layout(self, formats: dict[str, str]) -> None:
         """Before loading: keep the weights named in ``formats`` quantized. Keys are
         ``layers.{i}.{projection}`` (see :data:`LINEAR_NAMES`), ``embed_tokens`` and
-        ``lm_head``; values are :data:`kernels.quant.FORMATS` names. Their planes are
+        ``lm_head``; values are :data:`pagedserve.kernels.quant.FORMATS` names. Their planes are
         allocated on the CPU; the checkpoint must then supply them in that format."""
         self._stack = None
         for name, fmt in formats.items():

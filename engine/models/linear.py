@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.quant import QuantizedWeight
+from pagedserve.kernels.quant import QuantizedWeight
 
 
 class QuantLinear(nn.Module):

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.checkpoint_names import MIXTRAL_EXPERT
-from engine.models.linear import project
-from engine.models.spec import MoESpec
-from kernels.interface import ExpertWeights
+from pagedserve.engine.models.checkpoint_names import MIXTRAL_EXPERT
+from pagedserve.engine.models.linear import project
+from pagedserve.engine.models.spec import MoESpec
+from pagedserve.kernels.interface import ExpertWeights
 
 
 class GatedMLP(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.spec import rope_type
+from pagedserve.engine.models.spec import rope_type
 
 
 def rope_tables(cfg, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -153,7 +153,7 @@ class DecoderSpec:
     """The mixture-of-experts layers, if the model has any."""
     fused_checkpoint: bool = False
     """Checkpoint projections ``qkv_proj`` and ``gate_up_proj`` (Phi-3) rather than
-    ``q_proj`` .. ``up_proj``: :func:`engine.models.checkpoint_names.unfuse` splits them."""
+    ``q_proj`` .. ``up_proj``: :func:`pagedserve.engine.models.checkpoint_names.unfuse` splits them."""
 
     @classmethod
     def from_hf(cls, cfg) -> DecoderSpec:

@@ -34,13 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.errors import EngineFatalError
-from engine.parallel import shm
-from engine.parallel.shard import TPShard
-from engine.parallel.shm import ShmExchange
-from engine.scheduler_output import SchedulerOutput
+from pagedserve.engine.errors import EngineFatalError
+from pagedserve.engine.parallel import shm
+from pagedserve.engine.parallel.shard import TPShard
+from pagedserve.engine.parallel.shm import ShmExchange
+from pagedserve.engine.scheduler_output import SchedulerOutput
 
-logger = logging.getLogger("engine.parallel")
+logger = logging.getLogger("pagedserve.engine.parallel")
 
 STEP = 0
 SHUTDOWN = 1
@@ -99,7 +99,7 @@ class TensorParallel:
 
     def _join_shm(self, timeout_s: float) -> ShmExchange | None:
         """The shared segment, if every rank could map it (else None everywhere)."""
-        from kernels.cpu import native
+        from pagedserve.kernels.cpu import native
 
         lib = native.load()
         usable = lib is not None and shm.available()

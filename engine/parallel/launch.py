@@ -26,10 +26,10 @@ import subprocess
 import sys
 import threading
 
-from engine import envs, frames
-from engine.config import EngineConfig
+from pagedserve.engine import envs, frames
+from pagedserve.engine.config import EngineConfig
 
-logger = logging.getLogger("engine.parallel")
+logger = logging.getLogger("pagedserve.engine.parallel")
 
 PR_SET_PDEATHSIG = 1
 
@@ -77,8 +77,8 @@ def _free_port() -> int:
 class WorkerProcesses:
     """Ranks 1..N-1 started by the engine, and the threads that watch them.
 
-    Each rank is a fresh interpreter (``python -m engine.parallel.rank``) that reads its
-    engine configuration from its stdin (one :mod:`engine.frames` frame): nothing of the
+    Each rank is a fresh interpreter (``python -m pagedserve.engine.parallel.rank``) that reads its
+    engine configuration from its stdin (one :mod:`pagedserve.engine.frames` frame): nothing of the
     parent is imported again (a script without an ``if __name__ == "__main__"`` guard
     works) and nothing is forked.
     """
@@ -93,7 +93,7 @@ class WorkerProcesses:
         self.procs: list[subprocess.Popen] = []
         for r in range(1, size):
             p = subprocess.Popen(
-                [sys.executable, "-m", "engine.parallel.rank", str(r), str(size),
+                [sys.executable, "-m", "pagedserve.engine.parallel.rank", str(r), str(size),
                  self.init_method, str(os.getpid())],
                 stdin=subprocess.PIPE, env=env)  # fmt: skip
             self.procs.append(p)
@@ -160,9 +160,9 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def start_rank0(config: EngineConfig, device) -> tuple[object, WorkerProcesses | None]:
-    """Rank 0's group (a :class:`~engine.parallel.group.TensorParallel`): joined with
+    """Rank 0's group (a :class:`~pagedserve.engine.parallel.group.TensorParallel`): joined with
     the launcher's ranks (no processes of its own), or with ranks it spawns now."""
-    from engine.parallel.group import TensorParallel
+    from pagedserve.engine.parallel.group import TensorParallel
 
     size = config.tensor_parallel_size
     if env_rank() is not None:

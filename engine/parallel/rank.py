@@ -1,9 +1,9 @@
 """A tensor-parallel rank other than 0: its shard of the model, then the steps rank 0
 broadcasts, until rank 0 says stop.
 
-``python -m engine.parallel.rank RANK SIZE INIT_METHOD PARENT_PID`` is a rank the engine
-started (:class:`engine.parallel.launch.WorkerProcesses`; its engine configuration
-arrives as one :mod:`engine.frames` frame on stdin); :func:`run_worker_rank` is a rank a
+``python -m pagedserve.engine.parallel.rank RANK SIZE INIT_METHOD PARENT_PID`` is a rank the engine
+started (:class:`pagedserve.engine.parallel.launch.WorkerProcesses`; its engine configuration
+arrives as one :mod:`pagedserve.engine.frames` frame on stdin); :func:`run_worker_rank` is a rank a
 launcher started.
 """
 
@@ -13,11 +13,11 @@ import logging
 import signal
 import sys
 
-from engine import envs, frames
-from engine.config import EngineConfig
-from engine.parallel.group import SHUTDOWN, TensorParallel
-from engine.parallel.launch import check_env, core_share, die_with_parent, use_cores
-from engine.worker import Worker, resolve_device
+from pagedserve.engine import envs, frames
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.parallel.group import SHUTDOWN, TensorParallel
+from pagedserve.engine.parallel.launch import check_env, core_share, die_with_parent, use_cores
+from pagedserve.engine.worker import Worker, resolve_device
 
 
 def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,

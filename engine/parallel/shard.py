@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.checkpoint_names import projection
-from engine.models.decoder import DecoderSpec
+from pagedserve.engine.models.checkpoint_names import projection
+from pagedserve.engine.models.decoder import DecoderSpec
 
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
 _ROW = {"o_proj": "q", "down_proj": "mlp"}
-"""By projection (:func:`engine.models.checkpoint_names.projection`, which reads Mixtral's
+"""By projection (:func:`pagedserve.engine.models.checkpoint_names.projection`, which reads Mixtral's
 expert names ``w1``/``w3``/``w2`` as gate/up/down). An expert (and Qwen2-MoE's shared
 expert) is split as a dense MLP is, over its own width; the routers are whole on every
 rank, so every rank routes a token to the same experts."""

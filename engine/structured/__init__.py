@@ -1,11 +1,11 @@
 """Grammar-constrained decoding: specs, backends (xgrammar, llguidance), the compile
 pool and the per-step token bitmask.
 
-:mod:`engine.structured.params` is torch-free and imports no backend; the backends are
+:mod:`pagedserve.engine.structured.params` is torch-free and imports no backend; the backends are
 imported only when an engine first compiles a grammar.
 """
 
-from engine.structured.params import (
+from pagedserve.engine.structured.params import (
     ReasoningGate,
     StructuredOutputsError,
     StructuredOutputsParams,

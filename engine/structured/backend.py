@@ -16,12 +16,12 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from engine.structured.params import StructuredOutputsError, StructuredOutputsParams
-from engine.structured.schema import has_bounded_pattern
+from pagedserve.engine.structured.params import StructuredOutputsError, StructuredOutputsParams
+from pagedserve.engine.structured.schema import has_bounded_pattern
 
 BACKENDS = {
-    "xgrammar": ("engine.structured.xgrammar_backend", "xgrammar"),
-    "llguidance": ("engine.structured.llguidance_backend", "llguidance"),
+    "xgrammar": ("pagedserve.engine.structured.xgrammar_backend", "xgrammar"),
+    "llguidance": ("pagedserve.engine.structured.llguidance_backend", "llguidance"),
 }
 """Backend name -> (module, the package it needs)."""
 AUTO = "auto"

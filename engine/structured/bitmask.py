@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.structured.backend import Matcher
+from pagedserve.engine.structured.backend import Matcher
 
 
 def bitmask_words(vocab_size: int) -> int:

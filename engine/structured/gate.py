@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.structured.backend import Matcher
-from engine.structured.params import ReasoningGate
+from pagedserve.engine.structured.backend import Matcher
+from pagedserve.engine.structured.params import ReasoningGate
 
 
 def allow_token(bitmask: Any, row: int, token_id: int) -> None:

@@ -4,7 +4,7 @@ A compile builds the llguidance grammar and one template matcher, which validate
 each request's matcher is a copy of the template (cheap, no grammar construction on the
 engine thread). JSON grammars get the same fixed separators as the xgrammar backend
 (``{"a": 1, "b": [1, 2]}``) unless ``any_whitespace``, and the same closed objects
-(:func:`engine.structured.schema.close_objects`); GBNF grammars are converted to
+(:func:`pagedserve.engine.structured.schema.close_objects`); GBNF grammars are converted to
 llguidance's Lark syntax.
 """
 
@@ -20,9 +20,9 @@ import llguidance.hf
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
-from engine.structured.backend import compile_error
-from engine.structured.params import StructuredOutputsParams
-from engine.structured.schema import close_objects
+from pagedserve.engine.structured.backend import compile_error
+from pagedserve.engine.structured.params import StructuredOutputsParams
+from pagedserve.engine.structured.schema import close_objects
 
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _SOURCE_EXCERPT = re.compile(r"\n\s*\d+ \|.*", re.S)

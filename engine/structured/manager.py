@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from engine.structured.backend import (
+from pagedserve.engine.structured.backend import (
     AUTO,
     Grammar,
     GrammarBackend,
@@ -25,10 +25,10 @@ from engine.structured.backend import (
     is_available,
     load_backend,
 )
-from engine.structured.gate import GatedMatcher
-from engine.structured.params import StructuredOutputsParams
+from pagedserve.engine.structured.gate import GatedMatcher
+from pagedserve.engine.structured.params import StructuredOutputsParams
 
-logger = logging.getLogger("engine.structured")
+logger = logging.getLogger("pagedserve.engine.structured")
 
 MAX_CACHED_GRAMMARS = 512
 
@@ -59,7 +59,7 @@ class StructuredOutputManager:
 
     def submit(self, spec: StructuredOutputsParams) -> Future[Grammar]:
         """The (cached) compile of ``spec``; its exception is a
-        :class:`~engine.structured.StructuredOutputsError` naming the spec's field."""
+        :class:`~pagedserve.engine.structured.StructuredOutputsError` naming the spec's field."""
         key = spec.key
         with self._lock:
             fut = self._cache.get(key)

@@ -12,7 +12,7 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import EngineInputError, InputField
+from pagedserve.engine.errors import EngineInputError, InputField
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import xgrammar as xgr
 
-from engine.structured.backend import compile_error
-from engine.structured.params import StructuredOutputsParams
+from pagedserve.engine.structured.backend import compile_error
+from pagedserve.engine.structured.params import StructuredOutputsParams
 
 # xgrammar (0.2.x) writes a string's minLength / maxLength as a repeat of one rule whose
 # body is this class: raw control characters pass (not JSON) and no escape can be written.

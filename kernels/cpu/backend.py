@@ -7,9 +7,9 @@ no mask. Decode rows read each K and V row from memory once per layer; a prefill
 reads each row once per tile of 16 query tokens, which all take it from L1. Chunks
 that continue a cached prefix or an earlier chunk take the same path as whole prompts.
 The step's K/V rows are written by the same native call, just before it attends. Its
-layer ops are the :class:`~kernels.cpu.layer_ops.NativeLayerOps` of the same library
+layer ops are the :class:`~pagedserve.kernels.cpu.layer_ops.NativeLayerOps` of the same library
 (fused RMSNorm with the residual add, RoPE, SiLU-and-multiply, the float32 linear),
-chosen with it by :func:`kernels.registry.select_kernels`.
+chosen with it by :func:`pagedserve.kernels.registry.select_kernels`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu import native
-from kernels.interface import AttentionMetadata, DecoderStack
-from kernels.layer_ops import LayerOps
+from pagedserve.kernels.cpu import native
+from pagedserve.kernels.interface import AttentionMetadata, DecoderStack
+from pagedserve.kernels.layer_ops import LayerOps
 
 
 @dataclass(slots=True)
@@ -54,8 +54,8 @@ class CpuBackend:
         self.ops = ops
         self._fused = None
         if fuse_layers:
-            from kernels.cpu.decoder import FusedLayers
-            from kernels.cpu.layer_ops import NativeLayerOps
+            from pagedserve.kernels.cpu.decoder import FusedLayers
+            from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
 
             if isinstance(ops, NativeLayerOps):
                 self._fused = FusedLayers(lib, ops)
@@ -67,7 +67,7 @@ class CpuBackend:
 
     def run_layers(self, stack: DecoderStack, hidden: torch.Tensor, positions: torch.Tensor,
                    kv_caches: list, meta: AttentionMetadata):
-        """Every layer of ``stack`` in one native call (``kernels.cpu.decoder``):
+        """Every layer of ``stack`` in one native call (``pagedserve.kernels.cpu.decoder``):
         ``(last MLP output, residual)``, or None for a step that call does not take."""
         if self._fused is None:
             return None

@@ -1,6 +1,6 @@
 """CPU benchmark: TorchBackend vs a naive per-request loop on SmolLM2-135M shapes.
 
-Run with ``python -m kernels.cpu.bench``. Reports the best-of-N milliseconds per
+Run with ``python -m pagedserve.kernels.cpu.bench``. Reports the best-of-N milliseconds per
 layer forward (prepare runs once per step and is reported separately).
 
 ``--long`` times the native attention kernel alone at long contexts instead: prefill
@@ -32,11 +32,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.synthetic import PagedStep, make_step
-from kernels.interface import AttentionMetadata
-from kernels.torch_backend import TorchBackend
+from pagedserve.kernels.cpu.synthetic import PagedStep, make_step
+from pagedserve.kernels.interface import AttentionMetadata
+from pagedserve.kernels.torch_backend import TorchBackend
 
-log = logging.getLogger("kernels.cpu.bench")
+log = logging.getLogger("pagedserve.kernels.cpu.bench")
 
 
 def naive_forward(
@@ -101,7 +101,7 @@ def bench_step(name: str, step: PagedStep, iters: int) -> dict[str, float]:
 
 def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool) -> None:
     """The native kernel at long contexts: prefill chunks and decodes."""
-    from kernels.cpu import native as cpu_native
+    from pagedserve.kernels.cpu import native as cpu_native
 
     lib = cpu_native.build_library(level)
     clock = time.thread_time if cpu_time else time.perf_counter
@@ -146,11 +146,11 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
     ``paged_attention`` takes this tree's arguments: it is declared with this tree's
     ABI), timed in turn with this tree's on the same cache, so that the two share the
     machine's state of the moment; each is reported with its ratio to this tree's."""
-    from kernels.cpu import abi
-    from kernels.cpu import native as cpu_native
-    from kernels.cpu.backend import CpuBackend
-    from kernels.cpu.memory import huge_empty
-    from kernels.interface import allocate_kv_cache
+    from pagedserve.kernels.cpu import abi
+    from pagedserve.kernels.cpu import native as cpu_native
+    from pagedserve.kernels.cpu.backend import CpuBackend
+    from pagedserve.kernels.cpu.memory import huge_empty
+    from pagedserve.kernels.interface import allocate_kv_cache
 
     libs = {level: cpu_native.build_library(level)}
     if against is not None:
@@ -210,7 +210,7 @@ def _omp_wait() -> str:
 
 
 SPIN_COUNT = "1000"
-"""The OpenMP threads' idle spin the engine runs with (``engine.process_tuning``)."""
+"""The OpenMP threads' idle spin the engine runs with (``pagedserve.engine.process_tuning``)."""
 
 
 def _run_with_engine_spin() -> None:
@@ -219,7 +219,7 @@ def _run_with_engine_spin() -> None:
     if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
         return
     os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
-    os.execv(sys.executable, [sys.executable, "-m", "kernels.cpu.bench", *sys.argv[1:]])
+    os.execv(sys.executable, [sys.executable, "-m", "pagedserve.kernels.cpu.bench", *sys.argv[1:]])
 
 
 def main() -> None:
@@ -242,7 +242,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dtype = getattr(torch, args.dtype)
     if args.long:
-        from kernels.cpu import native as cpu_native
+        from pagedserve.kernels.cpu import native as cpu_native
 
         log.info("%s", _omp_wait())
         level = args.level or cpu_native.runnable_levels()[-1]

@@ -9,12 +9,12 @@ the loop, which stays the path for everything the tables cannot describe.
 
 A step is fused when its activations are float32, every linear of the model runs in the
 native library at the step's row count (float32 weights through the native linear, up to
-:data:`~kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, where this build has one;
+:data:`~pagedserve.kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, where this build has one;
 weight-only quantized ones in registers, up to
-:attr:`~kernels.cpu.layer_ops.NativeLayerOps.quant_max_rows`; never more than
-:data:`~kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, since the call's scratch grows
+:attr:`~pagedserve.kernels.cpu.layer_ops.NativeLayerOps.quant_max_rows`; never more than
+:data:`~pagedserve.kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, since the call's scratch grows
 with its rows), and the caches are the contiguous CPU tensors the attention kernel takes. Weights must not change once a fused step has
-run (the tables hold their addresses; a rebuilt :class:`~kernels.interface.DecoderStack`
+run (the tables hold their addresses; a rebuilt :class:`~pagedserve.kernels.interface.DecoderStack`
 gets new tables).
 """
 
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu import abi
-from kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
-from kernels.cpu.native import DTYPE_CODES, kv_layout
-from kernels.cpu.quant import format_code
-from kernels.interface import DecoderStack, ExpertWeights, LayerWeights, Weight
-from kernels.quant import QuantizedWeight
+from pagedserve.kernels.cpu import abi
+from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
+from pagedserve.kernels.cpu.native import DTYPE_CODES, kv_layout
+from pagedserve.kernels.cpu.quant import format_code
+from pagedserve.kernels.interface import DecoderStack, ExpertWeights, LayerWeights, Weight
+from pagedserve.kernels.quant import QuantizedWeight
 
 C = abi.CONSTANTS
 
@@ -48,7 +48,7 @@ class _Tables:
 
 
 class FusedLayers:
-    """Runs a :class:`~kernels.interface.DecoderStack` through ``decoder_layers``."""
+    """Runs a :class:`~pagedserve.kernels.interface.DecoderStack` through ``decoder_layers``."""
 
     def __init__(self, lib: ctypes.CDLL, ops: NativeLayerOps) -> None:
         self._lib = lib
@@ -63,7 +63,7 @@ class FusedLayers:
         """``(last MLP output, residual)`` for the step, or None when it is not fused.
         ``hidden`` (the embeddings, float32 ``[T, hidden]``) becomes the residual, updated
         in place as the loop updates it; ``plan`` is the step's
-        :class:`~kernels.cpu.backend.CpuStepPlan`."""
+        :class:`~pagedserve.kernels.cpu.backend.CpuStepPlan`."""
         rows = hidden.shape[0]
         if not (0 < rows == plan.num_tokens and hidden.dtype == torch.float32 and hidden.is_cpu
                 and hidden.is_contiguous() and positions.is_cpu):  # fmt: skip

@@ -1,10 +1,10 @@
 """The layer ops in the native CPU library: :class:`NativeLayerOps`.
 
-:class:`NativeLayerOps` implements :class:`kernels.layer_ops.LayerOps` with one call
+:class:`NativeLayerOps` implements :class:`pagedserve.kernels.layer_ops.LayerOps` with one call
 into the native library per op for float32 and bfloat16 CPU tensors (bfloat16 rounded
 where the torch expression rounds: fused RMSNorm with the residual add, RoPE,
 SiLU-and-multiply, greedy sampling's argmax over float32 logits), and falls back to
-:class:`~kernels.layer_ops.TorchLayerOps` for anything else. On a decode step of a
+:class:`~pagedserve.kernels.layer_ops.TorchLayerOps` for anything else. On a decode step of a
 small model the torch versions cost more in dispatch and thread wake-ups than in
 arithmetic: RMSNorm alone is six ops. The native version of ``add_rms_norm`` updates
 ``residual`` in place.
@@ -24,7 +24,7 @@ builds without a vector path (2 to 1024 rows). The packed copy lives beside the 
 (the linear weights' memory twice); ``pack_weights=False`` (the engine's
 ``PAGEDSERVE_PACK_WEIGHTS=0``) turns packing off.
 :meth:`NativeLayerOps.paths` says which linear each dtype takes. Weight-only quantized
-weights are multiplied by ``csrc/qgemm_cpu.c`` (:mod:`kernels.cpu.quant`) from a copy
+weights are multiplied by ``csrc/qgemm_cpu.c`` (:mod:`pagedserve.kernels.cpu.quant`) from a copy
 packed at load in groups of output columns, which then replaces the planes: prefill-sized
 products and embedding lookups dequantize the packed copy (the same bits), and the planes'
 memory is freed, so a quantized model is held once.
@@ -39,13 +39,13 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.abi import MAX_HEAD_DIM
-from kernels.cpu.native import isa as build_isa
-from kernels.cpu.quant import cached_pack, native_dequantize, native_linear, packed_size
-from kernels.layer_ops import TorchLayerOps, rms_norm
-from kernels.quant import QuantizedWeight
+from pagedserve.kernels.cpu.abi import MAX_HEAD_DIM
+from pagedserve.kernels.cpu.native import isa as build_isa
+from pagedserve.kernels.cpu.quant import cached_pack, native_dequantize, native_linear, packed_size
+from pagedserve.kernels.layer_ops import TorchLayerOps, rms_norm
+from pagedserve.kernels.quant import QuantizedWeight
 
-log = logging.getLogger("kernels.cpu.layer_ops")
+log = logging.getLogger("pagedserve.kernels.cpu.layer_ops")
 
 NATIVE_LINEAR_MAX_ROWS = 256
 """Float32 row counts up to which the native linear runs (where the CPU has it)."""
@@ -79,7 +79,7 @@ def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class NativeLayerOps(TorchLayerOps):
-    """:class:`~kernels.layer_ops.LayerOps` in one native call each (float32 and bfloat16
+    """:class:`~pagedserve.kernels.layer_ops.LayerOps` in one native call each (float32 and bfloat16
     on the CPU), torch for the rest."""
 
     name = "native"

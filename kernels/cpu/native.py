@@ -7,13 +7,13 @@ whose vector width is chosen at compile time, so one source builds at three leve
 (:data:`LEVELS`): ``portable`` (``-march=x86-64``, or the compiler's default off x86:
 plain C loops), ``avx2`` (``-march=x86-64-v3``: AVX2, FMA, F16C) and ``avx512``
 (``-march=x86-64-v4``). The engine builds the best level this CPU runs (its
-:class:`~kernels.settings.KernelSettings` may name a lower one: ``PAGEDSERVE_CPU_ISA``)
+:class:`~pagedserve.kernels.settings.KernelSettings` may name a lower one: ``PAGEDSERVE_CPU_ISA``)
 in about a second with the system C compiler (the settings' ``cc``, else ``cc``). The
 shared library is cached in the settings' kernel folder (the engine's
 ``$PAGEDSERVE_CACHE/kernels``, default ``~/.cache/pagedserve/kernels``), keyed by the
 sources, the flags, the compiler's version and the CPU's feature flags, and written
 atomically, so concurrent processes can build it at once. The constants shared with C
-and the ctypes signatures come from ``csrc/abi.h`` (:mod:`kernels.cpu.abi`). ctypes
+and the ctypes signatures come from ``csrc/abi.h`` (:mod:`pagedserve.kernels.cpu.abi`). ctypes
 releases the GIL for the duration of each call.
 
 When there is no compiler or the build fails, :func:`load` returns ``None`` and says
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import abi
-from kernels.settings import KernelSettings
+from pagedserve.kernels.cpu import abi
+from pagedserve.kernels.settings import KernelSettings
 
-log = logging.getLogger("kernels.cpu.native")
+log = logging.getLogger("pagedserve.kernels.cpu.native")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "gemm_cpu.c",

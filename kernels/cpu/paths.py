@@ -11,9 +11,9 @@ import platform
 
 import torch
 
-from kernels.cpu import native
-from kernels.cpu.layer_ops import NativeLayerOps
-from kernels.interface import AttentionBackend
+from pagedserve.kernels.cpu import native
+from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
+from pagedserve.kernels.interface import AttentionBackend
 
 # CPU flags worth naming in a report (x86 and aarch64 spellings as Linux reports them).
 _REPORTED = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16",
@@ -42,7 +42,7 @@ def describe(backend: AttentionBackend | None = None,
     its activations are float32; ``per-op``: one call per op).
     """
     if backend is None:
-        from kernels.registry import get_attention_backend
+        from pagedserve.kernels.registry import get_attention_backend
 
         backend = get_attention_backend("auto", "cpu")
     feats = native.cpu_features()

@@ -1,6 +1,6 @@
 """The native library's products of weight-only quantized matrices.
 
-:func:`native_linear` multiplies float32 rows by a :class:`~kernels.quant.QuantizedWeight`
+:func:`native_linear` multiplies float32 rows by a :class:`~pagedserve.kernels.quant.QuantizedWeight`
 dequantizing in registers (``csrc/qgemm_cpu.c``); :func:`native_dequantize` expands a
 weight, or some of its rows, to float32, from the weight's planes or from its packed copy
 (:func:`native_pack`), bit for bit the same. The format codes are those of
@@ -13,8 +13,8 @@ import ctypes
 
 import torch
 
-from kernels.cpu.abi import QUANT_FORMATS
-from kernels.quant import QuantizedWeight
+from pagedserve.kernels.cpu.abi import QUANT_FORMATS
+from pagedserve.kernels.quant import QuantizedWeight
 
 
 def format_code(weight: QuantizedWeight) -> int:

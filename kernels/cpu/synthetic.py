@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.interface import AttentionMetadata
+from pagedserve.kernels.interface import AttentionMetadata
 
 
 @dataclass(slots=True)

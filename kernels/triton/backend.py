@@ -7,21 +7,25 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.interface import AttentionMetadata
-from kernels.layer_ops import LayerOps, TorchLayerOps
-from kernels.quant import QK, QuantizedWeight
-from kernels.triton import norm, rope
-from kernels.triton.decode import choose_num_splits, device_num_sms, paged_decode_attention
-from kernels.triton.prefill import paged_prefill_attention
-from kernels.triton.quant_matmul import quant_matmul
-from kernels.triton.write_kv import write_kv
+from pagedserve.kernels.interface import AttentionMetadata
+from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
+from pagedserve.kernels.quant import QK, QuantizedWeight
+from pagedserve.kernels.triton import norm, rope
+from pagedserve.kernels.triton.decode import (
+    choose_num_splits,
+    device_num_sms,
+    paged_decode_attention,
+)
+from pagedserve.kernels.triton.prefill import paged_prefill_attention
+from pagedserve.kernels.triton.quant_matmul import quant_matmul
+from pagedserve.kernels.triton.write_kv import write_kv
 
 
 class TritonLayerOps(TorchLayerOps):
     """Torch layer ops, with the RMSNorms (the residual add fused in) and RoPE in one
-    Triton launch each (:mod:`kernels.triton.norm`, :mod:`kernels.triton.rope`) and
+    Triton launch each (:mod:`pagedserve.kernels.triton.norm`, :mod:`pagedserve.kernels.triton.rope`) and
     weight-only quantized linears through the Triton dequantizing matmul
-    (:mod:`kernels.triton.quant_matmul`)."""
+    (:mod:`pagedserve.kernels.triton.quant_matmul`)."""
 
     name = "triton"
 
@@ -39,7 +43,7 @@ class TritonLayerOps(TorchLayerOps):
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """In place when the kernel takes them (see :func:`kernels.triton.rope.fusable`)."""
+        """In place when the kernel takes them (see :func:`pagedserve.kernels.triton.rope.fusable`)."""
         if rope.fusable(q, k, cos, sin):
             rope.rope(q, k, cos, sin)
             return q, k

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import LOG2E, dot_block, mma, needs_upcast
+from pagedserve.kernels.triton.common import LOG2E, dot_block, mma, needs_upcast
 
 BLOCK_N = 32
 """Context tokens per inner iteration (any block size works: addresses are per token)."""
@@ -178,7 +178,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per request attending to its whole paged context.
 
-    Same contract as :func:`kernels.torch_ref.paged_decode_attention`. ``max_seq_len``
+    Same contract as :func:`pagedserve.kernels.torch_ref.paged_decode_attention`. ``max_seq_len``
     (host side) avoids a device sync; ``num_splits`` is the splits per request (None:
     :func:`choose_num_splits` for this device; 1: a single pass without reduce);
     ``out`` receives the result.

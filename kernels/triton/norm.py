@@ -3,7 +3,7 @@
 One program per row: ``residual += delta`` (rounded to the row's dtype, as the torch
 reference adds), then ``weight * (x * rsqrt(mean(x^2) + eps))`` in float32 over the
 rounded sum, rounded to the dtype before the weight multiplies it, as
-:func:`kernels.layer_ops.rms_norm` computes it.
+:func:`pagedserve.kernels.layer_ops.rms_norm` computes it.
 """
 
 from __future__ import annotations

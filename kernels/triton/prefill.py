@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import LOG2E, dot_block, mma, needs_upcast
+from pagedserve.kernels.triton.common import LOG2E, dot_block, mma, needs_upcast
 
 BLOCK_M = 64
 """Query rows (tokens x heads of a group) per program."""
@@ -111,7 +111,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of varlen query chunks over their paged contexts.
 
-    Same contract as :func:`kernels.torch_ref.paged_prefill_attention`, for requests
+    Same contract as :func:`pagedserve.kernels.torch_ref.paged_prefill_attention`, for requests
     ``first_req ..`` of the metadata (the whole tensors are passed with that offset, not
     slices: a slice's alignment would change with the offset, and with it the compiled
     variant). ``max_query_len`` (host side) avoids a device sync; ``out`` receives the

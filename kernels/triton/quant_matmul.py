@@ -1,6 +1,6 @@
 """Triton matmul over weight-only quantized weights, dequantized in registers.
 
-``y = x @ W^T (+ bias)`` for float ``x [M, K]`` and a :class:`~kernels.quant.QuantizedWeight`
+``y = x @ W^T (+ bias)`` for float ``x [M, K]`` and a :class:`~pagedserve.kernels.quant.QuantizedWeight`
 ``W [N, K]`` in ``q8_0``, ``q4_0``, ``q4_1`` or ``int8``, read from its planes as stored
 (codes, per-block float16 scales and offsets, or per-row float32 scales). A program owns
 a ``BLOCK_M x BLOCK_N`` tile of ``y`` and walks K one 32-weight block at a time. A
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import QK, QuantizedWeight
+from pagedserve.kernels.quant import QK, QuantizedWeight
 
 FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3}
 BLOCK_M = 16

@@ -2,7 +2,7 @@
 
 One program per token rotates all its query heads and KV heads (``x * cos +
 rotate_half(x) * sin``, each product rounded to the dtype and then summed, as
-:func:`kernels.layer_ops.apply_rope` computes it) and, with ``WRITE``, stores the
+:func:`pagedserve.kernels.layer_ops.apply_rope` computes it) and, with ``WRITE``, stores the
 rotated key and the value straight into the token's cache slot (slot -1 skipped): one
 launch where the torch ops take about ten for the rotation, one for the contiguous
 value and one for the write. Without ``WRITE`` it rotates the query and key in place.

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from blockmgr import KVCacheManager
+from pagedserve.blockmgr import KVCacheManager
 from tests.helpers.blockmgr import BS, FakeRequest, step
 
 
 def test_no_torch_or_numpy_import() -> None:
-    import blockmgr  # noqa: F401
+    import pagedserve.blockmgr  # noqa: F401
 
     assert "blockmgr" in sys.modules
     src = [m for m in sys.modules if m.startswith("blockmgr")]

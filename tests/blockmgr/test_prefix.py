@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from blockmgr import KVCacheManager, hash_block_tokens
-from blockmgr.hashing import ROOT_HASH
+from pagedserve.blockmgr import KVCacheManager, hash_block_tokens
+from pagedserve.blockmgr.hashing import ROOT_HASH
 from tests.helpers.blockmgr import BS, FakeRequest, step
 
 
@@ -214,7 +214,7 @@ def test_not_enough_blocks_with_hit_changes_nothing() -> None:
 def test_packing_matches_array_bytes() -> None:
     from array import array
 
-    from blockmgr.hashing import pack_token_ids
+    from pagedserve.blockmgr.hashing import pack_token_ids
 
     tokens = [0, 1, 2**40, 151_935, 7]
     assert pack_token_ids(tokens) == array("q", tokens).tobytes()

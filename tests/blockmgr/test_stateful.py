@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from blockmgr import KVCacheManager
+from pagedserve.blockmgr import KVCacheManager
 from tests.helpers.blockmgr import BS, FakeRequest
 
 PREFIXES = [[], list(range(100, 112)), list(range(100, 106)) + [7] * 6, [1, 2, 3, 4, 5, 6, 7, 8]]

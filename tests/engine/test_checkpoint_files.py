@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.checkpoint_quant import CheckpointQuant, CheckpointQuantError
-from engine.checkpoint_weights import _decode
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.checkpoint_quant import CheckpointQuant, CheckpointQuantError
+from pagedserve.engine.checkpoint_weights import _decode
 from tests.helpers.quantized_checkpoints import Scheme, split_into_shards, write_quantized
 
 KV = 0.05

@@ -9,18 +9,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.checkpoint_quant import (
+from pagedserve import LLM, EngineConfig, SamplingParams
+from pagedserve.engine.checkpoint_quant import (
     CheckpointQuant,
     CheckpointQuantError,
     read_quantization_config,
 )
-from engine.checkpoint_weights import iter_checkpoint_weights, tensor_layout
-from engine.loader import load_config
-from engine.models.checkpoint_names import layout_key
-from engine.models.decoder import LINEAR_NAMES
-from engine.models.spec import DecoderSpec
-from kernels.quant import QuantizedWeight
+from pagedserve.engine.checkpoint_weights import iter_checkpoint_weights, tensor_layout
+from pagedserve.engine.loader import load_config
+from pagedserve.engine.models.checkpoint_names import layout_key
+from pagedserve.engine.models.decoder import LINEAR_NAMES
+from pagedserve.engine.models.spec import DecoderSpec
+from pagedserve.kernels.quant import QuantizedWeight
 from tests.helpers.hf import hf_greedy
 from tests.helpers.prompts import TINY_MODEL_TEXTS
 from tests.helpers.quantized_checkpoints import Scheme, tied_copy, write_quantized

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer, backend_decode
-from engine.stop import StopChecker
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, backend_decode
+from pagedserve.engine.stop import StopChecker
 
 TEXTS = [
     "Hello, world! How are you today?",

@@ -11,9 +11,16 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, EngineConfig, EngineInputError, InputField, PoolingParams, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.pooling import pooling_defaults
+from pagedserve import (
+    LLM,
+    EngineConfig,
+    EngineInputError,
+    InputField,
+    PoolingParams,
+    SamplingParams,
+)
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.pooling import pooling_defaults
 
 TEXTS = ["The capital of France is Paris.", "def add(a, b):\n    return a + b",
          "A long sentence about the sea, the sky, the wind and the waves that goes on and on "

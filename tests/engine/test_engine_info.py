@@ -1,13 +1,13 @@
-"""The input checks every front end shares (``engine.engine_info.InputLimits``) and the
+"""The input checks every front end shares (``pagedserve.engine.engine_info.InputLimits``) and the
 typed errors they raise."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.engine_info import InputLimits
-from engine.errors import EngineInputError, InputField, PromptTooLongError, TokenIdError
-from engine.sampling_params import SamplingParamError, SamplingParams
+from pagedserve.engine.engine_info import InputLimits
+from pagedserve.engine.errors import EngineInputError, InputField, PromptTooLongError, TokenIdError
+from pagedserve.engine.sampling_params import SamplingParamError, SamplingParams
 
 V = 100
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import envs
+from pagedserve.engine import envs
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"PAGEDSERVE_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_]*\*)(?![A-Z0-9_])")
@@ -19,7 +19,7 @@ NAME = re.compile(r"PAGEDSERVE_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_]*\*)(?![A-Z0-9_])")
 def test_readme_table_is_generated_from_envs() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert envs.markdown_table() in readme
-    out = subprocess.run([sys.executable, "-m", "engine.envs"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "pagedserve.engine.envs"], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout  # fmt: skip
     assert out.strip() == envs.markdown_table()
 

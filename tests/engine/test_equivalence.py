@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from tests.helpers.hf import hf_greedy
 from tests.helpers.prompts import PROMPTS
 
@@ -95,9 +95,9 @@ def test_a_gguf_file_served_in_its_own_format_matches_hf_on_that_file(
     """Any GGUF file as the model: the default model's re-encoded in ``fmt`` (every
     linear and the embedding), served from its own blocks, equals HF transformers on the
     same file (the folder it converts to)."""
-    from engine import envs
-    from engine.loader import default_gguf_path, resolve_model_path
-    from loadtest.gguf_requant import requantize
+    from pagedserve.engine import envs
+    from pagedserve.engine.loader import default_gguf_path, resolve_model_path
+    from pagedserve.loadtest.gguf_requant import requantize
 
     monkeypatch.setenv(envs.CACHE.name, str(tmp_path / "cache"))
     path = tmp_path / f"SmolLM2-135M-Instruct.{fmt.upper()}.gguf"

@@ -1,4 +1,4 @@
-"""The KV-cache budget of the CUDA path and its profiling step (:mod:`engine.gpu_memory`),
+"""The KV-cache budget of the CUDA path and its profiling step (:mod:`pagedserve.engine.gpu_memory`),
 device-independent parts run on the CPU: the budget arithmetic and its errors, the
 worst-case step's layout and slots, and the profiling step through the torch backend."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.gpu_memory import (
+from pagedserve.engine.gpu_memory import (
     GiB,
     KVBudgetError,
     MemoryProfile,
@@ -20,7 +20,7 @@ from engine.gpu_memory import (
     kv_cache_budget,
     run_dummy_step,
 )
-from kernels import get_attention_backend
+from pagedserve.kernels import get_attention_backend
 from tests.helpers.models import tiny_decoder
 
 
@@ -88,7 +88,7 @@ def test_dummy_step_layout_includes_decode_rows() -> None:
 def test_graph_reserve_counts_reserved_segments(monkeypatch) -> None:
     """The graph reserve is measured in reserved bytes (what the graphs' pool keeps), not
     in allocated ones."""
-    from engine import gpu_memory
+    from pagedserve.engine import gpu_memory
 
     state = {"alloc": 0, "reserved": 0, "peak_alloc": 0, "peak_reserved": 0}
 

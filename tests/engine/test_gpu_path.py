@@ -1,5 +1,5 @@
 """The device-independent parts of the CUDA path's decode graphs, on the CPU: the batch
-ladder and padding (:mod:`engine.cuda_graphs`, run eagerly on static buffers with the
+ladder and padding (:mod:`pagedserve.engine.cuda_graphs`, run eagerly on static buffers with the
 torch backend); its KV-cache budget is in ``test_gpu_memory.py``. Neither imports Triton.
 """
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import cuda_graphs
-from engine.cuda_graphs import (
+from pagedserve.engine import cuda_graphs
+from pagedserve.engine.cuda_graphs import (
     MAX_CAPTURE_SIZE,
     DecodeBuffers,
     DecodeGraphRunner,
@@ -21,8 +21,8 @@ from engine.cuda_graphs import (
     max_blocks_per_seq,
     padded_batch_size,
 )
-from engine.model_runner import StepInputs
-from kernels import AttentionMetadata, get_attention_backend
+from pagedserve.engine.model_runner import StepInputs
+from pagedserve.kernels import AttentionMetadata, get_attention_backend
 from tests.helpers.models import tiny_decoder
 
 # -- the batch-size ladder ---------------------------------------------------------------
@@ -206,7 +206,7 @@ def test_model_runner_uses_decode_runner(tmp_path, monkeypatch, tail_bytes) -> N
     tokens are those of the plain eager engine. Each such step is staged straight into
     the runner's static buffers in one copy, unless its arrays do not fit there (a tail
     of 16 bytes): then it is staged as usual and copied in."""
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     from tests.helpers.models import write_tiny_model
 
     path = write_tiny_model(tmp_path / "tiny")
@@ -255,9 +255,9 @@ def test_model_runner_uses_decode_runner(tmp_path, monkeypatch, tail_bytes) -> N
 
 
 def test_cpu_path_imports_no_triton() -> None:
-    assert "engine.cuda_graphs" in sys.modules
+    assert "pagedserve.engine.cuda_graphs" in sys.modules
     import subprocess
 
     code = ("import sys, engine.cuda_graphs, engine.gpu_memory, engine.worker, "
-            "engine.model_runner; assert 'triton' not in sys.modules, 'triton imported'")  # fmt: skip
+            "pagedserve.engine.model_runner; assert 'triton' not in sys.modules, 'triton imported'")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True)

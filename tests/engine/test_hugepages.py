@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import envs, hugepages
+from pagedserve.engine import envs, hugepages
 
 MIB = 1 << 20
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -64,7 +64,7 @@ def test_a_refused_advice_still_gives_the_buffer(advised, monkeypatch, caplog) -
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(hugepages, "advise_huge_pages", refuse)
-    with caplog.at_level("DEBUG", logger="engine.hugepages"):
+    with caplog.at_level("DEBUG", logger="pagedserve.engine.hugepages"):
         t = hugepages.empty((3 * MIB,), torch.float32)
     assert t.numel() == 3 * MIB and t.fill_(2.0).sum().item() == 6 * MIB
     assert "madvise(MADV_HUGEPAGE) of 12582912 bytes failed" in caplog.text

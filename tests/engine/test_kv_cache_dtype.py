@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.worker import resolve_kv_cache_dtype
+from pagedserve import LLM, EngineConfig, SamplingParams
+from pagedserve.engine.worker import resolve_kv_cache_dtype
 from tests.helpers.prompts import PROMPTS
 
 NEW_TOKENS = 32

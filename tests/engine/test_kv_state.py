@@ -9,13 +9,13 @@ import threading
 
 import pytest
 
-from blockmgr import KVCacheManager
-from blockmgr.snapshot import encode_blocks, expand_runs, summarize, table_runs
-from engine.kv_state import KVState, KVStateTaker, take_kv_state
-from engine.llm_engine import EngineStats
-from engine.request import Request, RequestGroup
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ModelRunnerOutput, Scheduler
+from pagedserve.blockmgr import KVCacheManager
+from pagedserve.blockmgr.snapshot import encode_blocks, expand_runs, summarize, table_runs
+from pagedserve.engine.kv_state import KVState, KVStateTaker, take_kv_state
+from pagedserve.engine.llm_engine import EngineStats
+from pagedserve.engine.request import Request, RequestGroup
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import ModelRunnerOutput, Scheduler
 from tests.helpers.blockmgr import FakeRequest, step
 
 BS = 4
@@ -176,7 +176,7 @@ class _FakeEngine:
 
 
 def test_async_engine_takes_it_between_steps_on_its_thread(monkeypatch) -> None:
-    import engine.async_engine as mod
+    import pagedserve.engine.async_engine as mod
 
     eng = _FakeEngine()
     seen = []

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, hugepages
-from engine.config import EngineConfig
-from engine.errors import InputField, PromptTooLongError, TokenIdError
-from engine.sampling_params import SamplingParamError
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine import hugepages
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import InputField, PromptTooLongError, TokenIdError
+from pagedserve.engine.sampling_params import SamplingParamError
 
 PROMPTS = [
     "The three most important inventions of the twentieth century are",
@@ -24,8 +25,8 @@ def llm() -> LLM:
 
 
 def test_kv_cache_is_one_huge_page_aligned_pool(llm):
-    from kernels.cpu import abi
-    from kernels.cpu.native import kv_layout
+    from pagedserve.kernels.cpu import abi
+    from pagedserve.kernels.cpu.native import kv_layout
 
     cache = llm.engine.worker.kv_cache
     assert cache.data_ptr() % hugepages.HUGE_PAGE == 0

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from engine import default_model, envs, loader, model_files
+from pagedserve.engine import default_model, envs, loader, model_files
 
 
 @pytest.fixture(autouse=True)
@@ -163,27 +163,6 @@ def test_conversion_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert os.listdir(models) == []
 
 
-def test_hub_kernels_beside_ours_is_named_with_the_fix(monkeypatch, tmp_path: Path) -> None:
-    """transformers 5.25 requires Hugging Face's ``kernels`` distribution and imports
-    from it by name, which finds this project's ``kernels`` package: the conversion's
-    error says so and how to get out of it, instead of transformers' bare ImportError."""
-    monkeypatch.setenv(envs.CACHE.name, str(tmp_path))
-
-    def clash(*args, **kwargs):
-        raise ImportError("cannot import name 'CUDAProperties' from 'kernels'")
-
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", clash)
-    monkeypatch.setattr(default_model, "hf_kernels_version", lambda: "0.19.1")
-    with pytest.raises(ImportError, match=r"Hugging Face's `kernels` package \(0.19.1\).*"
-                                          r"pip install 'transformers<5.25'"):
-        loader.convert_default_model()
-    # Without that distribution the ImportError is transformers' own.
-    monkeypatch.setattr(default_model, "hf_kernels_version", lambda: None)
-    with pytest.raises(ImportError, match="^cannot import name 'CUDAProperties'"):
-        loader.convert_default_model()
-    assert not loader.default_model_dir().exists()
-
-
 def test_conversion_logs_and_reuses(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -229,7 +208,7 @@ def test_bf16_checkpoint_loads_in_bf16_at_2_bytes_per_parameter(tmp_path: Path) 
     """A bfloat16 model is materialized in bfloat16: loading never holds a float32 copy.
     (The safetensors reader holds one shard in host memory at a time: the checkpoint is
     sharded as large ones are, so that a shard is a small part of the model.)"""
-    from engine.models import load_model
+    from pagedserve.engine.models import load_model
 
     cfg = transformers.LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=12,
@@ -273,7 +252,7 @@ def test_a_model_the_engine_would_compute_wrongly_is_refused(tiny_model_factory,
                                                              change, message):
     """A config whose model this engine computes otherwise (another MLP activation, an
     architecture it does not have) is refused by name, not served with other outputs."""
-    from engine import LLM
+    from pagedserve import LLM
 
     path = tmp_path / "model"
     shutil.copytree(tiny_model_factory("llama"), path)

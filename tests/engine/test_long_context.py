@@ -9,7 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from tests.helpers.hf import hf_greedy
 
 NEW_TOKENS = 8

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from engine import LLM, EngineConfig, EngineInputError, InputField, LoRARequest, SamplingParams
-from engine.lora import LoRAError
+from pagedserve import LLM, EngineConfig, EngineInputError, InputField, LoRARequest, SamplingParams
+from pagedserve.engine.lora import LoRAError
 from tests.helpers.lora import ATTN, MLP, hf_greedy_with, make_adapter
 from tests.helpers.prompts import TINY_MODEL_TEXTS
 
@@ -162,7 +162,7 @@ def test_adapters_reloaded_past_capacity(tiny, adapters, prompts, reference):
 
 def test_live_adapters_stay_loaded_past_capacity(tiny, adapters, prompts, reference,
                                                 monkeypatch):  # fmt: skip
-    from engine.lora import weights
+    from pagedserve.engine.lora import weights
 
     loads = []
     real = weights.load_lora
@@ -192,9 +192,9 @@ def test_adapter_bytes_is_what_a_full_adapter_takes_loaded(tiny, tmp_path):
     import torch
     import transformers
 
-    from engine.lora.request import LoRALimits
-    from engine.lora.weights import load_lora
-    from engine.models import DecoderSpec
+    from pagedserve.engine.lora.request import LoRALimits
+    from pagedserve.engine.lora.weights import load_lora
+    from pagedserve.engine.models import DecoderSpec
 
     limits = LoRALimits.of(DecoderSpec.from_hf(transformers.AutoConfig.from_pretrained(tiny)), 8)
     path = make_adapter(tiny, tmp_path / "full", rank=8)

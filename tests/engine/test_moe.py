@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.models.decoder import QuantLinear
-from engine.models.spec import DecoderSpec
-from engine.worker import check_moe
-from kernels.quant import quantize_int8
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.models.decoder import QuantLinear
+from pagedserve.engine.models.spec import DecoderSpec
+from pagedserve.engine.worker import check_moe
+from pagedserve.kernels.quant import quantize_int8
 from tests.helpers.hf import hf_greedy
 from tests.helpers.quantized_checkpoints import Scheme, write_quantized
 
@@ -192,7 +192,7 @@ def test_tp2_equals_tp1(arch, tiny_model_factory, prompts):
 
 def test_adapters_of_the_attention_and_dense_layers_match_hf(tiny_model_factory, prompts,
                                                              tmp_path):  # fmt: skip
-    from engine.lora.request import LoRAError, LoRALimits, LoRARequest, check_adapter
+    from pagedserve.engine.lora.request import LoRAError, LoRALimits, LoRARequest, check_adapter
     from tests.helpers.lora import hf_greedy_with, make_adapter
 
     path = tiny_model_factory("qwen2_moe")  # layer 0: experts; layer 1: a dense MLP
@@ -216,7 +216,7 @@ def test_adapters_of_the_attention_and_dense_layers_match_hf(tiny_model_factory,
     limits = LoRALimits.of(llm.engine.worker.spec, 8)
     # The GPU's reservation for an adapter is what the fullest one of this model takes
     # loaded: no MLP on the expert layer.
-    from engine.lora.weights import load_lora
+    from pagedserve.engine.lora.weights import load_lora
 
     full = make_adapter(path, tmp_path / "full", rank=8)
     w = load_lora(LoRARequest("full", 2, str(full)), limits, torch.float32, torch.device("cpu"))
@@ -269,7 +269,7 @@ def _config(path: Path, **changes):
 
 
 def test_tensor_parallel_widths_and_dense_configs(tiny_model_factory):
-    from engine.parallel.shard import check_divisible
+    from pagedserve.engine.parallel.shard import check_divisible
 
     path = tiny_model_factory("qwen2_moe")
     for key, value in (("moe_intermediate_size", 33), ("shared_expert_intermediate_size", 65)):
@@ -295,7 +295,7 @@ def test_mixtral_with_a_sliding_window_is_served_within_it(tiny_model_factory, t
 def test_no_cuda_graphs_for_experts(tiny_model_factory):
     from types import SimpleNamespace
 
-    from engine.cuda_graphs import graphs_wanted
+    from pagedserve.engine.cuda_graphs import graphs_wanted
 
     llm = LLM(str(tiny_model_factory("mixtral")), kv_cache_memory_gb=0.02)
     triton_like = SimpleNamespace(name="triton")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SamplingRow, make_generator, tokens_and_nonfinite
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.sampler import Sampler, SamplingRow, make_generator, tokens_and_nonfinite
 from tests.helpers.models import write_tiny_model
 
 

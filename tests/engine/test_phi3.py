@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import LLM, SamplingParams
-from engine.models.spec import DecoderSpec
-from engine.worker import check_moe
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.models.spec import DecoderSpec
+from pagedserve.engine.worker import check_moe
 from tests.helpers.hf import hf_greedy
 
 WORDS = "the quick brown fox jumps over the lazy dog and keeps running far away".split()
@@ -152,7 +152,7 @@ def test_int8_and_refusals(tiny_model_factory, prompts, tmp_path):
 def test_position_limit_of_known_configs(config, limit, why):
     import transformers
 
-    from engine.models.spec import position_limit
+    from pagedserve.engine.models.spec import position_limit
 
     cfg = transformers.AutoConfig.for_model(**config)
     got = position_limit(cfg)

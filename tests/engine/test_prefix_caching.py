@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 
 SYSTEM = (
     "You are a careful assistant for a logistics company. Answer in short sentences, cite "

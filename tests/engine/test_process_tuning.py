@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from engine import envs, process_tuning
+from pagedserve.engine import envs, process_tuning
 
 OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -88,7 +88,7 @@ def test_engine_start_reports_what_is_in_effect(monkeypatch, caplog) -> None:
     # torch is loaded in this process: too late to set the spin, and said so.
     assert process_tuning.set_omp_spin() is False and envs.gomp_spincount() is None
     monkeypatch.setenv(envs.HUGEPAGES.name, "0")
-    with caplog.at_level(logging.INFO, logger="engine.process_tuning"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.process_tuning"):
         tuning = process_tuning.apply()
     assert "libgomp's default spin (torch was loaded before" in tuning.omp_spin
     assert tuning.hugepages is False and "huge pages off" in caplog.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from tests.helpers.hf import PROMPT_LOGPROB_TOL as TOL
 from tests.helpers.hf import hf_prompt_logprobs
 from tests.helpers.prompts import PROMPTS
@@ -112,7 +112,7 @@ def test_siblings_share_one_list_with_texts_and_offsets(prompts, reference,
 
 
 def test_streamed_outputs_carry_them_once(prompts, reference):
-    from engine.output_processor import OUTPUT_DELTA
+    from pagedserve.engine.output_processor import OUTPUT_DELTA
 
     llm = LLM(dtype="float32", max_num_batched_tokens=24)
     engine = llm.engine

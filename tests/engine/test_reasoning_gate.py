@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, ReasoningGate, SamplingParams, StructuredOutputsParams
-from engine.structured import StructuredOutputsError
-from engine.structured.gate import GatedMatcher, allow_token
+from pagedserve import LLM, ReasoningGate, SamplingParams, StructuredOutputsParams
+from pagedserve.engine.structured import StructuredOutputsError
+from pagedserve.engine.structured.gate import GatedMatcher, allow_token
 
 CHOICES = ("yes", "no", "maybe so")
 

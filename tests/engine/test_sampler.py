@@ -9,14 +9,14 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from engine import penalties
-from engine.sampler import (
+from pagedserve.engine import penalties
+from pagedserve.engine.sampler import (
     Sampler,
     SamplingRow,
     make_generator,
 )
-from engine.sampling_params import SamplingParams
-from engine.step_buffers import StagingBuffer
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.step_buffers import StagingBuffer
 
 V = 64
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import penalties
-from engine.sampler import Sampler, SamplingRow, make_generator
-from engine.sampling_params import SamplingParams
-from engine.step_buffers import Pack, StagingBuffer
+from pagedserve.engine import penalties
+from pagedserve.engine.sampler import Sampler, SamplingRow, make_generator
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.step_buffers import Pack, StagingBuffer
 
 V = 96
 

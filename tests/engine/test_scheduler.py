@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import RequestStatus
-from engine.spec_config import SpeculativeConfig
+from pagedserve.engine.request import RequestStatus
+from pagedserve.engine.spec_config import SpeculativeConfig
 from tests.helpers.scheduler import (
     EOS,
     FakeRunner,

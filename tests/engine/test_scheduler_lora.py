@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from engine.lora import LoRARequest
+from pagedserve.engine.lora import LoRARequest
 from tests.helpers.scheduler import FakeRunner, make_request, make_scheduler, run_step
 
 ADAPTERS = {k: LoRARequest(k, i, f"/adapters/{k}") for i, k in enumerate("ABCD", start=1)}
@@ -93,7 +93,7 @@ def test_a_waiting_adapter_gets_a_place_under_steady_traffic(policy):
     """One request of adapter B behind a steady stream of A's: B waits while A's
     requests go first, but no longer than LORA_WAIT_STEPS steps; then only base-model
     requests are admitted beside A's running ones until one frees its place for B."""
-    from engine.lora.slots import LORA_WAIT_STEPS
+    from pagedserve.engine.lora.slots import LORA_WAIT_STEPS
 
     s, runner = make_scheduler(max_num_seqs=16, budget=256, max_loras=1,
                                scheduling_policy=policy), FakeRunner()  # fmt: skip
@@ -122,7 +122,7 @@ def test_no_preemption_for_requests_the_drain_keeps_out(monkeypatch):
     """Under priority, once the places are drained for a waiting adapter, requests of
     the other adapters make no room: nothing is preempted for them (before, base requests
     were preempted and re-admitted every step). Admission resets a request's wait."""
-    import engine.lora.slots as slots
+    import pagedserve.engine.lora.slots as slots
 
     monkeypatch.setattr(slots, "LORA_WAIT_STEPS", 5)
     s, runner = make_scheduler(max_num_seqs=4, budget=256, max_loras=1,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, EngineInputError, SamplingParams
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParamError
-from engine.waiting_queue import WaitingQueue
+from pagedserve import LLM, EngineInputError, SamplingParams
+from pagedserve.engine.request import RequestStatus
+from pagedserve.engine.sampling_params import SamplingParamError
+from pagedserve.engine.waiting_queue import WaitingQueue
 from tests.helpers.scheduler import FakeRunner, make_request, make_scheduler, run_step
 
 
@@ -139,9 +139,9 @@ def test_priority_is_validated_and_refused_under_fcfs(tmp_path_factory, default_
 
 def test_the_server_passes_priority_and_names_it_in_a_400(tmp_path, default_model_path,
                                                           make_tiny):  # fmt: skip
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from server.options import ServeOptions
+    from pagedserve import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.options import ServeOptions
     from tests.helpers.server import run_in_process
 
     path = make_tiny("llama", tmp_path / "m", default_model_path)

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.ngram_proposer import NgramProposer
-from engine.rejection_sampler import Span, verify
-from engine.sampler import SamplingRow
-from engine.spec_config import SpeculativeConfig
-from engine.step_buffers import StagingBuffer
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.ngram_proposer import NgramProposer
+from pagedserve.engine.rejection_sampler import Span, verify
+from pagedserve.engine.sampler import SamplingRow
+from pagedserve.engine.spec_config import SpeculativeConfig
+from pagedserve.engine.step_buffers import StagingBuffer
 
 
 # -- proposer ---------------------------------------------------------------------------

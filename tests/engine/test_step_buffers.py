@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.step_buffers import ALIGN, BlockTableRows, StagingBuffer, layout
+from pagedserve.engine.step_buffers import ALIGN, BlockTableRows, StagingBuffer, layout
 
 
 def test_staging_reuses_its_buffers_and_aligns_every_array() -> None:
@@ -50,7 +50,7 @@ def test_incremental_block_tables_equal_a_full_rebuild(tmp_path) -> None:
     """A workload with prefix hits and preemptions: every step's block table (the gather
     of incrementally updated rows) holds each request's whole table, as a table built
     from scratch does, and the greedy tokens match an engine with room for all."""
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     from tests.helpers.models import write_tiny_model
 
     model = str(write_tiny_model(tmp_path / "tiny"))

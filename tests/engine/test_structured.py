@@ -12,11 +12,11 @@ import time
 import jsonschema
 import pytest
 
-from engine import LLM, SamplingParams, StructuredOutputsError, StructuredOutputsParams
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParamError
-from engine.structured import backend as backend_mod
-from engine.structured.bitmask import fill
+from pagedserve import LLM, SamplingParams, StructuredOutputsError, StructuredOutputsParams
+from pagedserve.engine.request import RequestStatus
+from pagedserve.engine.sampling_params import SamplingParamError
+from pagedserve.engine.structured import backend as backend_mod
+from pagedserve.engine.structured.bitmask import fill
 
 S = StructuredOutputsParams
 # Strings bounded by patterns (bounds by maxLength are covered in test_structured_schema).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.structured import bitmask
+from pagedserve.engine.structured import bitmask
 
 
 class _Fixed:

@@ -11,12 +11,12 @@ import types
 import pytest
 import xgrammar as xgr
 
-from engine.structured import StructuredOutputsParams
-from engine.structured import backend as backend_mod
-from engine.structured import xgrammar_backend as xb
-from engine.structured.backend import choose_backend
-from engine.structured.manager import StructuredOutputManager
-from engine.structured.schema import close_objects, has_bounded_pattern
+from pagedserve.engine.structured import StructuredOutputsParams
+from pagedserve.engine.structured import backend as backend_mod
+from pagedserve.engine.structured import xgrammar_backend as xb
+from pagedserve.engine.structured.backend import choose_backend
+from pagedserve.engine.structured.manager import StructuredOutputManager
+from pagedserve.engine.structured.schema import close_objects, has_bounded_pattern
 
 BOUNDED = {"type": "object", "properties": {
     "s": {"type": "string", "maxLength": 5},

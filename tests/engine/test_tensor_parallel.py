@@ -10,16 +10,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import EngineFatalError
-from engine.parallel import shm
-from kernels.cpu import native
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.errors import EngineFatalError
+from pagedserve.engine.parallel import shm
+from pagedserve.kernels.cpu import native
 
-REPO = Path(__file__).resolve().parents[2]
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 PREFIX = [(7 * j + 11) % 4000 + 5 for j in range(40)]
 """A 40-token prefix (2.5 blocks) that half the prompts share."""
@@ -206,12 +204,12 @@ def test_hung_rank_fails_the_step_after_the_timeout(tiny_model_factory, monkeypa
 def _rank_command(monkeypatch, code: str) -> None:
     """Start ranks 1..N-1 as ``python -c code`` (their usual arguments in ``sys.argv``,
     the engine's configuration on their stdin)."""
-    from engine.parallel import launch
+    from pagedserve.engine.parallel import launch
 
     real = launch.subprocess.Popen
 
     def popen(args, **kwargs):  # every Popen of the process: only the ranks' change
-        if list(args[1:3]) == ["-m", "engine.parallel.rank"]:
+        if list(args[1:3]) == ["-m", "pagedserve.engine.parallel.rank"]:
             args = [args[0], "-c", code, *args[3:]]
         return real(args, **kwargs)
 
@@ -221,7 +219,7 @@ def _rank_command(monkeypatch, code: str) -> None:
 SLOW_RANK = """
 import runpy, time
 time.sleep(6)
-runpy.run_module("engine.parallel.rank", run_name="__main__")
+runpy.run_module("pagedserve.engine.parallel.rank", run_name="__main__")
 """
 
 
@@ -241,9 +239,9 @@ def test_slow_starting_rank_is_not_a_hung_one(tiny_model_factory, monkeypatch):
 
 IDLE_RANK = """
 import runpy, time
-from engine.parallel.group import TensorParallel
+from pagedserve.engine.parallel.group import TensorParallel
 TensorParallel.recv = lambda self: time.sleep(3600)  # joins, loads its shard, takes no step
-runpy.run_module("engine.parallel.rank", run_name="__main__")
+runpy.run_module("pagedserve.engine.parallel.rank", run_name="__main__")
 """
 
 
@@ -268,7 +266,7 @@ def test_rank_that_never_joins_fails_the_start_and_the_next_start_works(
     """A rank that runs but never joins fails the start after the start timeout, with an
     error that names it; nothing half-built is left, so the next start in this process
     (whose fresh ranks number their groups from zero) works."""
-    from engine.parallel.group import ParallelError
+    from pagedserve.engine.parallel.group import ParallelError
 
     path = str(tiny_model_factory("llama"))
     monkeypatch.setenv("PAGEDSERVE_TP_START_TIMEOUT", "3")
@@ -288,7 +286,7 @@ def test_rank_that_never_joins_fails_the_start_and_the_next_start_works(
 
 TORCHRUN_SCRIPT = """
 import json, sys
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2)
 outs = llm.generate(json.loads(sys.argv[3]), SamplingParams(temperature=0.0, max_tokens=12,
                     ignore_eos=True), use_tqdm=False)
@@ -308,11 +306,10 @@ def test_torchrun_start_equals_own_start(tiny_model_factory, tmp_path):
         ref = [o.outputs[0].token_ids for o in own.generate(ps, sp, use_tqdm=False)]
     script, out = tmp_path / "tp.py", tmp_path / "out.json"
     script.write_text(TORCHRUN_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--standalone", str(script), path, str(out), json.dumps(ps)],
-        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(out.read_text()) == ref
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.penalties import bad_word_bans, bad_word_sequences
-from engine.sampling_params import SamplingParamError
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.penalties import bad_word_bans, bad_word_sequences
+from pagedserve.engine.sampling_params import SamplingParamError
 
 PROMPTS = ["The weather today is", "def f(x):"]
 
@@ -73,9 +73,9 @@ def test_bad_values_name_the_field(kw, message):
 
 
 def test_the_server_applies_and_checks_them(tmp_path, default_model_path, make_tiny):
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from server.options import ServeOptions
+    from pagedserve import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.options import ServeOptions
     from tests.helpers.server import run_in_process
 
     path = make_tiny("llama", tmp_path / "m", default_model_path)
@@ -102,7 +102,7 @@ def test_the_server_applies_and_checks_them(tmp_path, default_model_path, make_t
 
 
 def test_ids_outside_the_vocabulary_are_refused(tiny):
-    from engine import EngineInputError
+    from pagedserve import EngineInputError
 
     for kw, field in (({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
                       ({"bad_words_token_ids": [[5, 10**7]]}, "bad_words_token_ids")):

@@ -3,7 +3,7 @@
 A tiny random model, prompts of non-block-multiple lengths and a small token budget, so
 that prefill chunks, mixed steps and decodes all run through the Triton kernels. The
 decode-only steps run a second time through the padded decode runner of
-:mod:`engine.cuda_graphs` (split-KV launches sized for ``max_model_len``, padded rows).
+:mod:`pagedserve.engine.cuda_graphs` (split-KV launches sized for ``max_model_len``, padded rows).
 
 Without CUDA the kernels run in the Triton interpreter, which must be switched on
 before triton is first imported: the Triton engine runs in a subprocess (this file run
@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.helpers.models import write_tiny_model
+from tests.helpers.subprocess import run_as_script
 
 CUDA = torch.cuda.is_available()
 NEW_TOKENS = 8
@@ -51,7 +52,7 @@ def engine_kwargs(backend: str, device: str, **extra) -> dict:
 
 
 def generate(llm, lens=PROMPT_LENS) -> list[list[int]]:
-    from engine import SamplingParams
+    from pagedserve import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts(lens)], sp, use_tqdm=False)
@@ -63,8 +64,8 @@ def triton_tokens_interpreted(model: str) -> dict[str, list]:
     steps on the padded decode runner (eager, as a graph would run them); with the
     specialization keys of the kernel launches after the engine's warm-up that it had
     not launched (what a GPU would compile mid-serving)."""
-    from engine import LLM
-    from engine.cuda_graphs import DecodeGraphRunner, capture_sizes
+    from pagedserve import LLM
+    from pagedserve.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
     from tests.helpers.triton_keys import LaunchKeys, triton_kernels
 
     keys = LaunchKeys(triton_kernels())
@@ -89,7 +90,7 @@ def triton_tokens_interpreted(model: str) -> dict[str, list]:
 def test_triton_engine_matches_torch_backend(model, tiny_llama, tiny_model_factory) -> None:
     """Also a model with experts (a shared one, and a dense layer): on CUDA its decode
     steps run eagerly (no graphs), here also through the padded decode runner."""
-    from engine import LLM
+    from pagedserve import LLM
 
     path = tiny_llama if model == "llama" else str(tiny_model_factory(model))
     device = "cuda" if CUDA else "cpu"
@@ -109,9 +110,7 @@ def test_triton_engine_matches_torch_backend(model, tiny_llama, tiny_model_facto
                                                                 enforce_eager=True)))  # fmt: skip
     else:
         env = dict(os.environ, TRITON_INTERPRET="1")
-        root = Path(__file__).resolve().parents[2]
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-        proc = subprocess.run([sys.executable, __file__, path], env=env, capture_output=True,
+        proc = subprocess.run(run_as_script(__file__, path), env=env, capture_output=True,
                               text=True, timeout=600)  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -132,7 +131,7 @@ def test_adapters_and_embeddings_on_cuda(tiny_llama, tmp_path) -> None:
     """On the GPU: a LoRA adapter's tokens and mean-pooled embeddings on the Triton
     backend with decode CUDA graphs equal the torch backend's; adapter steps are never
     replayed from a graph, base-model steps still are."""
-    from engine import LLM, LoRARequest, PoolingParams, SamplingParams
+    from pagedserve import LLM, LoRARequest, PoolingParams, SamplingParams
     from tests.helpers.lora import make_adapter
 
     adapter = LoRARequest("a", 1, str(make_adapter(tiny_llama, tmp_path / "a", rank=8)))
@@ -165,7 +164,7 @@ def test_quantized_checkpoint_on_cuda(tiny_llama, tmp_path) -> None:
     """On the GPU: an act-order GPTQ checkpoint with zero points (q4_1 planes and input
     orders on the device) on the Triton backend with decode CUDA graphs gives the torch
     backend's tokens."""
-    from engine import LLM
+    from pagedserve import LLM
     from tests.helpers.quantized_checkpoints import Scheme, write_quantized
 
     write_quantized(Path(tiny_llama), tmp_path / "q", tmp_path / "ref",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from blockmgr import KVCacheManager
+from pagedserve.blockmgr import KVCacheManager
 
 BS = 4
 

@@ -1,11 +1,11 @@
 """Helpers of the kernel tests; the synthetic steps themselves are
-:mod:`kernels.cpu.synthetic` (the CPU benchmark uses them too)."""
+:mod:`pagedserve.kernels.cpu.synthetic` (the CPU benchmark uses them too)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu.synthetic import PagedStep
+from pagedserve.kernels.cpu.synthetic import PagedStep
 
 
 def fused_qkv_views(step: PagedStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

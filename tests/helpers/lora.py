@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from engine.lora.request import TARGET_MODULES
-from loadtest.lora_bench import write_random_adapter
+from pagedserve.engine.lora.request import TARGET_MODULES
+from pagedserve.loadtest.lora_bench import write_random_adapter
 from tests.helpers.hf import greedy_of
 
 ATTN, MLP = TARGET_MODULES[:4], TARGET_MODULES[4:]
@@ -21,8 +21,8 @@ ATTN, MLP = TARGET_MODULES[:4], TARGET_MODULES[4:]
 
 def make_adapter(base: str | Path, out: Path, **kw) -> Path:
     """A random adapter of ``base`` (a transformers checkpoint directory); ``kw`` as
-    :func:`loadtest.lora_bench.write_random_adapter` takes them."""
-    from engine.models import DecoderSpec
+    :func:`pagedserve.loadtest.lora_bench.write_random_adapter` takes them."""
+    from pagedserve.engine.models import DecoderSpec
 
     spec = DecoderSpec.from_hf(transformers.AutoConfig.from_pretrained(base))
     return write_random_adapter(spec, out, **kw)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.models.decoder import DecoderForCausalLM, DecoderSpec
+from pagedserve.engine.models.decoder import DecoderForCausalLM, DecoderSpec
 
 
 def write_tiny_model(out: Path, vocab_size: int = 49152, seed: int = 0) -> Path:

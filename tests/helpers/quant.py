@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import QuantizedWeight, quantize_int8
+from pagedserve.kernels.quant import QuantizedWeight, quantize_int8
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:

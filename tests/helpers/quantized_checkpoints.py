@@ -1,7 +1,7 @@
 """GPTQ and AWQ checkpoints of a tiny float model and their float references.
 
 :func:`write_quantized` writes two folders: the quantized checkpoint
-(:mod:`loadtest.rtn_checkpoint`, packed as AutoGPTQ / AutoAWQ pack theirs) and its
+(:mod:`pagedserve.loadtest.rtn_checkpoint`, packed as AutoGPTQ / AutoAWQ pack theirs) and its
 reference, the same model with every quantized projection's weight replaced by the
 float32 weight the engine holds (``scale * (code - zero)``, and for 4 bits with zero
 points ``scale * code`` plus that offset rounded to float16, as ``q4_1`` keeps it),
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from loadtest.rtn_checkpoint import Scheme, quantize_tensors, write_folder
+from pagedserve.loadtest.rtn_checkpoint import Scheme, quantize_tensors, write_folder
 
 __all__ = ["Scheme", "split_into_shards", "tied_copy", "write_quantized"]
 

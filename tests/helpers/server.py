@@ -29,8 +29,13 @@ class ServerProcess:
     """A server subprocess on a free port (``--port 0``); output is collected in :attr:`lines`."""
 
     def __init__(self, args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 ready_timeout: float = 300.0) -> None:
+                 ready_timeout: float = 300.0, python: str | Path | None = None,
+                 cwd: str | Path | None = None) -> None:
+        """``python`` and ``cwd``: the interpreter that runs the server and its working
+        folder (default: this one, in the repository root)."""
         self.args = list(args)
+        self.python = str(python or sys.executable)
+        self.cwd = cwd or REPO_ROOT
         self.env = {**os.environ, **(env or {})}
         self.ready_timeout = ready_timeout
         self.lines: list[str] = []
@@ -39,9 +44,9 @@ class ServerProcess:
         self._ready = threading.Event()
 
     def start(self) -> ServerProcess:
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0", *self.args]
+        cmd = [self.python, "-m", "pagedserve.server.cli", "serve", "--port", "0", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=self.env, cwd=REPO_ROOT)
+                                     text=True, env=self.env, cwd=self.cwd)
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + self.ready_timeout
         while not self._ready.wait(0.1):
@@ -158,9 +163,9 @@ def run_in_process(engine, options, script):
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from engine.async_engine import AsyncEngine
-    from server.app import build_app
-    from server.state import ServerState
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.server.app import build_app
+    from pagedserve.server.state import ServerState
 
     async def main():
         ae = AsyncEngine(engine)
@@ -185,7 +190,7 @@ def post_to_handler(state, handler) -> bytes:
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
-    from server.state import STATE_KEY
+    from pagedserve.server.state import STATE_KEY
 
     async def main():
         app = web.Application()

@@ -64,15 +64,15 @@ class LaunchKeys:
 
 
 def triton_kernels() -> list[Any]:
-    """Every ``@triton.jit`` kernel of :mod:`kernels.triton` launched from the host."""
+    """Every ``@triton.jit`` kernel of :mod:`pagedserve.kernels.triton` launched from the host."""
     import importlib
     import pkgutil
 
-    import kernels.triton as pkg
+    import pagedserve.kernels.triton as pkg
 
     found = []
     for info in pkgutil.iter_modules(pkg.__path__):
-        mod = importlib.import_module(f"kernels.triton.{info.name}")
+        mod = importlib.import_module(f"pagedserve.kernels.triton.{info.name}")
         for name, obj in vars(mod).items():
             if name.startswith("_") and name.endswith("_kernel") and hasattr(obj, "fn"):
                 found.append(obj)

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from engine.kernel_settings import kernel_settings
-from kernels import (
+from pagedserve.engine.kernel_settings import kernel_settings
+from pagedserve.kernels import (
     AttentionMetadata,
     KernelSettings,
     get_attention_backend,
@@ -19,8 +19,8 @@ from kernels import (
     select_kernels,
     write_kv,
 )
-from kernels.cpu.synthetic import PagedStep, make_step
-from kernels.torch_backend import TorchBackend
+from pagedserve.kernels.cpu.synthetic import PagedStep, make_step
+from pagedserve.kernels.torch_backend import TorchBackend
 from tests.helpers.kernels import fused_qkv_views
 
 # Both CPU backends: pure torch, and torch with the native decode kernel.
@@ -285,7 +285,7 @@ def test_registry_rejects_triton_imported_before_interpret_flag() -> None:
 
 
 def test_decode_buckets_group_similar_lengths() -> None:
-    from kernels.torch_backend import MAX_BUCKETS, MIN_BUCKET, decode_buckets
+    from pagedserve.kernels.torch_backend import MAX_BUCKETS, MIN_BUCKET, decode_buckets
 
     assert decode_buckets([]) == []
     assert decode_buckets([5, 400, 7]) == [[0, 1, 2]]  # too few rows to split
@@ -301,7 +301,7 @@ def test_decode_buckets_group_similar_lengths() -> None:
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_torch_backend_many_decodes_in_length_buckets(name) -> None:
     """A large decode batch with spread-out contexts runs in several groups, exactly."""
-    from kernels.torch_backend import decode_buckets
+    from pagedserve.kernels.torch_backend import decode_buckets
 
     seq_lens = [3 + (i * 37) % 300 for i in range(40)] + [70, 33]
     q_lens = [1] * 40 + [20, 33]
@@ -330,7 +330,7 @@ def test_whole_prompt_chunks_use_causal_calls(name) -> None:
     """Whole-context chunks attend with their own causal call, others through the cache;
     past MAX_CAUSAL_CALLS every chunk goes into one padded call. All exact. (The cpu
     backend attends every row natively: tests/kernels/cpu/test_native.py.)"""
-    from kernels.torch_backend import MAX_CAUSAL_CALLS
+    from pagedserve.kernels.torch_backend import MAX_CAUSAL_CALLS
 
     few = ([9, 30, 17, 64, 50], [1, 30, 17, 20, 50])  # a decode, 3 whole prompts, 1 later chunk
     many_n = MAX_CAUSAL_CALLS + 4

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import quant
-from kernels.cpu.layer_ops import NativeLayerOps
-from kernels.layer_ops import TorchLayerOps
-from kernels.quant import FORMATS, QuantizedWeight, quantize_int8
+from pagedserve.kernels.cpu import quant
+from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
+from pagedserve.kernels.layer_ops import TorchLayerOps
+from pagedserve.kernels.quant import FORMATS, QuantizedWeight, quantize_int8
 from tests.helpers.quant import assert_product_close, random_weight
 
 
@@ -143,8 +143,8 @@ def test_gguf_tensors_equal_the_hf_conversion(default_model_path) -> None:
     """Each tensor of the default model's GGUF, as loaded quantized and dequantized by the
     reference, equals what transformers' GGUF loader made of it (the converted folder),
     Llama's q/k rows back in Hugging Face order."""
-    from engine import gguf_weights
-    from engine.loader import default_gguf_path, iter_weights
+    from pagedserve.engine import gguf_weights
+    from pagedserve.engine.loader import default_gguf_path, iter_weights
 
     path = default_gguf_path()
     formats = gguf_weights.tensor_formats(path)
@@ -161,7 +161,7 @@ def test_gguf_tensors_equal_the_hf_conversion(default_model_path) -> None:
 
 
 def test_gguf_model_keeps_its_weights_quantized() -> None:
-    from engine import LLM
+    from pagedserve import LLM
 
     llm = LLM(quantization="gguf", kv_cache_memory_gb=0.05)
     worker = llm.engine.worker
@@ -179,14 +179,14 @@ def test_gguf_model_keeps_its_weights_quantized() -> None:
     assert all(w.released and w.qs.numel() == 0 for w in model.linear_weights())
     assert model.embed_tokens.weight.released
     # No larger than the file itself (its float32 expansion is ~540 MB).
-    from engine.loader import default_gguf_path
+    from pagedserve.engine.loader import default_gguf_path
 
     assert quant_bytes <= default_gguf_path().stat().st_size
 
 
 def test_quantization_arguments_are_checked(default_model_path) -> None:
-    from engine import LLM
-    from engine.config import EngineConfig
+    from pagedserve import LLM
+    from pagedserve.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="quantization='fp4'"):
         EngineConfig(quantization="fp4")
@@ -262,7 +262,7 @@ def test_prepare_weights_packs_quantized_weights_into_one_allocation(native_lib)
 def test_a_packed_copy_is_made_again_for_another_build_level() -> None:
     """The column groups are as wide as the build's vectors: a weight packed by one build
     level is packed again when another asks (tests run every level in one process)."""
-    from kernels.cpu import native as cpu_native
+    from pagedserve.kernels.cpu import native as cpu_native
 
     w = random_weight("q4_1", 40, 64, seed=4)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5))

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import SamplingParams
-from kernels.cpu import native as cpu_native
-from loadtest import linear_floor, prefix_bench, throughput
-from loadtest.bench_common import StepRecord
-from loadtest.workloads import (
+from pagedserve import SamplingParams
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.loadtest import linear_floor, prefix_bench, throughput
+from pagedserve.loadtest.bench_common import StepRecord
+from pagedserve.loadtest.workloads import (
     allowed_token_ids,
     fixed_workload,
     random_workload,
@@ -67,7 +67,7 @@ def test_token_flops_count_every_projection_weight(tiny_model_factory, kind):
     """The arithmetic bound's FLOPs a token: two for each weight a token multiplies, read
     off the loaded model's own weights (a layer with experts: its router, top_k experts,
     and any shared expert and its gate)."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(model=str(tiny_model_factory(kind)), kv_cache_memory_gb=0.02, max_model_len=512)
     try:
@@ -138,7 +138,7 @@ def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
     for key in ("cpu", "cpu_cores", "torch_threads", "torch", "transformers", "pagedserve"):
         assert key in env
     # The chosen CPU paths, in the header and the JSON, as the engine reported them.
-    from kernels.cpu import paths as cpu_paths
+    from pagedserve.kernels.cpu import paths as cpu_paths
 
     paths = env["cpu_paths"]
     assert paths["attention"] == paths["layer_ops"] == cpu_native.runnable_levels()[-1]
@@ -233,8 +233,8 @@ def test_throughput_bench_of_a_model_with_experts(tiny_model_factory, tmp_path, 
 
 
 def test_decode_bench_counts_the_experts_a_batch_uses(tiny_model_factory):
-    from engine import LLM
-    from loadtest.decode_bench import weight_bytes
+    from pagedserve import LLM
+    from pagedserve.loadtest.decode_bench import weight_bytes
 
     model = LLM(str(tiny_model_factory("qwen2_moe")), dtype="float32",
                 kv_cache_memory_gb=0.02).engine.worker.model  # fmt: skip
@@ -247,8 +247,8 @@ def test_decode_bench_counts_the_experts_a_batch_uses(tiny_model_factory):
 
 
 def test_op_timers_are_removed(tiny_llama):
-    from engine.llm import LLM
-    from loadtest.op_times import OpTimes
+    from pagedserve.engine.llm import LLM
+    from pagedserve.loadtest.op_times import OpTimes
 
     llm = LLM(model=tiny_llama, kv_cache_memory_gb=0.02, max_model_len=512)
     eng = llm.engine
@@ -295,7 +295,7 @@ def test_prefix_bench(tiny_llama, tmp_path, capsys):
 
 
 def test_bench_cli_registers_benchmarks():
-    from server import bench_cli
+    from pagedserve.server import bench_cli
 
     parser = argparse.ArgumentParser(prog="pagedserve")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -310,7 +310,7 @@ def test_bench_cli_registers_benchmarks():
 
 
 def test_decode_bench_times_each_batch_and_reads_the_weight_bytes(tiny_llama, tmp_path, capsys):
-    from loadtest import decode_bench
+    from pagedserve.loadtest import decode_bench
 
     out = tmp_path / "d.json"
     decode_bench.cli(["--model", tiny_llama, "--batch-sizes", "1,3", "--steps", "5",
@@ -355,8 +355,8 @@ def test_decode_bench_times_each_batch_and_reads_the_weight_bytes(tiny_llama, tm
 def test_decode_bench_of_a_gptq_checkpoint(tiny_llama, tmp_path, capsys):
     """The quantized bytes are what a step reads; the agreement is with the float model
     it was made from, which a GPTQ checkpoint needs named."""
-    from loadtest import decode_bench
-    from loadtest.rtn_checkpoint import main as rtn
+    from pagedserve.loadtest import decode_bench
+    from pagedserve.loadtest.rtn_checkpoint import main as rtn
 
     assert rtn([tiny_llama, str(tmp_path / "q"), "--group-size", "32"]) == 0
     args = ["--model", str(tmp_path / "q"), "--batch-sizes", "1", "--steps", "3",

@@ -1,11 +1,11 @@
-"""``python -m loadtest.kv_state_bench``: the poller stays light, the snapshot table runs."""
+"""``python -m pagedserve.loadtest.kv_state_bench``: the poller stays light, the snapshot table runs."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from loadtest import kv_state_bench
+from pagedserve.loadtest import kv_state_bench
 
 
 def test_the_poller_imports_neither_torch_nor_the_engine() -> None:

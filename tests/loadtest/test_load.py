@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from loadtest.datasets import SampleRequest, random_dataset, vocabulary_ids
-from loadtest.serve_bench import (
+from pagedserve.loadtest.datasets import SampleRequest, random_dataset, vocabulary_ids
+from pagedserve.loadtest.serve_bench import (
     StreamChecker,
     run_benchmark,
     run_problems,
@@ -243,7 +243,7 @@ def test_leaked_blocks_fail_the_load_test() -> None:
 
 
 def test_bench_flags_take_the_serve_spellings_too() -> None:
-    from server.cli import build_parser
+    from pagedserve.server.cli import build_parser
 
     parse = build_parser().parse_args
     for bench in ("throughput", "prefix"):

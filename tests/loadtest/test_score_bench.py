@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from server import cli
+from pagedserve.server import cli
 
 
 def test_score_bench_runs_and_reports(tmp_path, capsys, default_model_path) -> None:

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from loadtest import serve_bench as sb
-from loadtest import serve_bench_cli as sbc
-from loadtest.datasets import (
+from pagedserve.loadtest import serve_bench as sb
+from pagedserve.loadtest import serve_bench_cli as sbc
+from pagedserve.loadtest.datasets import (
     GROUNDED_TASKS,
     SampleRequest,
     conversation_dataset,
@@ -53,7 +53,7 @@ def test_random_dataset_lengths_prefix_and_seed() -> None:
 
 
 def test_random_dataset_text_form(default_tokenizer) -> None:
-    from loadtest.datasets import vocabulary_ids
+    from pagedserve.loadtest.datasets import vocabulary_ids
 
     ids = vocabulary_ids(default_tokenizer)
     assert not set(ids) & set(default_tokenizer.all_special_ids)
@@ -252,7 +252,7 @@ def test_run_chat_ttft_skips_the_empty_role_chunk(fake_server: str) -> None:
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
-    from server.cli import build_parser
+    from pagedserve.server.cli import build_parser
 
     return build_parser().parse_args(argv)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from loadtest import soak
+from pagedserve.loadtest import soak
 
 
 def test_short_soak_against_a_tiny_model(tiny_model_factory, tmp_path, capsys):

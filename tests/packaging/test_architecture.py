@@ -13,21 +13,34 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("blockmgr", "engine", "kernels", "loadtest", "server")
+"""The repository's folders that install as ``pagedserve.<folder>``."""
+TOP = "pagedserve"
 
 
 def module_name(path: Path) -> str:
+    """``engine/llm.py`` -> ``pagedserve.engine.llm``; ``pagedserve/__init__.py`` -> ``pagedserve``."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return ".".join(parts if parts[0] == TOP else [TOP, *parts])
+
+
+def path_of(name: str) -> Path:
+    """Where module ``name`` (``pagedserve.engine.llm``) lives in the repository, less its suffix."""
+    parts = name.split(".")
+    assert parts[0] == TOP, name
+    return ROOT.joinpath(*parts[1:]) if len(parts) > 1 else ROOT / TOP
 
 
 def source_files(*packages: str) -> list[Path]:
-    return sorted(f for p in packages or PACKAGES for f in (ROOT / p).rglob("*.py"))
+    found = sorted(f for p in packages or PACKAGES for f in (ROOT / p).rglob("*.py"))
+    return found if packages else [*found, ROOT / TOP / "__init__.py"]
 
 
 def _is_module(name: str) -> bool:
-    path = ROOT.joinpath(*name.split("."))
+    if name.split(".")[0] != TOP:
+        return False
+    path = path_of(name)
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
@@ -42,8 +55,14 @@ def imports_of(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names = [f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}")
                      else node.module for a in node.names]  # fmt: skip
-        found.update(n for n in names if n.split(".")[0] in PACKAGES)
+        found.update(n for n in names if n.split(".")[0] == TOP)
     return found
+
+
+def folder(name: str) -> str:
+    """The top-level folder a module is in (``pagedserve.engine.llm`` -> ``engine``)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else TOP
 
 
 def graph(*packages: str) -> dict[str, set[str]]:
@@ -88,20 +107,22 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 ENV_READERS = {"engine/envs.py", "server/cli.py", "server/serve_cli.py", "loadtest/locustfile.py",
                "kernels/cpu/bench.py"}
 """Where ``os.environ`` may be used: engine/envs.py and the entry points (the kernels'
-benchmark, ``python -m kernels.cpu.bench``, sets the OpenMP spin as ``pagedserve`` does:
+benchmark, ``python -m pagedserve.kernels.cpu.bench``, sets the OpenMP spin as ``pagedserve`` does:
 kernels import nothing from engine)."""
-MAX_LINES = 400
+MAX_LINES = 600
+"""A file longer than this holds more than one responsibility. Files are split by role, not
+to get under a count: this is the backstop, not the target."""
 SIZE_CHECKED = ("blockmgr", "engine", "kernels", "server")
 
 
 def test_kernels_import_nothing_from_engine() -> None:
-    bad = {m: sorted(i for i in imps if i.split(".")[0] in ("engine", "server", "loadtest"))
+    bad = {m: sorted(i for i in imps if folder(i) in ("engine", "server", "loadtest"))
            for m, imps in graph("kernels").items()}  # fmt: skip
     assert {m: v for m, v in bad.items() if v} == {}
 
 
 def test_blockmgr_imports_only_itself() -> None:
-    bad = {m: sorted(i for i in imps if not i.startswith("blockmgr"))
+    bad = {m: sorted(i for i in imps if folder(i) != "blockmgr")
            for m, imps in graph("blockmgr").items()}  # fmt: skip
     assert {m: v for m, v in bad.items() if v} == {}
 
@@ -115,9 +136,10 @@ def test_cycle_finder_sees_type_only_imports(tmp_path: Path) -> None:
     assert cycles(edges) == [["a", "b", "c"]]
     src = tmp_path / "m.py"
     src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                   "    from engine.worker import Worker\n"
-                   "def f():\n    from kernels import registry\n")  # fmt: skip
-    assert imports_of(src) == {"engine.worker", "kernels.registry"}
+                   "    from pagedserve.engine.worker import Worker\n"
+                   "def f():\n    from pagedserve.kernels import registry\n"
+                   "import engine.scheduler\n")  # fmt: skip
+    assert imports_of(src) == {"pagedserve.engine.worker", "pagedserve.kernels.registry"}
 
 
 def _environ_users(path: Path) -> bool:
@@ -137,7 +159,7 @@ def test_environment_is_read_only_in_envs_and_entry_points() -> None:
     assert users - ENV_READERS == set()
 
 
-def test_no_file_over_400_lines() -> None:
+def test_no_file_over_the_line_limit() -> None:
     long = {str(f.relative_to(ROOT)): n for p in SIZE_CHECKED for f in (ROOT / p).rglob("*")
             if f.suffix in (".py", ".c", ".h")
             and (n := len(f.read_text(encoding="utf-8").splitlines())) > MAX_LINES}  # fmt: skip
@@ -195,3 +217,20 @@ def test_no_test_module_imports_another_and_no_package_imports_the_tests() -> No
         if hits:
             bad[str(f.relative_to(ROOT))] = sorted(hits)
     assert bad == {}
+
+
+def test_first_party_imports_name_pagedserve() -> None:
+    """The folders install only under ``pagedserve.``: a bare ``import engine`` (or server,
+    kernels, ...) works from the source tree alone and fails in an installed wheel."""
+    files = [*source_files(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").rglob("*.py"),
+             *(ROOT / "examples").rglob("*.py")]  # fmt: skip
+    bare = {}
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     and not node.level else [])  # fmt: skip
+            hits = [n for n in names if n.split(".")[0] in PACKAGES]
+            if hits:
+                bare.setdefault(str(f.relative_to(ROOT)), []).extend(hits)
+    assert bare == {}

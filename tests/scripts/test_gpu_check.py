@@ -107,7 +107,8 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path) -> None:
 _KERNEL_CASE = """
 import sys
 import torch
-sys.path[:0] = [{root!r}, {scripts!r}]
+sys.path.insert(0, {scripts!r})
+sys.path.append({root!r})
 import gpu_gate
 print("err", gpu_gate._kernel_case(64, 4, gpu_gate.KERNEL_CASE_BLOCKS, False, torch.float32,
                                    dev="cpu"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from server import cli
-from server.engine_args import config_from_args
+from pagedserve.engine.config import EngineConfig
+from pagedserve.server import cli
+from pagedserve.server.engine_args import config_from_args
 
 
 def _parse(*argv: str):
@@ -65,13 +65,13 @@ def test_serve_options():
 
 
 def test_subcommand_hook():
-    assert ("serve", "server.serve_cli") in cli.SUBCOMMANDS
-    assert _parse()._run.__module__ == "server.serve_cli"
+    assert ("serve", "pagedserve.server.serve_cli") in cli.SUBCOMMANDS
+    assert _parse()._run.__module__ == "pagedserve.server.serve_cli"
 
 
 def test_hardening_flags_and_defaults():
-    from server.options import ServeOptions
-    from server.serve_cli import _api_key
+    from pagedserve.server.options import ServeOptions
+    from pagedserve.server.serve_cli import _api_key
 
     d = ServeOptions()
     args = _parse()
@@ -87,7 +87,7 @@ def test_hardening_flags_and_defaults():
 
 
 def test_api_key_file(tmp_path):
-    from server.serve_cli import _api_key
+    from pagedserve.server.serve_cli import _api_key
 
     f = tmp_path / "key"
     f.write_text("s3cret-key\n")
@@ -102,10 +102,10 @@ def test_api_key_file(tmp_path):
 
 
 def test_exposed_without_key_warns(caplog):
-    from server.options import ServeOptions
-    from server.runner import warn_if_exposed
+    from pagedserve.server.options import ServeOptions
+    from pagedserve.server.runner import warn_if_exposed
 
-    with caplog.at_level("WARNING", logger="server"):
+    with caplog.at_level("WARNING", logger="pagedserve.server"):
         warn_if_exposed(ServeOptions(host="127.0.0.1"))
         warn_if_exposed(ServeOptions(host="0.0.0.0", api_key="k"))
         assert not caplog.records
@@ -115,7 +115,7 @@ def test_exposed_without_key_warns(caplog):
 
 
 def test_allowed_origins_flag():
-    from server.serve_cli import run
+    from pagedserve.server.serve_cli import run
 
     assert _parse().allowed_origins == "*"
     with pytest.raises(SystemExit, match="'example.com' is not an origin"):

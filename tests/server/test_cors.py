@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.cors import parse_origins
-from server.state import ServeOptions
+from pagedserve.server.cors import parse_origins
+from pagedserve.server.state import ServeOptions
 from tests.helpers.models import write_tiny_model
 from tests.helpers.server import run_in_process, sse_events
 
@@ -19,8 +19,8 @@ BODY = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "stream": True}
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pagedserve import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
 
     path = write_tiny_model(tmp_path_factory.mktemp("tiny-cors"))
     return LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32",

@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from engine import EngineConfig, PoolingParams, SamplingParams
-from engine.async_engine import EngineSnapshot
-from engine.dp_engine import PREFIX_MARGIN_TOKENS, DataParallelEngine
-from loadtest.datasets import random_dataset, vocabulary_ids
-from loadtest.serve_bench import run_benchmark, run_problems, wait_server_idle
+from pagedserve import EngineConfig, PoolingParams, SamplingParams
+from pagedserve.engine.async_engine import EngineSnapshot
+from pagedserve.engine.dp_engine import PREFIX_MARGIN_TOKENS, DataParallelEngine
+from pagedserve.loadtest.datasets import random_dataset, vocabulary_ids
+from pagedserve.loadtest.serve_bench import run_benchmark, run_problems, wait_server_idle
 from tests.helpers.server import ServerProcess, child_pids, process_alive
 from tests.helpers.server_checks import CHAT_PATH, MODEL
 
@@ -130,7 +130,7 @@ def test_router_without_prefix_caching_only_balances(default_model_path):
 def test_router_keeps_an_adapter_on_one_replica(default_model_path, prefix_caching):
     """Requests of one LoRA adapter go where it already runs (loaded there, within that
     replica's max_loras) while that replica is not too busy; prefixes are per adapter."""
-    from engine.lora import LoRARequest
+    from pagedserve.engine.lora import LoRARequest
 
     dp = _router(default_model_path, prefix_caching)
     sp = SamplingParams(max_tokens=10)

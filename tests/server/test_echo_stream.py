@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import types
 
-from engine import CompletionOutput, TokenLogprobs
-from server import completions
-from server.generation import Prompt
-from server.logprobs import TokenPiece
-from server.options import ServeOptions
+from pagedserve import CompletionOutput, TokenLogprobs
+from pagedserve.server import completions
+from pagedserve.server.generation import Prompt
+from pagedserve.server.logprobs import TokenPiece
+from pagedserve.server.options import ServeOptions
 from tests.helpers.server import post_to_handler, run_in_process, sse_events
 
 
@@ -58,8 +58,8 @@ def test_offsets_index_the_echo_when_the_tokenizer_adds_a_bos(tmp_path, make_tin
                                                               default_model_path):  # fmt: skip
     """With logprobs the echo is the prompt's tokens decoded (here with the BOS the
     tokenizer adds), and every ``text_offset`` is where its token's text begins."""
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pagedserve import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
 
     path = make_tiny("llama", tmp_path / "bos", default_model_path)
     tok_file = path / "tokenizer.json"

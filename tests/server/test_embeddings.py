@@ -10,7 +10,7 @@ import math
 import pytest
 import requests
 
-from engine import LLM, PoolingParams
+from pagedserve import LLM, PoolingParams
 from tests.helpers.server import ServerProcess
 
 ARGS = ["--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25", "--max-model-len",

@@ -14,10 +14,10 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from engine.async_engine import AsyncEngine
-from engine.output_processor import OutputProcessor
-from server.app import build_app
-from server.state import ServeOptions, ServerState
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.server.app import build_app
+from pagedserve.server.state import ServeOptions, ServerState
 from tests.helpers.models import write_tiny_model
 from tests.helpers.server import sse_events
 
@@ -32,8 +32,8 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pagedserve import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig.from_kwargs(
         model=tiny_model, dtype="float32", kv_cache_memory_gb=0.02, max_num_seqs=4,
@@ -185,7 +185,7 @@ def test_stalled_engine_refuses_new_requests(engine, monkeypatch):
 
 
 def test_serve_exits_nonzero_when_the_engine_dies(engine, monkeypatch):
-    from server import runner
+    from pagedserve.server import runner
 
     def dies():
         raise RuntimeError("engine thread bug")

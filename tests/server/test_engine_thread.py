@@ -9,13 +9,13 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from engine.async_engine import AsyncEngine, EngineDeadError, StepItem
-from engine.engine_info import EngineInfo, InputLimits
-from engine.errors import EngineInputError, InputField
-from engine.llm_engine import EngineStats
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from server.app import build_app
-from server.state import ServeOptions, ServerState
+from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError, StepItem
+from pagedserve.engine.engine_info import EngineInfo, InputLimits
+from pagedserve.engine.errors import EngineInputError, InputField
+from pagedserve.engine.llm_engine import EngineStats
+from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.server.app import build_app
+from pagedserve.server.state import ServeOptions, ServerState
 from tests.helpers.server import sse_events
 
 
@@ -73,7 +73,7 @@ class ScriptedEngine:
 
 
 def _params():
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=3)
 

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.engine_info import generation_defaults
-from engine.llm_engine import LLMEngine
-from server.options import ServeOptions
-from server.params import chat_params
-from server.protocol import ChatCompletionRequest, ChatMessage
+from pagedserve import LLM, EngineConfig, SamplingParams
+from pagedserve.engine.engine_info import generation_defaults
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.server.options import ServeOptions
+from pagedserve.server.params import chat_params
+from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
 from tests.helpers.server import run_in_process
 
 

@@ -8,11 +8,11 @@ import argparse
 
 import pytest
 
-from engine import LLM, EngineConfig, LoRARequest, SamplingParams
-from engine.llm_engine import LLMEngine
-from server import serve_cli
-from server.lora import LoRAModule, parse_lora_module
-from server.options import ServeOptions
+from pagedserve import LLM, EngineConfig, LoRARequest, SamplingParams
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.server import serve_cli
+from pagedserve.server.lora import LoRAModule, parse_lora_module
+from pagedserve.server.options import ServeOptions
 from tests.helpers.lora import make_adapter
 from tests.helpers.server import ServerProcess, run_in_process
 

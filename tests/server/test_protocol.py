@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from server.errors import APIError
-from server.protocol import (
+from pagedserve.server.errors import APIError
+from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import CompletionOutput
-from server import chat
-from server.options import ServeOptions
-from server.reasoning import ReasoningParser
-from server.tools import ToolPlan
+from pagedserve import CompletionOutput
+from pagedserve.server import chat
+from pagedserve.server.options import ServeOptions
+from pagedserve.server.reasoning import ReasoningParser
+from pagedserve.server.tools import ToolPlan
 from tests.helpers.server import post_to_handler, run_in_process, sse_events
 
 TEMPLATE = (Path(__file__).parent / "data" / "thinking_template.jinja").read_text()
@@ -165,8 +165,8 @@ def _with_real_server(default_model_path, script):
     """``script(client)`` against an in-process server of the default model with
     ``--reasoning-parser qwen3`` and a template that opens the thinking unless
     ``enable_thinking`` is false."""
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pagedserve import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(default_model_path), dtype="float32",
                                                 kv_cache_memory_gb=0.05, max_model_len=1024))

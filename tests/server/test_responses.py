@@ -293,10 +293,10 @@ def test_truncation_auto_drops_the_oldest_turns(client, server):
 
 
 def test_the_store_is_bounded_and_can_be_off(tiny_model_factory):
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from server.options import ServeOptions
-    from server.responses_store import ResponseStore
+    from pagedserve import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.options import ServeOptions
+    from pagedserve.server.responses_store import ResponseStore
     from tests.helpers.server import run_in_process
 
     store = ResponseStore(2)
@@ -347,9 +347,9 @@ def test_reasoning_items_with_a_reasoning_parser(default_model_path):
 def test_parallel_tool_calls_false_allows_one_required_call(client):
     import json as _json
 
-    from server.options import ServeOptions
-    from server.protocol import ChatCompletionRequest
-    from server.tools import tool_plan
+    from pagedserve.server.options import ServeOptions
+    from pagedserve.server.protocol import ChatCompletionRequest
+    from pagedserve.server.tools import tool_plan
 
     chat_tool = {"type": "function", "function": {k: WEATHER[k] for k in ("name",
                                                                            "parameters")}}

@@ -1,4 +1,4 @@
-"""``/v1/responses``' output assembled step by step (``server.responses._Output``): which
+"""``/v1/responses``' output assembled step by step (``pagedserve.server.responses._Output``): which
 tokens' logprobs the message carries, a call's arguments complete before the text after
 it; and a stream cut by the request deadline ends with ``response.failed``."""
 
@@ -12,10 +12,10 @@ def test_message_logprobs_are_the_message_tokens():
     it), nor end-of-turn tokens; held text's tokens join the text they become."""
     from types import SimpleNamespace as NS
 
-    from server.chat import ChoiceParser
-    from server.logprobs import TokenPiece
-    from server.reasoning import ReasoningParser
-    from server.responses import _Output
+    from pagedserve.server.chat import ChoiceParser
+    from pagedserve.server.logprobs import TokenPiece
+    from pagedserve.server.reasoning import ReasoningParser
+    from pagedserve.server.responses import _Output
 
     vocab = ["<think>", "\n", "Hmm", "</think>", "\n\n", "Red", ".", "<eos>"]
 
@@ -52,9 +52,9 @@ def _events(frames: bytes) -> list[dict]:
 def test_a_calls_last_arguments_come_before_the_text_that_follows_it():
     """One step may end a call and start text after it: the call's arguments are
     complete when its item is done, and nothing is added to it afterwards."""
-    from server.chat import ChoiceParser
-    from server.responses import _Output
-    from server.tool_parser import ToolCallParser
+    from pagedserve.server.chat import ChoiceParser
+    from pagedserve.server.responses import _Output
+    from pagedserve.server.tool_parser import ToolCallParser
 
     out = _Output(base={}, input_tokens=1,
                   parser=ChoiceParser(None, ToolCallParser("hermes")))
@@ -77,9 +77,9 @@ def test_a_calls_last_arguments_come_before_the_text_that_follows_it():
 def test_a_deadline_mid_stream_ends_with_response_failed(default_model_path):
     """Past --request-timeout the stream ends with a response.failed event (the
     Responses API's own error frame, not chat's), and the request is aborted."""
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from server.options import ServeOptions
+    from pagedserve import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.options import ServeOptions
     from tests.helpers.server import run_in_process
 
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(default_model_path), dtype="float32",

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from engine import EngineConfig
-from engine.llm_engine import LLMEngine
-from server.options import ServeOptions
+from pagedserve import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.server.options import ServeOptions
 from tests.helpers.server import run_in_process, sse_events
 
 MAX_LEN = 256

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from server.tool_parser import ToolCallParser
+from pagedserve.server.tool_parser import ToolCallParser
 
 HERMES = (
     "Let me look that up ☀.\n"

@@ -1,4 +1,4 @@
-"""``python -m kernels.cpu.bench --long``: the native kernel timed at long contexts."""
+"""``python -m pagedserve.kernels.cpu.bench --long``: the native kernel timed at long contexts."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import re
 import pytest
 import torch
 
-from kernels.cpu import bench
-from kernels.cpu import native as cpu_native
+from pagedserve.kernels.cpu import bench
+from pagedserve.kernels.cpu import native as cpu_native
 
 
 def test_long_context_bench_reports_each_case(caplog) -> None:
     level = cpu_native.runnable_levels()[-1]
-    with caplog.at_level(logging.INFO, logger="kernels.cpu.bench"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.kernels.cpu.bench"):
         bench.bench_long(level, torch.float32, iters=1, cpu_time=True)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 6, lines
@@ -28,7 +28,7 @@ def test_long_context_bench_reports_each_case(caplog) -> None:
 
 def test_layers_bench_reads_the_engine_layout(caplog) -> None:
     level = cpu_native.runnable_levels()[-1]
-    with caplog.at_level(logging.INFO, logger="kernels.cpu.bench"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.kernels.cpu.bench"):
         bench.bench_layers(level, torch.float32, iters=1, layers=2, contexts=[100])
     (line,) = [r.getMessage() for r in caplog.records]
     m = re.match(rf"{level}\s+2 layers x ctx 100 decode: +([\d.]+) ms +([\d.]+) GB/s", line)
@@ -40,7 +40,7 @@ def test_layers_bench_takes_a_batch_of_requests(caplog) -> None:
     K/V (a bench reading one request's would report a third of this rate)."""
     level = cpu_native.runnable_levels()[-1]
     contexts = [40, 17, 100]
-    with caplog.at_level(logging.INFO, logger="kernels.cpu.bench"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.kernels.cpu.bench"):
         bench.bench_layers(level, torch.float32, iters=1, layers=2, contexts=contexts)
     (record,) = caplog.records
     line = record.getMessage()
@@ -62,7 +62,7 @@ def test_layers_bench_gives_each_request_its_own_blocks() -> None:
 def test_layers_bench_times_another_build_in_turn(caplog) -> None:
     level = cpu_native.runnable_levels()[0]
     other = cpu_native.build_library(level)._name  # any build: here the same one, by path
-    with caplog.at_level(logging.INFO, logger="kernels.cpu.bench"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.kernels.cpu.bench"):
         bench.bench_layers(level, torch.float32, iters=2, layers=2, contexts=[100],
                            against=other)
     mine, theirs = caplog.records
@@ -83,7 +83,7 @@ def test_the_bench_runs_again_with_the_engine_spin_unless_the_wait_is_set(monkey
     for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
         monkeypatch.delenv(name, raising=False)
     bench._run_with_engine_spin()
-    assert calls == [(bench.sys.executable, [bench.sys.executable, "-m", "kernels.cpu.bench",
+    assert calls == [(bench.sys.executable, [bench.sys.executable, "-m", "pagedserve.kernels.cpu.bench",
                                              "--long", "--threads", "2"])]  # fmt: skip
     assert bench.os.environ["GOMP_SPINCOUNT"] == "1000"
     # Set already (this run, or the caller's choice): runs as it is.

@@ -1,4 +1,4 @@
-"""Every decoder layer in one native call (``kernels.cpu.decoder``) against the per-op
+"""Every decoder layer in one native call (``pagedserve.kernels.cpu.decoder``) against the per-op
 loop: the same logits and the same KV cache, bit for bit, at every build level (with
 experts: to float32 rounding, their softmax being libm's, not torch's)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.decoder import DecoderForCausalLM, DecoderSpec, QuantLinear
-from kernels.cpu.backend import CpuBackend
-from kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
-from kernels.interface import AttentionMetadata
+from pagedserve.engine.models.decoder import DecoderForCausalLM, DecoderSpec, QuantLinear
+from pagedserve.kernels.cpu.backend import CpuBackend
+from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
+from pagedserve.kernels.interface import AttentionMetadata
 from tests.helpers.quant import random_weight
 
 BLOCK = 16

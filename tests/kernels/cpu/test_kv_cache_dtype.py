@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import write_kv
-from kernels.cpu import abi
-from kernels.cpu import native as cpu_native
-from kernels.cpu.synthetic import make_step
+from pagedserve.kernels import write_kv
+from pagedserve.kernels.cpu import abi
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.cpu.synthetic import make_step
 
 # Values whose rounding differs between careless conversions: ties to even, the largest
 # float16 and what rounds past it, subnormals of both formats, underflow, signed zero,

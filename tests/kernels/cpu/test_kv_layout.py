@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import write_kv
-from kernels.cpu import abi
-from kernels.cpu import native as cpu_native
-from kernels.cpu.synthetic import make_step
-from kernels.interface import allocate_kv_cache
+from pagedserve.kernels import write_kv
+from pagedserve.kernels.cpu import abi
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.cpu.synthetic import make_step
+from pagedserve.kernels.interface import allocate_kv_cache
 
 LENS = [1, 2, 15, 16, 17, 31, 33, 100, 257, 700]
 """Decode contexts: within a block, across blocks, and split among threads (700)."""

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import native as cpu_native
-from kernels.cpu.layer_ops import NativeLayerOps
-from kernels.layer_ops import TorchLayerOps, apply_rope, rms_norm
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
+from pagedserve.kernels.layer_ops import TorchLayerOps, apply_rope, rms_norm
 
 
 @pytest.fixture
@@ -92,8 +92,8 @@ def test_argmax(native, rows, cols) -> None:
 
 
 def test_argmax_in_the_sampler_equals_torch(native) -> None:
-    from engine.sampler import Sampler, SamplingRow
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampler import Sampler, SamplingRow
+    from pagedserve.engine.sampling_params import SamplingParams
 
     logits = randn(16, 1000)
     rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(16)]
@@ -171,7 +171,7 @@ def test_other_dtypes_and_layouts_fall_back_to_torch(native) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 64, 300, 1500])
 def test_linear_with_packed_weights(native, rows, dtype) -> None:
-    from kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS
+    from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS
 
     w, b = randn(96, 64).to(dtype), randn(96, seed=6).to(dtype)
     x = randn(rows, 64, seed=7).to(dtype)
@@ -306,8 +306,8 @@ def test_prepare_weights_packs_the_native_panels_into_one_allocation(native) -> 
 
 
 def test_packing_can_be_turned_off(monkeypatch) -> None:
-    from engine.kernel_settings import kernel_settings
-    from kernels import select_kernels
+    from pagedserve.engine.kernel_settings import kernel_settings
+    from pagedserve.kernels import select_kernels
 
     monkeypatch.setenv("PAGEDSERVE_PACK_WEIGHTS", "0")
     ops = select_kernels("cpu", "cpu", kernel_settings()).ops

@@ -1,10 +1,10 @@
-"""``kernels.cpu.memory``: tensors on fresh, huge-page-aligned mappings."""
+"""``pagedserve.kernels.cpu.memory``: tensors on fresh, huge-page-aligned mappings."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu.memory import HUGE_PAGE, huge_empty
+from pagedserve.kernels.cpu.memory import HUGE_PAGE, huge_empty
 
 
 def test_a_large_tensor_starts_on_a_huge_page_after_the_advice() -> None:

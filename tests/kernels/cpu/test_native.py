@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import (
+from pagedserve.kernels import (
     paged_decode_attention,
     paged_prefill_attention,
     write_kv,
 )
-from kernels.cpu import native as cpu_native
-from kernels.cpu.synthetic import make_step
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.cpu.synthetic import make_step
 
 TOL = {
     torch.float32: dict(atol=2e-6, rtol=2e-6),

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.kernel_settings import kernel_settings
-from kernels import get_attention_backend
-from kernels.cpu import native as cpu_native
+from pagedserve.engine.kernel_settings import kernel_settings
+from pagedserve.kernels import get_attention_backend
+from pagedserve.kernels.cpu import native as cpu_native
 
 
 @pytest.fixture
@@ -139,7 +139,7 @@ def test_levels_follow_the_cpu_flags() -> None:
 def test_the_abi_header_is_the_one_declaration(lib) -> None:
     """Constants and signatures come from ``csrc/abi.h`` only: every prototype there is
     exported by the library, and no source redefines one of its constants."""
-    from kernels.cpu import abi
+    from pagedserve.kernels.cpu import abi
 
     assert abi.SIGNATURES and all(hasattr(lib, name) for name in abi.SIGNATURES)
     assert list(cpu_native.DTYPE_CODES.values()) == [abi.DTYPE_F32, abi.DTYPE_BF16,

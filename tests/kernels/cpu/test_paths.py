@@ -9,12 +9,12 @@ import types
 import pytest
 import torch
 
-from engine import worker
-from kernels import get_attention_backend
-from kernels.cpu import native as cpu_native
-from kernels.cpu import paths as cpu_paths
-from kernels.cpu.backend import CpuBackend
-from kernels.cpu.layer_ops import NativeLayerOps
+from pagedserve.engine import worker
+from pagedserve.kernels import get_attention_backend
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.cpu import paths as cpu_paths
+from pagedserve.kernels.cpu.backend import CpuBackend
+from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
 
 
 def test_describe_reports_what_the_backend_runs() -> None:
@@ -81,7 +81,7 @@ def test_auto_dtype_on_the_cpu() -> None:
 
 def test_explicit_bfloat16_without_native_support_warns_once(caplog) -> None:
     worker._warn_slow_bf16.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="engine"):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.engine"):
         for _ in range(3):
             assert worker.resolve_dtype("bfloat16", HF, CPU, cpu_native_bf16=False) == torch.bfloat16
         assert worker.resolve_dtype("bfloat16", HF, CPU, cpu_native_bf16=True) == torch.bfloat16

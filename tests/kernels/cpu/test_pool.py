@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from kernels.cpu.quant import native_linear
+from pagedserve.kernels.cpu.quant import native_linear
 from tests.helpers.quant import assert_product_close, random_weight
 
 

@@ -27,21 +27,21 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E402
-from kernels.cpu.synthetic import PagedStep, make_step  # noqa: E402
-from kernels.quant import FORMATS  # noqa: E402
-from kernels.triton.backend import TritonLayerOps  # noqa: E402
-from kernels.triton.common import dot_block  # noqa: E402
-from kernels.triton.decode import (  # noqa: E402
+from pagedserve.kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E402
+from pagedserve.kernels.cpu.synthetic import PagedStep, make_step  # noqa: E402
+from pagedserve.kernels.quant import FORMATS  # noqa: E402
+from pagedserve.kernels.triton.backend import TritonLayerOps  # noqa: E402
+from pagedserve.kernels.triton.common import dot_block  # noqa: E402
+from pagedserve.kernels.triton.decode import (  # noqa: E402
     MAX_SPLITS,
     _decode_kernel,
     choose_num_splits,
     device_num_sms,
 )
-from kernels.triton.decode import paged_decode_attention as triton_decode  # noqa: E402
-from kernels.triton.prefill import paged_prefill_attention as triton_prefill  # noqa: E402
-from kernels.triton.quant_matmul import quant_matmul  # noqa: E402
-from kernels.triton.write_kv import write_kv as triton_write_kv  # noqa: E402
+from pagedserve.kernels.triton.decode import paged_decode_attention as triton_decode  # noqa: E402
+from pagedserve.kernels.triton.prefill import paged_prefill_attention as triton_prefill  # noqa: E402
+from pagedserve.kernels.triton.quant_matmul import quant_matmul  # noqa: E402
+from pagedserve.kernels.triton.write_kv import write_kv as triton_write_kv  # noqa: E402
 from tests.helpers.kernels import fused_qkv_views  # noqa: E402
 from tests.helpers.quant import assert_product_close, random_weight  # noqa: E402
 
@@ -235,10 +235,10 @@ def test_triton_backend_matches_reference(case, dtype, strided) -> None:
 
 
 def test_triton_in_kernels_triton_is_the_pypi_package() -> None:
-    """``kernels.triton`` does not shadow the real ``triton`` inside its own modules."""
+    """``pagedserve.kernels.triton`` does not shadow the real ``triton`` inside its own modules."""
     from pathlib import Path
 
-    import kernels.triton.decode as decode
+    import pagedserve.kernels.triton.decode as decode
 
     package = Path(decode.__file__).resolve().parent
     assert Path(decode.triton.__file__).resolve().parent != package
@@ -280,7 +280,7 @@ def test_fused_norms_match_the_torch_layer_ops(dtype, hidden) -> None:
     """RMSNorm and add + RMSNorm in one Triton launch each equal the torch reference
     (the sum rounded to the dtype, the norm over it in float32), and the add updates the
     residual in place."""
-    from kernels.layer_ops import TorchLayerOps
+    from pagedserve.kernels.layer_ops import TorchLayerOps
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     x, delta = (torch.randn(5, hidden, generator=gen, device=DEVICE).to(dtype) for _ in "xd")

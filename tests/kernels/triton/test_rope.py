@@ -26,10 +26,10 @@ transformers = pytest.importorskip("transformers")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E402
-from kernels.cpu.synthetic import make_step  # noqa: E402
-from kernels.layer_ops import TorchLayerOps  # noqa: E402
-from kernels.triton.backend import TritonLayerOps  # noqa: E402
+from pagedserve.kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E402
+from pagedserve.kernels.cpu.synthetic import make_step  # noqa: E402
+from pagedserve.kernels.layer_ops import TorchLayerOps  # noqa: E402
+from pagedserve.kernels.triton.backend import TritonLayerOps  # noqa: E402
 from tests.helpers.kernels import fused_qkv_views  # noqa: E402
 from tests.helpers.triton_keys import triton_kernels  # noqa: E402
 
@@ -60,7 +60,7 @@ def test_in_subprocess() -> None:
 
 def _cos_sin(variant: str, head_dim: int, positions: torch.Tensor, dtype: torch.dtype):
     """cos/sin ``[T, 1, D]`` rows as the model gathers them from its float32 tables."""
-    from engine.models.rope import rope_tables
+    from pagedserve.engine.models.rope import rope_tables
 
     cfg = transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4,
                                    max_position_embeddings=512, **ROPE_VARIANTS[variant])  # fmt: skip
@@ -182,7 +182,7 @@ def test_fused_rope_drops_the_launches_of_an_eager_layer_step() -> None:
     RoPE, a contiguous value and a separate K/V write, then with the fused kernel; the
     layer's output is the same. The norms are the fused Triton ones: the registry pairs
     the Triton backend with the Triton layer ops."""
-    from engine.models.decoder import DecoderLayer, DecoderSpec
+    from pagedserve.engine.models.decoder import DecoderLayer, DecoderSpec
 
     spec = DecoderSpec(vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=1,
                        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
