@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pagedserve.engine.spec_config import SpeculativeConfig
+from pagedserve.engine.speculative import SpeculativeConfig
 from pagedserve.kernels.registry import BACKENDS as ATTENTION_BACKENDS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -68,7 +68,7 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     speculative_config: SpeculativeConfig | dict | str | None = None
-    """N-gram speculative decoding (:class:`pagedserve.engine.spec_config.SpeculativeConfig`; a dict
+    """N-gram speculative decoding (:class:`pagedserve.engine.speculative.SpeculativeConfig`; a dict
     or a JSON string of its fields is converted); None = off."""
     structured_outputs_backend: str = "auto"
     """Grammar backend of structured outputs: xgrammar or llguidance (the

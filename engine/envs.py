@@ -11,7 +11,7 @@ Face's offline switches, Triton's interpreter, the C compiler, libgomp's spin).
 
 Only the standard library is imported, so the CLI entry points can read this before
 torch is loaded. The ``kernels`` package reads no environment variable: the engine
-passes it these values (:mod:`pagedserve.engine.kernel_settings`).
+passes it these values (:mod:`pagedserve.engine.worker.kernel_settings`).
 """
 
 from __future__ import annotations

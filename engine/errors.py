@@ -1,8 +1,12 @@
-"""The engine's input errors: each names the engine field it is about.
+"""Every error the engine raises, in one place. Torch-free.
 
-The engine speaks of its own fields (:class:`InputField`: the prompt, and each
-``SamplingParams`` field); a front end maps them to its own names (the OpenAI server's
-table is ``server/param_names.py``). Torch-free.
+* Input errors (:class:`EngineInputError` and its kinds): each names the engine field it
+  is about. The engine speaks of its own fields (:class:`InputField`: the prompt, and each
+  ``SamplingParams`` field); a front end maps them to its own names (the OpenAI server's
+  table is ``server/param_names.py``).
+* Model, checkpoint and adapter errors: what cannot be served, and why.
+* Fatal errors: the engine cannot step any more.
+* Internal signals, caught where they are raised from.
 """
 
 from __future__ import annotations
@@ -91,6 +95,52 @@ class TokenIdError(EngineInputError):
     ``stop_token_ids``)."""
 
 
+class StructuredOutputsError(EngineInputError):
+    """A structured-output spec that is malformed or that the backend cannot compile;
+    ``kind`` is the spec's field (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``) or None when the spec as a whole is at fault."""
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message, InputField.STRUCTURED_OUTPUTS)
+        self.kind = kind
+
+
+# -- model, checkpoint and adapter files ----------------------------------------
+class ModelNotFoundError(FileNotFoundError):
+    """Raised when a model reference cannot be resolved to a local folder."""
+
+
+class CheckpointQuantError(ValueError):
+    """A quantized checkpoint this loader cannot serve; the message names the setting."""
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served, and why."""
+
+
+class KVBudgetError(ValueError):
+    """The device has no memory left for the KV cache under the configured limits."""
+
+
+# -- the engine cannot go on ----------------------------------------------------
 class EngineFatalError(RuntimeError):
     """The engine cannot step any more (e.g. a tensor-parallel worker died or hung): no
     request can make progress, and the engine must be restarted."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can make progress."""
+
+
+class ParallelError(EngineFatalError):
+    """A collective failed: a tensor-parallel rank died, hung past the step timeout, or
+    disagreed about the step."""
+
+
+# -- internal signals ----------------------------------------------------------
+class ShmTimeout(RuntimeError):
+    """A peer did not publish within the step timeout, or its process is gone."""
+
+
+class CompileFailure(Exception):
+    """llguidance's own message for a grammar it cannot build."""

@@ -1,7 +1,7 @@
 """What the caller tells the kernels: the kernels read no environment variable.
 
 The engine fills a :class:`KernelSettings` from its switches (``PAGEDSERVE_*``, ``CC``,
-``TRITON_INTERPRET``; see :mod:`pagedserve.engine.kernel_settings`); kernels used on their own
+``TRITON_INTERPRET``; see :mod:`pagedserve.engine.worker.kernel_settings`); kernels used on their own
 (tests, benchmarks) take the defaults.
 """
 

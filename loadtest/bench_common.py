@@ -260,7 +260,7 @@ def run_engine(llm, workload: Workload, sample_stats: bool = True) -> EngineRun:
     ``output_len`` tokens. After every step the KV cache statistics are sampled; the
     time spent sampling them is measured and left out of ``elapsed_s``.
     """
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.engine.core.sampling_params import SamplingParams
 
     eng = llm.engine
     kv = eng.kv

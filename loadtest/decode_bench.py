@@ -155,8 +155,8 @@ AGREEMENT_PROMPTS = (
 def check_agreement_model(args: argparse.Namespace) -> None:
     """Before any run: the model ``--agreement`` compares with (``--agreement-model``,
     else ``--model``) must be a float one; a GPTQ or AWQ checkpoint has no float32 form."""
-    from pagedserve.engine.checkpoint_quant import read_quantization_config
     from pagedserve.engine.loader import load_config, resolve_model_path
+    from pagedserve.engine.loader.checkpoint_quant import read_quantization_config
 
     if not args.agreement:
         return

@@ -1,6 +1,6 @@
 """The cost of the block map's snapshot (``GET /v1/kv_cache/state``).
 
-``snapshot``: time :func:`pagedserve.engine.kv_state.take_kv_state` (what the engine thread does
+``snapshot``: time :func:`pagedserve.engine.core.kv_state.take_kv_state` (what the engine thread does
 between steps for each poll) and size its JSON body, for pools of 1k to 100k blocks with
 32 running requests holding half the pool::
 
@@ -42,9 +42,9 @@ NUM_REQUESTS = 32
 
 def _filled_scheduler(num_blocks: int):
     """32 running requests whose prompts fill half the pool (prefix caching on)."""
-    from pagedserve.engine.request import Request, RequestGroup
-    from pagedserve.engine.sampling_params import SamplingParams
-    from pagedserve.engine.scheduler import Scheduler
+    from pagedserve.engine.core.request import Request, RequestGroup
+    from pagedserve.engine.core.sampling_params import SamplingParams
+    from pagedserve.engine.core.scheduler import Scheduler
 
     tokens_each = num_blocks * BLOCK_SIZE // 2 // NUM_REQUESTS
     s = Scheduler(num_blocks, BLOCK_SIZE, max_num_seqs=NUM_REQUESTS,
@@ -62,7 +62,7 @@ def _filled_scheduler(num_blocks: int):
 
 
 def snapshot(args: argparse.Namespace) -> None:
-    from pagedserve.engine.kv_state import DEFAULT_MAX_CELLS, KVStateTaker
+    from pagedserve.engine.core.kv_state import DEFAULT_MAX_CELLS, KVStateTaker
     from pagedserve.server.playground import encode_state
 
     print(f"python {platform.python_version()}, {platform.processor() or platform.machine()}")

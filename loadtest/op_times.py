@@ -1,7 +1,7 @@
 """Where a benchmark run's time goes: ``pagedserve bench throughput --op-times``.
 
 :class:`OpTimes` runs the engine's layers through :class:`TimedBackend` (the model
-runner's explicit :meth:`~pagedserve.engine.model_runner.ModelRunner.instrument` seam: nothing of
+runner's explicit :meth:`~pagedserve.engine.worker.model_runner.ModelRunner.instrument` seam: nothing of
 the engine is patched): the same attention backend and layer ops, each call of
 ``forward``, ``ops.linear`` (per weight), ``rms_norm``, ``add_rms_norm``, ``rope`` and
 ``silu_mul`` under a wall-clock timer, sorted into decode-only steps and steps with

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fresh_llm(args: argparse.Namespace, caching: bool):
-    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.loop.llm import LLM
 
     return LLM(model=args.model, **engine_kwargs(args, enable_prefix_caching=caching))
 

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run(llm, prompts: list[list[int]], args: argparse.Namespace,
          by_priority: bool) -> dict[str, Any]:
     from pagedserve import SamplingParams
-    from pagedserve.engine.llm_engine import OUTPUT_DELTA
+    from pagedserve.engine.loop.llm_engine import OUTPUT_DELTA
 
     eng = llm.engine
     n_batch = args.batch_requests

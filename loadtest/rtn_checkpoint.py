@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.engine.checkpoint_weights import AWQ_ORDER
+from pagedserve.engine.loader.checkpoint_weights import AWQ_ORDER
 from pagedserve.engine.models.checkpoint_names import layout_key, projection
 
 

@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark, print its report, and return it (also saved with --save-result)."""
     import torch
 
-    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.loop.llm import LLM
     from pagedserve.kernels.cpu import paths as cpu_paths
 
     apply_threads(args)
@@ -265,7 +265,7 @@ def _repeat_pairs(args, workload: Workload, model_path, dtype: str,
     pair); the ratio of each pair and their median, and with the arithmetic bound
     ``bound_s`` the median of HF static's times over it. The engine's prefix cache is
     reset before every run."""
-    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.loop.llm import LLM
     from pagedserve.loadtest import hf_baseline as hf
 
     llm = LLM(model=args.model, **engine_kwargs(args))

@@ -9,8 +9,8 @@ block manager), ``pagedserve.kernels`` (attention and layer kernels), ``pagedser
 Importing ``pagedserve`` changes nothing in the process (no environment variable, no
 allocator setting) and loads nothing heavy: each public name below is imported from its
 module when first used, so light modules such as :mod:`pagedserve.engine.envs` and
-:mod:`pagedserve.engine.process_tuning` can be used before torch is loaded. The process
-tuning is applied when an engine starts (:func:`pagedserve.engine.process_tuning.apply`).
+:mod:`pagedserve.engine.worker.process_tuning` can be used before torch is loaded. The process
+tuning is applied when an engine starts (:func:`pagedserve.engine.worker.process_tuning.apply`).
 """
 
 from __future__ import annotations
@@ -20,32 +20,32 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "pagedserve.engine.llm",
-    "LLMEngine": "pagedserve.engine.llm_engine",
-    "AsyncEngine": "pagedserve.engine.async_engine",
-    "EngineDeadError": "pagedserve.engine.async_engine",
-    "EngineSnapshot": "pagedserve.engine.async_engine",
-    "StepItem": "pagedserve.engine.async_engine",
+    "LLM": "pagedserve.engine.loop.llm",
+    "LLMEngine": "pagedserve.engine.loop.llm_engine",
+    "AsyncEngine": "pagedserve.engine.loop.async_engine",
+    "EngineDeadError": "pagedserve.engine.errors",
+    "EngineSnapshot": "pagedserve.engine.loop.async_engine",
+    "StepItem": "pagedserve.engine.loop.async_engine",
     "EngineConfig": "pagedserve.engine.config",
-    "EngineInfo": "pagedserve.engine.engine_info",
-    "InputLimits": "pagedserve.engine.engine_info",
+    "EngineInfo": "pagedserve.engine.loop.engine_info",
+    "InputLimits": "pagedserve.engine.loop.engine_info",
     "EngineInputError": "pagedserve.engine.errors",
     "InputField": "pagedserve.engine.errors",
     "PromptTooLongError": "pagedserve.engine.errors",
     "SamplingParamError": "pagedserve.engine.errors",
     "TokenIdError": "pagedserve.engine.errors",
-    "CompletionOutput": "pagedserve.engine.outputs",
-    "Logprob": "pagedserve.engine.outputs",
-    "RequestMetrics": "pagedserve.engine.outputs",
-    "RequestOutput": "pagedserve.engine.outputs",
-    "TokenLogprobs": "pagedserve.engine.outputs",
-    "MAX_LOGPROBS": "pagedserve.engine.sampling_params",
-    "SamplingParams": "pagedserve.engine.sampling_params",
+    "CompletionOutput": "pagedserve.engine.core.outputs",
+    "Logprob": "pagedserve.engine.core.outputs",
+    "RequestMetrics": "pagedserve.engine.core.outputs",
+    "RequestOutput": "pagedserve.engine.core.outputs",
+    "TokenLogprobs": "pagedserve.engine.core.outputs",
+    "MAX_LOGPROBS": "pagedserve.engine.core.sampling_params",
+    "SamplingParams": "pagedserve.engine.core.sampling_params",
     "LoRARequest": "pagedserve.engine.lora.request",
-    "PoolingParams": "pagedserve.engine.pooling",
+    "PoolingParams": "pagedserve.engine.core.pooling",
     "StructuredOutputsParams": "pagedserve.engine.structured.params",
     "ReasoningGate": "pagedserve.engine.structured.params",
-    "StructuredOutputsError": "pagedserve.engine.structured.params",
+    "StructuredOutputsError": "pagedserve.engine.errors",
 }
 """Public name -> the module that defines it."""
 

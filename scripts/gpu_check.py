@@ -221,7 +221,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
                       f"max_num_seqs={kwargs['max_num_seqs']}, "
                       f"enforce_eager={kwargs.get('enforce_eager', False)})")  # fmt: skip
     collect = _Collect()
-    for name in ("pagedserve.engine.gpu_memory", "pagedserve.engine.cuda_graphs", "pagedserve.engine"):
+    for name in ("pagedserve.engine.worker.gpu_memory", "pagedserve.engine.worker.cuda_graphs", "pagedserve.engine"):
         lg = logging.getLogger(name)
         lg.setLevel(logging.INFO)
         lg.addHandler(collect)

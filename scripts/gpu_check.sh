@@ -5,9 +5,9 @@
 # LIMIT[part] seconds (their sum fits the default budget; a dry run checks that), and
 # skipped when the overall budget is spent:
 #   env          nvidia-smi, python / torch / triton / transformers versions, CUDA visible
-#   engine       tests/engine/test_triton_engine.py (Triton engine + decode CUDA graphs vs the
+#   engine       tests/engine/worker/test_triton_engine.py (Triton engine + decode CUDA graphs vs the
 #                torch backend, float32; LoRA adapters and embeddings on both) and
-#                tests/engine/test_gpu_path.py and test_gpu_memory.py
+#                tests/engine/worker/test_gpu_path.py and test_gpu_memory.py
 #   gate         the bf16 gate (scripts/gpu_gate.py): Triton + graphs vs Triton eager vs the
 #                torch backend (batches 3/17/255, 3K+ prompts), head dims 64-128 and GQA
 #                groups 1/7/16 and a KV cache past 2^31 elements against the torch
@@ -271,8 +271,8 @@ if "$PY" -c "import xdist" 2>/dev/null; then
 fi
 
 part engine pytest_note -- bash -c 'run_pytest "$@"' run_pytest \
-    tests/engine/test_triton_engine.py tests/engine/test_gpu_path.py \
-    tests/engine/test_gpu_memory.py
+    tests/engine/worker/test_triton_engine.py tests/engine/worker/test_gpu_path.py \
+    tests/engine/worker/test_gpu_memory.py
 part gate none -- "$PY" scripts/gpu_check.py gate --workdir "$WORK"
 MODEL=$WORK/llama-1b-random
 part bench-model none -- "$PY" scripts/gpu_check.py make-model --preset llama-1b \

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from pagedserve import LLM, SamplingParams
-    from pagedserve.engine import process_tuning
+    from pagedserve.engine.worker import process_tuning
     from tests.helpers.models import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -32,6 +32,6 @@ cd "$WORK"
 step "converting the default model into the cache" "$PY" -c \
     "from pagedserve.engine.loader import convert_default_model; convert_default_model()"
 step "building the native CPU kernels for this CPU" "$PY" -c \
-    "from pagedserve.engine.kernel_settings import kernel_settings
+    "from pagedserve.engine.worker.kernel_settings import kernel_settings
 from pagedserve.kernels.cpu import native
 native.load(kernel_settings())"

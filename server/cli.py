@@ -2,7 +2,7 @@
 
 Each subcommand is a module exposing ``add_parser(subparsers) -> ArgumentParser`` and
 ``run(args) -> int``; adding one is one line in :data:`SUBCOMMANDS`. :func:`main` sets
-the OpenMP spin (:func:`pagedserve.engine.process_tuning.set_omp_spin`) before anything imports
+the OpenMP spin (:func:`pagedserve.engine.worker.process_tuning.set_omp_spin`) before anything imports
 torch, since libgomp reads it only when torch loads it.
 """
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns its exit status."""
-    from pagedserve.engine import process_tuning
+    from pagedserve.engine.worker import process_tuning
 
     process_tuning.set_omp_spin()  # first: the subcommands' modules import torch
     args = build_parser().parse_args(argv)

@@ -3,7 +3,7 @@ reads it.
 
 Every input (a string, a list of strings, token ids or lists of token ids) is an engine
 request with no output tokens whose prompt's final hidden states are pooled
-(:mod:`pagedserve.engine.pooling`: the model's sentence-transformers pooling, else the last
+(:mod:`pagedserve.engine.core.pooling`: the model's sentence-transformers pooling, else the last
 token's, L2-normalized); they batch with generation on the same engine. ``dimensions``
 keeps the first values (then normalizes); ``encoding_format: "base64"`` (the OpenAI SDK's
 default) sends each vector as little-endian float32 bytes in base64.

@@ -15,8 +15,8 @@ import itertools
 import json
 from dataclasses import dataclass
 
+from pagedserve.engine.errors import LoRAError
 from pagedserve.engine.lora.request import (
-    LoRAError,
     LoRALimits,
     LoRARequest,
     check_adapter,

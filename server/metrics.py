@@ -1,7 +1,7 @@
 """Prometheus metrics, named ``pagedserve:*`` after vLLM's ``vllm:*`` names.
 
 Engine counters and gauges are read from the engine thread's latest
-:class:`~pagedserve.engine.async_engine.EngineSnapshot` at scrape time (a custom collector);
+:class:`~pagedserve.engine.loop.async_engine.EngineSnapshot` at scrape time (a custom collector);
 per-request latencies are histograms observed on the event loop.
 """
 

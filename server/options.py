@@ -34,7 +34,7 @@ class ServeOptions:
     """Entries in ``logit_bias``."""
     exit_on_engine_death: bool = True
     data_parallel_size: int = 1
-    """Engine replicas, each its own process (:mod:`pagedserve.engine.dp_engine`)."""
+    """Engine replicas, each its own process (:mod:`pagedserve.engine.loop.dp_engine`)."""
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     generation_config: str = "auto"

@@ -14,8 +14,8 @@ from importlib import resources
 
 from aiohttp import web
 
-from pagedserve.engine.async_engine import EngineDeadError
-from pagedserve.engine.kv_state import DEFAULT_MAX_CELLS, MAX_CELLS_LIMIT, KVState
+from pagedserve.engine.core.kv_state import DEFAULT_MAX_CELLS, MAX_CELLS_LIMIT, KVState
+from pagedserve.engine.errors import EngineDeadError
 from pagedserve.server.errors import bad_request, unavailable
 from pagedserve.server.sse import json_response
 from pagedserve.server.state import STATE_KEY

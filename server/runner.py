@@ -17,8 +17,9 @@ import socket
 from aiohttp import web
 
 from pagedserve import AsyncEngine, EngineConfig
-from pagedserve.engine import envs, process_tuning
+from pagedserve.engine import envs
 from pagedserve.engine.lora import LoRAError
+from pagedserve.engine.worker import process_tuning
 from pagedserve.server.app import build_app
 from pagedserve.server.generation import ServerShutdown
 from pagedserve.server.state import ServeOptions, ServerState
@@ -53,7 +54,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Load the model, serve until a signal, shut down gracefully; the exit status."""
     loop = asyncio.get_running_loop()
     if options.data_parallel_size > 1:
-        from pagedserve.engine.dp_engine import DataParallelEngine
+        from pagedserve.engine.loop.dp_engine import DataParallelEngine
 
         engine = await loop.run_in_executor(None, DataParallelEngine.from_config, config,
                                             options.data_parallel_size)  # fmt: skip

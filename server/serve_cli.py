@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     from pagedserve.engine.parallel.launch import is_worker_rank
-    from pagedserve.engine.parallel.rank import run_worker_rank
+    from pagedserve.engine.worker.rank import run_worker_rank
 
     if is_worker_rank(config):  # torchrun: rank 0 serves, this rank steps its shard
         logger.info("tensor-parallel rank of a launcher's group: stepping for rank 0")

@@ -4,11 +4,7 @@
 weights and applies them in a step.
 """
 
-from pagedserve.engine.lora.request import (
-    AdapterConfig,
-    LoRAError,
-    LoRARequest,
-    read_adapter_config,
-)
+from pagedserve.engine.errors import LoRAError
+from pagedserve.engine.lora.request import AdapterConfig, LoRARequest, read_adapter_config
 
 __all__ = ["AdapterConfig", "LoRAError", "LoRARequest", "read_adapter_config"]

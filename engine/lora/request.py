@@ -15,6 +15,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.engine.errors import LoRAError
+
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may adapt (every linear of a decoder layer)."""
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -23,10 +25,6 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 FUSED_MLP = FUSED["gate_up_proj"] + FUSED["down_proj"]
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served, and why."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.engine.errors import LoRAError
 from pagedserve.engine.lora.request import (
     FUSED,
     WEIGHTS_FILE,
-    LoRAError,
     LoRALimits,
     LoRARequest,
     check_adapter,

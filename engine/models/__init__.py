@@ -16,7 +16,7 @@ def build_model(hf_config, tp=None) -> DecoderForCausalLM:
     is set)."""
     spec = DecoderSpec.from_hf(hf_config)  # refuses what it cannot compute
     if tp is not None:
-        from pagedserve.engine.parallel.shard import TPShard
+        from pagedserve.engine.models.shard import TPShard
 
         tp.shard = TPShard(tp.rank, tp.size, spec)
     return DecoderForCausalLM(spec, tp)
@@ -37,7 +37,7 @@ def load_model(hf_config, weights: Iterable[tuple[str, torch.Tensor]], device: t
     if model.full_spec.fused_checkpoint:
         weights = unfuse(weights, model.full_spec)
     if tp is not None:
-        from pagedserve.engine.parallel.shard import shard_weights
+        from pagedserve.engine.models.shard import shard_weights
 
         weights = shard_weights(weights, tp.shard)
     model = model.to(dtype).to_empty(device=device)

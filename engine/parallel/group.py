@@ -34,11 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedserve.engine.errors import EngineFatalError
+from pagedserve.engine.core.scheduler_output import SchedulerOutput
+from pagedserve.engine.errors import ParallelError
+from pagedserve.engine.models.shard import TPShard
 from pagedserve.engine.parallel import shm
-from pagedserve.engine.parallel.shard import TPShard
 from pagedserve.engine.parallel.shm import ShmExchange
-from pagedserve.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("pagedserve.engine.parallel")
 
@@ -48,11 +48,6 @@ _HEADER = 16
 INLINE_BYTES = 16384
 """A step description up to this size travels in one broadcast; a larger one in two."""
 STEP_GROUP_TIMEOUT = timedelta(days=365)
-
-
-class ParallelError(EngineFatalError):
-    """A collective failed: a tensor-parallel rank died, hung past the step timeout, or
-    disagreed about the step."""
 
 
 class TensorParallel:

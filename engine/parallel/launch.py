@@ -26,8 +26,9 @@ import subprocess
 import sys
 import threading
 
-from pagedserve.engine import envs, frames
+from pagedserve.engine import envs
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.parallel import frames
 
 logger = logging.getLogger("pagedserve.engine.parallel")
 
@@ -77,8 +78,8 @@ def _free_port() -> int:
 class WorkerProcesses:
     """Ranks 1..N-1 started by the engine, and the threads that watch them.
 
-    Each rank is a fresh interpreter (``python -m pagedserve.engine.parallel.rank``) that reads its
-    engine configuration from its stdin (one :mod:`pagedserve.engine.frames` frame): nothing of the
+    Each rank is a fresh interpreter (``python -m pagedserve.engine.worker.rank``) that reads its
+    engine configuration from its stdin (one :mod:`pagedserve.engine.parallel.frames` frame): nothing of the
     parent is imported again (a script without an ``if __name__ == "__main__"`` guard
     works) and nothing is forked.
     """
@@ -93,7 +94,7 @@ class WorkerProcesses:
         self.procs: list[subprocess.Popen] = []
         for r in range(1, size):
             p = subprocess.Popen(
-                [sys.executable, "-m", "pagedserve.engine.parallel.rank", str(r), str(size),
+                [sys.executable, "-m", "pagedserve.engine.worker.rank", str(r), str(size),
                  self.init_method, str(os.getpid())],
                 stdin=subprocess.PIPE, env=env)  # fmt: skip
             self.procs.append(p)

@@ -27,16 +27,14 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.engine.errors import ShmTimeout
+
 SHM_DIR = Path("/dev/shm")
 SLOT_BYTES = 8 << 20
 """Largest tensor exchanged here (bigger ones go through gloo)."""
 _LINE = 64
 _FLAG_STRIDE = _LINE // 8
 _SLICE_US = 50_000
-
-
-class ShmTimeout(RuntimeError):
-    """A peer did not publish within the step timeout, or its process is gone."""
 
 
 def available() -> bool:

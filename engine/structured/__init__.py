@@ -5,10 +5,7 @@ pool and the per-step token bitmask.
 imported only when an engine first compiles a grammar.
 """
 
-from pagedserve.engine.structured.params import (
-    ReasoningGate,
-    StructuredOutputsError,
-    StructuredOutputsParams,
-)
+from pagedserve.engine.errors import StructuredOutputsError
+from pagedserve.engine.structured.params import ReasoningGate, StructuredOutputsParams
 
 __all__ = ["ReasoningGate", "StructuredOutputsError", "StructuredOutputsParams"]

@@ -16,7 +16,8 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from pagedserve.engine.structured.params import StructuredOutputsError, StructuredOutputsParams
+from pagedserve.engine.errors import StructuredOutputsError
+from pagedserve.engine.structured.params import StructuredOutputsParams
 from pagedserve.engine.structured.schema import has_bounded_pattern
 
 BACKENDS = {

@@ -20,6 +20,7 @@ import llguidance.hf
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from pagedserve.engine.errors import CompileFailure
 from pagedserve.engine.structured.backend import compile_error
 from pagedserve.engine.structured.params import StructuredOutputsParams
 from pagedserve.engine.structured.schema import close_objects
@@ -68,10 +69,6 @@ class _Grammar:
 
     def matcher(self) -> _Matcher:
         return _Matcher(self._template.deep_copy(), self._eos)
-
-
-class CompileFailure(Exception):
-    """llguidance's own message for a grammar it cannot build."""
 
 
 class Backend:

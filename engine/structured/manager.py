@@ -59,7 +59,7 @@ class StructuredOutputManager:
 
     def submit(self, spec: StructuredOutputsParams) -> Future[Grammar]:
         """The (cached) compile of ``spec``; its exception is a
-        :class:`~pagedserve.engine.structured.StructuredOutputsError` naming the spec's field."""
+        :class:`~pagedserve.engine.errors.StructuredOutputsError` naming the spec's field."""
         key = spec.key
         with self._lock:
             fut = self._cache.get(key)

@@ -12,19 +12,9 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.errors import EngineInputError, InputField
+from pagedserve.engine.errors import StructuredOutputsError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-class StructuredOutputsError(EngineInputError):
-    """A structured-output spec that is malformed or that the backend cannot compile;
-    ``kind`` is the spec's field (``json``, ``regex``, ``choice``, ``grammar``,
-    ``json_object``) or None when the spec as a whole is at fault."""
-
-    def __init__(self, message: str, kind: str | None = None) -> None:
-        super().__init__(message, InputField.STRUCTURED_OUTPUTS)
-        self.kind = kind
 
 
 @dataclass(frozen=True, slots=True)

@@ -210,7 +210,7 @@ def _omp_wait() -> str:
 
 
 SPIN_COUNT = "1000"
-"""The OpenMP threads' idle spin the engine runs with (``pagedserve.engine.process_tuning``)."""
+"""The OpenMP threads' idle spin the engine runs with (``pagedserve.engine.worker.process_tuning``)."""
 
 
 def _run_with_engine_spin() -> None:

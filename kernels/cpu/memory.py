@@ -1,5 +1,5 @@
 """CPU tensors on transparent huge pages: the memory of the CPU KV cache (through
-:mod:`pagedserve.engine.hugepages`, which decides whether to ask) and of the kernel benchmark's
+:mod:`pagedserve.engine.worker.hugepages`, which decides whether to ask) and of the kernel benchmark's
 caches, so that the benchmark reads K/V as the engine does.
 
 With ``/sys/kernel/mm/transparent_hugepage/enabled`` at ``madvise`` (the common default)

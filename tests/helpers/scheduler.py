@@ -6,10 +6,10 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 
-from pagedserve.engine.request import Request, RequestGroup, RequestStatus
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import ModelRunnerOutput, Scheduler
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.engine.core.request import Request, RequestGroup, RequestStatus
+from pagedserve.engine.core.sampling_params import SamplingParams
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 BS = 4
 EOS = 2

@@ -163,7 +163,7 @@ def run_in_process(engine, options, script):
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.loop.async_engine import AsyncEngine
     from pagedserve.server.app import build_app
     from pagedserve.server.state import ServerState
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from pagedserve.engine.kernel_settings import kernel_settings
+from pagedserve.engine.worker.kernel_settings import kernel_settings
 from pagedserve.kernels import (
     AttentionMetadata,
     KernelSettings,

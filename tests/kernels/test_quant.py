@@ -143,8 +143,7 @@ def test_gguf_tensors_equal_the_hf_conversion(default_model_path) -> None:
     """Each tensor of the default model's GGUF, as loaded quantized and dequantized by the
     reference, equals what transformers' GGUF loader made of it (the converted folder),
     Llama's q/k rows back in Hugging Face order."""
-    from pagedserve.engine import gguf_weights
-    from pagedserve.engine.loader import default_gguf_path, iter_weights
+    from pagedserve.engine.loader import default_gguf_path, gguf_weights, iter_weights
 
     path = default_gguf_path()
     formats = gguf_weights.tensor_formats(path)

@@ -67,7 +67,7 @@ def test_token_flops_count_every_projection_weight(tiny_model_factory, kind):
     """The arithmetic bound's FLOPs a token: two for each weight a token multiplies, read
     off the loaded model's own weights (a layer with experts: its router, top_k experts,
     and any shared expert and its gate)."""
-    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.loop.llm import LLM
 
     llm = LLM(model=str(tiny_model_factory(kind)), kv_cache_memory_gb=0.02, max_model_len=512)
     try:
@@ -247,7 +247,7 @@ def test_decode_bench_counts_the_experts_a_batch_uses(tiny_model_factory):
 
 
 def test_op_timers_are_removed(tiny_llama):
-    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.loop.llm import LLM
     from pagedserve.loadtest.op_times import OpTimes
 
     llm = LLM(model=tiny_llama, kv_cache_memory_gb=0.02, max_model_len=512)

@@ -20,7 +20,7 @@ BODY = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "stream": True}
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from pagedserve import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.loop.llm_engine import LLMEngine
 
     path = write_tiny_model(tmp_path_factory.mktemp("tiny-cors"))
     return LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32",

@@ -19,8 +19,8 @@ import pytest
 import requests
 
 from pagedserve import EngineConfig, PoolingParams, SamplingParams
-from pagedserve.engine.async_engine import EngineSnapshot
-from pagedserve.engine.dp_engine import PREFIX_MARGIN_TOKENS, DataParallelEngine
+from pagedserve.engine.loop.async_engine import EngineSnapshot
+from pagedserve.engine.loop.dp_engine import PREFIX_MARGIN_TOKENS, DataParallelEngine
 from pagedserve.loadtest.datasets import random_dataset, vocabulary_ids
 from pagedserve.loadtest.serve_bench import run_benchmark, run_problems, wait_server_idle
 from tests.helpers.server import ServerProcess, child_pids, process_alive

@@ -59,7 +59,7 @@ def test_offsets_index_the_echo_when_the_tokenizer_adds_a_bos(tmp_path, make_tin
     """With logprobs the echo is the prompt's tokens decoded (here with the BOS the
     tokenizer adds), and every ``text_offset`` is where its token's text begins."""
     from pagedserve import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.loop.llm_engine import LLMEngine
 
     path = make_tiny("llama", tmp_path / "bos", default_model_path)
     tok_file = path / "tokenizer.json"

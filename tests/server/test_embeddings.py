@@ -1,6 +1,6 @@
 """``/v1/embeddings`` through the real ``openai`` SDK (which asks for base64 by default):
 the vectors are the offline API's (``LLM.embed``, equal to HF transformers' as
-tests/engine/test_embed.py checks), in input order, as floats or base64, cut by
+tests/engine/loop/test_embed.py checks), in input order, as floats or base64, cut by
 ``dimensions``; bad requests are 400s naming the field."""
 
 from __future__ import annotations

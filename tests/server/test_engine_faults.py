@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.loop.async_engine import AsyncEngine
+from pagedserve.engine.output.processor import OutputProcessor
 from pagedserve.server.app import build_app
 from pagedserve.server.state import ServeOptions, ServerState
 from tests.helpers.models import write_tiny_model
@@ -33,7 +33,7 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     from pagedserve import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.loop.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig.from_kwargs(
         model=tiny_model, dtype="float32", kv_cache_memory_gb=0.02, max_num_seqs=4,

@@ -9,11 +9,11 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError, StepItem
-from pagedserve.engine.engine_info import EngineInfo, InputLimits
-from pagedserve.engine.errors import EngineInputError, InputField
-from pagedserve.engine.llm_engine import EngineStats
-from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.engine.errors import EngineDeadError, EngineInputError, InputField
+from pagedserve.engine.loop.async_engine import AsyncEngine, StepItem
+from pagedserve.engine.loop.engine_info import EngineInfo, InputLimits
+from pagedserve.engine.loop.llm_engine import EngineStats
 from pagedserve.server.app import build_app
 from pagedserve.server.state import ServeOptions, ServerState
 from tests.helpers.server import sse_events
@@ -73,7 +73,7 @@ class ScriptedEngine:
 
 
 def _params():
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.engine.core.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=3)
 

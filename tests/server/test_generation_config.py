@@ -9,8 +9,8 @@ import json
 import pytest
 
 from pagedserve import LLM, EngineConfig, SamplingParams
-from pagedserve.engine.engine_info import generation_defaults
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.loop.engine_info import generation_defaults
+from pagedserve.engine.loop.llm_engine import LLMEngine
 from pagedserve.server.options import ServeOptions
 from pagedserve.server.params import chat_params
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage

@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from pagedserve import LLM, EngineConfig, LoRARequest, SamplingParams
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.loop.llm_engine import LLMEngine
 from pagedserve.server import serve_cli
 from pagedserve.server.lora import LoRAModule, parse_lora_module
 from pagedserve.server.options import ServeOptions
@@ -47,7 +47,7 @@ def _cut(path):
 @pytest.fixture(scope="module")
 def offline(tiny, adapters):
     """Greedy texts of the prompt through the offline API (equal to HF's, as
-    tests/engine/test_lora.py checks), per adapter (None: the base)."""
+    tests/engine/lora/test_lora.py checks), per adapter (None: the base)."""
     llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8,
               kv_cache_memory_gb=0.02)  # fmt: skip
     sp = SamplingParams(temperature=0.0, max_tokens=MAX, ignore_eos=True)

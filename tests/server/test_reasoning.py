@@ -166,7 +166,7 @@ def _with_real_server(default_model_path, script):
     ``--reasoning-parser qwen3`` and a template that opens the thinking unless
     ``enable_thinking`` is false."""
     from pagedserve import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.loop.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(default_model_path), dtype="float32",
                                                 kv_cache_memory_gb=0.05, max_model_len=1024))

@@ -294,7 +294,7 @@ def test_truncation_auto_drops_the_oldest_turns(client, server):
 
 def test_the_store_is_bounded_and_can_be_off(tiny_model_factory):
     from pagedserve import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.loop.llm_engine import LLMEngine
     from pagedserve.server.options import ServeOptions
     from pagedserve.server.responses_store import ResponseStore
     from tests.helpers.server import run_in_process

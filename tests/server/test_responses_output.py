@@ -78,7 +78,7 @@ def test_a_deadline_mid_stream_ends_with_response_failed(default_model_path):
     """Past --request-timeout the stream ends with a response.failed event (the
     Responses API's own error frame, not chat's), and the request is aborted."""
     from pagedserve import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.loop.llm_engine import LLMEngine
     from pagedserve.server.options import ServeOptions
     from tests.helpers.server import run_in_process
 

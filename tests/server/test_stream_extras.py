@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pagedserve import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.loop.llm_engine import LLMEngine
 from pagedserve.server.options import ServeOptions
 from tests.helpers.server import run_in_process, sse_events
 

@@ -92,8 +92,8 @@ def test_argmax(native, rows, cols) -> None:
 
 
 def test_argmax_in_the_sampler_equals_torch(native) -> None:
-    from pagedserve.engine.sampler import Sampler, SamplingRow
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.engine.core.sampling_params import SamplingParams
+    from pagedserve.engine.sample.sampler import Sampler, SamplingRow
 
     logits = randn(16, 1000)
     rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(16)]
@@ -306,7 +306,7 @@ def test_prepare_weights_packs_the_native_panels_into_one_allocation(native) -> 
 
 
 def test_packing_can_be_turned_off(monkeypatch) -> None:
-    from pagedserve.engine.kernel_settings import kernel_settings
+    from pagedserve.engine.worker.kernel_settings import kernel_settings
     from pagedserve.kernels import select_kernels
 
     monkeypatch.setenv("PAGEDSERVE_PACK_WEIGHTS", "0")

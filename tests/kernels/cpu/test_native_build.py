@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.engine.kernel_settings import kernel_settings
+from pagedserve.engine.worker.kernel_settings import kernel_settings
 from pagedserve.kernels import get_attention_backend
 from pagedserve.kernels.cpu import native as cpu_native
 

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from pagedserve.engine import worker
+from pagedserve.engine.worker import worker
 from pagedserve.kernels import get_attention_backend
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu import paths as cpu_paths

@@ -1,0 +1,89 @@
+"""The files of a Hugging Face style model folder, and reading them.
+
+A folder holds ``config.json``, tokenizer files and the weights, one
+``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors import safe_open
+
+from pagedserve.engine.errors import ModelNotFoundError
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+
+
+def is_complete_model_dir(path: Path) -> bool:
+    """Return True if ``path`` holds a config and weights (single file or index)."""
+    return (path / CONFIG_NAME).is_file() and (
+        (path / WEIGHTS_NAME).is_file() or (path / WEIGHTS_INDEX_NAME).is_file()
+    )
+
+
+def load_config(path: Path) -> transformers.PretrainedConfig:
+    """Load the model config from a resolved model folder."""
+    return transformers.AutoConfig.from_pretrained(str(path))
+
+
+def load_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
+    """Load the tokenizer (with its chat template) from a resolved model folder."""
+    return transformers.AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
+    """The ids that end a generation: ``generation_config.json``'s ``eos_token_id`` (one
+    or a list) and the tokenizer's own, sorted."""
+    ids: set[int] = set()
+    gen_path = path / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(x) for x in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def weight_files(path: Path) -> list[Path]:
+    """Return the safetensors files of a model folder, in index order."""
+    index = path / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = list(dict.fromkeys(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise ModelNotFoundError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return [path / f for f in files]
+    single = path / WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    others = sorted(path.glob("*.safetensors"))
+    if others:
+        return others
+    raise ModelNotFoundError(
+        f"No safetensors weights in {path} (expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME})."
+    )
+
+
+def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every weight of the checkpoint in ``path``.
+
+    Handles a single ``model.safetensors`` or shards listed in
+    ``model.safetensors.index.json``.  Tensors are read lazily from
+    memory-mapped files on CPU, one at a time; names are as stored in the HF
+    checkpoint (a tied ``lm_head.weight`` is usually absent).
+    """
+    for file in weight_files(Path(path)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)

@@ -1,0 +1,65 @@
+"""``kv_cache_dtype``: a 16-bit KV cache under a float32 model holds twice the tokens in
+the same memory, the native kernels and the torch reference read the same rounded
+K/V (the same greedy tokens), and bad values are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, EngineConfig, SamplingParams
+from pagedserve.engine.worker.worker import resolve_kv_cache_dtype
+from tests.helpers.prompts import PROMPTS
+
+NEW_TOKENS = 32
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_tokenizer):
+    return [default_tokenizer.encode(p) for p in PROMPTS]
+
+
+def test_a_16bit_cache_holds_twice_the_tokens():
+    wide = LLM(dtype="float32", kv_cache_memory_gb=0.125)
+    narrow = LLM(dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory_gb=0.125)
+    assert wide.engine.worker.kv_cache.dtype == torch.float32
+    assert narrow.engine.worker.kv_cache.dtype == torch.bfloat16
+    assert narrow.engine.worker.dtype == torch.float32  # the model stays float32
+    assert narrow.engine.kv.num_blocks == 2 * wide.engine.kv.num_blocks
+    assert narrow.engine.worker.kv_cache.nbytes == wide.engine.worker.kv_cache.nbytes
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_native_and_reference_backends_agree(kv_dtype, prompts):
+    # A small token budget chunks the long prompts and mixes decodes with prefill
+    # chunks; whole prompts in one step take the reference's causal path, which must
+    # also attend to the rounded K/V.
+    outs = {}
+    for backend in ("cpu", "torch"):
+        for budget in (24, 2048):
+            llm = LLM(dtype="float32", kv_cache_dtype=kv_dtype, attention_backend=backend,
+                      max_num_batched_tokens=budget, enable_prefix_caching=False)
+            assert llm.engine.worker.attn.name == backend
+            outs[backend, budget] = _greedy(llm, prompts)
+            assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
+    assert outs["cpu", 24] == outs["torch", 24] == outs["cpu", 2048] == outs["torch", 2048]
+
+
+def test_bad_values_name_the_parameter():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is invalid: .*'bfloat16'.*"
+                                         r"fp8 KV caches are not supported"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' is invalid: must be one of"):
+        LLM(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16' differs from the model "
+                                         r"dtype float32: the triton attention backend"):
+        resolve_kv_cache_dtype("bfloat16", torch.float32, "triton")
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, "triton") == torch.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, "triton") == torch.bfloat16
+    assert resolve_kv_cache_dtype("float16", torch.float32, "cpu") == torch.float16
