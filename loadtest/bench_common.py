@@ -250,7 +250,7 @@ class EngineRun:
 def vocab_token_ids(llm) -> list[int]:
     """Non-special token ids of the engine's model vocabulary."""
     tok = llm.get_tokenizer()
-    return allowed_token_ids(llm.engine.vocab_size, tok.all_special_ids)
+    return allowed_token_ids(llm.engine.settings.vocab_size, tok.all_special_ids)
 
 
 def run_engine(llm, workload: Workload, sample_stats: bool = True) -> EngineRun:

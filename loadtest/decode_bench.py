@@ -219,8 +219,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     batch1 = weight_bytes(worker.model, 1)  # the experts one token reads
     floor_ms = batch1 / (bandwidth * 1e9) * 1e3
     print_header("pagedserve bench decode", env, {
-        "model": f"{worker.model_name} ({worker.model_path})",
-        "weights": f"{str(worker.dtype).removeprefix('torch.')}"
+        "model": f"{worker.settings.model_name} ({worker.settings.model_path})",
+        "weights": f"{str(worker.settings.dtype).removeprefix('torch.')}"
                    + (f", {worker.quant_desc}" if worker.quant_desc else "")
                    + f": {nbytes / 1e6:.1f} MB read per step"
                    + ("" if nbytes == batch1 else
@@ -231,7 +231,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                   f"(weights at batch 1), KV cache {kv_token / 1e3:.1f} kB a token of context "
                   f"({str(worker.kv_cache.dtype).removeprefix('torch.')})",
         **({"cpu paths": cpu_paths.summary(worker.cpu_paths,
-                                           str(worker.dtype).removeprefix("torch."),
+                                           str(worker.settings.dtype).removeprefix("torch."),
                                            worker.quant_desc)}
            if worker.cpu_paths is not None else {}),
     })

@@ -117,8 +117,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     ids = vocab_token_ids(llm)
     prompts = [rng.choices(ids, k=args.input_len) for _ in range(args.num_requests)]
     print_header("pagedserve bench lora", env, {
-        "model": f"{worker.model_name} ({worker.model_path})",
-        "dtype": str(worker.dtype).removeprefix("torch."),
+        "model": f"{worker.settings.model_name} ({worker.settings.model_path})",
+        "dtype": str(worker.settings.dtype).removeprefix("torch."),
         "workload": f"{args.num_requests} requests {args.input_len}->{args.output_len}; "
                     f"adapters of rank {args.lora_rank} on {', '.join(targets)}",
     })

@@ -118,8 +118,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                           for _ in range(args.interactive_requests)])
             worker = llm.engine.worker
             print_header("pagedserve bench priority", env, {
-                "model": f"{worker.model_name} ({worker.model_path})",
-                "dtype": str(worker.dtype).removeprefix("torch."),
+                "model": f"{worker.settings.model_name} ({worker.settings.model_path})",
+                "dtype": str(worker.settings.dtype).removeprefix("torch."),
                 "workload": f"{args.batch_requests} batch requests {args.batch_input_len}"
                             f"->{args.batch_output_len} (priority {BATCH_PRIORITY}); after "
                             f"{args.delay_steps} steps {args.interactive_requests} "

@@ -60,7 +60,7 @@ def _run_batch(llm: LLM, batch: int, steps: int, constrained: bool,
 
 def _mask_cost(llm: LLM, batch: int, reps: int = 30) -> float:
     """Best-of-``reps`` thread CPU time of filling and applying ``batch`` masks."""
-    mgr, vocab = llm.engine.structured, llm.engine.vocab_size
+    mgr, vocab = llm.engine.structured, llm.engine.settings.vocab_size
     matchers = [mgr.matcher(StructuredOutputsParams(json=LONG)) for _ in range(batch)]
     logits = torch.randn(batch, vocab)
     tb = bitmask.TokenBitmask()

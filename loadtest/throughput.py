@@ -110,13 +110,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=args.model, **engine_kwargs(args))
     load_s = time.perf_counter() - t_load
     worker = llm.engine.worker
-    dtype = str(worker.dtype).removeprefix("torch.")
+    dtype = str(worker.settings.dtype).removeprefix("torch.")
     token_ids = vocab_token_ids(llm)
     workload = _workload(args, token_ids)
     if worker.cpu_paths is not None:
         env["cpu_paths"] = worker.cpu_paths
     print_header("pagedserve bench throughput", env, {
-        "model": f"{worker.model_name} ({worker.model_path})",
+        "model": f"{worker.settings.model_name} ({worker.settings.model_path})",
         "dtype": dtype + (f", weights {worker.quant_desc}" if worker.quant_desc else ""),
         "seed": args.seed,
         "engine": (f"max_num_seqs={llm.config.max_num_seqs} max_num_batched_tokens="
@@ -150,7 +150,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         logger.warning("generated %d tokens but the workload requested %d",
                        run.num_output_tokens, workload.num_output_tokens)
     floor = linear_floor(worker.model, run.steps,
-                         worker.attn.ops.linear if worker.quantization else None) \
+                         worker.attn.ops.linear if worker.settings.quantization else None) \
         if args.floor else None  # fmt: skip
     ps = run.summary()
     ps["load_s"] = load_s
@@ -173,13 +173,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                                         "prefill": breakdown["prefill_time_s"]})
     kv_size_gb = (llm.engine.kv.num_blocks * worker.block_bytes()) / 2**30
     max_tokens = llm.engine.scheduler.max_num_batched_tokens
-    model_path = worker.model_path
+    model_path = worker.settings.model_path
     pagedserve_ids = run.output_token_ids
     # One process's float32 products at the CPU's widest vectors: its threads' FMA peak
     # bounds them (tensor-parallel ranks run on other cores too; quantized or bfloat16
     # weights take other units; a library built at a narrower level than torch's BLAS
     # would measure a lower peak than torch reaches).
-    bounded = (dtype == "float32" and not worker.quantization and tp is None
+    bounded = (dtype == "float32" and not worker.settings.quantization and tp is None
                and worker.cpu_paths is not None
                and worker.cpu_paths["layer_ops"] == worker.cpu_paths["levels"][-1])
     peak_of = worker.attn.ops.fma_peak_gflops if bounded else None

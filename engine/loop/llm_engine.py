@@ -36,6 +36,7 @@ from pagedserve.engine.output.processor import OUTPUT_DELTA, OUTPUT_FINAL, Outpu
 from pagedserve.engine.output.stop import StopChecker
 from pagedserve.engine.sample.penalties import bad_word_sequences
 from pagedserve.engine.worker import process_tuning
+from pagedserve.engine.worker.settings import resolve_settings
 from pagedserve.engine.worker.worker import Worker
 
 logger = logging.getLogger("pagedserve.engine")
@@ -82,18 +83,18 @@ class LLMEngine:
         self.config = config
         self.tuning = process_tuning.apply()
         """The process tuning in effect (logged at start)."""
-        self.worker = Worker(config)
+        self.settings = settings = resolve_settings(config)
+        """The settings resolved once, before the worker: what every part reads."""
+        self.worker = Worker(settings)
         w = self.worker
         self.tokenizer = w.tokenizer
         self.token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
         """One token's text decoded alone (cached); logprobs show it."""
-        self.max_model_len = w.max_model_len
-        self.block_size = config.block_size
         self.scheduler = Scheduler(
-            w.num_blocks, config.block_size,
+            w.num_blocks, settings.block_size,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=w.max_num_batched_tokens,
-            max_model_len=w.max_model_len,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=settings.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             speculative_config=config.speculative_config,
@@ -101,21 +102,20 @@ class LLMEngine:
             max_loras=config.max_loras if config.enable_lora else 0,
         )  # fmt: skip
         self.limits = InputLimits(
-            vocab_size=w.vocab_size, max_model_len=w.max_model_len,
-            num_kv_blocks=w.num_blocks, block_size=config.block_size,
-            max_num_batched_tokens=w.max_num_batched_tokens,
+            vocab_size=settings.vocab_size, max_model_len=settings.max_model_len,
+            num_kv_blocks=w.num_blocks, block_size=settings.block_size,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            hidden_size=w.model.full_spec.hidden_size)  # fmt: skip
+            hidden_size=settings.decoder.hidden_size)  # fmt: skip
         self.info = EngineInfo(
-            model_name=w.model_name, model_path=str(w.model_path), tokenizer=w.tokenizer,
-            eos_token_ids=tuple(w.eos_token_ids), max_num_seqs=config.max_num_seqs,
-            limits=self.limits, generation_defaults=generation_defaults(w.model_path),
+            model_name=settings.model_name, model_path=str(settings.model_path),
+            tokenizer=w.tokenizer, eos_token_ids=tuple(w.eos_token_ids),
+            max_num_seqs=config.max_num_seqs, limits=self.limits,
+            generation_defaults=generation_defaults(settings.model_path),
             lora=None if w.loras is None else w.loras.limits,
-            pooling_defaults=pooling_defaults(w.model_path))  # fmt: skip
+            pooling_defaults=pooling_defaults(settings.model_path))  # fmt: skip
         """What front ends read of the engine."""
-        self.output = OutputProcessor(self.scheduler, self.token_text, self.tokenizer)
-        self.eos_token_ids = w.eos_token_ids
-        self.vocab_size = w.vocab_size
+        self.output = OutputProcessor(self.token_text, self.tokenizer)
         self._counter = itertools.count()
         self.structured = w.structured
         """Compiles structured-output grammars in its own threads."""
@@ -194,7 +194,7 @@ class LLMEngine:
                 params=params,
                 prompt_token_ids=group.prompt_token_ids,
                 max_tokens=max_tokens,
-                eos_token_ids=self.eos_token_ids,
+                eos_token_ids=self.info.eos_token_ids,
                 cache_salt=cache_salt,
                 lora_request=lora_request,
                 arrival_time=now,
@@ -307,10 +307,11 @@ class LLMEngine:
         t2 = time.perf_counter()
         if result is not None and result.prompt_logprobs:  # before a request finishes
             failed += self.output.add_prompt_logprobs(result.prompt_logprobs)
+            self._finish_ended()
         for rid, vec in () if result is None else result.pooled.items():
             requests[rid].group.embedding = vec
         sampled = self.scheduler.update_from_output(sched, result)
-        outputs = failed + self.output.process(sampled)
+        outputs = failed + self._outputs_of(self.output.process(sampled))
         if self.scheduler.ended_without_tokens:
             outputs += self._ended_without_tokens()
         if result is not None and result.errors:
@@ -322,12 +323,34 @@ class LLMEngine:
             time.perf_counter() - t2)  # fmt: skip
         return outputs
 
+    def _finish_ended(self) -> None:
+        """Finish the requests the output side ended (stop strings, failures): cut a stop
+        string's output, then finish through the scheduler (a request it already finished
+        takes the output side's reason: the stop string or the error wins)."""
+        for ended in self.output.take_ended():
+            req = ended.request
+            if ended.keep is not None:
+                del req.all_token_ids[req.num_prompt_tokens + ended.keep:]
+            if req.status.finished:
+                req.status = ended.status
+            else:
+                self.scheduler.finish_request(req, ended.status)
+            self.output.count_finished(req)
+
+    def _outputs_of(self, groups: list[RequestGroup]) -> list[RequestOutput]:
+        """The outputs of ``groups`` once what processing ended is finished; a group whose
+        output cannot be built ends with an error, finished here too."""
+        self._finish_ended()
+        outputs = self.output.outputs_of(groups)
+        self._finish_ended()
+        return outputs
+
     def _ended_without_tokens(self) -> list[RequestOutput]:
         """The outputs of the requests with ``max_tokens=0`` whose prompts were computed."""
         reqs, self.scheduler.ended_without_tokens = self.scheduler.ended_without_tokens, []
         for req in reqs:
             self.output.count_finished(req)
-        return self.output.outputs_of({r.group.request_id: r.group for r in reqs}.values())
+        return self._outputs_of(list({r.group.request_id: r.group for r in reqs}.values()))
 
     def _fail_rows(self, errors: dict[str, str]) -> list[RequestOutput]:
         """End the requests whose step went wrong (the model side says why) with an error;
@@ -341,7 +364,7 @@ class LLMEngine:
             logger.error("request %s failed: %s", req.group.request_id, why)
             self._finish([req], RequestStatus.FINISHED_ERROR)
             groups[req.group.request_id] = req.group
-        return self.output.outputs_of(groups.values())
+        return self._outputs_of(list(groups.values()))
 
     def _poll_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar finished compiling join the waiting queue; those whose

@@ -2,8 +2,10 @@
 ``RequestOutput`` building, apart from the scheduling loop.
 
 Per request it keeps the incremental detokenizer and the stop-string checker (on the
-:class:`Request`), per user request what was already streamed. A stop string ends a
-request through :meth:`Scheduler.finish_request`, in the same step that produced it.
+:class:`Request`), per user request what was already streamed. It never calls the
+scheduler nor changes a request's tokens or status: a request that a stop string ends (or
+whose output cannot be built) is returned by :meth:`OutputProcessor.take_ended`, and the
+engine loop finishes it, in the same step that produced it, before its output is built.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.core.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedserve.engine.core.request import Request, RequestGroup, RequestStatus
-from pagedserve.engine.core.scheduler import Scheduler
 from pagedserve.engine.core.scheduler_output import SampledToken
 from pagedserve.engine.output.detokenizer import IncrementalDetokenizer
 
@@ -26,10 +28,19 @@ OUTPUT_FINAL = "final"
 OUTPUT_DELTA = "delta"
 
 
+@dataclass(slots=True)
+class Ended:
+    """A request the output side ended: the engine loop finishes it with ``status``, its
+    output cut to its first ``keep`` tokens (None: all of them; a stop string's cut drops
+    the tokens the step produced after it)."""
+
+    request: Request
+    status: RequestStatus
+    keep: int | None = None
+
+
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, token_text: Callable[[int], str],
-                 tokenizer: Any = None) -> None:
-        self.scheduler = scheduler
+    def __init__(self, token_text: Callable[[int], str], tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
         """Decodes prompts whose logprobs were asked for (their tokens' offsets)."""
         self.token_text = token_text
@@ -40,20 +51,56 @@ class OutputProcessor:
         """Per user request and choice: (characters, tokens, logprobs) already streamed."""
         self.num_generation_tokens_total = 0
         self.finished_by_reason: dict[str, int] = {}
+        self._members: dict[str, Request] = {}
+        """Every member request of the user requests added and not yet output finished."""
+        self._ended: dict[str, Ended] = {}
+        """Requests ended since the engine loop last took them, by request id."""
 
     def add(self, group: RequestGroup, output_kind: str) -> None:
         rid = group.request_id
         self.groups[rid] = group
         self._kind[rid] = output_kind
         self._sent[rid] = [(0, 0, 0)] * len(group.members)
+        for req in group.members:
+            self._members[req.request_id] = req
 
-    def process(self, sampled: Iterable[SampledToken]) -> list[RequestOutput]:
-        """Text, stop strings and logprobs of each sampled token; the outputs of the user
-        requests that progressed (streams every step, final ones once finished).
+    def take_ended(self) -> list[Ended]:
+        """The requests that processing ended since the last call (a stop string, a
+        failure), in order, for the engine loop to finish."""
+        ended, self._ended = list(self._ended.values()), {}
+        return ended
 
-        A failure while processing one request (detokenizing, stop checking, building
-        its output) ends that request alone with ``finish_reason="error"``, its blocks
-        freed; the others of the step are unaffected."""
+    def _end(self, req: Request, status: RequestStatus, keep: int | None = None) -> None:
+        ended = self._ended.get(req.request_id)
+        if ended is None:
+            self._ended[req.request_id] = Ended(req, status, keep)
+        else:  # a failure after a stop string in the same step: the failure wins
+            ended.status = status
+            ended.keep = keep if keep is not None else ended.keep
+
+    def _num_output(self, req: Request) -> int:
+        """The request's output tokens, less those a stop string of this step cut."""
+        ended = self._ended.get(req.request_id)
+        return req.num_output_tokens if ended is None or ended.keep is None else ended.keep
+
+    def _is_finished(self, req: Request) -> bool:
+        return req.status.finished or req.request_id in self._ended
+
+    def _forget(self, group: RequestGroup) -> None:
+        rid = group.request_id
+        for d in (self.groups, self._kind, self._sent):
+            d.pop(rid, None)
+        for req in group.members:
+            self._members.pop(req.request_id, None)
+
+    def process(self, sampled: Iterable[SampledToken]) -> list[RequestGroup]:
+        """Text, stop strings and logprobs of each sampled token; the user requests that
+        progressed (:meth:`outputs_of` builds their outputs once the engine loop has
+        finished what :meth:`take_ended` returns).
+
+        A failure while processing one request (detokenizing, stop checking) ends that
+        request alone with ``finish_reason="error"``; the others of the step are
+        unaffected."""
         touched: dict[str, RequestGroup] = {}
         failed: set[int] = set()
         now = time.monotonic()
@@ -67,8 +114,8 @@ class OutputProcessor:
                 logger.exception("processing the output of %s failed; failing it",
                                  s.req.group.request_id)
                 failed.add(id(s.req))
-                self._fail(s.req)
-        return self.outputs_of(touched.values())
+                self._end(s.req, RequestStatus.FINISHED_ERROR)
+        return list(touched.values())
 
     def add_prompt_logprobs(self, entries: dict[str, list[TokenLogprobs]],
                             ) -> list[RequestOutput]:  # fmt: skip
@@ -78,7 +125,7 @@ class OutputProcessor:
         with an error: its final output is returned."""
         failed = []
         for rid, lps in entries.items():
-            req = self.scheduler.requests.get(rid)
+            req = self._members.get(rid)
             if req is None or req.group.prompt_logprobs is None:
                 continue
             group = req.group
@@ -109,7 +156,7 @@ class OutputProcessor:
 
     def outputs_of(self, groups: Iterable[RequestGroup]) -> list[RequestOutput]:
         """The outputs of ``groups`` that changed; a group whose output cannot be built
-        ends with an error (and that is its output)."""
+        ends with an error (that is its output; :meth:`take_ended` returns its requests)."""
         outs = []
         for g in groups:
             try:
@@ -122,21 +169,14 @@ class OutputProcessor:
                 outs.append(o)
         return outs
 
-    def _fail(self, req: Request) -> None:
-        if req.status.finished:
-            req.status = RequestStatus.FINISHED_ERROR
-        else:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
-        self.count_finished(req)
-
     def _error_output(self, group: RequestGroup) -> RequestOutput:
         """The final output of a user request whose output could not be built: every
         member ends with an error, nothing else is reported."""
         for req in group.members:
-            self._fail(req)
+            if req.status is not RequestStatus.FINISHED_ERROR:
+                self._end(req, RequestStatus.FINISHED_ERROR)
         rid = group.request_id
-        for d in (self.groups, self._kind, self._sent):
-            d.pop(rid, None)
+        self._forget(group)
         return RequestOutput(
             request_id=rid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=[CompletionOutput(index=r.index, text="", token_ids=[],
@@ -147,7 +187,7 @@ class OutputProcessor:
 
     def _process_token(self, s: SampledToken, now: float) -> None:
         req, token = s.req, s.token_id
-        if s.num_output > req.num_output_tokens:
+        if s.num_output > self._num_output(req):
             return  # after a stop string that an earlier token of this step completed
         self.num_generation_tokens_total += 1
         m = req.metrics
@@ -166,9 +206,10 @@ class OutputProcessor:
             req.logprobs.append(lp)
             req.logprob_text_ends.append(req.text_fed)
             req.cumulative_logprob += lp.logprob
-        if req.status.finished and s.num_output == req.num_output_tokens:
+        if self._is_finished(req) and s.num_output == self._num_output(req):
             self._finish_text(req, token, s.stopped_by_token, match)
-        self.count_finished(req)
+        if req.request_id not in self._ended:  # else counted once the loop finishes it
+            self.count_finished(req)
 
     def _feed(self, req: Request, text: str, match: bool, num_output: int) -> None:
         req.text_fed += len(text)
@@ -176,17 +217,10 @@ class OutputProcessor:
         req.output_text += emitted
         if matched is not None:
             req.stop_reason = matched
-            # Tokens the step produced after this one (accepted drafts) are not output.
-            del req.all_token_ids[req.num_prompt_tokens + num_output:]
-            self._stop(req)
-
-    def _stop(self, req: Request) -> None:
-        """A stop string ends the request (also one the scheduler just ended by length:
-        the stop string, completed by the same token, wins)."""
-        if req.status.finished:
-            req.status = RequestStatus.FINISHED_STOPPED
-        else:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            # The stop string ends the request (also one the scheduler just ended by
+            # length: the stop string, completed by the same token, wins); tokens the
+            # step produced after this one (accepted drafts) are not output.
+            self._end(req, RequestStatus.FINISHED_STOPPED, keep=num_output)
 
     def _finish_text(self, req: Request, token: int, by_token: bool, match: bool) -> None:
         """The end of a finished request's text: what the detokenizer and the stop checker
@@ -203,7 +237,7 @@ class OutputProcessor:
         # decode gives), still checked for stop strings.
         tail = req.detok.flush()
         if tail:
-            self._feed(req, tail, match, req.num_output_tokens)
+            self._feed(req, tail, match, self._num_output(req))
         if not isinstance(req.stop_reason, str):
             req.output_text += req.stop_checker.flush()
 
@@ -262,7 +296,5 @@ class OutputProcessor:
             prompt_logprobs=self._prompt_logprobs_of(group, kind), embedding=group.embedding,
         )  # fmt: skip
         if finished:
-            self.groups.pop(rid, None)
-            self._kind.pop(rid, None)
-            self._sent.pop(rid, None)
+            self._forget(group)
         return out

@@ -335,12 +335,12 @@ def capture_decode_graphs(worker: Any) -> DecodeGraphRunner | None:
     steps: the choice depends only on the step's description."""
     cfg = worker.config
     sizes = capture_sizes(cfg.max_num_seqs)
-    if not graphs_wanted(worker.device, cfg.enforce_eager, worker.attn, worker.model):
-        if worker.model.spec.moe is not None and worker.device.type == "cuda" \
+    if not graphs_wanted(worker.settings.device, cfg.enforce_eager, worker.attn, worker.model):
+        if worker.model.spec.moe is not None and worker.settings.device.type == "cuda" \
                 and not cfg.enforce_eager:  # fmt: skip
             logger.info("CUDA graphs off: the model's mixture-of-experts layers group each "
                         "step's tokens by expert with sizes read on the host")
-        elif worker.device.type == "cuda" and not cfg.enforce_eager:
+        elif worker.settings.device.type == "cuda" and not cfg.enforce_eager:
             logger.info("CUDA graphs off: the %r attention backend cannot be captured "
                         "(graph-safe: %s)", worker.attn.name, sorted(GRAPH_SAFE_BACKENDS))  # fmt: skip
         if not envs.decode_buffers():
@@ -348,13 +348,13 @@ def capture_decode_graphs(worker: Any) -> DecodeGraphRunner | None:
         logger.info("decode steps on the padded graph buffers, without graphs (sizes %s)",
                     sizes)
         return DecodeGraphRunner(worker.model, worker.attn, worker.runner.kv_caches,
-                                 cfg.block_size, worker.max_model_len, sizes, worker.device,
+                                 cfg.block_size, worker.settings.max_model_len, sizes, worker.settings.device,
                                  use_graphs=False)  # fmt: skip
     runner = DecodeGraphRunner(worker.model, worker.attn, worker.runner.kv_caches,
-                               cfg.block_size, worker.max_model_len, sizes, worker.device)  # fmt: skip
-    before = torch.cuda.memory_reserved(worker.device)
+                               cfg.block_size, worker.settings.max_model_len, sizes, worker.settings.device)  # fmt: skip
+    before = torch.cuda.memory_reserved(worker.settings.device)
     seconds = runner.capture()
-    used = torch.cuda.memory_reserved(worker.device) - before
+    used = torch.cuda.memory_reserved(worker.settings.device) - before
     logger.info("captured %d decode CUDA graphs in %.2fs (batch sizes %s; max context %d; "
-                "%.1f MiB reserved)", len(sizes), seconds, sizes, worker.max_model_len, used / 2**20)  # fmt: skip
+                "%.1f MiB reserved)", len(sizes), seconds, sizes, worker.settings.max_model_len, used / 2**20)  # fmt: skip
     return runner

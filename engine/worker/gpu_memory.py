@@ -251,7 +251,7 @@ def profile_kv_budget(worker: Any) -> float:
     from pagedserve.engine.worker.cuda_graphs import capture_sizes, graphs_wanted
 
     cfg = worker.config
-    device = worker.device
+    device = worker.settings.device
     spec = worker.spec
     block_size = cfg.block_size
     gc.collect()
@@ -261,19 +261,19 @@ def profile_kv_budget(worker: Any) -> float:
 
     kv_caches = dummy_kv_caches(spec.num_layers, DUMMY_CACHE_BLOCKS, block_size, spec.num_kv_heads,
                                 spec.head_dim, worker.kv_dtype, device)  # fmt: skip
-    num_tokens = worker.max_num_batched_tokens
-    layout = dummy_step_layout(num_tokens, worker.max_model_len, cfg.max_num_seqs - 1)
+    num_tokens = worker.settings.max_num_batched_tokens
+    layout = dummy_step_layout(num_tokens, worker.settings.max_model_len, cfg.max_num_seqs - 1)
     step = build_dummy_step(layout, block_size, DUMMY_CACHE_BLOCKS, device)
     sample_rows = cfg.max_num_seqs
     activation = _peak_above_current(
         partial(run_dummy_step, worker.model, worker.attn, kv_caches, step, block_size, sample_rows,
-                worker.vocab_size), device)  # fmt: skip
+                worker.settings.vocab_size), device)  # fmt: skip
     del step
     graph_reserve = 0
     graph_batch = 0
     if graphs_wanted(device, cfg.enforce_eager, worker.attn, worker.model):
         graph_batch = capture_sizes(cfg.max_num_seqs)[-1]
-        decode = build_dummy_step([(1, worker.max_model_len)] * graph_batch, block_size,
+        decode = build_dummy_step([(1, worker.settings.max_model_len)] * graph_batch, block_size,
                                   DUMMY_CACHE_BLOCKS, device)  # fmt: skip
         graph_reserve = _peak_above_current(
             partial(run_dummy_step, worker.model, worker.attn, kv_caches, decode, block_size), device,
@@ -290,7 +290,7 @@ def profile_kv_budget(worker: Any) -> float:
         from pagedserve.engine.lora.request import LoRALimits
 
         lora_reserve = cfg.lora_capacity * LoRALimits.of(spec, cfg.max_lora_rank).adapter_bytes(
-            worker.dtype.itemsize)
+            worker.settings.dtype.itemsize)
     prof = MemoryProfile(total=total, utilization=cfg.gpu_memory_utilization, weights=weights,
                          activation_peak=activation, graph_reserve=graph_reserve,
                          non_torch=non_torch, lora_reserve=lora_reserve)  # fmt: skip

@@ -43,13 +43,13 @@ def warm_up_kernels(worker: Any) -> float:
     are captured, before serving); returns the seconds taken."""
     t0 = time.perf_counter()
     runner = worker.runner
-    for layout in warm_up_layouts(worker.max_model_len, worker.max_num_batched_tokens):
+    for layout in warm_up_layouts(worker.settings.max_model_len, worker.settings.max_num_batched_tokens):
         step = build_dummy_step(layout, worker.config.block_size,
-                                min(DUMMY_CACHE_BLOCKS, worker.num_blocks), worker.device)  # fmt: skip
+                                min(DUMMY_CACHE_BLOCKS, worker.num_blocks), worker.settings.device)  # fmt: skip
         worker.attn.prepare(step.meta, worker.config.block_size)
         worker.model(step.input_ids, step.positions, runner.kv_caches, step.meta, worker.attn)
-    if worker.device.type == "cuda":
-        torch.cuda.synchronize(worker.device)
+    if worker.settings.device.type == "cuda":
+        torch.cuda.synchronize(worker.settings.device)
     seconds = time.perf_counter() - t0
     logger.info("kernels warmed up in %.2fs", seconds)
     return seconds

@@ -18,7 +18,8 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.parallel import frames
 from pagedserve.engine.parallel.group import SHUTDOWN, TensorParallel
 from pagedserve.engine.parallel.launch import check_env, core_share, die_with_parent, use_cores
-from pagedserve.engine.worker.worker import Worker, resolve_device
+from pagedserve.engine.worker.settings import resolve_device, resolve_settings
+from pagedserve.engine.worker.worker import Worker
 
 
 def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
@@ -53,7 +54,7 @@ def _run_rank(config: EngineConfig, rank: int, size: int, init_method: str | Non
     tp = TensorParallel(rank, size, device, envs.tp_step_timeout(), init_method, local_size,
                         start_timeout_s=envs.tp_start_timeout())
     try:
-        worker = Worker(config, tp=tp)
+        worker = Worker(resolve_settings(config), tp=tp)
         while True:
             kind, sched = tp.recv()
             if kind == SHUTDOWN:

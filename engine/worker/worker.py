@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import threading
 import time
@@ -12,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.errors import EngineFatalError, ParallelError
 from pagedserve.engine.loader import (
@@ -22,25 +20,21 @@ from pagedserve.engine.loader import (
     gguf_weights,
     is_gguf_file,
     iter_weights,
-    load_config,
     load_tokenizer,
-    resolve_model_path,
 )
 from pagedserve.engine.loader.checkpoint_quant import (
     CheckpointQuant,
-    read_quantization_config,
-    resolve_quantization,
 )
 from pagedserve.engine.loader.model_files import eos_token_ids
-from pagedserve.engine.models import DecoderSpec, build_model, load_model
+from pagedserve.engine.models import build_model, load_model
 from pagedserve.engine.models.shard import check_divisible
-from pagedserve.engine.models.spec import max_positions, position_limit
 from pagedserve.engine.parallel.group import SHUTDOWN, STEP, TensorParallel, for_workers
 from pagedserve.engine.parallel.launch import WorkerProcesses, core_share, start_rank0, use_cores
 from pagedserve.engine.structured.manager import StructuredOutputManager
 from pagedserve.engine.worker import hugepages, process_tuning
 from pagedserve.engine.worker.kernel_settings import kernel_settings
 from pagedserve.engine.worker.model_runner import ModelRunner
+from pagedserve.engine.worker.settings import EngineSettings, resolve_kv_cache_dtype
 from pagedserve.kernels.cpu import paths as cpu_paths
 from pagedserve.kernels.interface import allocate_kv_cache
 from pagedserve.kernels.registry import get_attention_backend
@@ -48,78 +42,6 @@ from pagedserve.kernels.registry import get_attention_backend
 logger = logging.getLogger("pagedserve.engine")
 
 DEFAULT_CPU_KV_GB = 1.0
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, hf_config, device: torch.device,
-                  cpu_native_bf16: bool | None = None) -> torch.dtype:
-    """``auto``: the checkpoint's 16-bit dtype (else bfloat16) on CUDA; on the CPU,
-    bfloat16 where the CPU computes in it natively (AVX512-BF16, AMX), else float32.
-    ``cpu_native_bf16`` overrides the CPU's own answer (tests)."""
-    if device.type == "cpu":
-        native = cpu_paths.native_bf16() if cpu_native_bf16 is None else cpu_native_bf16
-        if name == "auto":
-            return torch.bfloat16 if native else torch.float32
-        if name == "bfloat16" and not native:
-            _warn_slow_bf16()
-    if name != "auto":
-        return _DTYPES[name]
-    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(ckpt, str):
-        ckpt = _DTYPES.get(ckpt)
-    return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: str) -> torch.dtype:
-    """The KV cache's element type: ``auto`` is the model's dtype. The triton kernels
-    take their cache in the model's dtype only."""
-    if name == "auto":
-        return model_dtype
-    dtype = _DTYPES[name]
-    if dtype != model_dtype and backend == "triton":
-        raise ValueError(
-            f"kv_cache_dtype={name!r} differs from the model dtype "
-            f"{str(model_dtype).removeprefix('torch.')}: the triton attention backend takes "
-            "its KV cache in the model's dtype (use kv_cache_dtype='auto')")
-    return dtype
-
-
-@functools.cache
-def _warn_slow_bf16() -> None:
-    logger.warning(
-        "dtype bfloat16 on a CPU without native bfloat16 arithmetic (no AVX512-BF16 or "
-        "AMX-BF16): every matrix product widens to float32 and rounds back, so prefill "
-        "and batched decode run several times slower than float32 (dtype='auto' picks "
-        "float32 here)")
-
-
-def check_moe(spec: DecoderSpec, quantization: str | None, gguf_file: bool = False) -> None:
-    """Refuse what a model with experts cannot run: GGUF files (an adapter of its
-    experts is refused when the adapter is checked: ``pagedserve.engine.lora.request``); and what a
-    model with fused checkpoint projections (Phi-3) cannot: quantized checkpoints and GGUF
-    files (``gguf_file``: ``model`` names one; its converted config would lack the
-    model's longrope factors and sliding window)."""
-    if spec.fused_checkpoint and (gguf_file or quantization in ("gguf", "gptq", "awq")):
-        what = "a GGUF file" if gguf_file else f"quantization={quantization!r}"
-        raise ValueError(
-            f"{what} is not supported for Phi-3 models (their checkpoints fuse qkv_proj and "
-            "gate_up_proj): serve the float checkpoint (quantization='int8' keeps its "
-            "linears in int8)")
-    if spec.moe is None:
-        return
-    if quantization == "gguf":
-        raise ValueError(
-            "quantization='gguf' is not supported for mixture-of-experts models: serve the "
-            "float checkpoint (quantization='int8' keeps the experts' weights in int8) or a "
-            "GPTQ or AWQ one")
 
 
 class Worker:
@@ -127,27 +49,18 @@ class Worker:
     from :mod:`pagedserve.engine.parallel.launch`); with ``tensor_parallel_size > 1`` and no ``tp``
     the worker is rank 0 and starts the group itself."""
 
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, settings: EngineSettings, tp: TensorParallel | None = None) -> None:
         t0 = time.perf_counter()
-        self.config = config
+        self.settings = settings
+        """What the worker builds (:func:`~pagedserve.engine.worker.settings.resolve_settings`)."""
+        self.config = config = settings.config
         self.tp = tp
         self._procs: WorkerProcesses | None = None
         self._pinned_thread: int | None = None
-        self.model_path = resolve_model_path(config.model, config.revision)
-        self.model_name = config.model or self.model_path.name
-        self.hf_config = load_config(self.model_path)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
-        self.device = resolve_device(config.device)
-        self.quant_config = read_quantization_config(self.hf_config, self.model_path)
-        self.quantization = resolve_quantization(config, self.quant_config, self.model_name)
-        """``config.quantization``, or the checkpoint's own (GPTQ, AWQ)."""
-        self.hf_spec = DecoderSpec.from_hf(self.hf_config)
-        """The whole model's shapes (``spec``, set once it is built, is this rank's part)."""
-        check_moe(self.hf_spec, self.quantization,
-                  gguf_file=config.model is not None and is_gguf_file(config.model))
+        self.tokenizer = load_tokenizer(config.tokenizer or settings.model_path)
         if tp is None and config.tensor_parallel_size > 1:
-            check_divisible(self.hf_spec, config.tensor_parallel_size)
-            self.tp, self._procs = start_rank0(config, self.device)
+            check_divisible(settings.decoder, config.tensor_parallel_size)
+            self.tp, self._procs = start_rank0(config, settings.device)
             ref = weakref.ref(self)  # the ranks stop with the interpreter at the latest
             atexit.register(lambda: (w := ref()) is not None and w.shutdown())
         try:
@@ -161,38 +74,21 @@ class Worker:
         return 0 if self.tp is None else self.tp.rank
 
     def _build(self, t0: float) -> None:
-        config = self.config
-        self.dtype = torch.float32 if self.quantization else \
-            resolve_dtype(config.dtype, self.hf_config, self.device)  # fmt: skip
-        hf_max, why = position_limit(self.hf_config)
-        if config.max_model_len is not None and config.max_model_len > hf_max:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} is larger than the model's {why}")
-        if hf_max < max_positions(self.hf_config):
-            logger.info("max_model_len at most %d: the model's %s", hf_max, why)
-        self.max_model_len = config.max_model_len or hf_max
-        if config.max_num_batched_tokens is not None:
-            self.max_num_batched_tokens = config.max_num_batched_tokens
-        elif config.enable_chunked_prefill:
-            self.max_num_batched_tokens = 2048
-        else:
-            self.max_num_batched_tokens = max(self.max_model_len, 2048)
-
+        config, settings = self.config, self.settings
         torch.manual_seed(config.seed)
         self.model = model = self._load_model()
         self.spec = model.spec
         """The decoder this process holds (a tensor-parallel rank's: its heads)."""
-        self.vocab_size = model.full_spec.vocab_size
-        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(settings.model_path, self.tokenizer)
 
-        self.attn = get_attention_backend(config.attention_backend, self.device, kernel_settings())
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.attn.name)
-        if self.device.type == "cpu":
-            self.cpu_paths = cpu_paths.describe(self.attn, self.dtype)
+        self.attn = get_attention_backend(config.attention_backend, settings.device, kernel_settings())
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, settings.dtype, self.attn.name)
+        if settings.device.type == "cpu":
+            self.cpu_paths = cpu_paths.describe(self.attn, settings.dtype)
             if self.tp is not None:  # the layers' all-reduces come between their ops
                 self.cpu_paths["layers"] = "per-op (tensor parallel)"
             logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s",
-                       cpu_paths.summary(self.cpu_paths, str(self.dtype).removeprefix("torch."),
+                       cpu_paths.summary(self.cpu_paths, str(settings.dtype).removeprefix("torch."),
                                          self.quant_desc))  # fmt: skip
         else:
             self.cpu_paths = None
@@ -207,23 +103,23 @@ class Worker:
         # The backend's layout in memory; every cache indexes as [blocks, block_size, Hkv,
         # D] (pagedserve.kernels.interface).
         def empty(dims: tuple[int, ...]) -> torch.Tensor:
-            if self.device.type == "cpu":
+            if settings.device.type == "cpu":
                 # Fresh memory reads as zeros; zero_() faults every page in now rather
                 # than during the first steps.
                 return hugepages.empty(dims, self.kv_dtype).zero_()
-            return torch.zeros(dims, dtype=self.kv_dtype, device=self.device)
+            return torch.zeros(dims, dtype=self.kv_dtype, device=settings.device)
 
         self.kv_cache = allocate_kv_cache(shape, getattr(self.attn, "kv_heads_first", False),
                                           empty)  # fmt: skip
         kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.structured = StructuredOutputManager(
-            config.structured_outputs_backend, self.tokenizer, self.vocab_size,
+            config.structured_outputs_backend, self.tokenizer, settings.vocab_size,
             self.eos_token_ids) if self.rank == 0 else None  # fmt: skip
         self.runner = ModelRunner(self.model, self.attn, kv_caches, config.block_size,
-                                  self.device, self.vocab_size, self.eos_token_ids,
+                                  settings.device, settings.vocab_size, self.eos_token_ids,
                                   config.speculative_config if self.rank == 0 else None,
                                   self.structured,
-                                  max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+                                  max_blocks_per_seq=-(-settings.max_model_len // config.block_size),
                                   samples=self.rank == 0)  # fmt: skip
         self.loras = None
         """The loaded LoRA adapters (``enable_lora``), shared with the runner."""
@@ -232,7 +128,7 @@ class Worker:
             from pagedserve.engine.lora.weights import LoRARegistry
 
             self.loras = self.runner.loras = LoRARegistry(
-                LoRALimits.of(self.spec, config.max_lora_rank), self.dtype, self.device,
+                LoRALimits.of(self.spec, config.max_lora_rank), settings.dtype, settings.device,
                 config.lora_capacity)
         if self.attn.name == "triton":
             from pagedserve.engine.worker.kernel_warmup import warm_up_kernels
@@ -246,17 +142,17 @@ class Worker:
             return
         logger.info(
             "model %s (%s, %s) on %s loaded in %.1fs; attention backend: %s",
-            self.model_name,
-            (getattr(self.hf_config, "architectures", None) or [self.hf_config.model_type])[0],
-            str(self.dtype).removeprefix("torch."), self.device, time.perf_counter() - t0,
+            settings.model_name,
+            (getattr(settings.hf_config, "architectures", None) or [settings.hf_config.model_type])[0],
+            str(settings.dtype).removeprefix("torch."), settings.device, time.perf_counter() - t0,
             self.attn.name)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d token slots (%.2f GiB, %s); max "
             "concurrency at max_model_len=%d: %.2fx; prefix caching %s",
             num_blocks, config.block_size, capacity,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
-            str(self.kv_dtype).removeprefix("torch."), self.max_model_len,
-            capacity / self.max_model_len,
+            str(self.kv_dtype).removeprefix("torch."), settings.max_model_len,
+            capacity / settings.max_model_len,
             "on" if config.enable_prefix_caching else "off")
         if self.tp is not None:
             logger.info("tensor parallel: %d ranks (%s), rank 0 holds %d of %d heads and "
@@ -268,10 +164,11 @@ class Worker:
         """The model in the engine's dtype: a float checkpoint is loaded straight into it
         (:func:`pagedserve.engine.models.load_model`); GGUF, GPTQ and AWQ weights keep their
         quantized layout."""
-        quant = self.quantization
+        settings = self.settings
+        quant = settings.quantization
         if quant in (None, "int8"):
-            model = load_model(self.hf_config, iter_weights(self.model_path), self.device,
-                               self.dtype, self.max_model_len, self.tp)  # fmt: skip
+            model = load_model(settings.hf_config, iter_weights(settings.model_path), settings.device,
+                               settings.dtype, settings.max_model_len, self.tp)  # fmt: skip
             self.quant_desc = None
             if quant == "int8":
                 model.quantize_int8()
@@ -282,27 +179,27 @@ class Worker:
             path = self._gguf_file()
             formats = gguf_weights.tensor_formats(path)
             weights = gguf_weights.iter_gguf_weights(
-                path, self.hf_config.num_attention_heads,
-                getattr(self.hf_config, "num_key_value_heads", None)
-                or self.hf_config.num_attention_heads, formats)  # fmt: skip
+                path, settings.hf_config.num_attention_heads,
+                getattr(settings.hf_config, "num_key_value_heads", None)
+                or settings.hf_config.num_attention_heads, formats)  # fmt: skip
             kinds = sorted(set(formats.values()))
             self.quant_desc = f"gguf ({', '.join(kinds) or 'no quantized tensors'})"
         else:
-            cq = CheckpointQuant.from_config(self.quant_config)
-            layout = checkpoint_weights.tensor_layout(self.model_path, cq)
+            cq = CheckpointQuant.from_config(settings.quant_config)
+            layout = checkpoint_weights.tensor_layout(settings.model_path, cq)
             formats, orders = layout.formats, layout.orders
             weights = checkpoint_weights.iter_checkpoint_weights(
-                self.model_path, cq, layout, self.hf_spec)
+                settings.model_path, cq, layout, settings.decoder)
             kept = sorted(set(formats.values()))
             self.quant_desc = f"{cq.describe()} ({', '.join(kept) or 'float32'})"
         with torch.device("meta"):
-            model = build_model(self.hf_config)
+            model = build_model(settings.hf_config)
         model.quantize_layout(formats)
-        model = model.to(self.dtype).to_empty(device=self.device)
+        model = model.to(settings.dtype).to_empty(device=settings.device)
         model.load_weights(weights)
         model.set_input_orders(orders)
-        model.quantized_to(self.device)
-        model.set_rope(self.hf_config, self.max_model_len)  # float32, not in the checkpoint
+        model.quantized_to(settings.device)
+        model.set_rope(settings.hf_config, settings.max_model_len)  # float32, not in the checkpoint
         return model.eval()
 
     def _gguf_file(self):
@@ -327,7 +224,7 @@ class Worker:
             return cfg.num_gpu_blocks_override
         if cfg.kv_cache_memory_gb is not None:
             budget = cfg.kv_cache_memory_gb * 2**30
-        elif self.device.type == "cuda":
+        elif self.settings.device.type == "cuda":
             from pagedserve.engine.worker.gpu_memory import profile_kv_budget
 
             budget = profile_kv_budget(self)
@@ -348,7 +245,7 @@ class Worker:
         if self._pinned_thread != threading.get_ident():
             # The thread that steps runs on rank 0's share of the cores.
             self._pinned_thread = threading.get_ident()
-            if self.device.type == "cpu":
+            if self.settings.device.type == "cpu":
                 use_cores(core_share(0, tp.local_size))
         try:
             tp.send(STEP, for_workers(sched))

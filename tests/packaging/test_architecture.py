@@ -292,3 +292,19 @@ def test_first_party_imports_name_pagedserve() -> None:
             if hits:
                 bare.setdefault(str(f.relative_to(ROOT)), []).extend(hits)
     assert bare == {}
+
+
+def test_engine_errors_live_in_one_module() -> None:
+    """Every exception class of the engine is defined in engine/errors.py."""
+    elsewhere = []
+    for path in source_files("engine"):
+        if path == ROOT / "engine" / "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(b, ast.Name) and (b.id.endswith(("Error", "Exception", "Failure",
+                                                                "Timeout")) or b.id == "Exception")
+                    for b in node.bases):  # fmt: skip
+                elsewhere.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert elsewhere == []
+

@@ -144,4 +144,4 @@ def test_quantization_setting_against_the_checkpoint(checkpoints, tiny_model_fac
         EngineConfig(quantization="gptq", tensor_parallel_size=2)
     # Named explicitly, as the checkpoint says: served the same.
     assert LLM(str(quantized), quantization="gptq",
-               kv_cache_memory_gb=0.05).engine.worker.quantization == "gptq"
+               kv_cache_memory_gb=0.05).engine.settings.quantization == "gptq"

@@ -148,8 +148,8 @@ def test_unbounded_max_tokens_fits_the_cache(llm):
     """``max_tokens=None`` runs to the end of the context or of the KV cache, whichever
     comes first, instead of being refused for a cache smaller than the context."""
     eng = llm.engine
-    capacity = eng.kv.num_blocks * eng.block_size
-    assert capacity < eng.max_model_len  # the fixture's 0.25 GiB cache
+    capacity = eng.kv.num_blocks * eng.settings.block_size
+    assert capacity < eng.settings.max_model_len  # the fixture's 0.25 GiB cache
     assert eng.check_length(10, SamplingParams(max_tokens=None)) == capacity - 10
     with pytest.raises(PromptTooLongError, match="leaves no room") as e:
         eng.check_length(capacity, SamplingParams(max_tokens=None))

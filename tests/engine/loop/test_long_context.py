@@ -45,7 +45,7 @@ def test_default_model_matches_hf_at_2k_6k_8k(default_model_path, default_tokeni
     prompts = [document(default_tokenizer, n) for n in (2000, 6000, 8150)]
     assert all(len(p) > n for p, n in zip(prompts, (2000, 6000, 8150), strict=True))
     llm = LLM(dtype="float32", enable_prefix_caching=False)
-    assert max(map(len, prompts)) + NEW_TOKENS <= llm.engine.max_model_len
+    assert max(map(len, prompts)) + NEW_TOKENS <= llm.engine.settings.max_model_len
     got = greedy_run(llm, prompts)
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
     del llm

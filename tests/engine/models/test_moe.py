@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.models.decoder import QuantLinear
 from pagedserve.engine.models.spec import DecoderSpec
-from pagedserve.engine.worker.worker import check_moe
+from pagedserve.engine.worker.settings import check_moe
 from pagedserve.kernels.quant import quantize_int8
 from tests.helpers.hf import hf_greedy
 from tests.helpers.quantized_checkpoints import Scheme, write_quantized
@@ -287,7 +287,7 @@ def test_mixtral_with_a_sliding_window_is_served_within_it(tiny_model_factory, t
     shutil.copytree(tiny_model_factory("mixtral"), path)
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 64}))
-    assert LLM(str(path), kv_cache_memory_gb=0.02).engine.worker.max_model_len == 64
+    assert LLM(str(path), kv_cache_memory_gb=0.02).engine.settings.max_model_len == 64
     with pytest.raises(ValueError, match=r"max_model_len=65 is larger than the model's "
                                          r"sliding_window=64"):
         LLM(str(path), kv_cache_memory_gb=0.02, max_model_len=65)

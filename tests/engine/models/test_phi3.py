@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.models.spec import DecoderSpec
-from pagedserve.engine.worker.worker import check_moe
+from pagedserve.engine.worker.settings import check_moe
 from tests.helpers.hf import hf_greedy
 
 WORDS = "the quick brown fox jumps over the lazy dog and keeps running far away".split()
@@ -62,7 +62,7 @@ def test_greedy_equals_hf(backend, tiny_model_factory, prompts):
 def test_sliding_window_caps_the_context(tiny_model_factory, prompts, tmp_path):
     path = _variant(tiny_model_factory("phi3"), tmp_path / "windowed", sliding_window=40)
     llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
-    assert llm.engine.worker.max_model_len == 40
+    assert llm.engine.settings.max_model_len == 40
     # Within the window the attention is plain causal attention: HF's output, exactly,
     # up to the last position (the last prompt and its output fill all 40).
     ask = _filling(prompts, 40 - 12)
@@ -82,7 +82,7 @@ def test_longrope_runs_its_short_factors_up_to_the_original_length(tiny_model_fa
     path = _variant(tiny_model_factory("phi3"), tmp_path / "longrope", rope_parameters=rope,
                     original_max_position_embeddings=64)
     llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
-    assert llm.engine.worker.max_model_len == 64
+    assert llm.engine.settings.max_model_len == 64
     ask = _filling(prompts, 64 - 16)  # positions up to 63: the short factors throughout
     assert greedy(llm, ask, 16) == hf_greedy(path, ask, 16)
     with pytest.raises(ValueError, match=r"original_max_position_embeddings=64"):

@@ -219,7 +219,7 @@ def test_model_runner_uses_decode_runner(tmp_path, monkeypatch, tail_bytes) -> N
     assert w.runner.decode_graphs is None  # CPU: eager
     monkeypatch.setattr(cuda_graphs, "TAIL_BYTES", tail_bytes)
     runner = DecodeGraphRunner(w.model, w.attn, w.runner.kv_caches, w.config.block_size,
-                               w.max_model_len, capture_sizes(4), w.device,
+                               w.settings.max_model_len, capture_sizes(4), w.settings.device,
                                use_graphs=False)  # fmt: skip
     w.runner.decode_graphs = runner
     staged = []

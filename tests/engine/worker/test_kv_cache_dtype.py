@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, EngineConfig, SamplingParams
-from pagedserve.engine.worker.worker import resolve_kv_cache_dtype
+from pagedserve.engine.worker.settings import resolve_kv_cache_dtype
 from tests.helpers.prompts import PROMPTS
 
 NEW_TOKENS = 32
@@ -30,7 +30,7 @@ def test_a_16bit_cache_holds_twice_the_tokens():
     narrow = LLM(dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory_gb=0.125)
     assert wide.engine.worker.kv_cache.dtype == torch.float32
     assert narrow.engine.worker.kv_cache.dtype == torch.bfloat16
-    assert narrow.engine.worker.dtype == torch.float32  # the model stays float32
+    assert narrow.engine.settings.dtype == torch.float32  # the model stays float32
     assert narrow.engine.kv.num_blocks == 2 * wide.engine.kv.num_blocks
     assert narrow.engine.worker.kv_cache.nbytes == wide.engine.worker.kv_cache.nbytes
 

@@ -76,8 +76,8 @@ def triton_tokens_interpreted(model: str) -> dict[str, list]:
     num_warm = len(keys.keys)
     eager = generate(llm)
     runner = DecodeGraphRunner(w.model, w.attn, w.runner.kv_caches, w.config.block_size,
-                               w.max_model_len, capture_sizes(w.config.max_num_seqs),
-                               w.device, use_graphs=False)  # fmt: skip
+                               w.settings.max_model_len, capture_sizes(w.config.max_num_seqs),
+                               w.settings.device, use_graphs=False)  # fmt: skip
     w.runner.decode_graphs = runner
     padded = generate(llm)
     assert runner.num_replays >= NEW_TOKENS - 1, runner.num_replays

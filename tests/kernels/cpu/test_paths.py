@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from pagedserve.engine.worker import worker
+from pagedserve.engine.worker import settings
 from pagedserve.kernels import get_attention_backend
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu import paths as cpu_paths
@@ -71,20 +71,20 @@ HF = types.SimpleNamespace(torch_dtype="bfloat16")
 
 
 def test_auto_dtype_on_the_cpu() -> None:
-    assert worker.resolve_dtype("auto", HF, CPU, cpu_native_bf16=True) == torch.bfloat16
-    assert worker.resolve_dtype("auto", HF, CPU, cpu_native_bf16=False) == torch.float32
-    assert worker.resolve_dtype("float32", HF, CPU, cpu_native_bf16=True) == torch.float32
+    assert settings.resolve_dtype("auto", HF, CPU, cpu_native_bf16=True) == torch.bfloat16
+    assert settings.resolve_dtype("auto", HF, CPU, cpu_native_bf16=False) == torch.float32
+    assert settings.resolve_dtype("float32", HF, CPU, cpu_native_bf16=True) == torch.float32
     # What this host gets: bfloat16 exactly where its flags say it computes in it.
     want = torch.bfloat16 if cpu_paths.native_bf16() else torch.float32
-    assert worker.resolve_dtype("auto", HF, CPU) == want
+    assert settings.resolve_dtype("auto", HF, CPU) == want
 
 
 def test_explicit_bfloat16_without_native_support_warns_once(caplog) -> None:
-    worker._warn_slow_bf16.cache_clear()
+    settings._warn_slow_bf16.cache_clear()
     with caplog.at_level(logging.WARNING, logger="pagedserve.engine"):
         for _ in range(3):
-            assert worker.resolve_dtype("bfloat16", HF, CPU, cpu_native_bf16=False) == torch.bfloat16
-        assert worker.resolve_dtype("bfloat16", HF, CPU, cpu_native_bf16=True) == torch.bfloat16
+            assert settings.resolve_dtype("bfloat16", HF, CPU, cpu_native_bf16=False) == torch.bfloat16
+        assert settings.resolve_dtype("bfloat16", HF, CPU, cpu_native_bf16=True) == torch.bfloat16
     slow = [r for r in caplog.records if "without native bfloat16" in r.getMessage()]
     assert len(slow) == 1 and "several times slower than float32" in slow[0].getMessage()
 
