@@ -96,9 +96,9 @@ class TokenIdError(EngineInputError):
 
 
 class StructuredOutputsError(EngineInputError):
-    """A structured-output spec that is malformed or that the backend cannot compile;
-    ``kind`` is the spec's field (``json``, ``regex``, ``choice``, ``grammar``,
-    ``json_object``) or None when the spec as a whole is at fault."""
+    """A structured-output constraint that is malformed or that the backend cannot compile;
+    ``kind`` is the constraint's field (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``) or None when the constraint as a whole is at fault."""
 
     def __init__(self, message: str, kind: str | None = None) -> None:
         super().__init__(message, InputField.STRUCTURED_OUTPUTS)

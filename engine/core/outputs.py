@@ -102,6 +102,6 @@ class RequestOutput:
     prompt_logprobs: list | None = field(default=None)
     error: Exception | None = None
     """Set when the request failed before it ran: an ``EngineInputError`` naming the
-    field (e.g. a structured-output spec that does not compile)."""
+    field (e.g. a structured-output constraint that does not compile)."""
     embedding: list[float] | None = None
     """An embedding request's vector, once its prompt is computed."""

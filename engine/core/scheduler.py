@@ -85,7 +85,7 @@ class Scheduler:
         self.max_loras = max_loras
         """Distinct LoRA adapters a step may hold (0: no limit, no adapters)."""
         self._gate: LoRAGate | None = None  # the step's (set by schedule())
-        self.spec = speculative_config
+        self.speculative = speculative_config
         self.spec_stats = SpecStats()
         self.ended_without_tokens: list[Request] = []
         """Requests with ``max_tokens=0`` that ended once their prompt was computed (the
@@ -170,7 +170,7 @@ class Scheduler:
         the newest when blocks run out."""
         budget = self.max_num_batched_tokens
         preempted = out.preempted_req_ids
-        speculate = self.spec is not None and len(self.running) <= self.spec.disable_by_batch_size
+        speculate = self.speculative is not None and len(self.running) <= self.speculative.disable_by_batch_size
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
@@ -336,13 +336,13 @@ class Scheduler:
         if output is None:
             return []
         appended: list[SampledToken] = []
-        spec = sched.scheduled_spec_decode_tokens
+        scheduled_drafts = sched.scheduled_spec_decode_tokens
         for rid, tokens, logprobs in zip(output.req_ids, output.sampled_token_ids,
                                          output.logprobs, strict=True):  # fmt: skip
             req = self.requests.get(rid)
             if req is None or req.status.finished or rid in output.errors:
                 continue
-            drafts = spec.get(rid)
+            drafts = scheduled_drafts.get(rid)
             if drafts:
                 self._count_accepted(req, len(drafts), len(tokens) - 1)
             self._append(req, tokens, logprobs, appended)

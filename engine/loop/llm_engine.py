@@ -179,7 +179,7 @@ class LLMEngine:
         limits.check_token_ids(prompt_token_ids)
         limits.check_sampling_token_ids(params)
         max_tokens = limits.resolve_max_tokens(len(prompt_token_ids), params)
-        spec = params.structured_outputs
+        constraint = params.structured_outputs
         now = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), params, now)
         if pooling is not None:
@@ -204,9 +204,9 @@ class LLMEngine:
                 params.spaces_between_special_tokens)
             req.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
             group.members.append(req)
-        if spec is not None:
+        if constraint is not None:
             # Compiled in the manager's threads; the requests wait in their own state.
-            self._compiling[request_id] = (group, self.structured.submit(spec))
+            self._compiling[request_id] = (group, self.structured.submit(constraint))
             for req in group.members:
                 req.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.output.add(group, output_kind)
@@ -368,7 +368,7 @@ class LLMEngine:
 
     def _poll_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar finished compiling join the waiting queue; those whose
-        spec failed to compile end with its error (their output carries it)."""
+        constraint failed to compile end with its error (their output carries it)."""
         failed = []
         for rid, (group, fut) in list(self._compiling.items()):
             if not fut.done():
@@ -400,7 +400,7 @@ class LLMEngine:
     # -- introspection --------------------------------------------------------
     def stats(self) -> EngineStats:
         s = self.kv.stats()
-        spec = self.scheduler.spec_stats
+        drafts = self.scheduler.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -408,9 +408,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
-            spec_num_drafts=spec.num_drafts,
-            spec_num_draft_tokens=spec.num_draft_tokens,
-            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_num_drafts=drafts.num_drafts,
+            spec_num_draft_tokens=drafts.num_draft_tokens,
+            spec_num_accepted_tokens=drafts.num_accepted_tokens,
             loras=lora_names(self.scheduler),
         )
 

@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding: specs, backends (xgrammar, llguidance), the compile
+"""Grammar-constrained decoding: constraints, backends (xgrammar, llguidance), the compile
 pool and the per-step token bitmask.
 
 :mod:`pagedserve.engine.structured.params` is torch-free and imports no backend; the backends are

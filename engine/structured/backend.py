@@ -52,8 +52,8 @@ class Grammar(Protocol):
 class GrammarBackend(Protocol):
     name: str
 
-    def compile(self, spec: StructuredOutputsParams) -> Grammar:
-        """Compile ``spec``; raises :class:`StructuredOutputsError` naming its field."""
+    def compile(self, constraint: StructuredOutputsParams) -> Grammar:
+        """Compile ``constraint``; raises :class:`StructuredOutputsError` naming its field."""
 
 
 def package_of(name: str) -> str:
@@ -81,15 +81,15 @@ def load_backend(name: str, tokenizer: Any, vocab_size: int,
     return module.Backend(tokenizer, vocab_size, tuple(eos_token_ids))
 
 
-def choose_backend(name: str, spec: StructuredOutputsParams) -> str:
-    """The backend that compiles ``spec``: ``name``; with ``auto``, xgrammar unless
-    ``spec`` is a JSON schema with a string whose length bounds sit beside a pattern
+def choose_backend(name: str, constraint: StructuredOutputsParams) -> str:
+    """The backend that compiles ``constraint``: ``name``; with ``auto``, xgrammar unless
+    ``constraint`` is a JSON schema with a string whose length bounds sit beside a pattern
     (xgrammar would drop the bounds) and llguidance is installed."""
     if name != AUTO:
         return name
-    if spec.kind == "json" and is_available("llguidance"):
+    if constraint.kind == "json" and is_available("llguidance"):
         try:
-            schema = json.loads(spec.json)
+            schema = json.loads(constraint.json)
         except ValueError:
             schema = None  # the backend reports it
         if has_bounded_pattern(schema):
@@ -97,9 +97,9 @@ def choose_backend(name: str, spec: StructuredOutputsParams) -> str:
     return "xgrammar"
 
 
-def compile_error(spec: StructuredOutputsParams, exc: BaseException) -> StructuredOutputsError:
-    """A backend's compile failure as an error naming the spec's field."""
+def compile_error(constraint: StructuredOutputsParams, exc: BaseException) -> StructuredOutputsError:
+    """A backend's compile failure as an error naming the constraint's field."""
     text = " ".join(str(exc).split())
     text = _NATIVE_PREFIX.sub("", text)
     return StructuredOutputsError(
-        f"structured_outputs.{spec.kind} cannot be compiled: {text}", spec.kind)
+        f"structured_outputs.{constraint.kind} cannot be compiled: {text}", constraint.kind)

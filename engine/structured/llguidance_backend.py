@@ -80,28 +80,28 @@ class Backend:
             tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._eos = frozenset(eos_token_ids)
 
-    def compile(self, spec: StructuredOutputsParams) -> _Grammar:
+    def compile(self, constraint: StructuredOutputsParams) -> _Grammar:
         try:
-            m = llg.LLMatcher(self._tokenizer, _grammar_text(spec), log_level=0)
+            m = llg.LLMatcher(self._tokenizer, _grammar_text(constraint), log_level=0)
             if m.is_error():
                 raise CompileFailure(_SOURCE_EXCERPT.sub("", m.get_error()))
         except Exception as e:  # the backend's parse and conversion errors
-            raise compile_error(spec, e) from None
+            raise compile_error(constraint, e) from None
         return _Grammar(m, self._eos)
 
 
-def _grammar_text(spec: StructuredOutputsParams) -> str:
+def _grammar_text(constraint: StructuredOutputsParams) -> str:
     M = llg.LLMatcher
-    kind = spec.kind
+    kind = constraint.kind
     if kind in ("json", "json_object"):
         # Closed objects, as the xgrammar backend makes them; json_object is any object.
-        schema = (json.dumps(close_objects(json.loads(spec.json)), ensure_ascii=False)
+        schema = (json.dumps(close_objects(json.loads(constraint.json)), ensure_ascii=False)
                   if kind == "json" else '{"type":"object"}')
         return M.grammar_from_json_schema(
-            schema, overrides={"whitespace_flexible": True} if spec.any_whitespace else _COMPACT)
+            schema, overrides={"whitespace_flexible": True} if constraint.any_whitespace else _COMPACT)
     if kind == "regex":
-        return M.grammar_from_regex(spec.regex)
+        return M.grammar_from_regex(constraint.regex)
     if kind == "choice":
         return M.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
-    return M.grammar_from_lark(any_to_lark(spec.grammar))
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choice))
+    return M.grammar_from_lark(any_to_lark(constraint.grammar))

@@ -1,8 +1,8 @@
-"""Compiles grammars off the engine thread and caches them by spec.
+"""Compiles grammars off the engine thread and caches them by constraint.
 
 :meth:`StructuredOutputManager.submit` returns a future at once; the request waits in
-its own state (the scheduler skips it) until the future is done. Equal specs share one
-compile and one compiled grammar; a failed compile is cached too, so a bad spec that is
+its own state (the scheduler skips it) until the future is done. Equal constraints share one
+compile and one compiled grammar; a failed compile is cached too, so a bad constraint that is
 sent again fails again at once. The backend itself (its tokenizer tables) is built on
 the first compile, in the pool.
 """
@@ -57,30 +57,30 @@ class StructuredOutputManager:
                 self._backends[name] = load_backend(name, *self._args)
             return self._backends[name]
 
-    def submit(self, spec: StructuredOutputsParams) -> Future[Grammar]:
-        """The (cached) compile of ``spec``; its exception is a
-        :class:`~pagedserve.engine.errors.StructuredOutputsError` naming the spec's field."""
-        key = spec.key
+    def submit(self, constraint: StructuredOutputsParams) -> Future[Grammar]:
+        """The (cached) compile of ``constraint``; its exception is a
+        :class:`~pagedserve.engine.errors.StructuredOutputsError` naming the constraint's field."""
+        key = constraint.key
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
                 self._cache.move_to_end(key)
                 return fut
-            fut = self._pool.submit(self._compile, spec)
+            fut = self._pool.submit(self._compile, constraint)
             self._cache[key] = fut
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return fut
 
-    def _compile(self, spec: StructuredOutputsParams) -> Grammar:
+    def _compile(self, constraint: StructuredOutputsParams) -> Grammar:
         self.num_compiles += 1
-        return self.backend(choose_backend(self.backend_name, spec)).compile(spec)
+        return self.backend(choose_backend(self.backend_name, constraint)).compile(constraint)
 
-    def matcher(self, spec: StructuredOutputsParams) -> Matcher:
-        """A new matcher of a compiled spec (blocks if it is still compiling); with
-        ``spec.reasoning``, one that applies the grammar after the reasoning."""
-        m = self.submit(spec).result().matcher()
-        return m if spec.reasoning is None else GatedMatcher(m, spec.reasoning)
+    def matcher(self, constraint: StructuredOutputsParams) -> Matcher:
+        """A new matcher of a compiled constraint (blocks if it is still compiling); with
+        ``constraint.reasoning``, one that applies the grammar after the reasoning."""
+        m = self.submit(constraint).result().matcher()
+        return m if constraint.reasoning is None else GatedMatcher(m, constraint.reasoning)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -91,7 +91,7 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple[str, Any, bool]:
-        """The compile cache key: equal specs share one compiled grammar."""
+        """The compile cache key: equal constraints share one compiled grammar."""
         return self.kind, getattr(self, self.kind), self.any_whitespace
 
 

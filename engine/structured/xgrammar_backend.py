@@ -79,24 +79,24 @@ class Backend:
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
-    def compile(self, spec: StructuredOutputsParams) -> _Grammar:
+    def compile(self, constraint: StructuredOutputsParams) -> _Grammar:
         c = self._compiler
-        ws = spec.any_whitespace
+        ws = constraint.any_whitespace
         try:
-            kind = spec.kind
+            kind = constraint.kind
             if kind == "json":
                 g = c.compile_grammar(bounded_strings_with_escapes(str(
-                    xgr.Grammar.from_json_schema(spec.json, any_whitespace=ws))))
+                    xgr.Grammar.from_json_schema(constraint.json, any_whitespace=ws))))
             elif kind == "json_object":
                 g = c.compile_json_schema('{"type":"object"}', any_whitespace=ws,
                                           strict_mode=False)
             elif kind == "regex":
-                g = c.compile_regex(spec.regex)
+                g = c.compile_regex(constraint.regex)
             elif kind == "choice":
-                alts = " | ".join(json.dumps(ch, ensure_ascii=False) for ch in spec.choice)
+                alts = " | ".join(json.dumps(ch, ensure_ascii=False) for ch in constraint.choice)
                 g = c.compile_grammar(f"root ::= {alts}")
             else:
-                g = c.compile_grammar(spec.grammar)
+                g = c.compile_grammar(constraint.grammar)
         except Exception as e:  # the backend's parse and conversion errors
-            raise compile_error(spec, e) from None
+            raise compile_error(constraint, e) from None
         return _Grammar(g)

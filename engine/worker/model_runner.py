@@ -73,7 +73,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.sampler = Sampler(vocab_size, argmax=attn.ops.argmax)
-        self.spec = speculative_config
+        self.speculative = speculative_config
         self.structured = structured
         self.proposer = None if speculative_config is None else NgramProposer(
             speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
@@ -132,13 +132,13 @@ class ModelRunner:
     def _matcher(self, params: SamplingParams) -> Matcher | None:
         """Each request (each of ``n`` siblings) owns its matcher; the scheduler admits a
         request only once its grammar has compiled."""
-        spec = params.structured_outputs
-        if spec is None:
+        constraint = params.structured_outputs
+        if constraint is None:
             return None
         if self.structured is None:
             raise ValueError("structured_outputs given to a model runner without a grammar "
                              "manager")
-        return self.structured.matcher(spec)
+        return self.structured.matcher(constraint)
 
     def _advance_matchers(self, req_ids: list[str], tokens: list[list[int]],
                           skip: Container[str] = ()) -> None:  # fmt: skip
@@ -166,12 +166,12 @@ class ModelRunner:
         logits_idx: list[int] = []
         sampling_ids: list[str] = []
         drafts_of: list[list[int]] = []
-        spec = sched.scheduled_spec_decode_tokens
+        scheduled_drafts = sched.scheduled_spec_decode_tokens
         for rid, n in order:
             state = self.requests[rid]
             start = state.num_computed_tokens
             end = start + n
-            if n == 1 and rid not in spec:  # a plain decode (or a prompt's last token)
+            if n == 1 and rid not in scheduled_drafts:  # a plain decode (or a prompt's last token)
                 input_ids.append(state.all_token_ids[start])
                 positions.append(start)
                 qsl.append(qsl[-1] + 1)
@@ -181,7 +181,7 @@ class ModelRunner:
                     sampling_ids.append(rid)
                     drafts_of.append([])
                 continue
-            drafts = spec.get(rid, ())
+            drafts = scheduled_drafts.get(rid, ())
             input_ids.extend(state.all_token_ids[start:end - len(drafts)])
             input_ids.extend(drafts)
             positions.extend(range(start, end))
@@ -377,7 +377,7 @@ class ModelRunner:
     def _propose(self, req_ids: list[str], tokens: list[list[int]]) -> dict[str, list[int]]:
         """Draft tokens for each request's next step (none above the batch size at which
         the scheduler stops speculating)."""
-        if self.proposer is None or len(req_ids) > self.spec.disable_by_batch_size:
+        if self.proposer is None or len(req_ids) > self.speculative.disable_by_batch_size:
             return {}
         out = {}
         for rid, new in zip(req_ids, tokens, strict=True):
