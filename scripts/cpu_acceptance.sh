@@ -75,7 +75,7 @@ for q in float32 gguf; do
 done
 
 # -- 3. side by side with llama.cpp --------------------------------------------------
-GGUF=$("$PY" -c 'from engine.default_model import default_gguf_path; print(default_gguf_path())')
+GGUF=$("$PY" -c 'from pagedserve.engine.loader.default_model import default_gguf_path; print(default_gguf_path())')
 LLAMA=${LLAMA_SERVER:-/tmp/lcb/bin/llama-server}
 TOOLS="$ROOT/../shared/tools/build_llama_server.sh"
 if [ ! -x "$LLAMA" ] && [ "${QUICK:-0}" != 1 ] && [ -f "$TOOLS" ]; then

@@ -14,8 +14,8 @@ from tests.helpers.blockmgr import BS, FakeRequest, step
 def test_no_torch_or_numpy_import() -> None:
     import pagedserve.blockmgr  # noqa: F401
 
-    assert "blockmgr" in sys.modules
-    src = [m for m in sys.modules if m.startswith("blockmgr")]
+    assert "pagedserve.blockmgr" in sys.modules
+    src = [m for m in sys.modules if m.startswith("pagedserve.blockmgr")]
     for name in src:
         mod = sys.modules[name]
         text = open(mod.__file__).read() if getattr(mod, "__file__", None) else ""
@@ -139,7 +139,7 @@ def test_waste_stats() -> None:
 def test_debug_logging(caplog: pytest.LogCaptureFixture) -> None:
     mgr = KVCacheManager(4, BS)
     req = FakeRequest("r", list(range(6)))
-    with caplog.at_level(logging.DEBUG, logger="blockmgr"):
+    with caplog.at_level(logging.DEBUG, logger="pagedserve.blockmgr"):
         assert step(mgr, req, 6)
         mgr.free(req)
     text = caplog.text

@@ -243,7 +243,7 @@ def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cpu_path_does_not_import_triton() -> None:
     code = (
-        "import sys, kernels\n"
+        "import sys\nfrom pagedserve import kernels\n"
         "b = kernels.get_attention_backend('auto', 'cpu')\n"
         "assert b.name == 'cpu'\n"
         "assert 'triton' not in sys.modules, 'triton was imported'\n"
@@ -271,8 +271,8 @@ def test_registry_rejects_triton_imported_before_interpret_flag() -> None:
     code = (
         "import os, triton\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
-        "from engine.kernel_settings import kernel_settings\n"
-        "from kernels import get_attention_backend\n"
+        "from pagedserve.engine.worker.kernel_settings import kernel_settings\n"
+        "from pagedserve.kernels import get_attention_backend\n"
         "try:\n"
         "    get_attention_backend('triton', 'cpu', kernel_settings())\n"
         "except RuntimeError as exc:\n"

@@ -10,8 +10,9 @@ from pagedserve.loadtest import kv_state_bench
 
 def test_the_poller_imports_neither_torch_nor_the_engine() -> None:
     # It runs on the cores of the server it measures: its start-up must cost nothing.
-    code = ("import sys, loadtest.kv_state_bench; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')))")
+    code = ("import sys, pagedserve.loadtest.kv_state_bench; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
+            "or m.startswith('pagedserve.engine')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)  # fmt: skip
     assert out.stdout.strip() == "[]"

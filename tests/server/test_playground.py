@@ -193,9 +193,8 @@ def test_static_files_ship_in_the_package():
 
     text = (REPO_ROOT / "pyproject.toml").read_text()
     section = text.split("[tool.setuptools.package-data]\n", 1)[1].split("\n[", 1)[0]
-    line = next(ln for ln in section.splitlines() if ln.startswith("server = "))
-    globs = ast.literal_eval(line.split("=", 1)[1].strip())
-    files = [f"static/{p.name}" for p in (REPO_ROOT / "server" / "static").iterdir()]
-    assert sorted(files) == ["static/index.html", "static/playground.css",
-                             "static/playground.js"]
+    line = next(ln for ln in section.splitlines() if ln.startswith('"*" = '))
+    globs = ast.literal_eval(line.split("=", 1)[1].strip())  # every package's data files
+    files = sorted(p.name for p in (REPO_ROOT / "server" / "static").iterdir())
+    assert files == ["index.html", "playground.css", "playground.js"]
     assert all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)

@@ -258,6 +258,7 @@ def test_cpu_path_imports_no_triton() -> None:
     assert "pagedserve.engine.worker.cuda_graphs" in sys.modules
     import subprocess
 
-    code = ("import sys, engine.cuda_graphs, engine.gpu_memory, engine.worker, "
-            "pagedserve.engine.worker.model_runner; assert 'triton' not in sys.modules, 'triton imported'")  # fmt: skip
+    code = ("import sys, pagedserve.engine.worker.cuda_graphs, pagedserve.engine.worker.gpu_memory, "
+            "pagedserve.engine.worker.worker, pagedserve.engine.worker.model_runner; "
+            "assert 'triton' not in sys.modules, 'triton imported'")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -37,7 +37,7 @@ def test_free_memory_goes_back_to_the_kernel_on_glibc_only(monkeypatch) -> None:
     if platform.libc_ver()[0] == "glibc":
         out = _python(
             "import ctypes, re\n"
-            "from engine import process_tuning\n"
+            "from pagedserve.engine.worker import process_tuning\n"
             "process_tuning.tune_malloc()\n"
             "libc = ctypes.CDLL('libc.so.6'); libc.malloc.restype = ctypes.c_void_p\n"
             "rss = lambda: int(re.search(r'RssAnon:\\s+(\\d+)', open('/proc/self/status').read())[1])\n"
@@ -52,13 +52,13 @@ def test_free_memory_goes_back_to_the_kernel_on_glibc_only(monkeypatch) -> None:
 
 
 def test_importing_engine_changes_nothing() -> None:
-    """``import engine`` sets no variable and loads no torch (so no allocator or OpenMP
+    """``import pagedserve`` sets no variable and loads no torch (so no allocator or OpenMP
     setting); importing the engine's classes sets no variable either."""
     code = ("import os, sys\n"
             "before = dict(os.environ)\n"
-            "import engine, engine.envs, engine.process_tuning\n"
+            "import pagedserve, pagedserve.engine.envs, pagedserve.engine.worker.process_tuning\n"
             "print(dict(os.environ) == before, 'torch' in sys.modules)\n"
-            "from engine import LLM, SamplingParams\n"
+            "from pagedserve import LLM, SamplingParams\n"
             "print(dict(os.environ) == before, 'torch' in sys.modules)\n")  # fmt: skip
     assert _python(code).split() == ["True", "False", "True", "True"]
 
@@ -67,7 +67,7 @@ def _cli_env(**env: str) -> tuple[str, str]:
     """GOMP_SPINCOUNT and whether torch was loaded when ``pagedserve`` builds its parser
     (which imports the subcommands, and torch with them)."""
     code = ("import os, sys\n"
-            "import server.cli as cli\n"
+            "import pagedserve.server.cli as cli\n"
             "def probe():\n"
             "    print(os.environ.get('GOMP_SPINCOUNT', '-'), 'torch' in sys.modules)\n"
             "    raise SystemExit(0)\n"

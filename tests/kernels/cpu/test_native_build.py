@@ -31,8 +31,8 @@ def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
 
 def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
     """Processes building at once all load a kernel; one cached library remains."""
-    code = ("from engine.kernel_settings import kernel_settings\n"
-            "from kernels.cpu import native as cpu_native\n"
+    code = ("from pagedserve.engine.worker.kernel_settings import kernel_settings\n"
+            "from pagedserve.kernels.cpu import native as cpu_native\n"
             "settings = kernel_settings()  # $PAGEDSERVE_CACHE/kernels\n"
             "assert cpu_native.load(settings) is not None, cpu_native.unavailable_reason()\n")  # fmt: skip
     full = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path)}
@@ -46,8 +46,8 @@ def test_without_a_compiler_auto_falls_back_to_torch(tmp_path: Path) -> None:
     code = (
         "import logging, pytest\n"
         "logging.basicConfig()\n"
-        "from engine.kernel_settings import kernel_settings\n"
-        "from kernels import get_attention_backend\n"
+        "from pagedserve.engine.worker.kernel_settings import kernel_settings\n"
+        "from pagedserve.kernels import get_attention_backend\n"
         "assert get_attention_backend('auto', 'cpu', kernel_settings()).name == 'torch'\n"
         "with pytest.raises(RuntimeError, match='no C compiler'):\n"
         "    get_attention_backend('cpu', 'cpu', kernel_settings())\n"
@@ -65,9 +65,9 @@ def test_failed_build_falls_back_and_leaves_no_partial_file(tmp_path: Path) -> N
     cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\n"
                   "echo 'fatal: broken' >&2\nexit 3\n")  # fmt: skip
     cc.chmod(0o755)
-    code = ("from engine.kernel_settings import kernel_settings\n"
-            "from kernels import get_attention_backend\n"
-            "from kernels.cpu import native as cpu_native\n"
+    code = ("from pagedserve.engine.worker.kernel_settings import kernel_settings\n"
+            "from pagedserve.kernels import get_attention_backend\n"
+            "from pagedserve.kernels.cpu import native as cpu_native\n"
             "assert get_attention_backend('auto', 'cpu', kernel_settings()).name == 'torch'\n"
             "print(cpu_native.unavailable_reason(kernel_settings()))\n")  # fmt: skip
     proc = _run(code, tmp_path, CC=str(cc))
