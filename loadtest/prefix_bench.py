@@ -132,8 +132,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     probe = _fresh_llm(args, True)
     token_ids = vocab_token_ids(probe)
     worker = probe.engine.worker
-    model_desc = f"{worker.model_name} ({worker.model_path})"
-    dtype = str(worker.dtype).removeprefix("torch.")
+    model_desc = f"{worker.settings.model_name} ({worker.settings.model_path})"
+    dtype = str(worker.settings.dtype).removeprefix("torch.")
     del probe, worker
     gc.collect()
     shared = shared_prefix_workload(token_ids, args.num_requests, args.prefix_len,

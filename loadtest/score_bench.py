@@ -63,8 +63,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "embed (mean)": "MEAN"}
     worker = llm.engine.worker
     print_header("pagedserve bench score", env, {
-        "model": f"{worker.model_name} ({worker.model_path})",
-        "dtype": str(worker.dtype).removeprefix("torch."),
+        "model": f"{worker.settings.model_name} ({worker.settings.model_path})",
+        "dtype": str(worker.settings.dtype).removeprefix("torch."),
         "workload": f"{args.num_requests} random prompts x {args.input_len} tokens, "
                     f"max_tokens=0, prefix caching off, {args.repeats} rounds",
     })

@@ -8,11 +8,12 @@ whose vector width is chosen at compile time, so one source builds at three leve
 plain C loops), ``avx2`` (``-march=x86-64-v3``: AVX2, FMA, F16C) and ``avx512``
 (``-march=x86-64-v4``). The engine builds the best level this CPU runs (its
 :class:`~pagedserve.kernels.settings.KernelSettings` may name a lower one: ``PAGEDSERVE_CPU_ISA``)
-in about a second with the system C compiler (the settings' ``cc``, else ``cc``). The
-shared library is cached in the settings' kernel folder (the engine's
+once, with the system C compiler (the settings' ``cc``, else ``cc``; 10-30 seconds on two
+cores). The shared library is cached in the settings' kernel folder (the engine's
 ``$PAGEDSERVE_CACHE/kernels``, default ``~/.cache/pagedserve/kernels``), keyed by the
 sources, the flags, the compiler's version and the CPU's feature flags, and written
-atomically, so concurrent processes can build it at once. The constants shared with C
+atomically; processes that start at once (data-parallel replicas, tensor-parallel ranks)
+build it once, the others waiting on a lock of the folder. The constants shared with C
 and the ctypes signatures come from ``csrc/abi.h`` (:mod:`pagedserve.kernels.cpu.abi`). ctypes
 releases the GIL for the duration of each call.
 
@@ -22,6 +23,7 @@ why once in the log; the caller falls back to the pure torch path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -31,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -143,19 +146,41 @@ def _build(cc: str, cflags: tuple[str, ...], kernel_dir: Path) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".so.tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *cflags, *map(str, SOURCES), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, check=False)  # fmt: skip
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _folder_lock(out.parent):  # processes starting at once build it once
+        if out.exists():
+            return out
+        fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".so.tmp", dir=out.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *cflags, *map(str, SOURCES), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, check=False)  # fmt: skip
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     log.info("built the native CPU kernels: %s", out)
     return out
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on ``folder`` among processes (``flock`` on the folder itself, so
+    no lock file is left behind); without ``fcntl`` (not POSIX) no lock: each process then
+    builds its own copy and the last atomic rename wins."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def build_library(level: str, settings: KernelSettings | None = None) -> ctypes.CDLL:

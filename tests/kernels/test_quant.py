@@ -165,7 +165,7 @@ def test_gguf_model_keeps_its_weights_quantized() -> None:
     llm = LLM(quantization="gguf", kv_cache_memory_gb=0.05)
     worker = llm.engine.worker
     model = worker.model
-    assert worker.dtype == torch.float32 and worker.quant_desc == "gguf (q4_1, q8_0)"
+    assert worker.settings.dtype == torch.float32 and worker.quant_desc == "gguf (q4_1, q8_0)"
     qkv = model.layers[0].qkv_proj.weight
     assert isinstance(qkv, QuantizedWeight) and qkv.fmt == "q4_1"
     assert qkv.shape == (9 * 64 + 2 * 3 * 64, 576)

@@ -117,7 +117,7 @@ def test_greedy_equals_hf_on_the_dequantized_weights(checkpoints, prompts, name,
     llm = LLM(str(quantized), attention_backend=backend, kv_cache_memory_gb=0.05)
     worker = llm.engine.worker
     _, scheme, fmt, floats = SCHEMES[name]
-    assert worker.quantization == scheme.method and worker.dtype == torch.float32
+    assert worker.settings.quantization == scheme.method and worker.settings.dtype == torch.float32
     o_proj = worker.model.layers[0].o_proj
     assert (o_proj.weight.fmt if isinstance(o_proj.weight, QuantizedWeight) else None) == fmt
     assert worker.quant_desc.endswith(f"({fmt or 'float32'})")
