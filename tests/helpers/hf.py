@@ -1,18 +1,102 @@
-"""HF transformers references for the equivalence tests."""
+"""HF transformers references for the equivalence tests.
+
+A reference is computed once and kept (:func:`cached_reference`) under
+``$PAGEDSERVE_CACHE/test-references``, keyed by everything that decides its value: the
+model's files (their bytes), the inputs, the code that computes it, the versions of
+transformers and torch, and the CPU path torch takes (its vector capability, the CPU's
+flags, its thread count). A changed model, prompt, library, host or reference function
+computes the reference anew; nothing stale can be read back.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
 
+from pagedserve.engine import envs
+
+REFERENCE_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                 "OMP_NUM_THREADS")  # fmt: skip
+"""Environment variables that change which CPU kernels torch runs."""
+_digests: dict[tuple[str, int, int], str] = {}
+
+
+def files_digest(folder: str | Path) -> str:
+    """A hash of the files of a model or adapter folder (names and bytes; memoized per
+    file by size and modification time within a process)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).rglob("*")):
+        if not f.is_file() or f.suffix not in (".json", ".safetensors", ".jinja", ".txt",
+                                                ".model"):  # fmt: skip
+            continue
+        st = f.stat()
+        key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+        if key not in _digests:
+            fh = hashlib.sha256()
+            with open(f, "rb") as fp:
+                while chunk := fp.read(1 << 24):
+                    fh.update(chunk)
+            _digests[key] = fh.hexdigest()
+        h.update(f"{f.relative_to(folder)}:{_digests[key]}\n".encode())
+    return h.hexdigest()
+
+
+def host_signature() -> dict:
+    """What of this host and process decides torch's float32 results on the CPU."""
+    flags = ""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        flags = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "capability": torch.backends.cpu.get_cpu_capability(),
+            "flags": " ".join(sorted(flags.split(":", 1)[-1].split())),
+            "threads": torch.get_num_threads(),
+            "env": {k: os.environ.get(k) for k in REFERENCE_ENV}}  # fmt: skip
+
+
+def cached_reference(name: str, inputs: dict, compute: Callable[[], object],
+                     code: tuple[Callable, ...]) -> object:
+    """``compute()``, read back from the reference cache when it was computed for the same
+    ``inputs`` (JSON-able, model digests among them) by the same ``code`` on a host with
+    the same :func:`host_signature`; else computed and stored (atomically)."""
+    key = json.dumps({"name": name, "inputs": inputs, "host": host_signature(),
+                      "code": [inspect.getsource(f) for f in code]}, sort_keys=True)  # fmt: skip
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    folder = envs.cache_root() / "test-references"
+    path = folder / f"{name}-{digest[:40]}.json"
+    try:
+        return json.loads(path.read_text())["value"]
+    except (OSError, ValueError, KeyError):
+        pass
+    value = json.loads(json.dumps(compute()))  # as it reads back: lists, not tuples
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"key": json.loads(key), "value": value}, f)
+    os.replace(tmp, path)
+    return value
+
 
 def hf_greedy(path: str | Path, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
     """``generate(do_sample=False)`` of each prompt alone, exactly ``new_tokens`` tokens
-    (EOS masked until then, as ``min_tokens`` does)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return greedy_of(model, prompt_ids, new_tokens)
+    (EOS masked until then, as ``min_tokens`` does); cached (:func:`cached_reference`)."""
+
+    def compute():
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return greedy_of(model, prompt_ids, new_tokens)
+
+    inputs = {"model": files_digest(path), "prompts": prompt_ids, "new_tokens": new_tokens}
+    return cached_reference("hf_greedy", inputs, compute, (hf_greedy, greedy_of))
 
 
 def greedy_of(model, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -36,16 +120,24 @@ def hf_prompt_logprobs(path: str | Path, prompts: list[list[int]], k: int) -> li
     """Per prompt and position: HF's logprob of the next prompt token, the range of
     ranks it has within ``PROMPT_LOGPROB_TOL`` and the ``k + 1`` most likely tokens
     (logprobs, ids)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            lp = torch.log_softmax(model(torch.tensor([p])).logits[0, :-1].float(), dim=-1)
-            target = torch.tensor(p[1:])
-            chosen = lp.gather(1, target[:, None])
-            tol = PROMPT_LOGPROB_TOL
-            ranks = list(zip(((lp > chosen + tol).sum(dim=-1) + 1).tolist(),
-                             ((lp > chosen - tol).sum(dim=-1) + 1).tolist(), strict=True))
-            top = lp.topk(k + 1, dim=-1)
-            out.append((chosen[:, 0].tolist(), ranks, top.values.tolist(), top.indices.tolist()))
-    return out
+    def compute():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path),
+                                                                  dtype=torch.float32)  # fmt: skip
+        out = []
+        with torch.no_grad():
+            for p in prompts:
+                lp = torch.log_softmax(model(torch.tensor([p])).logits[0, :-1].float(), dim=-1)
+                target = torch.tensor(p[1:])
+                chosen = lp.gather(1, target[:, None])
+                tol = PROMPT_LOGPROB_TOL
+                ranks = list(zip(((lp > chosen + tol).sum(dim=-1) + 1).tolist(),
+                                 ((lp > chosen - tol).sum(dim=-1) + 1).tolist(), strict=True))
+                top = lp.topk(k + 1, dim=-1)
+                out.append((chosen[:, 0].tolist(), ranks, top.values.tolist(),
+                            top.indices.tolist()))  # fmt: skip
+        return out
+
+    inputs = {"model": files_digest(path), "prompts": prompts, "k": k,
+              "tol": PROMPT_LOGPROB_TOL}  # fmt: skip
+    value = cached_reference("hf_prompt_logprobs", inputs, compute, (hf_prompt_logprobs,))
+    return [tuple(entry) for entry in value]

@@ -14,7 +14,7 @@ import transformers
 
 from pagedserve.engine.lora.request import TARGET_MODULES
 from pagedserve.loadtest.lora_bench import write_random_adapter
-from tests.helpers.hf import greedy_of
+from tests.helpers.hf import cached_reference, files_digest, greedy_of
 
 ATTN, MLP = TARGET_MODULES[:4], TARGET_MODULES[4:]
 
@@ -57,5 +57,10 @@ def hooked_model(base: str | Path, adapter: str | Path | None):
 def hf_greedy_with(base: str | Path, adapter: str | Path | None, prompt_ids: list[list[int]],
                    new_tokens: int) -> list[list[int]]:  # fmt: skip
     """Greedy ``generate`` of each prompt alone through :func:`hooked_model`, exactly
-    ``new_tokens`` tokens."""
-    return greedy_of(hooked_model(base, adapter), prompt_ids, new_tokens)
+    ``new_tokens`` tokens; cached (:func:`tests.helpers.hf.cached_reference`)."""
+    inputs = {"model": files_digest(base), "prompts": prompt_ids, "new_tokens": new_tokens,
+              "adapter": None if adapter is None else files_digest(adapter)}  # fmt: skip
+    return cached_reference(
+        "hf_greedy_with", inputs,
+        lambda: greedy_of(hooked_model(base, adapter), prompt_ids, new_tokens),
+        (hf_greedy_with, hooked_model, greedy_of))
