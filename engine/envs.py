@@ -4,8 +4,9 @@ Each ``PAGEDSERVE_*`` variable is declared once below (:data:`VARIABLES`: its na
 default and one line of meaning) with a typed accessor that reads it when called, so a
 change made while the process runs is seen by the next call. Switches share one on/off
 parser, :func:`flag`: ``1``/``true``/``yes``/``on`` and ``0``/``false``/``no``/``off``
-in any case; unset, empty or anything else is the switch's default. README.md's table
-of environment variables is :func:`markdown_table` (a test checks that they match).
+in any case; unset, empty or anything else is the switch's default. The table of
+environment variables in docs/environment.md is :func:`markdown_table` (a test checks
+that they match).
 :data:`EXTERNAL` are the variables of other tools that pagedserve consults (Hugging
 Face's offline switches, Triton's interpreter, the C compiler, libgomp's spin).
 
@@ -107,7 +108,7 @@ VARIABLES = (CACHE, ATTENTION_BACKEND, CPU_ISA, PACK_WEIGHTS, FUSE_LAYERS, MALLO
              HUGEPAGES, API_KEY, LOCUST_PROMPTS, LOCUST_MAX_TOKENS, LOCUST_IGNORE_EOS,
              LOCUST_STREAM_RATIO, LOCUST_WAIT_MIN, LOCUST_WAIT_MAX, LOCUST_TEMPERATURE,
              LOCUST_MODEL, TP_STEP_TIMEOUT, TP_START_TIMEOUT, DECODE_BUFFERS)  # fmt: skip
-"""Every ``PAGEDSERVE_*`` variable, in README order."""
+"""Every ``PAGEDSERVE_*`` variable, in the order of docs/environment.md's table."""
 
 HF_HUB_OFFLINE = Var("HF_HUB_OFFLINE", "off", "Hugging Face: never contact the hub")
 TRANSFORMERS_OFFLINE = Var("TRANSFORMERS_OFFLINE", "off", "transformers: the same, older name")
@@ -255,11 +256,11 @@ def set_gomp_spincount(value: str) -> None:
 
 
 def markdown_table() -> str:
-    """README.md's table of the ``PAGEDSERVE_*`` variables."""
+    """docs/environment.md's table of the ``PAGEDSERVE_*`` variables."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     rows += [f"| `{v.name}` | {v.default} | {v.doc} |" for v in VARIABLES]
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # python -m pagedserve.engine.envs: README.md's table
+if __name__ == "__main__":  # python -m pagedserve.engine.envs: docs/environment.md's table
     print(markdown_table())

@@ -1,4 +1,4 @@
-"""engine/envs.py: the one reader of environment variables, and README's table of them."""
+"""engine/envs.py: the one reader of environment variables; its table in docs/environment.md."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import pytest
 from pagedserve.engine import envs
 
 ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "environment.md"
 NAME = re.compile(r"PAGEDSERVE_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_]*\*)(?![A-Z0-9_])")
 """A variable's full name (``PAGEDSERVE_LOCUST_*``, a family, is not one)."""
 
 
-def test_readme_table_is_generated_from_envs() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert envs.markdown_table() in readme
+def test_environment_page_table_is_generated_from_envs() -> None:
+    page = PAGE.read_text(encoding="utf-8")
+    assert envs.markdown_table() in page
     out = subprocess.run([sys.executable, "-m", "pagedserve.engine.envs"], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout  # fmt: skip
     assert out.strip() == envs.markdown_table()
@@ -32,8 +33,8 @@ def test_every_pagedserve_variable_mentioned_is_declared_once() -> None:
                for f in (ROOT / d).rglob("*") if f.suffix in (".py", ".sh"))]  # fmt: skip
     mentioned = {m for f in files for m in NAME.findall(f.read_text(encoding="utf-8"))}
     assert mentioned - set(declared) == set()
-    readme = set(NAME.findall((ROOT / "README.md").read_text(encoding="utf-8")))
-    assert readme == set(declared)
+    page = set(NAME.findall(PAGE.read_text(encoding="utf-8")))
+    assert page == set(declared)
 
 
 @pytest.mark.parametrize("value,expected", [
