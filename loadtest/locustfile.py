@@ -17,7 +17,7 @@ Run it with ``make loadtest`` (starts a server) or against a server of your own:
 
 Settings: the ``PAGEDSERVE_LOCUST_*`` variables and ``PAGEDSERVE_API_KEY`` (sent as
 ``Authorization: Bearer KEY`` when set), all optional, each documented once in
-:mod:`pagedserve.engine.envs` (README.md's table of environment variables).
+:mod:`pagedserve.engine.envs` (docs/environment.md's table of environment variables).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ mkdir -p "$RESULTS"
 LOG="$RESULTS/server.log"
 
 # shellcheck disable=SC2086
-"$PYTHON" -m pagedserve.server.cli serve --host 127.0.0.1 --port 0 ${SERVE_ARGS:-} >"$LOG" 2>&1 &
+PYTHONSAFEPATH=1 "$PYTHON" -m pagedserve.server.cli serve --host 127.0.0.1 --port 0 ${SERVE_ARGS:-} >"$LOG" 2>&1 &
 SERVER_PID=$!
 stop_server() {
     if kill -0 "$SERVER_PID" 2>/dev/null; then

@@ -12,7 +12,7 @@ fi
 . .venv/bin/activate
 step "upgrading pip" python -m pip install --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
-  # The pinned CPU build; on a CUDA machine install a CUDA torch first (see README).
+  # The pinned CPU build; on a CUDA machine install a CUDA torch first (docs/install.md).
   step "installing torch 2.13.0 (CPU build)" python -m pip install "torch==2.13.0"
 fi
 step "installing pagedserve (editable) with its extras: gguf, triton, structured, test, bench" \
