@@ -34,7 +34,7 @@ OPEN_PATHS = frozenset(_FILES)
 
 
 def _read(name: str) -> bytes:
-    return resources.files("server").joinpath("static", name).read_bytes()
+    return resources.files("pagedserve.server").joinpath("static", name).read_bytes()
 
 
 async def static_file(request: web.Request) -> web.Response:
