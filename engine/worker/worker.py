@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -57,6 +58,9 @@ class Worker:
         self.tp = tp
         self._procs: WorkerProcesses | None = None
         self._pinned_thread: int | None = None
+        self._unpin: tuple[int, set[int], int] | None = None
+        """How the stepping thread ran before it was pinned to rank 0's cores (its native
+        id, its cores, torch's thread count): restored at shutdown."""
         self.tokenizer = load_tokenizer(config.tokenizer or settings.model_path)
         if tp is None and config.tensor_parallel_size > 1:
             check_divisible(settings.decoder, config.tensor_parallel_size)
@@ -241,21 +245,42 @@ class Worker:
         tp = self.tp
         if tp is None:
             return self.runner.execute(sched)
-        self.check_alive()
-        if self._pinned_thread != threading.get_ident():
-            # The thread that steps runs on rank 0's share of the cores.
-            self._pinned_thread = threading.get_ident()
-            if self.settings.device.type == "cpu":
-                use_cores(core_share(0, tp.local_size))
         try:
+            self.check_alive()
+            if self._pinned_thread != threading.get_ident():
+                # The thread that steps runs on rank 0's share of the cores (a thread that
+                # stepped before gets its own back).
+                self._restore_cores()
+                self._pinned_thread = threading.get_ident()
+                if self.settings.device.type == "cpu":
+                    if hasattr(os, "sched_getaffinity"):
+                        self._unpin = (threading.get_native_id(), os.sched_getaffinity(0),
+                                       torch.get_num_threads())  # fmt: skip
+                    use_cores(core_share(0, tp.local_size))
             tp.send(STEP, for_workers(sched))
             return self.runner.execute(sched)
         except ParallelError:
+            self._restore_cores()
             raise
         except Exception as exc:
+            self._restore_cores()
             # The other ranks are inside this step's collectives or past it: the group no
             # longer agrees on what comes next.
             raise EngineFatalError(f"a tensor-parallel step failed on rank 0: {exc!r}") from exc
+
+    def _restore_cores(self) -> None:
+        """Give the thread that stepped (the caller's, offline) its cores and torch its
+        thread count back: an engine that is gone leaves the process as it found it."""
+        unpin, self._unpin = self._unpin, None
+        self._pinned_thread = None
+        if unpin is None:
+            return
+        tid, cores, threads = unpin
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:  # the thread has exited
+            pass
+        torch.set_num_threads(threads)
 
     def check_alive(self) -> None:
         """Raise :class:`~pagedserve.engine.errors.ParallelError` once a tensor-parallel rank
@@ -267,6 +292,7 @@ class Worker:
         """Stop the tensor-parallel ranks (rank 0; a no-op without them). ``graceful``:
         tell them to stop and wait for them; else (a failed start) terminate them soon."""
         tp, self.tp = self.tp, None
+        self._restore_cores()
         if tp is not None and getattr(self, "runner", None) is not None:
             # Graphs holding NCCL collectives go before the communicator does (destroying
             # it under live captures can hang).

@@ -170,6 +170,31 @@ def test_close_stops_every_rank(tiny_model_factory):
     llm.close()  # twice is harmless
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="rank 0 is pinned to a share of the cores only where there are two")
+def test_the_stepping_thread_gets_its_cores_back(tiny_model_factory):
+    """Rank 0 steps on its share of the cores with a thread team to match; once the engine
+    is closed (or dead) the caller's thread has all its cores and torch its threads back,
+    so a later engine in the same process is not held to one core."""
+    import torch
+
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    path = str(tiny_model_factory("llama"))
+    with LLM(path, dtype="float32", tensor_parallel_size=2) as llm:
+        llm.generate(prompts()[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert len(os.sched_getaffinity(0)) == len(cores) // 2  # pinned while it runs
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cores, threads)
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2)
+    try:
+        llm.generate(prompts()[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+        _ranks(llm)[0].kill()
+        with pytest.raises(EngineFatalError):
+            llm.generate(prompts()[:2], SamplingParams(max_tokens=8), use_tqdm=False)
+        assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cores, threads)
+    finally:
+        llm.close()
+
+
 def test_killed_rank_fails_the_engine(tiny_model_factory):
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", tensor_parallel_size=2)
     try:
