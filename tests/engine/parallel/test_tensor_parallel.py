@@ -303,6 +303,7 @@ def test_rank_that_never_joins_fails_the_start_and_the_next_start_works(
             LLM(path, dtype="float32", tensor_parallel_size=2)
         assert time.monotonic() - t0 < 30
     monkeypatch.setenv("PAGEDSERVE_TP_START_TIMEOUT", "300")
+    monkeypatch.setenv("PAGEDSERVE_TP_STEP_TIMEOUT", "60")  # a busy host may take over 1 s
     with LLM(path, dtype="float32", tensor_parallel_size=2) as llm:
         out = llm.generate(prompts()[:1], SamplingParams(max_tokens=4, ignore_eos=True),
                            use_tqdm=False)  # fmt: skip
