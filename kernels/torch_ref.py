@@ -4,6 +4,14 @@ These functions are the test oracle for every backend and are readable rather th
 fast: they gather each request's context into a padded tensor and attend in
 float32, returning the input dtype. Cache layout and slot conventions are those of
 :mod:`pagedserve.kernels.interface`.
+
+Two per-layer options, as HF transformers computes them (``window``: its
+``sliding_window_overlay``; ``softcap``: Gemma 2's eager attention):
+
+* ``window`` > 0: the query at position ``p`` attends to positions ``p - window + 1 ..
+  p`` only (its last ``window`` positions, itself included); 0 = its whole context;
+* ``softcap`` > 0: every scaled score ``s`` becomes ``softcap * tanh(s / softcap)``
+  before the mask and the softmax; 0 = unchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ def _attend_fp32(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of padded queries ``[B, Q, Hq, D]`` over gathered slots ``[B, L]``.
 
@@ -47,6 +56,8 @@ def _attend_fp32(
     v = v_cache.view(-1, num_kv_heads, head_dim)[slots].float()
     q = query.float().view(b, q_len, num_kv_heads, group, head_dim)
     scores = torch.einsum("bqhgd,blhd->bhgql", q, k) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgql,blhd->bqhgd", probs, v)
@@ -60,8 +71,11 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """One query token per request attending to its whole context.
+    """One query token per request attending to its context (its last ``window``
+    positions when ``window`` > 0).
 
     query ``[B, Hq, D]``, block_tables ``[B, M]`` int32, seq_lens ``[B]`` int32;
     returns ``[B, Hq, D]`` in the query dtype.
@@ -72,8 +86,11 @@ def paged_decode_attention(
     max_len = int(seq_lens.max())
     slots = context_slots(block_tables, seq_lens, max_len, k_cache.shape[1])
     pos = torch.arange(max_len, device=query.device)
-    allowed = pos[None, None, :] < seq_lens.to(query.device).long()[:, None, None]
-    out = _attend_fp32(query[:, None], slots, allowed, k_cache, v_cache, scale)
+    lens = seq_lens.to(query.device).long()[:, None, None]
+    allowed = pos[None, None, :] < lens
+    if window > 0:
+        allowed &= pos[None, None, :] >= lens - window
+    out = _attend_fp32(query[:, None], slots, allowed, k_cache, v_cache, scale, softcap)
     return out[:, 0].to(query.dtype)
 
 
@@ -85,8 +102,11 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of varlen query chunks over their paged contexts.
+    """Causal attention of varlen query chunks over their paged contexts (each query
+    over its last ``window`` positions when ``window`` > 0).
 
     Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``, the last
     positions of its ``seq_lens[i]``-token context (already written to the cache).
@@ -108,7 +128,10 @@ def paged_prefill_attention(
     slots = context_slots(block_tables, seq_lens, max_len, k_cache.shape[1])
     pos = torch.arange(max_len, device=query.device)
     allowed = pos[None, None, :] <= position[:, :, None]
-    padded = _attend_fp32(query[token_index], slots, allowed, k_cache, v_cache, scale)
+    if window > 0:
+        allowed &= pos[None, None, :] > position[:, :, None] - window
+    padded = _attend_fp32(query[token_index], slots, allowed, k_cache, v_cache, scale,
+                          softcap)
     back = flat_to_padded_index(query_start_loc, max_q_len, num_tokens)
     out[first:last] = padded.reshape(-1, *query.shape[1:])[back].to(query.dtype)
     return out
