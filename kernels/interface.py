@@ -198,13 +198,17 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend.
 
-        query [T, Hq, D], key/value [T, Hkv, D]; returns [T, Hq, D].
+        query [T, Hq, D], key/value [T, Hkv, D]; returns [T, Hq, D]. The layer's options
+        (:mod:`pagedserve.kernels.torch_ref` defines them): ``window`` > 0, a sliding window
+        of that many positions; ``softcap`` > 0, scores capped by tanh (Gemma 2).
 
         A backend may also offer ``rope_forward(query, key, value, cos, sin, k_cache,
-        v_cache, meta, scale)``: ``ops.rope`` then ``forward`` with the rotation fused
+        v_cache, meta, scale, window=0, softcap=0.0)``: ``ops.rope`` then ``forward`` with the rotation fused
         into the K/V write (the Triton backend); the model calls it where it exists.
 
         A backend may also offer ``run_layers(stack, hidden, positions, kv_caches,

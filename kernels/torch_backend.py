@@ -34,13 +34,17 @@ class _DecodeGroup:
     """[num_reqs * max_len] flat gather index into the flattened cache."""
     allowed: torch.Tensor
     """[num_reqs, 1, 1, max_len] bool, True = attend."""
+    lens: torch.Tensor
+    """[num_reqs, 1, 1, 1] int64 context lengths (a window's start is counted from them)."""
     rows: torch.Tensor | None = None
     """The step's decode rows in this group; None = rows ``0..num_reqs-1`` in order."""
-    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
 
-    def mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """Additive key-padding mask in ``dtype``, built once per step."""
-        return _additive(self.masks, self.allowed, dtype)
+    def mask(self, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
+        """Additive key-padding mask in ``dtype`` (the last ``window`` positions only when
+        ``window`` > 0), built once per step and window."""
+        return _additive(self.masks, self.allowed, dtype, window, lambda: self.allowed & (
+            torch.arange(self.max_len, device=self.lens.device) >= self.lens - window))
 
 
 @dataclass(slots=True)
@@ -60,23 +64,66 @@ class _PrefillGroup:
     """Cells of the flattened padded grid that hold real query tokens..."""
     token_rows: torch.Tensor
     """...and the step's token row each of them is."""
-    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    position: torch.Tensor
+    """[num_reqs, 1, max_q_len, 1] int64 context position of each grid cell's query."""
+    masks: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
 
-    def mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """Additive causal mask in ``dtype``, built once per step."""
-        return _additive(self.masks, self.allowed, dtype)
+    def mask(self, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
+        """Additive causal mask in ``dtype`` (each query's last ``window`` positions
+        only when ``window`` > 0), built once per step and window."""
+        return _additive(self.masks, self.allowed, dtype, window, lambda: self.allowed & (
+            torch.arange(self.max_len, device=self.position.device) > self.position - window))
 
 
 def _additive(
-    cache: dict[torch.dtype, torch.Tensor], allowed: torch.Tensor, dtype: torch.dtype
+    cache: dict[tuple[torch.dtype, int], torch.Tensor], allowed: torch.Tensor,
+    dtype: torch.dtype, window: int = 0, windowed=None,
 ) -> torch.Tensor:
-    """``allowed`` as a 0 / -inf mask in ``dtype``, memoised in ``cache``."""
-    mask = cache.get(dtype)
+    """``allowed`` (``windowed()`` when ``window`` > 0) as a 0 / -inf mask in ``dtype``,
+    memoised in ``cache``."""
+    mask = cache.get((dtype, window))
     if mask is None:
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        mask.masked_fill_(~allowed, float("-inf"))
-        cache[dtype] = mask
+        keep = windowed() if window > 0 else allowed
+        mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+        mask.masked_fill_(~keep, float("-inf"))
+        cache[(dtype, window)] = mask
     return mask
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    scale: float, softcap: float = 0.0, causal_window: int | None = None,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of ``[..., H, Q, D]`` queries over ``[..., Hkv,
+    L, D]`` keys and values (``H`` a multiple of ``Hkv``) with an additive ``mask``, or
+    with ``causal_window`` (not None) causally over the query's last ``causal_window``
+    positions (0: all of them; queries and keys the same positions). With ``softcap``
+    > 0 the scaled scores are capped (``softcap * tanh(s / softcap)``, Gemma 2) before
+    the mask: computed here in float32 (SDPA has no such option)."""
+    group = q.shape[-3] // k.shape[-3]
+    if softcap <= 0 and (causal_window is None or causal_window == 0 or
+                         causal_window >= q.shape[-2]):  # fmt: skip
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal_window is not None, scale=scale,
+            enable_gqa=group > 1)
+    if causal_window is not None:
+        n = q.shape[-2]
+        pos = torch.arange(n, device=q.device)
+        keep = pos[None, :] <= pos[:, None]
+        if causal_window > 0:
+            keep &= pos[None, :] > pos[:, None] - causal_window
+        mask = torch.zeros(keep.shape, dtype=torch.float32, device=q.device)
+        mask.masked_fill_(~keep, float("-inf"))
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=group > 1)  # fmt: skip
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask.float()
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 MAX_CAUSAL_CALLS = 32
@@ -241,6 +288,7 @@ class TorchBackend:
         return _PrefillGroup(
             len(rows), max_q_len, max_len, slots.reshape(-1), token_index.reshape(-1),
             allowed[:, None], grid_rows, token_index.reshape(-1).index_select(0, grid_rows),
+            position[:, None, :, None],
         )  # fmt: skip
 
     def _plan_decodes(
@@ -266,7 +314,8 @@ class TorchBackend:
         slots = context_slots(tables, seq_lens, max_len, block_size)
         pos = torch.arange(max_len, device=device)
         mask = pos[None, :] < seq_lens.long()[:, None]
-        return _DecodeGroup(len(rows), max_len, slots.reshape(-1), mask[:, None, None, :], index)
+        return _DecodeGroup(len(rows), max_len, slots.reshape(-1), mask[:, None, None, :],
+                            seq_lens.long()[:, None, None, None], index)  # fmt: skip
 
     def forward(
         self,
@@ -277,8 +326,11 @@ class TorchBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
+        """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]`` (``window``,
+        ``softcap``: as :mod:`pagedserve.kernels.torch_ref` defines them)."""
         st = meta.plan(TorchStepPlan)
         total, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
@@ -289,26 +341,27 @@ class TorchBackend:
         pre = st.prefill
         if pre is None and not st.causal and total == st.num_tokens and meta.num_decodes:
             # Decode-only step: the decode output is the whole output.
-            return self._attend_decodes(query, k_cache, v_cache, meta, scale, None)
+            return self._attend_decodes(query, k_cache, v_cache, meta, scale, None, window,
+                                        softcap)  # fmt: skip
         if total > st.num_tokens:
             out = query.new_zeros(total, num_heads, head_dim)
         else:
             out = query.new_empty(total, num_heads, head_dim)
         if meta.num_decodes:
-            self._attend_decodes(query, k_cache, v_cache, meta, scale, out[: meta.num_decodes])
+            self._attend_decodes(query, k_cache, v_cache, meta, scale, out[: meta.num_decodes],
+                                 window, softcap)  # fmt: skip
 
-        group = num_heads // num_kv_heads
         if st.causal and k_cache.dtype != query.dtype:
             # Whole prompts attend to their K/V as the cache holds them, as later steps do.
             key = key.to(k_cache.dtype).to(query.dtype)
             value = value.to(v_cache.dtype).to(query.dtype)
         for a, b in st.causal:
             # 4-D [1, H, L, D] views: SDPA's CPU flash kernel (3-D inputs take the math path).
-            o = F.scaled_dot_product_attention(
+            o = attention(
                 query[None, a:b].transpose(1, 2),
                 key[None, a:b].view(1, b - a, num_kv_heads, head_dim).transpose(1, 2),
                 value[None, a:b].view(1, b - a, num_kv_heads, head_dim).transpose(1, 2),
-                is_causal=True, scale=scale, enable_gqa=group > 1,
+                None, scale, softcap, causal_window=window,
             )  # fmt: skip
             out[a:b] = o[0].transpose(0, 1)
         if pre is not None:
@@ -317,10 +370,8 @@ class TorchBackend:
             k = k.view(p, length, num_kv_heads, head_dim)
             v = v.view(p, length, num_kv_heads, head_dim)
             q = query.index_select(0, pre.token_index).view(p, ql, num_heads, head_dim)
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=pre.mask(query.dtype), scale=scale, enable_gqa=group > 1,
-            )  # fmt: skip
+            o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          pre.mask(query.dtype, window), scale, softcap)
             o = o.transpose(1, 2).reshape(p * ql, num_heads, head_dim)
             out.index_copy_(0, pre.token_rows, o.index_select(0, pre.grid_rows))
         return out
@@ -333,6 +384,8 @@ class TorchBackend:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Attention of the decode rows ``query[:num_decodes]``, into ``out`` if given.
 
@@ -352,13 +405,9 @@ class TorchBackend:
             k = k.view(n, length, num_kv_heads, head_dim)
             v = v.view(n, length, num_kv_heads, head_dim)
             q = query[:n] if g.rows is None else query.index_select(0, g.rows)
-            o = F.scaled_dot_product_attention(
-                q.view(n, num_kv_heads, group, head_dim),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=g.mask(query.dtype),
-                scale=scale,
-            ).reshape(n, num_heads, head_dim)
+            o = attention(q.view(n, num_kv_heads, group, head_dim), k.transpose(1, 2),
+                          v.transpose(1, 2), g.mask(query.dtype, window), scale,
+                          softcap).reshape(n, num_heads, head_dim)  # fmt: skip
             if out is None:
                 if len(groups) == 1 and g.rows is None:
                     return o

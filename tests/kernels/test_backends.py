@@ -39,8 +39,10 @@ BACKEND_TOL = {
 }
 
 
-def naive_attention(step: PagedStep) -> torch.Tensor:
-    """Per request: contiguous K/V from the block table, explicit causal softmax."""
+def naive_attention(step: PagedStep, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Per request: contiguous K/V from the block table, explicit causal softmax (over
+    each query's last ``window`` positions when ``window`` > 0; scores capped at
+    ``softcap`` by tanh when ``softcap`` > 0)."""
     meta, bs = step.meta, step.block_size
     q_all = step.query.double()
     num_heads, head_dim = q_all.shape[1:]
@@ -57,14 +59,18 @@ def naive_attention(step: PagedStep) -> torch.Tensor:
         q = q_all[qsl[i] : qsl[i + 1]]  # [q_len, Hq, D]
         q_len = q.shape[0]
         scores = torch.einsum("qhd,lhd->hql", q, k) * step.scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         causal = torch.arange(seq_len)[None, :] <= q_pos
+        if window:
+            causal &= torch.arange(seq_len)[None, :] > q_pos - window
         scores = scores.masked_fill(~causal, float("-inf"))
         out[qsl[i] : qsl[i + 1]] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
     return out
 
 
-def reference_step(step: PagedStep) -> torch.Tensor:
+def reference_step(step: PagedStep, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Write K/V, then run the decode and prefill references on their groups."""
     meta = step.meta
     write_kv(step.key, step.value, step.k_cache, step.v_cache, meta.slot_mapping)
@@ -73,14 +79,15 @@ def reference_step(step: PagedStep) -> torch.Tensor:
     if nd:
         out[:nd] = paged_decode_attention(
             step.query[:nd], step.k_cache, step.v_cache,
-            meta.block_tables[:nd], meta.seq_lens[:nd], step.scale,
+            meta.block_tables[:nd], meta.seq_lens[:nd], step.scale, window, softcap,
         )  # fmt: skip
     if meta.num_reqs > nd:
         qsl = meta.query_start_loc[nd:]
         start, end = int(qsl[0]), int(qsl[-1])
         out[start:end] = paged_prefill_attention(
             step.query[start:end], step.k_cache, step.v_cache,
-            meta.block_tables[nd:], qsl - qsl[0], meta.seq_lens[nd:], step.scale,
+            meta.block_tables[nd:], qsl - qsl[0], meta.seq_lens[nd:], step.scale, window,
+            softcap,
         )  # fmt: skip
     return out
 
@@ -128,6 +135,41 @@ def test_references_match_naive(case, block_size, heads, dtype) -> None:
     out = reference_step(step)
     expected = naive_attention(step)
     torch.testing.assert_close(out.double(), expected, **TOL[dtype])
+
+
+# Sliding windows and soft-capping (Gemma 2/3, Mistral): windows below, at and above the
+# block size and the contexts; every case has contexts longer than the window.
+WINDOWED = [(1, 0.0), (5, 0.0), (16, 0.0), (23, 0.0), (0, 5.0), (7, 2.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), WINDOWED)
+@pytest.mark.parametrize("case", MIXED)
+def test_windowed_references_match_naive(case, window, softcap, dtype) -> None:
+    seq_lens, q_lens = case
+    step = make_step(seq_lens, q_lens, num_heads=6, num_kv_heads=2, head_dim=32,
+                     block_size=16, dtype=dtype, num_pad_tokens=2)  # fmt: skip
+    out = reference_step(step, window, softcap)  # writes the step's K/V first
+    expected = naive_attention(step, window, softcap)
+    torch.testing.assert_close(out.double(), expected, **TOL[dtype])
+    plain = naive_attention(step)
+    assert not torch.allclose(expected, plain, **TOL[dtype])  # the options change the result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), WINDOWED)
+@pytest.mark.parametrize("case", MIXED)
+def test_windowed_backends_match_reference(case, window, softcap, dtype) -> None:
+    seq_lens, q_lens = case
+    step = make_step(seq_lens, q_lens, num_heads=6, num_kv_heads=2, head_dim=64,
+                     block_size=16, dtype=dtype, num_pad_tokens=3)  # fmt: skip
+    expected = reference_step(clone_step(step), window, softcap)
+    backend = TorchBackend()
+    backend.prepare(step.meta, 16)
+    out = backend.forward(step.query, step.key, step.value, step.k_cache, step.v_cache,
+                          step.meta, step.scale, window=window, softcap=softcap)  # fmt: skip
+    torch.testing.assert_close(out, expected, **BACKEND_TOL[dtype])
+    assert torch.all(out[step.meta.query_start_loc_cpu[-1] :] == 0)
 
 
 def test_prefill_reference_handles_decodes_too() -> None:
