@@ -72,6 +72,10 @@ class LayerOps(Protocol):
         """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
         ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` for ``gate_up = [gate | up]`` (Gemma)."""
+        ...
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Row-wise argmax of 2-D ``x`` (int64; the first maximum, NaN the largest)."""
         ...
@@ -136,6 +140,11 @@ class TorchLayerOps:
         """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` for ``gate_up = [gate | up]`` (Gemma)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(dim=-1)`` of 2-D ``x`` (int64; the first maximum, NaN counting as

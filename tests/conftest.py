@@ -111,6 +111,25 @@ def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0,
         cfg = transformers.Phi3Config(**common, rope_parameters={"rope_type": "default",
                                                                  "rope_theta": 10000.0})
         cls = transformers.Phi3ForCausalLM
+    elif arch == "gemma2":  # sliding and full layers in turn, soft-capped scores and logits
+        cfg = transformers.Gemma2Config(
+            **{**common, "tie_word_embeddings": True}, head_dim=32, query_pre_attn_scalar=24,
+            sliding_window=12, attn_logit_softcapping=8.0, final_logit_softcapping=6.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cls = transformers.Gemma2ForCausalLM
+    elif arch == "gemma3":  # two sliding layers (local RoPE) to one full (scaled global RoPE)
+        cfg = transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=32,
+            query_pre_attn_scalar=32, sliding_window=12,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                   "rope_theta": 1000000.0}})
+        cls = transformers.Gemma3ForCausalLM
+    elif arch == "mistral_window":  # every layer slides over its last 20 positions
+        cfg = transformers.MistralConfig(**common, sliding_window=20, rope_theta=10000.0)
+        cls = transformers.MistralForCausalLM
     elif arch == "qwen3_moe":  # 8 experts, 3 per token, their weights renormalized
         cfg = transformers.Qwen3MoeConfig(
             **common, head_dim=32, num_experts=8, num_experts_per_tok=3,

@@ -62,6 +62,9 @@ def required_tensors(spec: DecoderSpec, tied: bool) -> set[str]:
         pre = f"layers.{i}."
         required.update(pre + n for n in ("input_layernorm.weight",
                                           "post_attention_layernorm.weight"))
+        if spec.gemma_norms:
+            required.update(pre + n for n in ("pre_feedforward_layernorm.weight",
+                                              "post_feedforward_layernorm.weight"))
         moe = spec.moe is not None and i in spec.moe.layers
         if moe:
             required.update(pre + n for n in moe_tensor_names(spec.moe))

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, and the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3,
+and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) over a paged KV cache.
 
 The forward pass takes one packed, unpadded token tensor for the whole step (prefill
 chunks and decode tokens of many requests together) and computes logits only for the
@@ -48,7 +48,11 @@ class DecoderLayer(nn.Module):
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
         self.eps = s.rms_norm_eps
-        self.scale = s.head_dim ** -0.5
+        self.scale = s.scale
+        self.window = s.window(index)
+        """The layer's sliding window (0: it attends to the whole context)."""
+        self.softcap = s.attn_softcap
+        self.gelu = s.activation == "gelu_tanh"
         self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
         self.moe = SparseMoE(s.hidden_size, s.moe) if s.moe and index in s.moe.layers else None
@@ -63,6 +67,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(s.hidden_size))
         self.q_norm = nn.Parameter(torch.ones(s.head_dim)) if s.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(s.head_dim)) if s.qk_norm else None
+        # Gemma: the attention's and the MLP's outputs are normed before their residual
+        # adds (its checkpoints' post_attention_layernorm and post_feedforward_layernorm;
+        # its pre_feedforward_layernorm is this layer's post_attention_layernorm).
+        self.attn_out_norm = nn.Parameter(torch.ones(s.hidden_size)) if s.gemma_norms else None
+        self.mlp_out_norm = nn.Parameter(torch.ones(s.hidden_size)) if s.gemma_norms else None
         self.intermediate_size = s.intermediate_size
 
     def forward(
@@ -102,23 +111,32 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view_as(q)
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view_as(k)
+        options = {"window": self.window, "softcap": self.softcap} \
+            if self.window or self.softcap else {}  # fmt: skip
         rope_forward = getattr(attn, "rope_forward", None)
         if rope_forward is not None:  # RoPE fused with the K/V write
-            o = rope_forward(q, k, v, cos, sin, k_cache, v_cache, meta, self.scale)
+            o = rope_forward(q, k, v, cos, sin, k_cache, v_cache, meta, self.scale, **options)
         else:
             q, k = ops.rope(q, k, cos, sin)
-            o = attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+            o = attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale,
+                             **options)  # fmt: skip
         attn_out = linear("o_proj", o.reshape(t, self.q_size))
         if self.tp is not None:
             self.tp.all_reduce(attn_out)
+        if self.attn_out_norm is not None:
+            attn_out = ops.rms_norm(attn_out, self.attn_out_norm, self.eps)
         residual, x = ops.add_rms_norm(residual, attn_out, self.post_attention_layernorm,
                                        self.eps)  # fmt: skip
         if self.moe is not None:
             out = self.moe(x, ops)
         else:
-            out = linear("down_proj", ops.silu_mul(linear("gate_up_proj", x)))
+            gate_up = linear("gate_up_proj", x)
+            act = ops.gelu_tanh_mul(gate_up) if self.gelu else ops.silu_mul(gate_up)
+            out = linear("down_proj", act)
         if self.tp is not None:
             self.tp.all_reduce(out)
+        if self.mlp_out_norm is not None:
+            out = ops.rms_norm(out, self.mlp_out_norm, self.eps)
         return out, residual
 
     def linears(self) -> Iterator[tuple[str, nn.Module]]:
@@ -151,14 +169,24 @@ class DecoderForCausalLM(nn.Module):
         # RoPE tables [max_model_len, head_dim] in float32, set by ``set_rope``.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.layer_ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Per ``spec.rope_keys`` entry (Gemma 3's layer types), that RoPE's tables;
+        empty when every layer uses ``rope_cos``/``rope_sin``."""
         self._stack: DecoderStack | None = None
         """The layers as a backend's ``run_layers`` takes them; rebuilt after the weights
         or RoPE tables are replaced."""
 
     def set_rope(self, hf_config, max_model_len: int) -> None:
-        cos, sin = rope_tables(hf_config, self.spec.head_dim, max_model_len)
         device = self.embed_tokens.weight.device
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        self.layer_ropes = {}
+        for key in dict.fromkeys(self.spec.rope_keys):
+            cos, sin = rope_tables(hf_config, self.spec.head_dim, max_model_len, key)
+            self.layer_ropes[key] = cos.to(device), sin.to(device)
+        if self.layer_ropes:  # the first layer's, for whatever reads one table
+            self.rope_cos, self.rope_sin = self.layer_ropes[self.spec.rope_keys[0]]
+        else:
+            cos, sin = rope_tables(hf_config, self.spec.head_dim, max_model_len)
+            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         self._stack = None
 
     def decoder_stack(self) -> DecoderStack:
@@ -194,19 +222,25 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm (with ``lora``: the step's
         adapters applied, layer by layer)."""
         hidden = self._embed(input_ids, attn.ops)
-        run_layers = None if self.tp is not None or lora is not None else \
-            getattr(attn, "run_layers", None)  # fmt: skip
+        if self.spec.gemma_norms:  # in the model's dtype, as HF rounds it
+            hidden = hidden * torch.tensor(self.spec.hidden_size ** 0.5, dtype=hidden.dtype)
+        run_layers = None if self.tp is not None or lora is not None or \
+            not self.spec.llama_layers else getattr(attn, "run_layers", None)  # fmt: skip
         fused = None if run_layers is None or not self.layers else run_layers(
             self.decoder_stack(), hidden, positions, kv_caches, meta)
         if fused is not None:
             hidden, residual = fused
             return attn.ops.add_rms_norm(residual, hidden, self.norm, self.spec.rms_norm_eps)[1]
         dtype = hidden.dtype
-        cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        tables = self.layer_ropes or {"": (self.rope_cos, self.rope_sin)}
+        ropes = {key: (cos[positions].to(dtype).unsqueeze(1),
+                       sin[positions].to(dtype).unsqueeze(1))
+                 for key, (cos, sin) in tables.items()}  # fmt: skip
+        keys = self.spec.rope_keys
         residual = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches,
                                                             strict=False)):  # fmt: skip
+            cos, sin = ropes[keys[i] if keys else ""]
             hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache, meta, attn,
                                      lora, i)  # fmt: skip
         if residual is None:  # a model without layers
@@ -236,7 +270,11 @@ class DecoderForCausalLM(nn.Module):
         """float32 logits of ``hidden`` through the backend's layer ops (tensor parallel:
         gathered on rank 0, None on the other ranks)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = ops.linear(hidden, weight).float()
+        logits = ops.linear(hidden, weight)
+        cap = self.spec.final_softcap
+        if cap:  # Gemma 2, in the model's dtype as HF caps them
+            logits = torch.tanh(logits / cap) * cap
+        logits = logits.float()
         if self.tp is None:
             return logits
         return self.tp.gather_logits(logits, self.full_spec.vocab_size)
@@ -326,7 +364,7 @@ class DecoderForCausalLM(nn.Module):
                 elif name == "embed_tokens.weight":
                     put_rows(self.embed_tokens, "weight", 0, tensor)
                 elif name == "norm.weight":
-                    self.norm.copy_(tensor)
+                    self.norm.copy_(self._norm_weight(tensor))
                 else:
                     self._load_layer_tensor(name, tensor, qkv_off, gu_off)
             loaded.add(name)
@@ -361,9 +399,25 @@ class DecoderForCausalLM(nn.Module):
             put_rows(layer.o_proj, kind, 0, tensor)
         elif proj == "down_proj":
             put_rows(layer.down_proj, kind, 0, tensor)
-        elif leaf in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            getattr(layer, leaf.split(".")[0]).copy_(tensor)
+        elif leaf in self._norm_names:
+            getattr(layer, self._norm_names[leaf]).copy_(self._norm_weight(tensor))
         elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-            getattr(layer, proj).copy_(tensor)
+            getattr(layer, proj).copy_(self._norm_weight(tensor))
         else:
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
+
+    @property
+    def _norm_names(self) -> dict[str, str]:
+        """A layer's checkpoint norms -> this layer's attributes."""
+        if self.spec.gemma_norms:
+            return {"input_layernorm.weight": "input_layernorm",
+                    "post_attention_layernorm.weight": "attn_out_norm",
+                    "pre_feedforward_layernorm.weight": "post_attention_layernorm",
+                    "post_feedforward_layernorm.weight": "mlp_out_norm"}
+        return {"input_layernorm.weight": "input_layernorm",
+                "post_attention_layernorm.weight": "post_attention_layernorm"}
+
+    def _norm_weight(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's RMSNorm weight as the norms here apply it (Gemma's: ``1 +
+        weight``, added in float32)."""
+        return tensor.float() + 1.0 if self.spec.gemma_norms else tensor

@@ -5,16 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+"""Gemma 2 and 3 (text): ``(1 + weight)`` RMSNorms around attention and MLP, a GELU-tanh
+gated MLP, the embedding scaled by ``sqrt(hidden_size)``, sliding layers beside full
+ones (Gemma 3: each with its own RoPE), Gemma 2's soft-capped scores and logits."""
 _BY_MODEL_TYPE = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "phi3": "Phi3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM"}
 FUSED_CHECKPOINT_ARCHITECTURES = ("Phi3ForCausalLM",)
 """Architectures whose checkpoints hold each layer's q/k/v as one ``qkv_proj`` and its
 gate/up as one ``gate_up_proj`` (gate first)."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", *MOE_ARCHITECTURES,
-                           *FUSED_CHECKPOINT_ARCHITECTURES)  # fmt: skip
+                           *FUSED_CHECKPOINT_ARCHITECTURES, *GEMMA_ARCHITECTURES)  # fmt: skip
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+"""HF ``hidden_act``/``hidden_activation`` names -> the gated MLP's activation here
+(HF maps ``silu`` and ``swish`` to one function)."""
 
 
 def architecture(cfg) -> str:
@@ -48,6 +56,17 @@ def sliding_window(cfg) -> int | None:
     return window if types is None or "sliding_attention" in types else None
 
 
+def layer_windows(cfg) -> tuple[int, ...]:
+    """Per layer, the window it attends over (0: its whole context): the config's
+    ``sliding_window`` for the layers ``layer_types`` names ``sliding_attention`` (every
+    layer when the config has no ``layer_types``)."""
+    window = sliding_window(cfg) or 0
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return (window,) * cfg.num_hidden_layers
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
 def max_positions(cfg) -> int:
     """The positions the model was trained for (``max_position_embeddings``; 2,048 when
     the config leaves it out)."""
@@ -59,18 +78,12 @@ def position_limit(cfg) -> tuple[int, str]:
     HF transformers runs it, and the setting that sets it:
 
     * ``max_position_embeddings``;
-    * ``sliding_window``: past it the attention would slide (not implemented: within it
-      full causal attention is the same computation);
     * a ``longrope`` model's ``original_max_position_embeddings``: past it HF switches
       every position to the long factors (not implemented: within it the short factors
       are the model's RoPE).
     """
     limit = max_positions(cfg)
     why = f"max_position_embeddings={limit}"
-    window = sliding_window(cfg)
-    if window is not None and window < limit:
-        limit, why = window, (f"sliding_window={window}: a longer context would slide the "
-                              "attention window, which this engine does not do")
     rope = _rope(cfg)
     original = getattr(cfg, "original_max_position_embeddings", None) or rope.get(
         "original_max_position_embeddings")  # the top-level value wins, as in HF
@@ -79,6 +92,16 @@ def position_limit(cfg) -> tuple[int, str]:
                                 "longrope model switches to its long factors, which this "
                                 "engine does not do")
     return limit, why
+
+
+def _layer_rope_keys(cfg) -> tuple[str, ...]:
+    """Per layer, its ``rope_parameters`` entry where the config gives one per layer type
+    (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``), else ()."""
+    params = _rope(cfg)
+    types = getattr(cfg, "layer_types", None)
+    if not types or not all(isinstance(params.get(t), dict) for t in set(types)):
+        return ()
+    return tuple(types)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +177,24 @@ class DecoderSpec:
     fused_checkpoint: bool = False
     """Checkpoint projections ``qkv_proj`` and ``gate_up_proj`` (Phi-3) rather than
     ``q_proj`` .. ``up_proj``: :func:`pagedserve.engine.models.checkpoint_names.unfuse` splits them."""
+    activation: str = "silu"
+    """The gated MLP's activation: ``silu`` or ``gelu_tanh`` (GELU, tanh approximation)."""
+    gemma_norms: bool = False
+    """Gemma's layer: RMSNorm weights applied as ``1 + weight`` (stored so after loading),
+    the attention's and the MLP's outputs normed before each residual add, and the
+    embedding scaled by ``sqrt(hidden_size)``."""
+    attn_scale: float = 0.0
+    """The scores' scale (0: ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``)."""
+    windows: tuple[int, ...] = ()
+    """Per layer, the sliding window it attends over (0: the whole context); empty when
+    no layer slides."""
+    rope_keys: tuple[str, ...] = ()
+    """Per layer, the ``rope_parameters`` entry of its RoPE (Gemma 3's
+    ``sliding_attention``/``full_attention``); empty when every layer has the config's."""
+    attn_softcap: float = 0.0
+    """Scores capped by ``c * tanh(s / c)`` before the softmax (Gemma 2); 0: none."""
+    final_softcap: float = 0.0
+    """Logits capped likewise (Gemma 2); 0: none."""
 
     @classmethod
     def from_hf(cls, cfg) -> DecoderSpec:
@@ -176,10 +217,17 @@ class DecoderSpec:
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor={partial} is not supported: RoPE turns "
                              "every dimension of a head here")
-        act = getattr(cfg, "hidden_act", "silu")
-        if act not in ("silu", "swish"):  # one function under two names, as in HF
-            raise ValueError(f"hidden_act={act!r} is not supported: the MLP here is SiLU-gated "
-                             "(hidden_act='silu')")
+        gemma = arch in GEMMA_ARCHITECTURES
+        key = "hidden_activation" if gemma else "hidden_act"
+        act = getattr(cfg, key, None) or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"{key}={act!r} is not supported: the gated MLP here is one of "
+                             f"{', '.join(map(repr, ACTIVATIONS))}")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention=True is not supported: this engine "
+                             "serves causal language models")
+        windows = layer_windows(cfg)
+        rope_keys = _layer_rope_keys(cfg)
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -192,12 +240,35 @@ class DecoderSpec:
             qkv_bias=bool(getattr(cfg, "qkv_bias", is_qwen2)) or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=is_qwen3,
+            qk_norm=is_qwen3 or arch == "Gemma3ForCausalLM",
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
             moe=MoESpec.from_hf(cfg, arch),
             fused_checkpoint=arch in FUSED_CHECKPOINT_ARCHITECTURES,
+            activation=ACTIVATIONS[act],
+            gemma_norms=gemma,
+            attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else 0.0,
+            windows=windows if any(windows) else (),
+            rope_keys=rope_keys,
+            attn_softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
+            final_softcap=float(getattr(cfg, "final_logit_softcapping", None) or 0.0),
         )
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' scale."""
+        return self.attn_scale or self.head_dim ** -0.5
+
+    def window(self, layer: int) -> int:
+        """The sliding window of layer ``layer`` (0: its whole context)."""
+        return self.windows[layer] if self.windows else 0
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer is a plain Llama-family layer (SiLU MLP, no window, no
+        capping, Llama norms): what a backend's one-call ``run_layers`` computes."""
+        return (self.activation == "silu" and not self.gemma_norms and not self.windows
+                and not self.attn_softcap and not self.attn_scale)
 
     def has_bias(self, proj: str) -> bool:
         """Whether the checkpoint projection ``proj`` (``q_proj`` .. ``down_proj``) has a

@@ -92,11 +92,19 @@ def hf_greedy(path: str | Path, prompt_ids: list[list[int]], new_tokens: int) ->
     (EOS masked until then, as ``min_tokens`` does); cached (:func:`cached_reference`)."""
 
     def compute():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        return greedy_of(model, prompt_ids, new_tokens)
+        return greedy_of(load_hf(path), prompt_ids, new_tokens)
 
     inputs = {"model": files_digest(path), "prompts": prompt_ids, "new_tokens": new_tokens}
-    return cached_reference("hf_greedy", inputs, compute, (hf_greedy, greedy_of))
+    return cached_reference("hf_greedy", inputs, compute, (hf_greedy, load_hf, greedy_of))
+
+
+def load_hf(path: str | Path):
+    """The float32 HF model at ``path``, with eager attention where the default (SDPA)
+    cannot compute it (Gemma 2's soft-capped scores)."""
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    extra = {"attn_implementation": "eager"} if getattr(
+        cfg, "attn_logit_softcapping", None) else {}  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
 
 
 def greedy_of(model, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:

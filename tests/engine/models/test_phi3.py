@@ -1,5 +1,5 @@
 """Phi-3 (``Phi3ForCausalLM``): checkpoints with fused ``qkv_proj`` and ``gate_up_proj``,
-a context capped where a sliding window or longrope's long factors would begin, greedy
+a sliding window, a context capped where longrope's long factors would begin, greedy
 output equal to HF transformers, and what such a model refuses."""
 
 from __future__ import annotations
@@ -59,17 +59,14 @@ def test_greedy_equals_hf(backend, tiny_model_factory, prompts):
     assert torch.equal(layer.gate_up_proj.weight, stored["model.layers.1.mlp.gate_up_proj.weight"])
 
 
-def test_sliding_window_caps_the_context(tiny_model_factory, prompts, tmp_path):
-    path = _variant(tiny_model_factory("phi3"), tmp_path / "windowed", sliding_window=40)
+def test_sliding_window_serves_past_the_window(tiny_model_factory, prompts, tmp_path):
+    path = _variant(tiny_model_factory("phi3"), tmp_path / "windowed", sliding_window=24)
     llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
-    assert llm.engine.settings.max_model_len == 40
-    # Within the window the attention is plain causal attention: HF's output, exactly,
-    # up to the last position (the last prompt and its output fill all 40).
-    ask = _filling(prompts, 40 - 12)
+    assert llm.engine.settings.max_model_len == 1024  # max_position_embeddings
+    assert llm.engine.worker.model.spec.windows == (24, 24)
+    # Prompts and outputs well past the window slide as HF's do.
+    ask = _filling(prompts, 70)
     assert greedy(llm, ask, 12) == hf_greedy(path, ask, 12)
-    with pytest.raises(ValueError, match=r"max_model_len=41 is larger than the model's "
-                                         r"sliding_window=40"):
-        LLM(str(path), kv_cache_memory_gb=0.02, max_model_len=41)
 
 
 def test_longrope_runs_its_short_factors_up_to_the_original_length(tiny_model_factory,
@@ -129,16 +126,17 @@ def test_int8_and_refusals(tiny_model_factory, prompts, tmp_path):
 
 
 @pytest.mark.parametrize(("config", "limit", "why"), [
-    # Phi-3-mini-4k: a 2,047-token window; Phi-3.5-mini: longrope, a window of 262,144.
-    (dict(model_type="phi3", max_position_embeddings=4096, sliding_window=2047), 2047,
-     "sliding_window=2047"),
+    # Phi-3-mini-4k: a 2,047-token window (it slides: the whole 4k is served);
+    # Phi-3.5-mini: longrope, a window of 262,144.
+    (dict(model_type="phi3", max_position_embeddings=4096, sliding_window=2047), 4096,
+     "max_position_embeddings=4096"),
     (dict(model_type="phi3", max_position_embeddings=131072, sliding_window=262144,
           original_max_position_embeddings=4096,
           rope_scaling={"type": "longrope", "short_factor": [1.0] * 48,
                         "long_factor": [2.0] * 48}), 4096,
      "original_max_position_embeddings=4096"),
-    (dict(model_type="mistral", max_position_embeddings=32768, sliding_window=4096), 4096,
-     "sliding_window=4096"),  # Mistral 7B v0.1
+    (dict(model_type="mistral", max_position_embeddings=32768, sliding_window=4096), 32768,
+     "max_position_embeddings=32768"),  # Mistral 7B v0.1: its 4k window slides
     (dict(model_type="mistral", max_position_embeddings=32768, sliding_window=None), 32768,
      "max_position_embeddings=32768"),  # v0.2, v0.3
     (dict(model_type="qwen2", max_position_embeddings=32768, sliding_window=131072,

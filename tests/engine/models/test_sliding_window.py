@@ -1,0 +1,108 @@
+"""Sliding-window attention and the Gemma 2/3 decoders: greedy output equal to HF
+transformers (float32) on tiny random models whose window (12 or 20 positions) is far
+shorter than the prompts, on every CPU attention path (the torch backend and the native
+one at each build level this CPU runs), through chunked prefill, prefix-cache hits,
+preemption and ``n`` > 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.models.spec import DecoderSpec
+from pagedserve.kernels.cpu import native
+from tests.helpers.hf import hf_greedy
+
+ARCHS = ("gemma2", "gemma3", "mistral_window")
+"""Gemma 2 (sliding and full layers in turn, capped scores and logits, window 12),
+Gemma 3 (two sliding layers with a local RoPE to one full layer with a scaled global
+RoPE, QK norms, window 12) and a Mistral whose every layer slides over 20 positions."""
+BACKENDS = ("torch", *(f"cpu-{level}" for level in native.runnable_levels()))
+NEW = 10
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(37 * j + 11 * seed) % 20000 + 100 for j in range(n)]
+
+
+# Shorter than the windows, and about 3x and 5x the longer one.
+PROMPTS = [prompt(7, 0), prompt(61, 1), prompt(100, 2)]
+
+
+def engine(path, backend: str, monkeypatch, **extra) -> LLM:
+    name, _, level = backend.partition("-")
+    if level:
+        monkeypatch.setenv("PAGEDSERVE_CPU_ISA", level)
+    return LLM(str(path), dtype="float32", attention_backend=name, kv_cache_memory_gb=0.02,
+               max_num_batched_tokens=24, **extra)  # chunked prefills beside decodes
+
+
+def greedy(llm: LLM, prompts: list[list[int]], n: int = 1) -> list[list[list[int]]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW, n=n)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_hf(arch, backend, tiny_model_factory, monkeypatch):
+    path = tiny_model_factory(arch)
+    llm = engine(path, backend, monkeypatch)
+    name, _, level = backend.partition("-")
+    attn = llm.engine.worker.attn
+    assert attn.name == name and (not level or native.isa(attn._lib) == level)
+    assert [o[0] for o in greedy(llm, PROMPTS)] == hf_greedy(path, PROMPTS, NEW)
+
+
+@pytest.mark.parametrize("backend", ("torch", "auto"))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_hits_preemption_and_n_equal_hf(arch, backend, tiny_model_factory, monkeypatch):
+    """Prompts sharing a 70-token prefix (the window cuts into it), twice: the second
+    pass hits the prefix cache; a pool too small for all of them at once preempts; n=2
+    gives two greedy copies."""
+    path = tiny_model_factory(arch)
+    shared = prompt(70, 3)
+    prompts = [shared + prompt(5 + 4 * i, 10 + i) for i in range(6)]
+    llm = engine(path, backend, monkeypatch, num_gpu_blocks_override=14, max_num_seqs=6)
+    want = hf_greedy(path, prompts, NEW)
+    for _ in range(2):
+        assert greedy(llm, prompts, n=2) == [[w, w] for w in want]
+    eng = llm.engine
+    assert eng.scheduler.num_preemptions > 0, "the run was meant to preempt"
+    assert eng.kv.stats().prefix_cache_hits > 0, "the run was meant to hit the cache"
+    assert eng.kv.stats().num_free_blocks == eng.kv.num_blocks
+
+
+def test_specs_read_the_configs(tiny_model_factory):
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(tiny_model_factory("gemma3"))
+    spec = DecoderSpec.from_hf(cfg)
+    assert spec.windows == (12, 12, 0) and spec.rope_keys == (
+        "sliding_attention", "sliding_attention", "full_attention")
+    assert spec.gemma_norms and spec.qk_norm and spec.activation == "gelu_tanh"
+    assert spec.scale == 32 ** -0.5 and spec.head_dim == 32 and spec.hidden_size == 64
+    assert not spec.attn_softcap and not spec.final_softcap and not spec.llama_layers
+    g2 = DecoderSpec.from_hf(transformers.AutoConfig.from_pretrained(
+        tiny_model_factory("gemma2")))
+    assert g2.windows == (12, 0) and g2.rope_keys == () and not g2.qk_norm
+    assert (g2.attn_softcap, g2.final_softcap, g2.scale) == (8.0, 6.0, 24 ** -0.5)
+    mistral = DecoderSpec.from_hf(transformers.AutoConfig.from_pretrained(
+        tiny_model_factory("mistral_window")))
+    assert mistral.windows == (20, 20) and not mistral.gemma_norms
+    llama = DecoderSpec.from_hf(transformers.AutoConfig.from_pretrained(
+        tiny_model_factory("llama")))
+    assert llama.windows == () and llama.llama_layers
+
+
+def test_what_gemma_configs_refuse(tiny_model_factory):
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(tiny_model_factory("gemma2"))
+    cfg.hidden_activation = "relu"
+    with pytest.raises(ValueError, match="hidden_activation='relu' is not supported"):
+        DecoderSpec.from_hf(cfg)
+    cfg = transformers.AutoConfig.from_pretrained(tiny_model_factory("gemma3"))
+    cfg.use_bidirectional_attention = True
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        DecoderSpec.from_hf(cfg)
