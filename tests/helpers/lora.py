@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 import transformers
 
 from pagedserve.engine.lora.request import TARGET_MODULES
 from pagedserve.loadtest.lora_bench import write_random_adapter
-from tests.helpers.hf import cached_reference, files_digest, greedy_of
+from tests.helpers.hf import cached_reference, files_digest, greedy_of, load_hf
 
 ATTN, MLP = TARGET_MODULES[:4], TARGET_MODULES[4:]
 
@@ -30,7 +29,7 @@ def make_adapter(base: str | Path, out: Path, **kw) -> Path:
 
 def hooked_model(base: str | Path, adapter: str | Path | None):
     """The HF model with ``adapter`` applied through forward hooks (None: the base)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = load_hf(base)
     model.eval()
     if adapter is None:
         return model
@@ -63,4 +62,4 @@ def hf_greedy_with(base: str | Path, adapter: str | Path | None, prompt_ids: lis
     return cached_reference(
         "hf_greedy_with", inputs,
         lambda: greedy_of(hooked_model(base, adapter), prompt_ids, new_tokens),
-        (hf_greedy_with, hooked_model, greedy_of))
+        (hf_greedy_with, hooked_model, load_hf, greedy_of))

@@ -72,10 +72,12 @@ def test_each_adapter_matches_hf(tiny, adapters, prompts, reference, backend):
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_adapters_of_qwen_models_match_hf(tiny_model_factory, prompts, tmp_path, arch):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "gemma3"])
+def test_adapters_of_qwen_and_gemma_models_match_hf(tiny_model_factory, prompts, tmp_path,
+                                                    arch):  # fmt: skip
     """Qwen2's q/k/v biases and Qwen3's q/k norms come after the adapted projections, as
-    in PEFT (the adapter's update joins the projection's output, bias included)."""
+    in PEFT (the adapter's update joins the projection's output, bias included); Gemma's
+    output norms after the adapted o and down projections."""
     path = tiny_model_factory(arch)
     adapter = make_adapter(path, tmp_path / arch, rank=4, alpha=8, seed=11)
     ref = hf_greedy_with(path, adapter, prompts, NEW)
