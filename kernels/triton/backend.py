@@ -109,10 +109,15 @@ class TritonBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
+        """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]``.
+
+        ``window`` > 0: each query attends to its last ``window`` positions only;
+        ``softcap`` > 0: scores soft-capped (see :mod:`pagedserve.kernels.torch_ref`)."""
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(query, k_cache, v_cache, meta, scale)
+        return self._attend(query, k_cache, v_cache, meta, scale, window, softcap)
 
     def rope_forward(
         self,
@@ -125,6 +130,8 @@ class TritonBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """RoPE of ``query``/``key`` and the K/V write in one launch, then attention: what
         ``ops.rope`` and :meth:`forward` compute. ``query`` is rotated in place, ``key``
@@ -132,12 +139,14 @@ class TritonBackend:
         if not (rope.fusable(query, key, cos, sin)
                 and rope.writes_kv(key, value, k_cache, v_cache)):  # fmt: skip
             query, key = self.ops.rope(query, key, cos, sin)
-            return self.forward(query, key, value, k_cache, v_cache, meta, scale)
+            return self.forward(query, key, value, k_cache, v_cache, meta, scale, window,
+                                softcap)  # fmt: skip
         rope.rope_write_kv(query, key, value, cos, sin, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(query, k_cache, v_cache, meta, scale)
+        return self._attend(query, k_cache, v_cache, meta, scale, window, softcap)
 
     def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:  # fmt: skip
+                meta: AttentionMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:  # fmt: skip
         st = meta.plan(TritonStepPlan)
         if query.shape[0] > st.num_tokens:
             out = torch.zeros_like(query)
@@ -145,22 +154,26 @@ class TritonBackend:
             out = torch.empty_like(query)
         nd = st.num_decodes
         if nd:
+            if self._num_sms is None:
+                self._num_sms = device_num_sms(query.device)
             if not st.decode_splits:
-                if self._num_sms is None:
-                    self._num_sms = device_num_sms(query.device)
                 st.decode_splits = choose_num_splits(nd, k_cache.shape[2], st.decode_max_len,
                                                      self._num_sms)  # fmt: skip
+            splits = st.decode_splits
+            if 0 < window < st.decode_max_len:
+                # The splits share the window only (a layer of its own length).
+                splits = choose_num_splits(nd, k_cache.shape[2], window, self._num_sms)
             # Rows [:nd] start where the tensors start: same alignment as the whole ones.
             paged_decode_attention(
                 query[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                num_splits=st.decode_splits, out=out[:nd],
+                window=window, softcap=softcap, num_splits=splits, out=out[:nd],
             )  # fmt: skip
         if st.num_prefills:
             # The whole tensors and the first prefill's index (slices would change their
             # alignment, and the compiled variant, with the number of decodes).
             paged_prefill_attention(
                 query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                meta.seq_lens, scale, max_query_len=st.prefill_max_q_len, out=out,
-                first_req=nd,
+                meta.seq_lens, scale, window=window, softcap=softcap,
+                max_query_len=st.prefill_max_q_len, out=out, first_req=nd,
             )  # fmt: skip
         return out

@@ -35,3 +35,22 @@ def dot_block(head_dim: int) -> int:
     """The head-dim tile of the attention kernels: the next power of two, at least
     :data:`MIN_DOT_DIM` (the padding lanes are masked: they load zeros, store nothing)."""
     return max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+
+
+@triton.jit
+def softcap_log2(qk, qk_scale, cap_log2):
+    """Soft-capped scores in log2 units: ``softcap * tanh(scale * qk / softcap) * log2(e)``
+    from the raw products ``qk``, with ``qk_scale`` and ``cap_log2`` as
+    :func:`score_scales` gives them. ``tanh(x) = 1 - 2 / (exp(2x) + 1)`` through one
+    ``exp2`` (no tanh the interpreter and every GPU both have); it saturates to +-1
+    where the exponential overflows or underflows."""
+    return (1.0 - 2.0 / (tl.exp2(qk * qk_scale) + 1.0)) * cap_log2
+
+
+def score_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """``(qk_scale, cap_log2)`` of the attention kernels: without soft-capping the scores
+    are ``qk * qk_scale`` in log2 units (``cap_log2`` unused); with it (``softcap`` >
+    0), :func:`softcap_log2` of ``qk``."""
+    if softcap > 0:
+        return 2.0 * LOG2E * scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 0.0

@@ -11,6 +11,14 @@ past a short context are empty. With one split the program writes the output;
 otherwise it writes its running max, sum and accumulator, and :func:`_reduce_kernel`
 combines them in a loop over the splits (no tile as wide as the split count).
 
+A sliding window (``window`` > 0, ``HAS_WINDOW``) shrinks the range the splits share to
+the last ``window`` positions of the context: the loop starts at the first visible
+position, so the tokens before the window are neither loaded nor masked (a decode
+query is the context's last position: nothing past the range start needs a mask).
+Soft-capping (``softcap`` > 0, ``HAS_SOFTCAP``) maps each scaled score ``s`` to
+``softcap * tanh(s / softcap)`` (:func:`pagedserve.kernels.triton.common.softcap_log2`).
+Without them (the constexpr flags off) the kernel is the plain one.
+
 Integers that vary from step to step (the block-table row stride, the number of splits)
 are ``do_not_specialize``, so the kernels compile once per model, never mid-serving.
 """
@@ -21,7 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton.common import LOG2E, dot_block, mma, needs_upcast
+from pagedserve.kernels.triton.common import (
+    dot_block,
+    mma,
+    needs_upcast,
+    score_scales,
+    softcap_log2,
+)
 
 BLOCK_N = 32
 """Context tokens per inner iteration (any block size works: addresses are per token)."""
@@ -35,29 +49,41 @@ INTERPRETED_NUM_SMS = 4
 """The SM count assumed off a GPU (the interpreter), so that split-KV runs in tests."""
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "window"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale_log2, num_splits,
+    qk_scale, cap_log2, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    if SPLIT:
-        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = part * split_len
-        end = tl.minimum(start + split_len, seq_len)
+    if HAS_WINDOW:
+        # The splits share the window's positions [lo, seq_len) only.
+        lo = tl.maximum(seq_len - window, 0)
+        if SPLIT:
+            split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+            start = lo + part * split_len
+            end = tl.minimum(start + split_len, seq_len)
+        else:
+            start = lo
+            end = seq_len
     else:
-        start = 0
-        end = seq_len
+        if SPLIT:
+            split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+            start = part * split_len
+            end = tl.minimum(start + split_len, seq_len)
+        else:
+            start = 0
+            end = seq_len
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -84,7 +110,10 @@ def _decode_kernel(
             + kv_head * stride_kch + offs_d[None, :],
             mask=kv_mask, other=0.0,
         )  # fmt: skip
-        s = mma(q, tl.trans(k), UPCAST) * scale_log2
+        if HAS_SOFTCAP:
+            s = softcap_log2(mma(q, tl.trans(k), UPCAST), qk_scale, cap_log2)
+        else:
+            s = mma(q, tl.trans(k), UPCAST) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -172,16 +201,19 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per request attending to its whole paged context.
+    """One query token per request attending to its paged context (its last ``window``
+    positions when ``window`` > 0; scores soft-capped at ``softcap`` when > 0).
 
     Same contract as :func:`pagedserve.kernels.torch_ref.paged_decode_attention`. ``max_seq_len``
     (host side) avoids a device sync; ``num_splits`` is the splits per request (None:
-    :func:`choose_num_splits` for this device; 1: a single pass without reduce);
-    ``out`` receives the result.
+    :func:`choose_num_splits` for this device, over the window where it is shorter; 1:
+    a single pass without reduce); ``out`` receives the result.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -197,6 +229,8 @@ def paged_decode_attention(
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
+        if window > 0:
+            max_seq_len = min(max_seq_len, window)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len,
                                        device_num_sms(query.device))  # fmt: skip
     if num_splits < 1:
@@ -212,10 +246,11 @@ def paged_decode_attention(
                                device=query.device)  # fmt: skip
     else:
         part_m = part_l = part_acc = out  # unused
+    qk_scale, cap_log2 = score_scales(scale, softcap)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
         out, part_m, part_l, part_acc,
-        scale * LOG2E, num_splits,
+        qk_scale, cap_log2, max(window, 0), num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -224,6 +259,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, SPLIT=split,
         UPCAST=needs_upcast(_decode_kernel, query.dtype),
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
     )  # fmt: skip
     if split:
         _reduce_kernel[(num_seqs, num_heads)](

@@ -7,6 +7,14 @@ head ``r % BLOCK_G``), so each K/V tile is loaded once per group and non-power-o
 head counts only pad the group. It reads the request's context (earlier chunks and
 this one, already written) through the block table ``BLOCK_N`` tokens at a time with
 a causal mask and an fp32 online softmax.
+
+With a sliding window (``window`` > 0, ``HAS_WINDOW``) the query at position ``p``
+sees positions ``p - window + 1 .. p`` only: a program's loop starts at the first
+position its first query token sees (the tokens before it, no row of the program sees,
+are neither loaded nor masked), and each row masks the positions below its own window
+start. Soft-capping (``softcap`` > 0, ``HAS_SOFTCAP``) maps each scaled score ``s`` to
+``softcap * tanh(s / softcap)`` before the mask. Without them (the constexpr flags off)
+the kernel is the plain causal one.
 """
 
 from __future__ import annotations
@@ -15,7 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton.common import LOG2E, dot_block, mma, needs_upcast
+from pagedserve.kernels.triton.common import (
+    dot_block,
+    mma,
+    needs_upcast,
+    score_scales,
+    softcap_log2,
+)
 
 BLOCK_M = 64
 """Query rows (tokens x heads of a group) per program."""
@@ -23,17 +37,18 @@ BLOCK_N = 64
 """Context tokens per inner iteration."""
 
 
-@triton.jit(do_not_specialize=["first_req", "stride_bt"])
+@triton.jit(do_not_specialize=["first_req", "stride_bt", "window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr,
-    scale_log2, first_req,
+    qk_scale, cap_log2, window, first_req,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     t_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -63,7 +78,11 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_T * BLOCK_G, BLOCK_D], dtype=tl.float32)
         table = block_tables_ptr + b.to(tl.int64) * stride_bt
         kv_end = tl.minimum(seq_len, prefix + m0 + BLOCK_T)
-        for n0 in range(0, kv_end, BLOCK_N):
+        if HAS_WINDOW:
+            kv_start = tl.maximum(prefix + m0 - window + 1, 0)  # the first row's window
+        else:
+            kv_start = 0
+        for n0 in range(kv_start, kv_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < kv_end
             block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -74,8 +93,13 @@ def _prefill_kernel(
                 + kv_head * stride_kch + offs_d[None, :],
                 mask=kv_mask, other=0.0,
             )  # fmt: skip
-            s = mma(q, tl.trans(k), UPCAST) * scale_log2
+            if HAS_SOFTCAP:
+                s = softcap_log2(mma(q, tl.trans(k), UPCAST), qk_scale, cap_log2)
+            else:
+                s = mma(q, tl.trans(k), UPCAST) * qk_scale
             causal = (offs_n[None, :] <= pos[:, None]) & n_mask[None, :]
+            if HAS_WINDOW:
+                causal = causal & (offs_n[None, :] > pos[:, None] - window)
             s = tl.where(causal, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
@@ -105,11 +129,15 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     first_req: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of varlen query chunks over their paged contexts.
+    """Causal attention of varlen query chunks over their paged contexts (each query
+    over its last ``window`` positions when ``window`` > 0; scores soft-capped at
+    ``softcap`` when > 0).
 
     Same contract as :func:`pagedserve.kernels.torch_ref.paged_prefill_attention`, for requests
     ``first_req ..`` of the metadata (the whole tensors are passed with that offset, not
@@ -138,9 +166,10 @@ def paged_prefill_attention(
     block_g = triton.next_power_of_2(group)
     block_t = max(1, BLOCK_M // block_g)
     grid = (triton.cdiv(max_query_len, block_t), num_kv_heads, num_seqs)
+    qk_scale, cap_log2 = score_scales(scale, softcap)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E, first_req,
+        qk_scale, cap_log2, max(window, 0), first_req,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -149,5 +178,6 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim, BLOCK_D=dot_block(head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
         UPCAST=needs_upcast(_prefill_kernel, query.dtype),
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
     )  # fmt: skip
     return out

@@ -11,6 +11,7 @@ on two cores.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -30,6 +31,7 @@ pytest.importorskip("triton")
 from pagedserve.kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E402
 from pagedserve.kernels.cpu.synthetic import PagedStep, make_step  # noqa: E402
 from pagedserve.kernels.quant import FORMATS  # noqa: E402
+from pagedserve.kernels.triton import rope  # noqa: E402
 from pagedserve.kernels.triton.backend import TritonLayerOps  # noqa: E402
 from pagedserve.kernels.triton.common import dot_block  # noqa: E402
 from pagedserve.kernels.triton.decode import (  # noqa: E402
@@ -96,11 +98,15 @@ def test_write_kv(block_size, dtype) -> None:
 DECODE_LENS = [1, 15, 16, 17, 33, 95]
 
 
-def _check_decode(step: PagedStep, num_splits, dtype) -> None:
+def _check_decode(step: PagedStep, num_splits, dtype, caches=None, **opts) -> None:
+    """Against the reference on the step's caches; the kernel reads ``caches`` if given
+    (the same rows, NaN where no query looks); ``opts``: ``window``, ``softcap``."""
     m = step.meta
     args = (step.query, step.k_cache, step.v_cache, m.block_tables, m.seq_lens, step.scale)
-    expected = torch_ref.paged_decode_attention(*args)
-    out = triton_decode(*args, num_splits=num_splits)
+    expected = torch_ref.paged_decode_attention(*args, **opts)
+    if caches is not None:
+        args = (step.query, *caches, *args[3:])
+    out = triton_decode(*args, num_splits=num_splits, **opts)
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
@@ -159,12 +165,15 @@ def test_head_dims_below_16_are_padded(head_dim) -> None:
 PREFILL_CASE = ([17, 100, 64, 37, 20], [17, 40, 64, 5, 1])
 
 
-def _check_prefill(step: PagedStep, dtype) -> None:
+def _check_prefill(step: PagedStep, dtype, caches=None, **opts) -> None:
+    """As :func:`_check_decode`, for the step's chunks."""
     m = step.meta
     args = (step.query, step.k_cache, step.v_cache, m.block_tables, m.query_start_loc,
             m.seq_lens, step.scale)  # fmt: skip
-    expected = torch_ref.paged_prefill_attention(*args)
-    out = triton_prefill(*args)
+    expected = torch_ref.paged_prefill_attention(*args, **opts)
+    if caches is not None:
+        args = (step.query, *caches, *args[3:])
+    out = triton_prefill(*args, **opts)
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
@@ -209,20 +218,8 @@ def test_triton_backend_matches_reference(case, dtype, strided) -> None:
     """Mixed steps; ``strided``: query/key/value are views of a fused QKV output."""
     seq_lens, q_lens = case
     step = _step(seq_lens, q_lens, (6, 2), 64, 16, dtype, num_pad_tokens=3)
-    ref_k, ref_v = step.k_cache.clone(), step.v_cache.clone()
-    m, nd = step.meta, step.meta.num_decodes
-    torch_ref.write_kv(step.key, step.value, ref_k, ref_v, m.slot_mapping)
-    expected = torch.zeros_like(step.query)
-    if nd:
-        expected[:nd] = torch_ref.paged_decode_attention(
-            step.query[:nd], ref_k, ref_v, m.block_tables[:nd], m.seq_lens[:nd], step.scale
-        )
-    if m.num_reqs > nd:
-        pre = torch_ref.paged_prefill_attention(
-            step.query, ref_k, ref_v, m.block_tables[nd:], m.query_start_loc[nd:],
-            m.seq_lens[nd:], step.scale,
-        )  # fmt: skip
-        expected[m.query_start_loc_cpu[nd] :] = pre[m.query_start_loc_cpu[nd] :]
+    m = step.meta
+    expected, ref_k, ref_v = _expected_step(step, step.query, step.key)
 
     q, k, v = fused_qkv_views(step) if strided else (step.query, step.key, step.value)
     backend = get_attention_backend("triton", DEVICE, KernelSettings(triton_interpret=True))
@@ -232,6 +229,196 @@ def test_triton_backend_matches_reference(case, dtype, strided) -> None:
     torch.testing.assert_close(out, expected, **TOL[dtype])
     torch.testing.assert_close(step.k_cache, ref_k, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(step.v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
+
+
+def _expected_step(step: PagedStep, query, key, **opts):
+    """The reference output of a mixed step (decodes, then prefill chunks) for these
+    query/key rows, and the reference caches with ``key`` and the step's value written."""
+    ref_k, ref_v = step.k_cache.clone(), step.v_cache.clone()
+    m, nd = step.meta, step.meta.num_decodes
+    torch_ref.write_kv(key, step.value, ref_k, ref_v, m.slot_mapping)
+    expected = torch.zeros_like(query)
+    if nd:
+        expected[:nd] = torch_ref.paged_decode_attention(
+            query[:nd], ref_k, ref_v, m.block_tables[:nd], m.seq_lens[:nd], step.scale, **opts
+        )
+    if m.num_reqs > nd:
+        pre = torch_ref.paged_prefill_attention(
+            query, ref_k, ref_v, m.block_tables[nd:], m.query_start_loc[nd:],
+            m.seq_lens[nd:], step.scale, **opts,
+        )  # fmt: skip
+        expected[m.query_start_loc_cpu[nd] :] = pre[m.query_start_loc_cpu[nd] :]
+    return expected, ref_k, ref_v
+
+
+# Sliding window and soft-capping (``window``/``softcap`` of the torch reference).
+# Windows (block size 16): one token, below the block size, not a multiple of it, equal
+# to a context (20 and 40 below), longer than every context.
+WINDOWS = [1, 5, 20, 40, 200]
+SWA_DECODE_LENS = [1, 5, 20, 33, 70]
+# Prefill chunks: continuing a cached prefix (the window cuts into it where it is
+# shorter than the prefix), first chunks, a single-token chunk; with Hq/Hkv = 3 a
+# program takes 16 tokens, so the 25- and 40-token chunks have programs whose window
+# starts inside the chunk.
+SWA_PREFILL_CASE = ([40, 70, 17, 33, 90], [10, 25, 17, 1, 40])
+
+
+def _unseen_to_nan(step: PagedStep, first_seen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the step's caches whose rows of positions ``0 .. first_seen[i] - 1`` of
+    request ``i`` (no query of the step looks at them) are NaN: a kernel that loads them
+    to mask them returns NaN (0 * NaN in P @ V), one that skips them does not."""
+    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
+    bs, (hkv, d) = step.block_size, k_cache.shape[2:]
+    tables = step.meta.block_tables.cpu().long()
+    for i, n in enumerate(first_seen):
+        pos = torch.arange(max(n, 0))
+        slots = (tables[i, pos // bs] * bs + pos % bs).to(k_cache.device)
+        for cache in (k_cache, v_cache):
+            cache.view(-1, hkv, d)[slots] = float("nan")
+    return k_cache, v_cache
+
+
+def _decode_unseen(step: PagedStep, window: int):
+    return _unseen_to_nan(step, [s - window for s in step.meta.seq_lens_cpu])
+
+
+def _prefill_unseen(step: PagedStep, window: int):
+    qsl, lens = step.meta.query_start_loc_cpu, step.meta.seq_lens_cpu
+    return _unseen_to_nan(step, [s - (b - a) - window + 1
+                                 for s, a, b in zip(lens, qsl, qsl[1:], strict=False)])
+
+
+def _differs(expected: torch.Tensor, *args, ref) -> bool:
+    """Whether the reference without these options gives something else (so that a
+    kernel ignoring them fails)."""
+    return not torch.allclose(ref(*args), expected, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("heads", [(6, 2), (8, 1)])
+def test_decode_sliding_window(window, heads) -> None:
+    """Single pass and split-KV (the splits share the window) against the reference; the
+    positions before each window are NaN in the cache the kernel reads (never loaded)."""
+    step = _written(_step(SWA_DECODE_LENS, [1] * 5, heads, 64, 16, torch.float32))
+    m = step.meta
+    args = (step.query, step.k_cache, step.v_cache, m.block_tables, m.seq_lens, step.scale)
+    if window < max(SWA_DECODE_LENS):
+        expected = torch_ref.paged_decode_attention(*args, window=window)
+        assert _differs(expected, *args, ref=torch_ref.paged_decode_attention)
+    caches = _decode_unseen(step, window)
+    for num_splits in (1, 3, MAX_SPLITS):
+        _check_decode(step, num_splits, torch.float32, caches, window=window)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("heads", [(6, 2), (8, 1)])
+def test_prefill_sliding_window(window, heads) -> None:
+    """Chunks over cached prefixes and first chunks against the reference, the positions
+    no query of a request sees NaN in the cache the kernel reads."""
+    seq_lens, q_lens = SWA_PREFILL_CASE
+    step = _written(_step(seq_lens, q_lens, heads, 64, 16, torch.float32, num_pad_tokens=2))
+    m = step.meta
+    args = (step.query, step.k_cache, step.v_cache, m.block_tables, m.query_start_loc,
+            m.seq_lens, step.scale)  # fmt: skip
+    if window < max(seq_lens):
+        expected = torch_ref.paged_prefill_attention(*args, window=window)
+        assert _differs(expected, *args, ref=torch_ref.paged_prefill_attention)
+    _check_prefill(step, torch.float32, _prefill_unseen(step, window), window=window)
+
+
+def test_decode_sliding_window_auto_split() -> None:
+    """Long contexts: the automatic split count is chosen over the window, whose
+    positions the splits share."""
+    window = 600
+    step = _written(_step([700, 1100, 40], [1, 1, 1], (3, 1), 64, 32, torch.float32))
+    assert choose_num_splits(3, 1, window, device_num_sms(step.query.device)) > 1
+    _check_decode(step, None, torch.float32, _decode_unseen(step, window), window=window)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.parametrize("window", [0, 20])
+def test_softcap(window) -> None:
+    """Soft-capped scores, alone and with a window: large scores (the cap bites) and huge
+    ones (tanh saturates where its exponential overflows)."""
+    softcap = 1.5
+    for boost in (4.0, 1000.0):
+        dec = _written(_step(SWA_DECODE_LENS, [1] * 5, (6, 2), 64, 16, torch.float32))
+        dec.query.mul_(boost)
+        m = dec.meta
+        args = (dec.query, dec.k_cache, dec.v_cache, m.block_tables, m.seq_lens, dec.scale)
+        expected = torch_ref.paged_decode_attention(*args, window=window, softcap=softcap)
+        assert _differs(expected, *args, ref=functools.partial(
+            torch_ref.paged_decode_attention, window=window))
+        for num_splits in (1, 3):
+            _check_decode(dec, num_splits, torch.float32, window=window, softcap=softcap)
+        seq_lens, q_lens = SWA_PREFILL_CASE
+        pre = _written(_step(seq_lens, q_lens, (6, 2), 64, 16, torch.float32))
+        pre.query.mul_(boost)
+        _check_prefill(pre, torch.float32, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dim_256_window_and_softcap(dtype) -> None:
+    """Gemma 2's shapes (head_dim 256, Hq/Hkv = 2), a window and soft-capping."""
+    window, softcap = 20, 2.0
+    dec = _written(_step(SWA_DECODE_LENS, [1] * 5, (4, 2), 256, 16, dtype))
+    caches = _decode_unseen(dec, window)
+    for num_splits in (1, 2):
+        _check_decode(dec, num_splits, dtype, caches, window=window, softcap=softcap)
+    seq_lens, q_lens = SWA_PREFILL_CASE
+    pre = _written(_step(seq_lens, q_lens, (4, 2), 256, 16, dtype))
+    _check_prefill(pre, dtype, _prefill_unseen(pre, window), window=window, softcap=softcap)
+
+
+def _rope_cos_sin(step: PagedStep, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half cos/sin rows ``[T, 1, D]`` of the step's token positions (padding
+    tokens at 0), in the step's dtype."""
+    qsl, lens = step.meta.query_start_loc_cpu, step.meta.seq_lens_cpu
+    positions = [s - (b - a) + i for s, a, b in zip(lens, qsl, qsl[1:], strict=False)
+                 for i in range(b - a)]  # fmt: skip
+    positions += [0] * (num_tokens - len(positions))
+    d = step.query.shape[2]
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = torch.tensor(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return tuple(t.to(step.query.dtype).to(DEVICE) for t in (emb.cos(), emb.sin()))
+
+
+@pytest.mark.parametrize(
+    "window, softcap, dtype", [(20, 0.0, torch.float32), (5, 2.0, torch.float32),
+                               (20, 2.0, torch.float16)],
+)  # fmt: skip
+def test_triton_backend_window_and_softcap(window, softcap, dtype) -> None:
+    """``forward`` and ``rope_forward`` of a mixed step (decodes, chunks over cached
+    prefixes longer than the window, a first chunk, padding tokens) pass the options to
+    both kernels: the reference's output and caches."""
+    from pagedserve.kernels.layer_ops import TorchLayerOps
+
+    seq_lens, q_lens = MIXED[2]
+    step = _step(seq_lens, q_lens, (6, 2), 64, 16, dtype, num_pad_tokens=3)
+    m = step.meta
+    opts = dict(window=window, softcap=softcap)
+    backend = get_attention_backend("triton", DEVICE, KernelSettings(triton_interpret=True))
+    backend.prepare(m, step.block_size)
+    expected, ref_k, ref_v = _expected_step(step, step.query, step.key, **opts)
+    plain, _, _ = _expected_step(step, step.query, step.key)
+    assert not torch.allclose(plain, expected, atol=1e-2, rtol=1e-2)
+    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
+    out = backend.forward(step.query, step.key, step.value, k_cache, v_cache, m, step.scale,
+                          **opts)  # fmt: skip
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0, equal_nan=True)
+
+    # rope_forward: the rotated query and key as the reference's inputs.
+    q, k, v = fused_qkv_views(step)
+    cos, sin = _rope_cos_sin(step, q.shape[0])
+    assert rope.fusable(q, k, cos, sin) and rope.writes_kv(k, v, step.k_cache, step.v_cache)
+    rot_q, rot_k = TorchLayerOps().rope(q.clone(), k.clone(), cos, sin)
+    expected, ref_k, _ = _expected_step(step, rot_q, rot_k, **opts)
+    out = backend.rope_forward(q, k, v, cos, sin, step.k_cache, step.v_cache, m, step.scale,
+                               **opts)  # fmt: skip
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    torch.testing.assert_close(step.k_cache, ref_k, equal_nan=True, **TOL[dtype])
 
 
 def test_triton_in_kernels_triton_is_the_pypi_package() -> None:
