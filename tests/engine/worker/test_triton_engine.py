@@ -86,10 +86,13 @@ def triton_tokens_interpreted(model: str) -> dict[str, list]:
     return {"eager": eager, "padded": padded, "mixed": mixed, "keys": [len(warm), new]}
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("model", ["llama", "qwen2_moe", "gemma2", "gemma3"])
 def test_triton_engine_matches_torch_backend(model, tiny_llama, tiny_model_factory) -> None:
     """Also a model with experts (a shared one, and a dense layer): on CUDA its decode
-    steps run eagerly (no graphs), here also through the padded decode runner."""
+    steps run eagerly (no graphs), here also through the padded decode runner; and Gemma
+    2/3, whose 12-position sliding windows the prompts (up to 50 tokens) pass, with
+    Gemma 2's capped scores (the torch backend's tokens are HF's,
+    tests/engine/models/test_sliding_window.py)."""
     from pagedserve import LLM
 
     path = tiny_llama if model == "llama" else str(tiny_model_factory(model))
