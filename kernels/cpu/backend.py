@@ -99,9 +99,14 @@ class CpuBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Write this step's K/V, then attend; ``[T, Hq, D]`` -> ``[T, Hq, D]`` (rows past
-        the step's tokens, padding, are zero)."""
+        the step's tokens, padding, are zero). ``window`` > 0: each query attends to its
+        last ``window`` positions only; ``softcap`` > 0: scores soft-capped as Gemma 2's
+        (see :func:`pagedserve.kernels.cpu.native.paged_attention`)."""
+        window, softcap = native.attention_options(window, softcap)
         plan = meta.plan(CpuStepPlan)
         n = plan.num_tokens
         if n == 0:
@@ -111,6 +116,6 @@ class CpuBackend:
             self._lib, query[:n], k_cache, v_cache, plan.block_tables, plan.seq_lens,
             plan.max_seq_len, scale, out=None if out is None else out[:n],
             query_start_loc=plan.query_start_loc, key=key, value=value,
-            slot_mapping=plan.slot_mapping,
+            slot_mapping=plan.slot_mapping, window=window, softcap=softcap,
         )  # fmt: skip
         return attended if out is None else out

@@ -27,6 +27,8 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import math
+import operator
 import os
 import platform
 import shutil
@@ -281,6 +283,31 @@ def _kv_rows(
     return key, value, slots.to(torch.int64).contiguous()
 
 
+_C_INT_MAX = 2**31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def attention_options(window: int, softcap: float) -> tuple[int, float]:
+    """``(window, softcap)`` checked for the kernel: ``window`` an integer >= 0 (one past
+    any context is the same as none, and is passed as the largest C int), ``softcap`` a
+    finite float32 number >= 0; anything else is a ValueError naming the argument."""
+    if isinstance(window, bool):
+        raise ValueError(f"window must be an integer >= 0, got {window!r}")
+    try:
+        w = operator.index(window)
+    except TypeError:
+        raise ValueError(f"window must be an integer >= 0, got {window!r}") from None
+    if w < 0:
+        raise ValueError(f"window must be >= 0 (0: no sliding window), got {w}")
+    try:
+        cap = float(softcap)
+    except (TypeError, ValueError):
+        raise ValueError(f"softcap must be a finite number >= 0, got {softcap!r}") from None
+    if not math.isfinite(cap) or cap < 0 or cap > _FLOAT32_MAX:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no soft cap), got {cap}")
+    return min(w, _C_INT_MAX), cap
+
+
 def paged_attention(
     lib: ctypes.CDLL,
     query: torch.Tensor,
@@ -295,6 +322,8 @@ def paged_attention(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a step's query tokens, read in place from the paged cache
     (see the C source). This step's K/V are either already in the cache or given as
@@ -310,7 +339,13 @@ def paged_attention(
     (decode, ``T == B``). ``max_seq_len`` is at least every ``seq_lens`` entry. Returns
     ``[T, Hq, D]`` in the query dtype (computed in float32), written into ``out`` when
     given.
+
+    ``window`` > 0: a sliding window, each query attends to its last ``window`` positions
+    (itself included) only; ``softcap`` > 0: each scaled score ``s`` becomes ``softcap *
+    tanh(s / softcap)`` before the softmax (Gemma 2). 0 (the default) leaves either off,
+    as :mod:`pagedserve.kernels.torch_ref` computes them.
     """
+    window, softcap = attention_options(window, softcap)
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -350,7 +385,7 @@ def paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype], layout,
         tables.data_ptr(), lens.data_ptr(), None if qsl is None else qsl.data_ptr(), q.stride(0),
         result.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-        tables.shape[1], max_seq_len, scale, *write, torch.get_num_threads(),
+        tables.shape[1], max_seq_len, scale, window, softcap, *write, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"paged_attention: {abi.ATTENTION_ERRORS.get(status, status)}")

@@ -43,6 +43,7 @@
 #define PA_ERR_SLOT -6 /* a KV write slot is out of range */
 #define PA_ERR_LAYOUT -8 /* unknown KV cache layout */
 #define PA_ERR_BLOCK_SIZE -9 /* block_size is not positive */
+#define PA_ERR_WINDOW -10 /* window is negative, or softcap is negative or not finite */
 
 /* decoder_layers' model table: int64 entries at these offsets. */
 #define DM_NUM_LAYERS 0
@@ -111,12 +112,15 @@
 int pool_size(void);
 void pool_set_spin_us(int spin_us);
 
-/* paged_attention_cpu.c */
+/* paged_attention_cpu.c (``window`` > 0: each query attends to its last ``window``
+ * positions only; ``softcap`` > 0: each scaled score s becomes softcap * tanh(s /
+ * softcap); 0 and 0: the whole causal context, scores unchanged) */
 int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype, int kv_layout,
                     const int32_t *block_tables, const int32_t *seq_lens,
                     const int32_t *query_start_loc, int64_t q_stride, float *out, int num_seqs,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
-                    int max_blocks_per_seq, int max_seq_len, float scale, const void *key,
+                    int max_blocks_per_seq, int max_seq_len, float scale, int window,
+                    float softcap, const void *key,
                     const void *value, int key_dtype, int64_t kv_stride, const int64_t *slots,
                     int num_rows, int num_threads);
 

@@ -35,6 +35,14 @@
  * tokens instead goes through paged_attention_tiled.h's tiles of Q.K^T and P.V products
  * (vector and portable forms), and a context of more than SPLIT_ROWS rows on the vector
  * path is split into parts that threads share, merged in part order.
+ *
+ * Two per-layer options (as kernels/torch_ref.py computes them): ``window`` > 0, a
+ * sliding window: the token at context position p sees rows p - window + 1 .. p only, so
+ * each path starts its sweep at the block (or run) holding the first row any token of
+ * the tile sees, a token skips the runs below its own first row and masks the rows below
+ * it in the one run it sees part of, and a split context plans no part below the tile's
+ * first row; ``softcap`` > 0: each scaled score s becomes softcap * tanh(s / softcap)
+ * before the softmax (Gemma 2). Both 0: the code and the bits of a call without them.
  */
 #include <limits.h>
 #include <math.h>
@@ -76,7 +84,20 @@ typedef struct {
     /* Cache elements from one block, row of a block, and KV head to the next (the
      * layout). */
     int64_t block_stride, row_stride, head_stride;
+    /* The sliding window (0: none) and the scores' soft cap (0: none). */
+    int window;
+    float softcap;
 } shape_t;
+
+/* The first context row a token that sees ``seen`` rows attends to under ``window``. */
+static inline int window_lo(int seen, int window) {
+    return window > 0 && seen > window ? seen - window : 0;
+}
+
+/* ``n`` scaled scores at ``s`` soft-capped in place: softcap * tanh(s / softcap). */
+static inline void softcap_scores(float *s, int n, float softcap) {
+    for (int i = 0; i < n; ++i) s[i] = softcap * tanhf(s[i] / softcap);
+}
 
 /* Element offset of row ``r`` of cache block ``block``, KV head ``h``. */
 static inline int64_t cache_at(const shape_t *sh, int64_t block, int r, int h) {
@@ -96,9 +117,10 @@ static inline int64_t cache_at(const shape_t *sh, int64_t block, int r, int h) {
 /* A tile of request ``s``: tokens ``tok0 .. tok0 + ntok - 1``, the first of which sees
  * ``len0`` context rows; ``tiled``: the tiled path. A long context is split into parts of
  * SPLIT_ROWS rows (whole blocks), one tile each with the same tokens: rows ``c0 .. c1 -
- * 1``, its state left in partial slot ``part`` (-1: not split), merged after. */
+ * 1``, its state left in partial slot ``part`` (-1: not split), merged after; ``first``:
+ * the first part of its tile (under a window not the one at row 0), or not split. */
 typedef struct {
-    int s, tok0, ntok, len0, tiled, c0, c1, part;
+    int s, tok0, ntok, len0, tiled, c0, c1, part, first;
 } tile_t;
 
 /* Context rows per part of a split context (rounded up to whole blocks): a long
@@ -144,11 +166,13 @@ static void merge_parts(const tile_t *tiles, int64_t first, int nparts, const fl
 
 /* The tiles of a call, written to ``tiles`` unless NULL: each request's query tokens in
  * tiles (a request with no token this step has none), a long context's tile once per
- * part. Returns their number, or -1 for a query length outside 0 .. seq_len; the parts
- * of split contexts go to ``*num_parts``, whether any tile is tiled to ``*any_tiled``. */
+ * part (under ``window``, only the parts from the one holding the tile's first visible
+ * row on). Returns their number, or -1 for a query length outside 0 .. seq_len; the
+ * parts of split contexts go to ``*num_parts``, whether any tile is tiled to
+ * ``*any_tiled``. */
 static int64_t plan_tiles(const int32_t *seq_lens, const int32_t *query_start_loc,
-                          int num_seqs, int vector_path, int split_rows, tile_t *tiles,
-                          int64_t *num_parts, int *any_tiled) {
+                          int num_seqs, int vector_path, int split_rows, int window,
+                          tile_t *tiles, int64_t *num_parts, int *any_tiled) {
     int64_t i = 0, part = 0;
     *any_tiled = 0;
     for (int s = 0; s < num_seqs; ++s) {
@@ -160,14 +184,17 @@ static int64_t plan_tiles(const int32_t *seq_lens, const int32_t *query_start_lo
         for (int j = 0; j < q_len; j += tile) {
             const int ntok = q_len - j < tile ? q_len - j : tile;
             const int len0 = seq_lens[s] - q_len + 1 + j, last = len0 + ntok - 1;
-            const int nparts = tiled || !vector_path ? 1 : (last + split_rows - 1) / split_rows;
-            for (int p = 0; p < nparts; ++p, ++i)
+            /* Parts p0 .. end - 1: none below the part of the tile's first visible row. */
+            const int end = tiled || !vector_path ? 1 : (last + split_rows - 1) / split_rows;
+            const int p0 = end > 1 ? window_lo(len0, window) / split_rows : 0;
+            const int nparts = end - p0;
+            for (int p = p0; p < end; ++p, ++i)
                 if (tiles != NULL)
                     tiles[i] = (tile_t){s, tok + j, ntok, len0, tiled,
                                         nparts > 1 ? p * split_rows : 0,
-                                        nparts > 1 && p + 1 < nparts ? (p + 1) * split_rows
-                                                                     : INT_MAX,
-                                        nparts > 1 ? (int)part + p : -1};
+                                        nparts > 1 && p + 1 < end ? (p + 1) * split_rows
+                                                                  : INT_MAX,
+                                        nparts > 1 ? (int)part + p - p0 : -1, p == p0};
             part += nparts > 1 ? nparts : 0;
         }
     }
@@ -256,7 +283,8 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
                     const int32_t *block_tables, const int32_t *seq_lens,
                     const int32_t *query_start_loc, int64_t q_stride, float *out, int num_seqs,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
-                    int max_blocks_per_seq, int max_seq_len, float scale, const void *key,
+                    int max_blocks_per_seq, int max_seq_len, float scale, int window,
+                    float softcap, const void *key,
                     const void *value, int key_dtype, int64_t kv_stride, const int64_t *slots,
                     int num_rows, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return PA_ERR_GQA;
@@ -264,6 +292,7 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16) return PA_ERR_DTYPE;
     if (kv_layout != KV_ROWS_FIRST && kv_layout != KV_HEADS_FIRST) return PA_ERR_LAYOUT;
     if (block_size <= 0) return PA_ERR_BLOCK_SIZE;
+    if (window < 0 || !(softcap >= 0.0f) || isinf(softcap)) return PA_ERR_WINDOW;
 #ifndef __FLT16_MAX__
     if (dtype == DTYPE_F16) return PA_ERR_DTYPE;
 #endif
@@ -276,7 +305,8 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     const int64_t D = head_dim, rows_first = kv_layout == KV_ROWS_FIRST;
     const shape_t sh = {k_cache, v_cache, num_kv_heads, num_heads / num_kv_heads, head_dim,
                         block_size, scale, (int64_t)block_size * num_kv_heads * D,
-                        rows_first ? num_kv_heads * D : D, rows_first ? D : block_size * D};
+                        rows_first ? num_kv_heads * D : D, rows_first ? D : block_size * D,
+                        window, softcap};
 #if SIMD_VW
     const int vector_path = head_dim % VW == 0 && head_dim <= VW * MAX_NV;
 #else
@@ -286,7 +316,7 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     int64_t num_parts = 0;
     int any_tiled = 0;
     const int64_t num_tiles = plan_tiles(seq_lens, query_start_loc, num_seqs, vector_path,
-                                         split_rows, NULL, &num_parts, &any_tiled);
+                                         split_rows, window, NULL, &num_parts, &any_tiled);
     if (num_tiles < 0) return PA_ERR_RANGE;
     tile_t *tiles = NULL;
     float *parts = NULL;
@@ -309,8 +339,8 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     pool_run(write_rows, &wt, num_rows, (num_rows + 4 * write_threads - 1) / (4 * write_threads),
              write_threads);
     if (num_seqs <= 0) return 0; /* nothing to attend (a step of padding only) */
-    plan_tiles(seq_lens, query_start_loc, num_seqs, vector_path, split_rows, tiles, &num_parts,
-               &any_tiled);
+    plan_tiles(seq_lens, query_start_loc, num_seqs, vector_path, split_rows, window, tiles,
+               &num_parts, &any_tiled);
     /* All KV heads per item when there are enough tiles; else one KV head each. */
     const int per_item = num_tiles >= 4 * num_threads ? num_kv_heads : 1;
     const int splits = num_kv_heads / per_item;
@@ -351,7 +381,7 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
     for (int64_t i = 0; status == 0 && i < num_tiles;) {
         int n = 1;
         if (tiles[i].part >= 0)
-            while (i + n < num_tiles && tiles[i + n].part >= 0 && tiles[i + n].c0 > 0) ++n;
+            while (i + n < num_tiles && tiles[i + n].part >= 0 && !tiles[i + n].first) ++n;
         if (n > 1) merge_parts(tiles, i, n, parts, out, out_stride, num_heads, head_dim);
         i += n;
     }

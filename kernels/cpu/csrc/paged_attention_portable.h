@@ -51,26 +51,31 @@ static inline int64_t slot_row(const item_t *it, const shape_t *sh, int t, int h
     return cache_at(sh, it->table[t / sh->block_size], t % sh->block_size, it->h0 + hh);
 }
 
+/* One token: its scores of context rows ``lo .. L - 1`` (its window; all ``L`` rows
+ * without one), ``n`` a query head, then their softmax-weighted V rows. */
 static void attend_portable_token(const item_t *it, const shape_t *sh, int dtype,
                                   float *scores, float *acc, float *tmp) {
     const int D = sh->head_dim, G = sh->group, L = it->seq_len, nq = it->nh * G;
-    for (int t = 0; t < L; ++t) {
+    const int lo = window_lo(L, sh->window), n = L - lo;
+    for (int t = lo; t < L; ++t) {
         for (int hh = 0; hh < it->nh; ++hh) {
             const float *k = load_row(sh->k_cache, dtype, slot_row(it, sh, t, hh), D, tmp);
             for (int g = 0; g < G; ++g) {
                 const int qh = hh * G + g;
-                scores[(int64_t)qh * L + t] = dot(it->query + (int64_t)qh * D, k, D) * sh->scale;
+                scores[(int64_t)qh * n + t - lo] =
+                    dot(it->query + (int64_t)qh * D, k, D) * sh->scale;
             }
         }
     }
-    for (int qh = 0; qh < nq; ++qh) softmax(scores + (int64_t)qh * L, L);
+    if (sh->softcap > 0.0f) softcap_scores(scores, nq * n, sh->softcap);
+    for (int qh = 0; qh < nq; ++qh) softmax(scores + (int64_t)qh * n, n);
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
-    for (int t = 0; t < L; ++t) {
+    for (int t = lo; t < L; ++t) {
         for (int hh = 0; hh < it->nh; ++hh) {
             const float *v = load_row(sh->v_cache, dtype, slot_row(it, sh, t, hh), D, tmp);
             for (int g = 0; g < G; ++g) {
                 const int qh = hh * G + g;
-                const float p = scores[(int64_t)qh * L + t];
+                const float p = scores[(int64_t)qh * n + t - lo];
                 float *a = acc + (int64_t)qh * D;
 #pragma omp simd
                 for (int d = 0; d < D; ++d) a[d] += p * v[d];

@@ -15,10 +15,30 @@
  *
  * with an online softmax between them (a running maximum, denominator and rescale of
  * O per row). Causality is a mask on the scores of the one run that holds a token's
- * own position; rows of tokens that see none of a run skip it.
+ * own position; rows of tokens that see none of a run skip it. Under a sliding window
+ * likewise: the sweep starts at the run of token 0's first visible row, the rows of
+ * tokens whose window starts past a run skip it (they are the tile's last tokens), and
+ * the scores before a token's first row are masked in the run that holds it; a soft cap
+ * applies to the scores of a run before their softmax.
  */
 /* Keys per run. */
 #define TK 16
+
+/* The first context row of the tiled sweep: the start of the run (TK keys from the
+ * start of a block) that holds the first row token 0 sees. */
+static inline int tiled_start(int L0, int window, int bs) {
+    const int lo = window_lo(L0, window), in_block = lo % bs;
+    return lo - in_block % TK;
+}
+
+/* The rows past the last that sees some of the run at ``t .. t + n - 1`` (each of the
+ * ``T`` tokens ``G`` rows; token j's window starts at row window_lo(L0 + j)). */
+static inline int tiled_rows_seeing(int L0, int T, int G, int window, int t, int n) {
+    if (window <= 0) return T * G;
+    int j1 = T;
+    while (j1 > 0 && window_lo(L0 + j1 - 1, window) >= t + n) --j1;
+    return j1 * G;
+}
 
 /* Floats of scratch a worker needs for a tiled item with ``group`` query heads per KV
  * head: Q and O (rows x D), P (rows x TK), four per-row values, K^T, and (the portable
@@ -49,7 +69,7 @@ static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype
         }
         memset(o, 0, sizeof(float) * (size_t)rows * D);
         const int h = it->h0 + hh;
-        for (int t = 0; t < L;) {
+        for (int t = tiled_start(L0, sh->window, bs); t < L;) {
             int n = bs - t % bs;
             n = n < TK ? n : TK;
             n = n < L - t ? n : L - t;
@@ -62,7 +82,8 @@ static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype
                        sizeof(float) * (size_t)D);
             }
             const int j0 = t - L0 + 1 > 0 ? t - L0 + 1 : 0;
-            for (int r = j0 * G; r < rows; ++r) {
+            const int r1 = tiled_rows_seeing(L0, T, G, sh->window, t, n);
+            for (int r = j0 * G; r < r1; ++r) {
                 float s[TK] = {0};
                 for (int d = 0; d < D; ++d) {
                     const float qd = q[(int64_t)r * D + d];
@@ -70,14 +91,15 @@ static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype
                     for (int k = 0; k < TK; ++k) s[k] += qd * kt[d * TK + k];
                 }
                 const int seen = L0 + r / G - t, valid = seen < n ? seen : n;
+                /* Keys before k0: outside the token's window. */
+                const int lo = window_lo(L0 + r / G, sh->window) - t, k0 = lo > 0 ? lo : 0;
+                for (int k = k0; k < valid; ++k) s[k] *= sh->scale;
+                if (sh->softcap > 0.0f) softcap_scores(s + k0, valid - k0, sh->softcap);
                 float m = mx[r];
-                for (int k = 0; k < valid; ++k) {
-                    s[k] *= sh->scale;
-                    m = s[k] > m ? s[k] : m;
-                }
+                for (int k = k0; k < valid; ++k) m = s[k] > m ? s[k] : m;
                 const float corr = expf(mx[r] - m); /* 0 on a row's first run */
                 float sum = 0.0f;
-                for (int k = 0; k < valid; ++k) {
+                for (int k = k0; k < valid; ++k) {
                     s[k] = expf(s[k] - m);
                     sum += s[k];
                 }
@@ -86,7 +108,7 @@ static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype
                 float *orow = o + (int64_t)r * D;
 #pragma omp simd
                 for (int d = 0; d < D; ++d) orow[d] *= corr;
-                for (int k = 0; k < valid; ++k) {
+                for (int k = k0; k < valid; ++k) {
                     const float w = s[k], *v = vr + (int64_t)k * D;
 #pragma omp simd
                     for (int d = 0; d < D; ++d) orow[d] += w * v[d];
@@ -183,18 +205,27 @@ static inline __attribute__((always_inline)) void tiled_pv(const void *v_cache, 
     }
 #endif
 
-/* The softmax step of rows ``r0 ..`` for a run of ``n`` keys at context row ``t``: row
- * r (token r / G) sees the run's first ``L0 + r / G - t`` keys. Scores in ``s`` become
- * weights (0 past what a row sees); ``corr`` gets each row's rescale of O. */
-static inline void tiled_softmax(float *s, float *mx, float *den, float *mnew, float *corr,
-                                 int r0, int rows, int G, int L0, int t, int n) {
+/* The keys of a run that row ``r`` sees: the first ``valid``, from ``k0`` on under a
+ * window (the lanes of vector ``j`` of the run). */
+static inline vmask tiled_lanes(int k0, int valid, int j, const int windowed) {
+    return windowed ? vm_range(k0 - VW * j, valid - VW * j) : vm_first(valid - VW * j);
+}
+
+/* The softmax step of rows ``r0 .. rows - 1`` for a run of ``n`` keys at context row
+ * ``t``: row r (token r / G) sees the run's first ``L0 + r / G - t`` keys (under a
+ * ``window``, from its first row on). Scores in ``s`` become weights (0 past what a row
+ * sees); ``corr`` gets each row's rescale of O. */
+static inline __attribute__((always_inline)) void tiled_softmax_of(
+        float *s, float *mx, float *den, float *mnew, float *corr, int r0, int rows, int G,
+        int L0, int t, int n, int window, const int windowed) {
     for (int r = r0; r < rows; ++r) {
         const int seen = L0 + r / G - t;
         const int valid = seen < n ? seen : n;
+        const int k0 = windowed ? window_lo(L0 + r / G, window) - t : 0;
         float m = mx[r];
         for (int j = 0; j < NK; ++j) {
-            const vf x = vf_select(vm_first(valid - VW * j), vf_load(s + r * TK + VW * j),
-                                   vf_set1(-INFINITY));
+            const vf x = vf_select(tiled_lanes(k0, valid, j, windowed),
+                                   vf_load(s + r * TK + VW * j), vf_set1(-INFINITY));
             const float rm = vf_reduce_max(x);
             m = rm > m ? rm : m;
         }
@@ -211,16 +242,25 @@ static inline void tiled_softmax(float *s, float *mx, float *den, float *mnew, f
     for (int r = r0; r < rows; ++r) {
         const int seen = L0 + r / G - t;
         const int valid = seen < n ? seen : n;
+        const int k0 = windowed ? window_lo(L0 + r / G, window) - t : 0;
         const vf m = vf_set1(mx[r]);
         vf sum = vf_zero();
         for (int j = 0; j < NK; ++j) {
-            const vf e = vf_select(vm_first(valid - VW * j),
+            const vf e = vf_select(tiled_lanes(k0, valid, j, windowed),
                                    vf_exp(vf_sub(vf_load(s + r * TK + VW * j), m)), vf_zero());
             vf_store(s + r * TK + VW * j, e);
             sum = vf_add(sum, e);
         }
         den[r] = den[r] * corr[r] + vf_reduce_add(sum);
     }
+}
+
+static inline void tiled_softmax(float *s, float *mx, float *den, float *mnew, float *corr,
+                                 int r0, int rows, int G, int L0, int t, int n, int window) {
+    if (window > 0)
+        tiled_softmax_of(s, mx, den, mnew, corr, r0, rows, G, L0, t, n, window, 1);
+    else
+        tiled_softmax_of(s, mx, den, mnew, corr, r0, rows, G, L0, t, n, 0, 0);
 }
 
 /* K's run of ``n`` rows (element offset ``krow``, rows ``stride`` apart) as float32
@@ -261,15 +301,15 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
         }
         memset(o, 0, sizeof(float) * (size_t)rows * D);
         const int h = it->h0 + hh;
-        for (int t = 0; t < L;) {
+        for (int t = tiled_start(L0, sh->window, bs); t < L;) {
             const int b = t / bs, in_block = t % bs;
             int n = bs - in_block; /* the rest of this block, at most TK, within L */
             n = n < TK ? n : TK;
             n = n < L - t ? n : L - t;
             const int64_t first = cache_at(sh, it->table[b], in_block, h);
-            /* Tokens before j0 see none of this run. */
+            /* Tokens before j0 see none of this run, nor (under a window) rows from r1 on. */
             const int j0 = t - L0 + 1 > 0 ? t - L0 + 1 : 0;
-            const int r0 = j0 * G;
+            const int r0 = j0 * G, r1 = tiled_rows_seeing(L0, T, G, sh->window, t, n);
             if (t + n < L) {
                 /* The next run's K and V rows into L2 while this one is computed: its
                  * block is anywhere in the pool, out of the hardware prefetcher's reach. */
@@ -282,15 +322,17 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
                 }
             }
             tiled_transpose(sh->k_cache, dtype, first, stride, n, D, kt);
-            for (int r = r0; r < rows; r += TR) {
-                const int mr = rows - r < TR ? rows - r : TR;
+            for (int r = r0; r < r1; r += TR) {
+                const int mr = r1 - r < TR ? r1 - r : TR;
 #define SCORES(MR) tiled_scores(q, kt, p, D, r, sh->scale, MR)
                 FOR_TR(mr, SCORES)
 #undef SCORES
             }
-            tiled_softmax(p, mx, den, mnew, corr, r0, rows, G, L0, t, n);
-            for (int r = r0; r < rows; r += TR) {
-                const int mr = rows - r < TR ? rows - r : TR;
+            if (sh->softcap > 0.0f)
+                for (int r = r0; r < r1; ++r) softcap_scores(p + r * TK, n, sh->softcap);
+            tiled_softmax(p, mx, den, mnew, corr, r0, r1, G, L0, t, n, sh->window);
+            for (int r = r0; r < r1; r += TR) {
+                const int mr = r1 - r < TR ? r1 - r : TR;
                 for (int v0 = 0; v0 < nvec; v0 += 2) {
                     if (nvec - v0 >= 2) {
 #define PV(MR) tiled_pv(sh->v_cache, dtype, first, stride, n, p, corr, o, D, r, v0, MR, 2)

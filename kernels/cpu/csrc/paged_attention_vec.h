@@ -77,14 +77,20 @@ static inline __attribute__((always_inline)) void score_run(
 /* The online-softmax step of one run for ``nq`` query heads at once, VW heads a vector:
  * each head's run maximum, new running maximum ``mx``, correction ``corr`` of its earlier
  * sums and denominator ``den``; the scores ``s`` (VW floats a head, rows past ``m`` at
- * -inf) become the run's weights. The heads' reductions and exponentials are
- * independent, so they overlap instead of following one another. */
-static inline void softmax_heads(float *s, int nq, int m, float *mx, float *den, float *corr) {
-    const vmask mask = vm_first(m);
+ * -inf) become the run's weights. ``windowed``: rows before ``lo`` (< m) are outside the
+ * token's window, masked out of the maximum and given weight 0. The heads' reductions
+ * and exponentials are independent, so they overlap instead of following one another. */
+static inline __attribute__((always_inline)) void softmax_heads_of(
+        float *s, int nq, int lo, int m, float *mx, float *den, float *corr, const int windowed) {
+    const vmask mask = windowed ? vm_range(lo, m) : vm_first(m);
     for (int c0 = 0; c0 < nq; c0 += VW) {
         const int cn = nq - c0 < VW ? nq - c0 : VW;
         float *sc = s + (int64_t)c0 * VW;
         vf in[VW];
+        if (windowed)
+            for (int i = 0; i < cn; ++i)
+                vf_store_aligned(sc + i * VW, vf_select(mask, vf_load_aligned(sc + i * VW),
+                                                        vf_set1(-INFINITY)));
         for (int i = 0; i < VW; ++i)
             in[VF_SUM_SLOT(i)] = i < cn ? vf_load_aligned(sc + i * VW) : vf_set1(-INFINITY);
         const vf m_old = vf_load_first(mx + c0, cn);
@@ -108,6 +114,15 @@ static inline void softmax_heads(float *s, int nq, int m, float *mx, float *den,
         vf_store_first(den + c0, cn, vf_fmadd(vf_load_first(den + c0, cn), c, vf_sum_lanes(in)));
         vf_store_first(mx + c0, cn, m_new);
     }
+}
+
+static inline void softmax_heads(float *s, int nq, int m, float *mx, float *den, float *corr) {
+    softmax_heads_of(s, nq, 0, m, mx, den, corr, 0);
+}
+
+static inline void softmax_heads_window(float *s, int nq, int lo, int m, float *mx, float *den,
+                                 float *corr) {
+    softmax_heads_of(s, nq, lo, m, mx, den, corr, 1);
 }
 
 /* The largest power of two up to 8 (at least 1) such that ``GN * n`` accumulators,
@@ -212,6 +227,10 @@ static inline int first_seeing(int pos, int L0) { return pos - L0 + 1 > 0 ? pos 
  * long on a Zen 1 host, where it is bound by memory. The sums are the same in the same
  * order as run after run. Every token of the tile that sees part of a block takes it
  * (its first rows, up to the token's own position) while the block is in cache.
+ * Under a sliding window the sweep starts at the block of token 0's first visible row
+ * (not before the part's ``c0``); a token skips the blocks and runs wholly below its own
+ * first row and masks that row's predecessors in its run; ``softcap`` caps each token's
+ * scores of a block before their softmax.
  * ``state`` holds ``ntok * nq * (head_dim + 2)`` floats, then (64-byte aligned) ``nq *
  * VW`` scores and ``nq`` corrections for each run of a block. */
 static inline __attribute__((always_inline)) void attend_vec(const item_t *it,
@@ -245,7 +264,12 @@ static inline __attribute__((always_inline)) void attend_vec(const item_t *it,
      * prefetching). */
     const int64_t row_bytes = sh->row_stride * elem, head_bytes = sh->head_stride * elem;
     const int pf_bytes = D * elem;
-    for (int b = it->c0 / bs, t = it->c0; t < L; ++b) {
+    const int W = sh->window;
+    const float cap = sh->softcap;
+    int start = window_lo(L0, W);
+    start -= start % bs;
+    start = start > it->c0 ? start : it->c0;
+    for (int b = start / bs, t = start; t < L; ++b) {
         const int64_t block = it->table[b];
         const int n = L - t < bs ? L - t : bs;
         const int last = b + PREFETCH_BLOCKS >= nblocks; /* nothing that far ahead */
@@ -258,11 +282,15 @@ static inline __attribute__((always_inline)) void attend_vec(const item_t *it,
         for (int j = jb; j < T; ++j) {
             const int nr = L0 + j - t < n ? L0 + j - t : n;
             const int runs = (nr + VW - 1) / VW;
+            /* Under a window: the token's rows before ``lr`` of the block are outside it,
+             * its runs before ``ri0`` wholly (so are every later token's). */
+            const int lo = window_lo(L0 + j, W) - t, lr = lo > 0 ? lo : 0, ri0 = lr / VW;
+            if (lr >= n) break;
             float *acc = state + j * per_tok, *mx = acc + (int64_t)nq * D, *den = mx + nq;
             const float *q = it->query + j * it->q_stride;
             for (int hh = 0; hh < it->nh; ++hh) {
                 const int64_t hb = hh * head_bytes;
-                for (int ri = 0; ri < runs; ++ri) {
+                for (int ri = ri0; ri < runs; ++ri) {
                     const int r0 = ri * VW, m = nr - r0 < VW ? nr - r0 : VW;
                     const int pf = !last && j == first_seeing(t + r0, L0);
                     const int64_t base = cache_at(sh, block, r0, it->h0 + hh);
@@ -277,13 +305,22 @@ static inline __attribute__((always_inline)) void attend_vec(const item_t *it,
                     }
                 }
             }
-            for (int ri = 0; ri < runs; ++ri) {
+            if (cap > 0.0f)
+                for (int ri = ri0; ri < runs; ++ri)
+                    for (int qh = 0; qh < nq; ++qh)
+                        softcap_scores(scores + ((int64_t)ri * nq + qh) * VW,
+                                       nr - ri * VW < VW ? nr - ri * VW : VW, cap);
+            for (int ri = ri0; ri < runs; ++ri) {
                 const int m = nr - ri * VW < VW ? nr - ri * VW : VW;
-                softmax_heads(scores + (int64_t)ri * nq * VW, nq, m, mx, den, corr + ri * nq);
+                float *sr = scores + (int64_t)ri * nq * VW;
+                if (ri == ri0 && lr > ri0 * VW)
+                    softmax_heads_window(sr, nq, lr - ri0 * VW, m, mx, den, corr + ri * nq);
+                else
+                    softmax_heads(sr, nq, m, mx, den, corr + ri * nq);
             }
             for (int hh = 0; hh < it->nh; ++hh) {
                 const int64_t hb = hh * head_bytes;
-                for (int ri = 0; ri < runs; ++ri) {
+                for (int ri = ri0; ri < runs; ++ri) {
                     const int r0 = ri * VW, m = nr - r0 < VW ? nr - r0 : VW;
                     const int pf = !last && j == first_seeing(t + r0, L0);
                     const int64_t base = cache_at(sh, block, r0, it->h0 + hh);

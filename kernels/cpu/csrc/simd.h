@@ -51,6 +51,12 @@ static inline vf vf_scale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
 static inline vmask vm_first(int n) {
     return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
 }
+/* Lanes ``lo .. hi - 1`` (either bound may lie outside the vector). */
+static inline vmask vm_range(int lo, int hi) {
+    lo = lo < 0 ? 0 : lo;
+    hi = hi > 16 ? 16 : hi;
+    return hi <= lo ? (__mmask16)0 : (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
 static inline vmask vm_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
 static inline vmask vm_nan(vf a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
 static inline vmask vm_or(vmask a, vmask b) { return a | b; }
@@ -166,6 +172,12 @@ static inline vf vf_scale2(vf p, vf n) {
 static inline vmask vm_first(int n) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+}
+static inline vmask vm_range(int lo, int hi) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i below_lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(lo), lane);
+    const __m256i below_hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), lane);
+    return _mm256_castsi256_ps(_mm256_andnot_si256(below_lo, below_hi));
 }
 static inline vmask vm_gt(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
 static inline vmask vm_nan(vf a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }

@@ -90,7 +90,7 @@ def test_rows_of_another_16bit_type_are_refused(native_lib):
         query.data_ptr(), k_cache.data_ptr(), step.v_cache.data_ptr(),
         cpu_native.DTYPE_CODES[torch.bfloat16], abi.KV_ROWS_FIRST, m.block_tables.data_ptr(),
         m.seq_lens.data_ptr(), None, query.stride(0), out.data_ptr(), 1, 6, 2, 64, 16,
-        k_cache.shape[0], m.block_tables.shape[1], 5, step.scale, key16.data_ptr(),
+        k_cache.shape[0], m.block_tables.shape[1], 5, step.scale, 0, 0.0, key16.data_ptr(),
         value16.data_ptr(), cpu_native.DTYPE_CODES[torch.float16], key16.stride(0),
         m.slot_mapping.data_ptr(), 1, 1)  # fmt: skip
     assert status == abi.CONSTANTS["PA_ERR_DTYPE"]

@@ -145,8 +145,9 @@ def test_a_bad_layout_code_or_block_size_is_refused(lib, layout, block_size, cod
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), abi.DTYPE_F32,
         layout, m.block_tables.data_ptr(), m.seq_lens.data_ptr(), None,
         query.stride(0), out.data_ptr(), 1, 4, 2, 64, block_size, k_cache.shape[0],
-        m.block_tables.shape[1], 5, step.scale, key.data_ptr(), value.data_ptr(), abi.DTYPE_F32,
-        key.stride(0), m.slot_mapping.to(torch.int64).data_ptr(), 1, 1)  # fmt: skip
+        m.block_tables.shape[1], 5, step.scale, 0, 0.0, key.data_ptr(), value.data_ptr(),
+        abi.DTYPE_F32, key.stride(0), m.slot_mapping.to(torch.int64).data_ptr(), 1,
+        1)  # fmt: skip
     assert status == abi.CONSTANTS[code]
     assert abi.ATTENTION_ERRORS[status] == message
     torch.testing.assert_close(k_cache, step.k_cache, atol=0, rtol=0, equal_nan=True)
