@@ -159,12 +159,14 @@ def test_windowed_references_match_naive(case, window, softcap, dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("window", "softcap"), WINDOWED)
 @pytest.mark.parametrize("case", MIXED)
-def test_windowed_backends_match_reference(case, window, softcap, dtype) -> None:
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_windowed_backends_match_reference(name, case, window, softcap, dtype) -> None:
     seq_lens, q_lens = case
     step = make_step(seq_lens, q_lens, num_heads=6, num_kv_heads=2, head_dim=64,
                      block_size=16, dtype=dtype, num_pad_tokens=3)  # fmt: skip
     expected = reference_step(clone_step(step), window, softcap)
-    backend = TorchBackend()
+    backend = get_attention_backend(name, "cpu")
+    assert backend.name == name
     backend.prepare(step.meta, 16)
     out = backend.forward(step.query, step.key, step.value, step.k_cache, step.v_cache,
                           step.meta, step.scale, window=window, softcap=softcap)  # fmt: skip

@@ -106,3 +106,13 @@ def test_what_gemma_configs_refuse(tiny_model_factory):
     cfg.use_bidirectional_attention = True
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         DecoderSpec.from_hf(cfg)
+
+
+@pytest.mark.parametrize("arch", ("gemma2", "gemma3"))
+def test_tensor_parallel_2_equals_hf(arch, tiny_model_factory):
+    """Each rank holds half the heads; the output norms come after the all-reduces."""
+    path = tiny_model_factory(arch)
+    with LLM(str(path), dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.02,
+             max_num_batched_tokens=24) as llm:  # fmt: skip
+        assert llm.engine.worker.spec.num_heads == 2
+        assert [o[0] for o in greedy(llm, PROMPTS)] == hf_greedy(path, PROMPTS, NEW)
