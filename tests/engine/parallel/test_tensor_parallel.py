@@ -243,15 +243,16 @@ def _rank_command(monkeypatch, code: str) -> None:
 
 SLOW_RANK = """
 import runpy, time
-time.sleep(6)
+time.sleep(10)
 runpy.run_module("pagedserve.engine.worker.rank", run_name="__main__")
 """
 
 
 def test_slow_starting_rank_is_not_a_hung_one(tiny_model_factory, monkeypatch):
     """The step timeout bounds a step, not the start: a rank that takes longer than it to
-    join (a loaded machine, a large model) starts, and the group then steps."""
-    monkeypatch.setenv("PAGEDSERVE_TP_STEP_TIMEOUT", "2")
+    join (a loaded machine, a large model) starts, and the group then steps. (A step
+    timeout of 2 s failed a first step on a 2-core host running other jobs.)"""
+    monkeypatch.setenv("PAGEDSERVE_TP_STEP_TIMEOUT", "4")
     path = str(tiny_model_factory("llama"))
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM(path, dtype="float32") as one:
