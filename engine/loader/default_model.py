@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from pagedserve.engine.envs import cache_root
 from pagedserve.engine.errors import ModelNotFoundError
+from pagedserve.engine.loader import gguf_header
 from pagedserve.engine.loader.model_files import CONFIG_NAME, WEIGHTS_NAME, is_complete_model_dir
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,9 @@ def default_model_available() -> bool:
     return pkg is not None and (pkg / DEFAULT_GGUF_FILE).is_file()
 
 
-CONVERSION_VERSION = 2
-"""Bumped when the converted folder's contents change; older folders are re-converted."""
+CONVERSION_VERSION = 3
+"""Bumped when the converted folder's contents change; older folders are re-converted
+(3: Gemma settings from the GGUF header, :func:`pagedserve.engine.loader.gguf_header.config_overrides`)."""
 _CONVERSION_MARKER = "pagedserve_conversion.json"
 
 
@@ -126,6 +128,7 @@ def _write_converted(gguf: Path, out: Path) -> None:
     cfg: dict[str, Any] = config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         cfg.pop(key, None)
+    cfg.update(gguf_header.config_overrides(gguf))
     cfg["dtype"] = str(CONVERTED_DTYPE).removeprefix("torch.")
     cfg["architectures"] = [type(model).__name__]
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -161,6 +164,7 @@ def convert_gguf_model(gguf: Path, force: bool = False) -> Path:
     """
     if not gguf.is_file():
         raise ModelNotFoundError(f"GGUF file {str(gguf)!r} does not exist")
+    gguf_header.check_served(gguf)  # from the header, before the (slow) conversion
     return _convert(gguf, gguf_model_dir(gguf), force)
 
 

@@ -25,8 +25,10 @@ from pagedserve.kernels.quant import QK, QuantizedWeight
 NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 """GGML types kept quantized, and their :data:`pagedserve.kernels.quant.FORMATS` names."""
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-"""``general.architecture`` values this loader maps (Llama's q/k rows are permuted)."""
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+"""``general.architecture`` values this loader maps (Llama's q/k rows are permuted;
+Gemma's norms are stored as ``1 + weight``, as its converter writes them)."""
+GEMMA = ("gemma2", "gemma3")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -44,6 +46,14 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+"""Gemma's layer norms: its ``ffn_norm`` is the norm before the MLP, and the attention's
+and the MLP's outputs have norms of their own."""
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -65,14 +75,16 @@ def _field_str(reader, key: str) -> str | None:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face checkpoint name of a GGUF tensor (None: not a model weight)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face checkpoint name of a GGUF tensor of a model of GGUF architecture
+    ``arch`` (None: not a model weight)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if arch in GEMMA else _LAYER_NAMES
     m = _BLK.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in names:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
 
 
 def _quantized(fmt: str, raw: np.ndarray, k: int) -> QuantizedWeight:
@@ -102,8 +114,10 @@ def tensor_formats(path: Path) -> dict[str, str]:
     quantized format it loads in; weights that load as float are absent. A fused
     projection is quantized only when all its parts share one format."""
     parts: dict[str, set[str | None]] = {}
-    for t in _reader(path).tensors:
-        name = hf_name(t.name)
+    reader = _reader(path)
+    arch = _field_str(reader, "general.architecture") or "llama"
+    for t in reader.tensors:
+        name = hf_name(t.name, arch)
         key = None if name is None else layout_key(name)
         if key is not None:
             parts.setdefault(key, set()).add(NATIVE_TYPES.get(t.tensor_type.name))
@@ -123,7 +137,7 @@ def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")  # fmt: skip
     quantized_keys = set(formats)
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
         type_name = t.tensor_type.name
@@ -138,6 +152,8 @@ def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
             value = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
         if isinstance(value, torch.Tensor):
             value = value.reshape([int(s) for s in reversed(t.shape)]) if value.dim() else value
+        if arch in GEMMA and name.endswith("norm.weight"):
+            value = value - 1.0  # the checkpoint's weight, as HF's GGUF reader takes it
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = num_heads if ".q_proj." in name else num_kv_heads
             index = _unpermute_index(value.shape[0], heads)

@@ -1,0 +1,96 @@
+"""What a GGUF file's header says about its model, read before anything is converted.
+
+A GGUF file is converted to a Hugging Face folder by transformers' GGUF reader, which
+takes many seconds for a real model. Its architecture is checked first, from the header
+alone, so that a file this engine cannot serve is refused at once, naming it. And the
+reader leaves some of Gemma's settings at its configs' defaults although the file (or
+llama.cpp's rules for it) says otherwise: :func:`config_overrides` gives the settings the
+file holds, which the converted config then carries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SERVED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2",
+                        "gemma3")  # fmt: skip
+"""``general.architecture`` values whose conversion this engine serves."""
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+"""Layer counts of the Gemma 27B models, whose scores llama.cpp scales by
+``(hidden_size / num_heads) ** -0.5`` (every other size: ``head_dim ** -0.5``)."""
+
+
+def _fields(path: Path) -> dict:
+    """The header's key/value fields (arrays as lists)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("tokenizer.")}  # fmt: skip
+
+
+def architecture(path: Path) -> str:
+    """The file's ``general.architecture`` (a ``ValueError`` when it has none)."""
+    arch = _fields(path).get("general.architecture")
+    if not arch:
+        raise ValueError(f"GGUF file {str(path)!r} has no general.architecture")
+    return arch
+
+
+def check_served(path: Path) -> str:
+    """The file's architecture, or a ``ValueError`` naming it when this engine does not
+    serve it (read from the header: nothing is converted)."""
+    arch = architecture(path)
+    if arch not in SERVED_ARCHITECTURES:
+        raise ValueError(f"GGUF file {str(path)!r}: general.architecture={arch!r} is not "
+                         f"supported; supported: {', '.join(SERVED_ARCHITECTURES)}")
+    return arch
+
+
+def config_overrides(path: Path) -> dict:
+    """The config settings of a Gemma 2/3 file that transformers' GGUF reader leaves at its
+    defaults (empty for other architectures):
+
+    * ``query_pre_attn_scalar``: from ``attention.scale`` when the file has it, else
+      llama.cpp's rule (the 27B models: ``hidden_size / num_heads``; others: ``head_dim``);
+    * the soft-capping of scores and logits (``attn_logit_softcapping``,
+      ``final_logit_softcapping``; Gemma 3 has none);
+    * ``layer_types`` from ``attention.sliding_window_pattern`` when the file has it;
+    * Gemma 3's two RoPEs: ``rope.freq_base`` with ``rope.scaling.type``/``factor`` for the
+      full layers, ``rope.freq_base_swa`` (10,000 without it) for the sliding ones.
+    """
+    f = _fields(path)
+    arch = f.get("general.architecture")
+    if arch not in _GEMMA_27B_LAYERS:
+        return {}
+
+    def get(key: str, default=None):
+        return f.get(f"{arch}.{key}", default)
+
+    layers, hidden = int(get("block_count")), int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    out: dict = {}
+    scale = get("attention.scale")
+    if scale:
+        out["query_pre_attn_scalar"] = 1.0 / float(scale) ** 2
+    else:
+        out["query_pre_attn_scalar"] = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] \
+            else head_dim  # fmt: skip
+    # llama.cpp caps Gemma 2's scores and logits (50 and 30 without the keys), not Gemma 3's.
+    for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+        out[key] = float(get(key, default)) if arch == "gemma2" else None
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == layers:
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    if arch == "gemma3":
+        full = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1e6))}
+        kind = get("rope.scaling.type")
+        if kind and kind != "none":
+            if kind != "linear":
+                raise ValueError(f"GGUF file {str(path)!r}: {arch}.rope.scaling.type={kind!r} "
+                                 "is not supported for gemma3 (linear is)")
+            full.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
+        local = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 1e4))}
+        out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    return out

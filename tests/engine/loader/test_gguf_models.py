@@ -1,0 +1,85 @@
+"""GGUF files of architectures other than the default model's: a Gemma 3 file (written as
+llama.cpp's converter writes one, from a tiny random model) serves HF's greedy tokens,
+with the settings transformers' GGUF reader leaves at its defaults read from the header,
+and with ``quantization="gguf"`` its Q8_0 weights kept as stored; a file of an
+architecture the engine does not serve is refused from its header, before conversion."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.loader import convert_gguf_model, default_gguf_path
+from pagedserve.engine.loader.default_model import gguf_model_dir
+from pagedserve.engine.loader.gguf_header import config_overrides
+from tests.helpers.gguf_files import write_gemma3_gguf
+from tests.helpers.hf import hf_greedy
+
+NEW = 10
+PROMPTS = [[(31 * j + 7) % 20000 + 100 for j in range(n)] for n in (6, 45)]
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tiny_model_factory):
+    return tiny_model_factory("gemma3_6")
+
+
+def test_gemma3_gguf_equals_hf(gemma3, tmp_path):
+    path = write_gemma3_gguf(gemma3, tmp_path / "gemma3.gguf", default_gguf_path())
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
+    # The header's RoPE settings, not the reader's defaults: a scaled global RoPE for the
+    # full layer, the local base for the sliding ones; Gemma 3's own layer pattern.
+    cfg = llm.engine.settings.hf_config
+    assert cfg.rope_parameters["full_attention"]["rope_type"] == "linear"
+    assert cfg.rope_parameters["full_attention"]["factor"] == 8.0
+    assert cfg.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+    assert llm.engine.worker.model.spec.windows == (12,) * 5 + (0,)
+    assert greedy(llm) == hf_greedy(gemma3, PROMPTS, NEW)
+
+
+def test_gemma3_q8_0_gguf_kept_quantized_equals_hf_on_the_file(gemma3, tmp_path):
+    path = write_gemma3_gguf(gemma3, tmp_path / "gemma3-q8_0.gguf", default_gguf_path(),
+                             quantized="Q8_0")  # fmt: skip
+    want = hf_greedy(convert_gguf_model(path), PROMPTS, NEW)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02, quantization="gguf")
+    layer = llm.engine.worker.model.layers[5]
+    assert layer.qkv_proj.weight.fmt == "q8_0" and layer.down_proj.weight.fmt == "q8_0"
+    assert greedy(llm) == want
+
+
+def test_gemma_header_rules(tmp_path):
+    """llama.cpp's rules where a Gemma file says nothing: Gemma 2 caps at 50 and 30."""
+    from tests.helpers.gguf_files import write_header_only
+
+    g2 = write_header_only("gemma2", {"block_count": 26, "embedding_length": 2304,
+                                      "attention.head_count": 8, "attention.key_length": 256},
+                           tmp_path / "g2.gguf")  # fmt: skip
+    assert config_overrides(g2) == {"query_pre_attn_scalar": 256,
+                                    "attn_logit_softcapping": 50.0,
+                                    "final_logit_softcapping": 30.0}
+    # Gemma 2 27B: 46 layers, scores scaled by hidden / heads = 144.
+    big = write_header_only("gemma2", {"block_count": 46, "embedding_length": 4608,
+                                       "attention.head_count": 32, "attention.key_length": 128,
+                                       "attn_logit_softcapping": 40.0}, tmp_path / "27b.gguf")
+    got = config_overrides(big)
+    assert got["query_pre_attn_scalar"] == 144 and got["attn_logit_softcapping"] == 40.0
+
+
+def test_unserved_architecture_is_refused_before_conversion(tmp_path):
+    from tests.helpers.gguf_files import write_header_only
+
+    path = write_header_only("starcoder2", {"block_count": 2}, tmp_path / "sc2.gguf")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"general.architecture='starcoder2' is not supported; "
+                                         r"supported: llama, .*gemma3"):
+        LLM(str(path))
+    assert time.monotonic() - start < 30
+    assert not gguf_model_dir(path).exists()
