@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SERVED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2",
-                        "gemma3")  # fmt: skip
-"""``general.architecture`` values whose conversion this engine serves."""
+SERVED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3")
+"""``general.architecture`` values whose conversion this engine serves (Phi-3's GGUF
+config would lack its longrope factors: refused)."""
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 """Layer counts of the Gemma 27B models, whose scores llama.cpp scales by
 ``(hidden_size / num_heads) ** -0.5`` (every other size: ``head_dim ** -0.5``)."""
