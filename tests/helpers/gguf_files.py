@@ -33,10 +33,20 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{i}.{GEMMA_TENSORS[module]}.weight"
 
 
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "<start_of_turn>{{ role }}\n{{ message['content'] | trim }}<end_of_turn>\n"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<start_of_turn>model\n{%- endif -%}")
+"""Gemma 3's turn format (its template without the system-prompt folding)."""
+
+
 def write_gemma3_gguf(hf_dir: Path, out: Path, tokenizer_gguf: Path,
-                      quantized: str | None = None) -> Path:  # fmt: skip
+                      quantized: str | None = None,
+                      chat_template: str | None = None) -> Path:  # fmt: skip
     """The Gemma 3 model at ``hf_dir`` as a GGUF file ``out`` (``quantized="Q8_0"``: its
-    2-D weights in Q8_0)."""
+    2-D weights in Q8_0; ``chat_template``: the file's template instead of the default
+    model's)."""
     import gguf
     import transformers
     from safetensors.torch import load_file
@@ -63,7 +73,9 @@ def write_gemma3_gguf(hf_dir: Path, out: Path, tokenizer_gguf: Path,
     writer.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
     reader = gguf.GGUFReader(str(tokenizer_gguf))
     for field in reader.fields.values():
-        if field.name.startswith("tokenizer."):
+        if field.name == "tokenizer.chat_template" and chat_template is not None:
+            writer.add_chat_template(chat_template)
+        elif field.name.startswith("tokenizer."):
             kind = field.types[0]
             sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
