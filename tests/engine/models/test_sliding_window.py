@@ -116,3 +116,21 @@ def test_tensor_parallel_2_equals_hf(arch, tiny_model_factory):
              max_num_batched_tokens=24) as llm:  # fmt: skip
         assert llm.engine.worker.spec.num_heads == 2
         assert [o[0] for o in greedy(llm, PROMPTS)] == hf_greedy(path, PROMPTS, NEW)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_verification_equals_hf(arch, tiny_model_factory, monkeypatch):
+    """n-gram drafts verified through the windowed prefill paths: HF's tokens, with drafts
+    kept (the Gemma models repeat themselves, which the proposer copies; a text and its
+    greedy continuation given twice, so that what follows the second copy can be drafted
+    from the first)."""
+    path = tiny_model_factory(arch)
+    q = prompt(45, 9)
+    w = hf_greedy(path, [q], NEW)[0]
+    prompts = [q + w + q + w[:3], prompt(9, 4) * 5, *PROMPTS]
+    llm = engine(path, "auto", monkeypatch, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3})
+    assert [o[0] for o in greedy(llm, prompts)] == hf_greedy(path, prompts, NEW)
+    st = llm.engine.scheduler.spec_stats
+    assert st.num_accepted_tokens > 0, st
