@@ -226,7 +226,8 @@ class DecoderSpec:
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=True is not supported: this engine "
                              "serves causal language models")
-        windows = layer_windows(cfg)
+        # HF's Llama never slides, whatever its config holds.
+        windows = () if arch == "LlamaForCausalLM" else layer_windows(cfg)
         rope_keys = _layer_rope_keys(cfg)
         return cls(
             vocab_size=cfg.vocab_size,
@@ -248,7 +249,7 @@ class DecoderSpec:
             activation=ACTIVATIONS[act],
             gemma_norms=gemma,
             attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else 0.0,
-            windows=windows if any(windows) else (),
+            windows=windows if any(windows) else (),  # fmt: skip
             rope_keys=rope_keys,
             attn_softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
             final_softcap=float(getattr(cfg, "final_logit_softcapping", None) or 0.0),
