@@ -296,7 +296,7 @@ def test_backend_forward(lib, case, options, dtype) -> None:
     k_ref, v_ref = step.k_cache.clone(), step.v_cache.clone()
     write_kv(step.key, step.value, k_ref, v_ref, m.slot_mapping)
     want = paged_prefill_attention(step.query, k_ref, v_ref, m.block_tables, m.query_start_loc,
-                                   m.seq_lens, step.scale, window=window, softcap=softcap)
+                                   m.seq_lens, step.scale, window=window, softcap=softcap)  # fmt: skip
     backend = CpuBackend(lib, TorchLayerOps(), fuse_layers=False)
     backend.prepare(m, step.block_size)
     kw = {} if options == (0, 0.0) else dict(window=window, softcap=softcap)
