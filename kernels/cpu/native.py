@@ -28,6 +28,7 @@ import ctypes
 import hashlib
 import logging
 import math
+import numbers
 import operator
 import os
 import platform
@@ -288,9 +289,10 @@ _FLOAT32_MAX = 3.4028234663852886e38
 
 
 def attention_options(window: int, softcap: float) -> tuple[int, float]:
-    """``(window, softcap)`` checked for the kernel: ``window`` an integer >= 0 (one past
-    any context is the same as none, and is passed as the largest C int), ``softcap`` a
-    finite float32 number >= 0; anything else is a ValueError naming the argument."""
+    """``(window, softcap)`` checked for the kernel: ``window`` an integer >= 0 (one
+    longer than any context is the same as none: past the largest C int it is passed as
+    that), ``softcap`` a finite float32 number >= 0; anything else is a ValueError naming
+    the argument."""
     if isinstance(window, bool):
         raise ValueError(f"window must be an integer >= 0, got {window!r}")
     try:
@@ -299,10 +301,9 @@ def attention_options(window: int, softcap: float) -> tuple[int, float]:
         raise ValueError(f"window must be an integer >= 0, got {window!r}") from None
     if w < 0:
         raise ValueError(f"window must be >= 0 (0: no sliding window), got {w}")
-    try:
-        cap = float(softcap)
-    except (TypeError, ValueError):
-        raise ValueError(f"softcap must be a finite number >= 0, got {softcap!r}") from None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise ValueError(f"softcap must be a finite number >= 0, got {softcap!r}")
+    cap = float(softcap)
     if not math.isfinite(cap) or cap < 0 or cap > _FLOAT32_MAX:
         raise ValueError(f"softcap must be a finite number >= 0 (0: no soft cap), got {cap}")
     return min(w, _C_INT_MAX), cap

@@ -120,9 +120,8 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
                     const int32_t *query_start_loc, int64_t q_stride, float *out, int num_seqs,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
                     int max_blocks_per_seq, int max_seq_len, float scale, int window,
-                    float softcap, const void *key,
-                    const void *value, int key_dtype, int64_t kv_stride, const int64_t *slots,
-                    int num_rows, int num_threads);
+                    float softcap, const void *key, const void *value, int key_dtype,
+                    int64_t kv_stride, const int64_t *slots, int num_rows, int num_threads);
 
 /* fused_ops_cpu.c */
 const char *simd_isa(void);

@@ -284,9 +284,8 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
                     const int32_t *query_start_loc, int64_t q_stride, float *out, int num_seqs,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
                     int max_blocks_per_seq, int max_seq_len, float scale, int window,
-                    float softcap, const void *key,
-                    const void *value, int key_dtype, int64_t kv_stride, const int64_t *slots,
-                    int num_rows, int num_threads) {
+                    float softcap, const void *key, const void *value, int key_dtype,
+                    int64_t kv_stride, const int64_t *slots, int num_rows, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return PA_ERR_GQA;
     if (head_dim <= 0 || head_dim > MAX_HEAD_DIM) return PA_ERR_HEAD_DIM;
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16) return PA_ERR_DTYPE;

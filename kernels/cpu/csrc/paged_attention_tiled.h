@@ -54,7 +54,8 @@ static size_t tiled_scratch_floats(int group, int head_dim) {
 static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype,
                                   float *scratch) {
     const int D = sh->head_dim, G = sh->group, T = it->ntok, rows = T * G;
-    const int L0 = it->seq_len, L = L0 + T - 1, bs = sh->block_size;
+    const int L0 = it->seq_len, L = L0 + T - 1, bs = sh->block_size, W = sh->window;
+    const float cap = sh->softcap;
     const int64_t stride = sh->row_stride;
     float *q = scratch, *o = q + (size_t)rows * D, *p = o + (size_t)rows * D;
     float *mx = p + (size_t)rows * TK, *den = mx + rows, *kt = den + rows;
@@ -69,7 +70,7 @@ static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype
         }
         memset(o, 0, sizeof(float) * (size_t)rows * D);
         const int h = it->h0 + hh;
-        for (int t = tiled_start(L0, sh->window, bs); t < L;) {
+        for (int t = tiled_start(L0, W, bs); t < L;) {
             int n = bs - t % bs;
             n = n < TK ? n : TK;
             n = n < L - t ? n : L - t;
@@ -82,7 +83,7 @@ static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype
                        sizeof(float) * (size_t)D);
             }
             const int j0 = t - L0 + 1 > 0 ? t - L0 + 1 : 0;
-            const int r1 = tiled_rows_seeing(L0, T, G, sh->window, t, n);
+            const int r1 = W > 0 ? tiled_rows_seeing(L0, T, G, W, t, n) : rows;
             for (int r = j0 * G; r < r1; ++r) {
                 float s[TK] = {0};
                 for (int d = 0; d < D; ++d) {
@@ -92,9 +93,9 @@ static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype
                 }
                 const int seen = L0 + r / G - t, valid = seen < n ? seen : n;
                 /* Keys before k0: outside the token's window. */
-                const int lo = window_lo(L0 + r / G, sh->window) - t, k0 = lo > 0 ? lo : 0;
+                const int lo = window_lo(L0 + r / G, W) - t, k0 = lo > 0 ? lo : 0;
                 for (int k = k0; k < valid; ++k) s[k] *= sh->scale;
-                if (sh->softcap > 0.0f) softcap_scores(s + k0, valid - k0, sh->softcap);
+                if (cap > 0.0f) softcap_scores(s + k0, valid - k0, cap);
                 float m = mx[r];
                 for (int k = k0; k < valid; ++k) m = s[k] > m ? s[k] : m;
                 const float corr = expf(mx[r] - m); /* 0 on a row's first run */
@@ -205,6 +206,12 @@ static inline __attribute__((always_inline)) void tiled_pv(const void *v_cache, 
     }
 #endif
 
+/* vf_exp, always inlined (GCC keeps it out of line in the windowed step otherwise). */
+static inline __attribute__((always_inline)) vf tiled_exp(vf x) {
+    vf_exp_many(&x, 1);
+    return x;
+}
+
 /* The keys of a run that row ``r`` sees: the first ``valid``, from ``k0`` on under a
  * window (the lanes of vector ``j`` of the run). */
 static inline vmask tiled_lanes(int k0, int valid, int j, const int windowed) {
@@ -235,7 +242,7 @@ static inline __attribute__((always_inline)) void tiled_softmax_of(
      * denominator are still 0, so the clamped exp's tiny value leaves them 0). */
     for (int r = r0; r < rows; r += VW) {
         const int left = rows - r;
-        const vf c = vf_exp(vf_sub(vf_load_first(mx + r, left), vf_load_first(mnew + r, left)));
+        const vf c = tiled_exp(vf_sub(vf_load_first(mx + r, left), vf_load_first(mnew + r, left)));
         vf_store_first(corr + r, left, c);
         vf_store_first(mx + r, left, vf_load_first(mnew + r, left));
     }
@@ -247,7 +254,7 @@ static inline __attribute__((always_inline)) void tiled_softmax_of(
         vf sum = vf_zero();
         for (int j = 0; j < NK; ++j) {
             const vf e = vf_select(tiled_lanes(k0, valid, j, windowed),
-                                   vf_exp(vf_sub(vf_load(s + r * TK + VW * j), m)), vf_zero());
+                                   tiled_exp(vf_sub(vf_load(s + r * TK + VW * j), m)), vf_zero());
             vf_store(s + r * TK + VW * j, e);
             sum = vf_add(sum, e);
         }
@@ -256,11 +263,8 @@ static inline __attribute__((always_inline)) void tiled_softmax_of(
 }
 
 static inline void tiled_softmax(float *s, float *mx, float *den, float *mnew, float *corr,
-                                 int r0, int rows, int G, int L0, int t, int n, int window) {
-    if (window > 0)
-        tiled_softmax_of(s, mx, den, mnew, corr, r0, rows, G, L0, t, n, window, 1);
-    else
-        tiled_softmax_of(s, mx, den, mnew, corr, r0, rows, G, L0, t, n, 0, 0);
+                                 int r0, int rows, int G, int L0, int t, int n) {
+    tiled_softmax_of(s, mx, den, mnew, corr, r0, rows, G, L0, t, n, 0, 0);
 }
 
 /* K's run of ``n`` rows (element offset ``krow``, rows ``stride`` apart) as float32
@@ -281,12 +285,18 @@ static inline __attribute__((always_inline)) void tiled_transpose(const void *k_
 }
 
 /* One item of the tiled path: the tile's tokens x every query head of KV heads ``h0 ..
- * h0 + nh - 1``, one KV head at a time. ``scratch``: tiled_scratch_floats(G, D). */
+ * h0 + nh - 1``, one KV head at a time. ``scratch``: tiled_scratch_floats(G, D).
+ * ``options`` (a compile-time constant, as ``dtype``): sh->window and sh->softcap apply;
+ * without, the loops hold no call of the windowed step or of tanhf (either there cost
+ * 2-3% of a 512-token prefill on AVX-512, even untaken). */
 static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
                                                                const shape_t *sh,
-                                                               const int dtype, float *scratch) {
+                                                               const int dtype, float *scratch,
+                                                               const int options) {
     const int D = sh->head_dim, G = sh->group, T = it->ntok, rows = T * G;
     const int L0 = it->seq_len, L = L0 + T - 1, bs = sh->block_size;
+    const int W = options ? sh->window : 0;
+    const float cap = options ? sh->softcap : 0.0f;
     const int64_t stride = sh->row_stride;
     float *q = scratch, *o = q + (size_t)rows * D, *p = o + (size_t)rows * D;
     float *mx = p + (size_t)rows * TK, *den = mx + rows, *mnew = den + rows, *corr = mnew + rows;
@@ -301,7 +311,7 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
         }
         memset(o, 0, sizeof(float) * (size_t)rows * D);
         const int h = it->h0 + hh;
-        for (int t = tiled_start(L0, sh->window, bs); t < L;) {
+        for (int t = tiled_start(L0, W, bs); t < L;) {
             const int b = t / bs, in_block = t % bs;
             int n = bs - in_block; /* the rest of this block, at most TK, within L */
             n = n < TK ? n : TK;
@@ -309,7 +319,7 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
             const int64_t first = cache_at(sh, it->table[b], in_block, h);
             /* Tokens before j0 see none of this run, nor (under a window) rows from r1 on. */
             const int j0 = t - L0 + 1 > 0 ? t - L0 + 1 : 0;
-            const int r0 = j0 * G, r1 = tiled_rows_seeing(L0, T, G, sh->window, t, n);
+            const int r0 = j0 * G, r1 = W > 0 ? tiled_rows_seeing(L0, T, G, W, t, n) : rows;
             if (t + n < L) {
                 /* The next run's K and V rows into L2 while this one is computed: its
                  * block is anywhere in the pool, out of the hardware prefetcher's reach. */
@@ -328,9 +338,12 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
                 FOR_TR(mr, SCORES)
 #undef SCORES
             }
-            if (sh->softcap > 0.0f)
-                for (int r = r0; r < r1; ++r) softcap_scores(p + r * TK, n, sh->softcap);
-            tiled_softmax(p, mx, den, mnew, corr, r0, r1, G, L0, t, n, sh->window);
+            if (cap > 0.0f)
+                for (int r = r0; r < r1; ++r) softcap_scores(p + r * TK, n, cap);
+            if (W > 0)
+                tiled_softmax_of(p, mx, den, mnew, corr, r0, r1, G, L0, t, n, W, 1);
+            else
+                tiled_softmax(p, mx, den, mnew, corr, r0, r1, G, L0, t, n);
             for (int r = r0; r < r1; r += TR) {
                 const int mr = r1 - r < TR ? r1 - r : TR;
                 for (int v0 = 0; v0 < nvec; v0 += 2) {
@@ -357,8 +370,16 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
 }
 
 #define ATTEND_TILED_FOR(name, code)                                                   \
+    static __attribute__((noinline)) void name##_options(const item_t *it,            \
+                                                         const shape_t *sh,           \
+                                                         float *scratch) {            \
+        attend_tiled(it, sh, code, scratch, 1);                                        \
+    }                                                                                  \
     static void name(const item_t *it, const shape_t *sh, float *scratch) {            \
-        attend_tiled(it, sh, code, scratch);                                           \
+        if (sh->window > 0 || sh->softcap > 0.0f)                                      \
+            name##_options(it, sh, scratch);                                           \
+        else                                                                           \
+            attend_tiled(it, sh, code, scratch, 0);                                    \
     }
 ATTEND_TILED_FOR(attend_tiled_f32, DTYPE_F32)
 ATTEND_TILED_FOR(attend_tiled_bf16, DTYPE_BF16)

@@ -121,7 +121,7 @@ static inline void softmax_heads(float *s, int nq, int m, float *mx, float *den,
 }
 
 static inline void softmax_heads_window(float *s, int nq, int lo, int m, float *mx, float *den,
-                                 float *corr) {
+                                        float *corr) {
     softmax_heads_of(s, nq, lo, m, mx, den, corr, 1);
 }
 

@@ -10,11 +10,7 @@ import torch
 from pagedserve.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu.synthetic import make_step
-
-TOL = {
-    torch.float32: dict(atol=2e-6, rtol=2e-6),
-    torch.bfloat16: dict(atol=4e-3, rtol=8e-3),
-}
+from tests.helpers.kernels import NATIVE_TOL as TOL
 
 
 @pytest.fixture

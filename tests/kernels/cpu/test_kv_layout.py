@@ -15,6 +15,7 @@ from pagedserve.kernels.cpu import abi
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu.synthetic import make_step
 from pagedserve.kernels.interface import allocate_kv_cache
+from tests.helpers.kernels import heads_first
 
 LENS = [1, 2, 15, 16, 17, 31, 33, 100, 257, 700]
 """Decode contexts: within a block, across blocks, and split among threads (700)."""
@@ -25,11 +26,6 @@ PREFILL = ([9, 700, 130, 37, 18], [1, 250, 130, 20, 2])
 @pytest.fixture
 def lib(native_lib):
     return native_lib
-
-
-def heads_first(cache: torch.Tensor) -> torch.Tensor:
-    """The same values, each block's rows of a KV head contiguous."""
-    return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def attend(lib, step, k_cache, v_cache, prefill: bool, **kw) -> torch.Tensor:
@@ -165,13 +161,13 @@ def test_allocated_caches_index_alike_in_either_layout() -> None:
         made.append(dims)
         return torch.zeros(dims)
 
-    for heads_first in (False, True):
+    for by_heads in (False, True):
         made.clear()
-        cache = allocate_kv_cache(shape, heads_first, zeros)
+        cache = allocate_kv_cache(shape, by_heads, zeros)
         assert cache.shape == shape
-        assert made == [(2, 2, 5, 3, 16, 8) if heads_first else shape]
-        assert cache.transpose(-3, -2).is_contiguous() == heads_first
-        assert cache.is_contiguous() != heads_first
+        assert made == [(2, 2, 5, 3, 16, 8) if by_heads else shape]
+        assert cache.transpose(-3, -2).is_contiguous() == by_heads
+        assert cache.is_contiguous() != by_heads
         cache[1, 0, 4, 15, 2, 7] = 1.0  # the last row of the last head of the last block
         assert cache.untyped_storage().nbytes() == cache.numel() * 4
         assert torch.nonzero(cache).tolist() == [[1, 0, 4, 15, 2, 7]]

@@ -13,14 +13,8 @@ from pagedserve.kernels import (
 )
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu.synthetic import make_step
+from tests.helpers.kernels import NATIVE_TOL as TOL
 
-TOL = {
-    torch.float32: dict(atol=2e-6, rtol=2e-6),
-    # Both sides compute in float32 from the same cached values; the outputs may differ
-    # by one unit in the last place of the output dtype.
-    torch.float16: dict(atol=1e-3, rtol=1e-3),
-    torch.bfloat16: dict(atol=4e-3, rtol=8e-3),
-}
 LENS = [1, 2, 15, 16, 17, 31, 33, 100, 257, 700]
 
 
