@@ -156,6 +156,8 @@ class LayerWeights:
     weight's columns are stored in (int64 ``[k]``; act-order checkpoints), or None."""
     experts: ExpertWeights | None = None
     """The layer's experts, in place of the dense MLP."""
+    window: int = 0
+    """The layer's sliding window (0: it attends to its whole context)."""
 
 
 @dataclass(frozen=True, slots=True)

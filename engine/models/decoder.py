@@ -207,6 +207,7 @@ class DecoderForCausalLM(nn.Module):
                     q_norm=x.q_norm, k_norm=x.k_norm, orders=tuple(
                         getattr(getattr(x, n), "input_order", None) for n in LINEAR_NAMES),
                     experts=None if x.moe is None else x.moe.stack_weights(),
+                    window=x.window,
                 ) for x in self.layers))  # fmt: skip
         return self._stack
 

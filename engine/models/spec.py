@@ -266,10 +266,10 @@ class DecoderSpec:
 
     @property
     def llama_layers(self) -> bool:
-        """Whether every layer is a plain Llama-family layer (SiLU MLP, no window, no
-        capping, Llama norms): what a backend's one-call ``run_layers`` computes."""
-        return (self.activation == "silu" and not self.gemma_norms and not self.windows
-                and not self.attn_softcap and not self.attn_scale)
+        """Whether every layer is a Llama-family layer (SiLU MLP, Llama norms, no capping;
+        sliding windows allowed): what a backend's one-call ``run_layers`` computes."""
+        return (self.activation == "silu" and not self.gemma_norms and not self.attn_softcap
+                and not self.attn_scale)
 
     def has_bias(self, proj: str) -> bool:
         """Whether the checkpoint projection ``proj`` (``q_proj`` .. ``down_proj``) has a

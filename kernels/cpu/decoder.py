@@ -149,6 +149,7 @@ class FusedLayers:
         if not all(_f32_vector(v) for v in vectors):
             return None
         row = [0] * C["DL_SIZE"]
+        row[C["DL_WINDOW"]] = layer.window
         for name, v in (("DL_INPUT_NORM", layer.input_norm), ("DL_POST_NORM", layer.post_norm),
                         ("DL_Q_NORM", layer.q_norm), ("DL_K_NORM", layer.k_norm),
                         ("DL_K_CACHE", k_cache), ("DL_V_CACHE", v_cache)):

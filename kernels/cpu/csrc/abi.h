@@ -73,7 +73,8 @@
 #define DL_GATE_UP 18
 #define DL_DOWN 24
 #define DL_MOE 30
-#define DL_SIZE 31
+#define DL_WINDOW 31 /* the layer's sliding window (0: its whole context) */
+#define DL_SIZE 32
 /* A layer's experts: their count, the experts a token takes, an expert's width, the
  * shared expert's width (0: none), whether a token's weights are renormalized to sum 1;
  * then LIN_SIZE entries each for the router, the shared expert's one-row gate, its

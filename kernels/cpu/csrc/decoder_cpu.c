@@ -250,7 +250,7 @@ int decoder_layers(const int64_t *model, const int64_t *layers, float *residual,
             qkv, PTR(layer, DL_K_CACHE), PTR(layer, DL_V_CACHE), (int)model[DM_KV_DTYPE],
             (int)model[DM_KV_LAYOUT], block_tables, seq_lens, query_start_loc, width, attn,
             num_seqs, heads, kv_heads, d, (int)model[DM_BLOCK_SIZE], (int)model[DM_NUM_BLOCKS],
-            max_blocks_per_seq, max_seq_len, scale, 0, 0.0f, qkv + q_size,
+            max_blocks_per_seq, max_seq_len, scale, (int)layer[DL_WINDOW], 0.0f, qkv + q_size,
             qkv + q_size + kv_size, DTYPE_F32, width, slots, rows, num_threads);
         if (status) return status;
         if ((status = linear(layer + DL_O, attn, rows, out, gather, num_threads))) return status;

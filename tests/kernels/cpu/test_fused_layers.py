@@ -26,6 +26,11 @@ def _config(arch: str):
         return transformers.LlamaConfig(**common)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common)
+    if arch == "mistral_window":  # every layer slides over its last 9 positions
+        return transformers.MistralConfig(**common, sliding_window=9)
+    if arch == "qwen2_window":  # layers 1 and 2 slide over 6 positions, layer 0 does not
+        return transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=6,
+                                        max_window_layers=1)
     if arch == "qwen2_moe":  # layers 0 and 2: 6 experts (2 a token) and a shared one
         return transformers.Qwen2MoeConfig(
             **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -124,11 +129,15 @@ STEPS = [([1], [0]), ([1], [37]), ([1, 1, 1], [5, 70, 16]), ([1, 1, 9, 3], [20, 
          ([17], [0])]  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral_window", "qwen2_window"])
 @pytest.mark.parametrize("q_lens,ctx", STEPS)
 def test_float32_fused_equals_loop(native_lib, arch, q_lens, ctx):
     # The portable build has no native float32 linear: nothing to fuse there.
-    _compare(native_lib, _model(arch, None), q_lens, ctx, bool(native_lib.gemm_f32_available()))
+    model = _model(arch, None)
+    if arch.endswith("_window"):  # each layer's window reaches the native call
+        windows = [x.window for x in model.decoder_stack().layers]
+        assert windows == ([9] * 3 if arch == "mistral_window" else [0, 6, 6])
+    _compare(native_lib, model, q_lens, ctx, bool(native_lib.gemm_f32_available()))
 
 
 @pytest.mark.parametrize("quant", ["q4_1", "q4_0", "q8_0", "int8"])
