@@ -11,6 +11,7 @@ from pagedserve.kernels import paged_decode_attention, paged_prefill_attention, 
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu.synthetic import make_step
 from tests.helpers.kernels import NATIVE_TOL as TOL
+from tests.helpers.kernels import decodes_as_chunks
 
 
 @pytest.fixture
@@ -95,9 +96,7 @@ def test_split_context_results_do_not_depend_on_batching(lib) -> None:
     # The same caches and queries as a chunk of 3 tokens per request: token 2 of each is
     # the decode above.
     m = decode.meta
-    query = torch.zeros(6, *decode.query.shape[1:])
-    query[2], query[5] = decode.query[0], decode.query[1]
-    qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
+    query, qsl = decodes_as_chunks(decode)
     chunk = cpu_native.paged_attention(lib, query, decode.k_cache, decode.v_cache,
                                        m.block_tables, m.seq_lens, max(lens), decode.scale,
                                        query_start_loc=qsl)  # fmt: skip

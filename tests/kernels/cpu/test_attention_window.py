@@ -20,7 +20,7 @@ from pagedserve.kernels.cpu.backend import CpuBackend
 from pagedserve.kernels.cpu.synthetic import PagedStep, make_step
 from pagedserve.kernels.layer_ops import TorchLayerOps
 from tests.helpers.kernels import NATIVE_TOL as TOL
-from tests.helpers.kernels import heads_first
+from tests.helpers.kernels import decodes_as_chunks, heads_first, refused_c_call
 
 
 @pytest.fixture
@@ -248,9 +248,7 @@ def test_window_results_do_not_depend_on_batching(lib) -> None:
     decode = written_step(lens, [1, 1], (9, 3))
     alone = attend(lib, decode, False, window=window)
     m = decode.meta
-    query = torch.zeros(6, *decode.query.shape[1:])
-    query[2], query[5] = decode.query[0], decode.query[1]
-    qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
+    query, qsl = decodes_as_chunks(decode)
     chunk = cpu_native.paged_attention(lib, query, decode.k_cache, decode.v_cache,
                                        m.block_tables, m.seq_lens, max(lens), decode.scale,
                                        query_start_loc=qsl, window=window)  # fmt: skip
@@ -342,20 +340,6 @@ def test_bad_options_are_refused(lib, bad, name) -> None:
 def test_c_entry_point_refuses_bad_options(lib, window, softcap) -> None:
     """The C entry point itself: a negative window, a negative or non-finite cap are
     refused before anything is written."""
-    step = make_step([5], [1], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                     dtype=torch.float32)  # fmt: skip
-    m = step.meta
-    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
-    query, key, value = step.query.contiguous(), step.key.contiguous(), step.value.contiguous()
-    out = torch.empty_like(query)
-    status = lib.paged_attention(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), abi.DTYPE_F32,
-        abi.KV_ROWS_FIRST, m.block_tables.data_ptr(), m.seq_lens.data_ptr(), None,
-        query.stride(0), out.data_ptr(), 1, 4, 2, 64, 16, k_cache.shape[0],
-        m.block_tables.shape[1], 5, step.scale, window, softcap, key.data_ptr(),
-        value.data_ptr(), abi.DTYPE_F32, key.stride(0),
-        m.slot_mapping.to(torch.int64).data_ptr(), 1, 1)  # fmt: skip
+    status = refused_c_call(lib, window=window, softcap=softcap)
     assert status == abi.CONSTANTS["PA_ERR_WINDOW"]
     assert "window" in abi.ATTENTION_ERRORS[status]
-    torch.testing.assert_close(k_cache, step.k_cache, atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(v_cache, step.v_cache, atol=0, rtol=0, equal_nan=True)

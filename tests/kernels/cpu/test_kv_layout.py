@@ -15,7 +15,7 @@ from pagedserve.kernels.cpu import abi
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu.synthetic import make_step
 from pagedserve.kernels.interface import allocate_kv_cache
-from tests.helpers.kernels import heads_first
+from tests.helpers.kernels import heads_first, refused_c_call
 
 LENS = [1, 2, 15, 16, 17, 31, 33, 100, 257, 700]
 """Decode contexts: within a block, across blocks, and split among threads (700)."""
@@ -131,23 +131,9 @@ def test_a_bad_layout_code_or_block_size_is_refused(lib, layout, block_size, cod
                                                     message) -> None:
     """The C entry point itself: a layout code other than the two, or a block size below
     one, is refused before anything is written."""
-    step = make_step([5], [1], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                     dtype=torch.float32)  # fmt: skip
-    m = step.meta
-    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
-    query, key, value = step.query.contiguous(), step.key.contiguous(), step.value.contiguous()
-    out = torch.empty_like(query)
-    status = lib.paged_attention(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), abi.DTYPE_F32,
-        layout, m.block_tables.data_ptr(), m.seq_lens.data_ptr(), None,
-        query.stride(0), out.data_ptr(), 1, 4, 2, 64, block_size, k_cache.shape[0],
-        m.block_tables.shape[1], 5, step.scale, 0, 0.0, key.data_ptr(), value.data_ptr(),
-        abi.DTYPE_F32, key.stride(0), m.slot_mapping.to(torch.int64).data_ptr(), 1,
-        1)  # fmt: skip
+    status = refused_c_call(lib, layout=layout, block_size=block_size)
     assert status == abi.CONSTANTS[code]
     assert abi.ATTENTION_ERRORS[status] == message
-    torch.testing.assert_close(k_cache, step.k_cache, atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(v_cache, step.v_cache, atol=0, rtol=0, equal_nan=True)
 
 
 def test_allocated_caches_index_alike_in_either_layout() -> None:
