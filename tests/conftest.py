@@ -136,6 +136,20 @@ def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0,
                 "full_attention": {"rope_type": "linear", "factor": 8.0,
                                    "rope_theta": 1000000.0}})
         cls = transformers.Gemma3ForCausalLM
+    elif arch == "gemma3_mm":  # Gemma 3's image-and-text checkpoint, with a tiny vision tower
+        text = dict(common, num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=32,
+                    sliding_window=12,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                    rope_parameters={
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                           "rope_theta": 1000000.0}})
+        text.pop("tie_word_embeddings")
+        cfg = transformers.Gemma3Config(
+            text_config=text, mm_tokens_per_image=4, vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, image_size=28, patch_size=14))
+        cls = transformers.Gemma3ForConditionalGeneration
     elif arch == "mistral_window":  # every layer slides over its last 20 positions
         cfg = transformers.MistralConfig(**common, sliding_window=20, rope_theta=10000.0)
         cls = transformers.MistralForCausalLM

@@ -28,9 +28,41 @@ def is_complete_model_dir(path: Path) -> bool:
     )
 
 
+MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+"""Image-and-text architectures whose text model is served (text input only), and that
+text model's architecture."""
+
+
 def load_config(path: Path) -> transformers.PretrainedConfig:
-    """Load the model config from a resolved model folder."""
-    return transformers.AutoConfig.from_pretrained(str(path))
+    """Load the model config from a resolved model folder (of an architecture in
+    :data:`MULTIMODAL_TEXT_MODELS`: its ``text_config``, as that text model's)."""
+    cfg = transformers.AutoConfig.from_pretrained(str(path))
+    arch = (getattr(cfg, "architectures", None) or [None])[0]
+    if arch in MULTIMODAL_TEXT_MODELS:
+        text = cfg.text_config
+        text.architectures = [MULTIMODAL_TEXT_MODELS[arch]]
+        text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
+        return text
+    return cfg
+
+
+_TEXT_MODEL_PREFIXES = (("model.language_model.", "model."),
+                        ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))  # fmt: skip
+"""Where an image-and-text checkpoint keeps its text model's tensors (transformers 5's
+names, then the older ones), and the names a text model's checkpoint gives them."""
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                 "model.multi_modal_projector.")  # fmt: skip
+
+
+def text_model_name(name: str) -> str | None:
+    """A checkpoint tensor's name as a text model's checkpoint names it (an image-and-text
+    checkpoint's text model), None for the tensors of its vision tower and projector;
+    other names as they are."""
+    for prefix, to in _TEXT_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    return None if name.startswith(_OTHER_TOWERS) else name
 
 
 def load_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
@@ -81,9 +113,13 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     Handles a single ``model.safetensors`` or shards listed in
     ``model.safetensors.index.json``.  Tensors are read lazily from
     memory-mapped files on CPU, one at a time; names are as stored in the HF
-    checkpoint (a tied ``lm_head.weight`` is usually absent).
+    checkpoint (a tied ``lm_head.weight`` is usually absent), those of an image-and-text
+    checkpoint's text model as a text model's (:func:`text_model_name`; its vision
+    tower's tensors are not read).
     """
     for file in weight_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name)
+            for stored in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                name = text_model_name(stored)
+                if name is not None:
+                    yield name, f.get_tensor(stored)

@@ -135,3 +135,13 @@ def test_speculative_verification_equals_hf(arch, tiny_model_factory, monkeypatc
     assert [o[0] for o in greedy(llm, prompts)] == hf_greedy(path, prompts, NEW)
     st = llm.engine.scheduler.spec_stats
     assert st.num_accepted_tokens > 0, st
+
+
+def test_the_text_model_of_a_gemma3_image_and_text_checkpoint(tiny_model_factory):
+    """``Gemma3ForConditionalGeneration``: its text model serves text prompts (its vision
+    tower's tensors are not read); HF's whole model on the same token ids agrees."""
+    path = tiny_model_factory("gemma3_mm")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
+    spec = llm.engine.worker.model.spec
+    assert spec.windows == (12, 12, 0) and spec.gemma_norms and spec.tie_word_embeddings
+    assert [o[0] for o in greedy(llm, PROMPTS)] == hf_greedy(path, PROMPTS, NEW)
