@@ -182,6 +182,19 @@ def make_tiny():
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf(tiny_model_factory, tmp_path_factory) -> Path:
+    """A float32 GGUF file of the tiny 6-layer Gemma 3 (``gemma3_6``), written as llama.cpp's
+    converter writes one, with Gemma 3's turn template (one file, converted once, for the
+    tests that read one)."""
+    from pagedserve.engine.loader import default_gguf_path
+    from tests.helpers.gguf_files import GEMMA3_CHAT_TEMPLATE, write_gemma3_gguf
+
+    return write_gemma3_gguf(tiny_model_factory("gemma3_6"),
+                             tmp_path_factory.mktemp("gguf") / "tiny-gemma3.gguf",
+                             default_gguf_path(), chat_template=GEMMA3_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory, default_model_path):
     cache: dict[str, Path] = {}
 

@@ -4,28 +4,18 @@ and a streamed chat completion gives the whole one's text, SSE chunk by chunk.""
 
 from __future__ import annotations
 
-import pytest
-
-from pagedserve.engine.loader import convert_gguf_model, default_gguf_path, load_tokenizer
-from tests.helpers.gguf_files import GEMMA3_CHAT_TEMPLATE, write_gemma3_gguf
+from pagedserve.engine.loader import convert_gguf_model, load_tokenizer
 from tests.helpers.server import ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 
-@pytest.fixture(scope="module")
-def gguf_path(tiny_model_factory, tmp_path_factory):
-    return write_gemma3_gguf(tiny_model_factory("gemma3_6"),
-                             tmp_path_factory.mktemp("gguf") / "tiny-gemma3.gguf",
-                             default_gguf_path(), chat_template=GEMMA3_CHAT_TEMPLATE)
-
-
-def test_streamed_chat_on_a_gemma3_gguf(gguf_path):
-    tokenizer = load_tokenizer(convert_gguf_model(gguf_path))
+def test_streamed_chat_on_a_gemma3_gguf(gemma3_gguf):
+    tokenizer = load_tokenizer(convert_gguf_model(gemma3_gguf))
     assert "<start_of_turn>" in tokenizer.chat_template  # the file's own template
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
                                            return_dict=True)["input_ids"]  # fmt: skip
-    with ServerProcess(["--model", str(gguf_path), "--dtype", "float32",
+    with ServerProcess(["--model", str(gemma3_gguf), "--dtype", "float32",
                         "--kv-cache-memory-gb", "0.05"]) as srv:  # fmt: skip
         client = srv.openai_client()
         model = client.models.list().data[0].id

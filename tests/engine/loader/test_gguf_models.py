@@ -32,9 +32,8 @@ def gemma3(tiny_model_factory):
     return tiny_model_factory("gemma3_6")
 
 
-def test_gemma3_gguf_equals_hf(gemma3, tmp_path):
-    path = write_gemma3_gguf(gemma3, tmp_path / "gemma3.gguf", default_gguf_path())
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
+def test_gemma3_gguf_equals_hf(gemma3, gemma3_gguf):
+    llm = LLM(str(gemma3_gguf), dtype="float32", kv_cache_memory_gb=0.02)
     # The header's RoPE settings, not the reader's defaults: a scaled global RoPE for the
     # full layer, the local base for the sliding ones; Gemma 3's own layer pattern.
     cfg = llm.engine.settings.hf_config

@@ -243,7 +243,7 @@ def test_eos_token_ids_join_generation_config_and_tokenizer(tmp_path, gen_eos, t
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"hidden_act": "gelu_pytorch_tanh"}, r"hidden_act='gelu_pytorch_tanh' is not supported"),
+    ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported"),
     ({"architectures": ["GPT2LMHeadModel"]},
      r"architectures=\['GPT2LMHeadModel'\] is not supported"),
     ({"architectures": ["GemmaForCausalLM"], "hidden_act": "gelu_pytorch_tanh"},

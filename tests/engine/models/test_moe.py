@@ -282,15 +282,19 @@ def test_tensor_parallel_widths_and_dense_configs(tiny_model_factory):
     assert DecoderSpec.from_hf(_config(path, num_experts=0)).moe is None  # all layers dense
 
 
-def test_mixtral_with_a_sliding_window_is_served_within_it(tiny_model_factory, tmp_path):
+def test_mixtral_with_a_sliding_window_slides(tiny_model_factory, tmp_path):
     path = tmp_path / "windowed"
     shutil.copytree(tiny_model_factory("mixtral"), path)
     cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 64}))
-    assert LLM(str(path), kv_cache_memory_gb=0.02).engine.settings.max_model_len == 64
-    with pytest.raises(ValueError, match=r"max_model_len=65 is larger than the model's "
-                                         r"sliding_window=64"):
-        LLM(str(path), kv_cache_memory_gb=0.02, max_model_len=65)
+    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 16}))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
+    assert llm.engine.settings.max_model_len == cfg["max_position_embeddings"]
+    assert llm.engine.worker.model.spec.windows == (16, 16)
+    ask = [[(13 * j + 5) % 20000 + 100 for j in range(n)] for n in (9, 50)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in ask], sp, use_tqdm=False)]  # fmt: skip
+    assert got == hf_greedy(path, ask, 8)
 
 
 def test_no_cuda_graphs_for_experts(tiny_model_factory):
