@@ -237,8 +237,7 @@ class FusedLayers:
         if isinstance(weight, QuantizedWeight):
             if weight.shape != (n, k) or weight.device.type != "cpu":
                 return None
-            planes = [weight.qs, weight.d] + ([] if weight.m is None else [weight.m])
-            if not all(p.is_contiguous() for p in planes):
+            if not all(p.is_contiguous() for p in weight.planes):
                 return None
             packed = self._ops.quant_packed(weight)
             keep.append(packed)

@@ -90,6 +90,9 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight,
     if weight.k % QK:
         raise ValueError(f"the Triton quantized matmul needs K a multiple of {QK}, "
                          f"got {weight.k}")
+    if weight.fmt not in FORMAT_CODES:
+        raise ValueError(f"the Triton quantized matmul does not take {weight.fmt} weights "
+                         f"(it takes {', '.join(FORMAT_CODES)})")
     if x.stride(1) != 1:
         x = x.contiguous()
     m, n, k = x.shape[0], weight.n, weight.k

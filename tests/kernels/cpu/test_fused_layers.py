@@ -16,10 +16,10 @@ from tests.helpers.quant import random_weight
 BLOCK = 16
 
 
-def _config(arch: str):
+def _config(arch: str, hidden: int = 64, inter: int = 128):
     import transformers
 
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    common = dict(vocab_size=96, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, tie_word_embeddings=arch == "qwen3")  # fmt: skip
     if arch == "llama":
@@ -37,8 +37,8 @@ def _config(arch: str):
     return transformers.Qwen3Config(head_dim=16, **common)
 
 
-def _model(arch: str, quant: str | None) -> DecoderForCausalLM:
-    cfg = _config(arch)
+def _model(arch: str, quant: str | None, hidden: int = 64, inter: int = 128) -> DecoderForCausalLM:
+    cfg = _config(arch, hidden, inter)
     model = DecoderForCausalLM(DecoderSpec.from_hf(cfg))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -131,10 +131,17 @@ def test_float32_fused_equals_loop(native_lib, arch, q_lens, ctx):
     _compare(native_lib, _model(arch, None), q_lens, ctx, bool(native_lib.gemm_f32_available()))
 
 
-@pytest.mark.parametrize("quant", ["q4_1", "q4_0", "q8_0", "int8"])
+@pytest.mark.parametrize("quant", ["q4_1", "q4_0", "q8_0", "int8", "q5_0", "q5_1"])
 @pytest.mark.parametrize("q_lens,ctx", STEPS)
 def test_quantized_fused_equals_loop(native_lib, quant, q_lens, ctx):
     _compare(native_lib, _model("llama", quant), q_lens, ctx, True)
+
+
+@pytest.mark.parametrize("quant", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 70, 16]), ([1, 1, 9, 3], [20, 33, 0, 40])])
+def test_k_quant_fused_equals_loop(native_lib, quant, q_lens, ctx):
+    # K-quant blocks are 256 wide: a model whose projections take 256 inputs.
+    _compare(native_lib, _model("llama", quant, hidden=256, inter=256), q_lens, ctx, True)
 
 
 @pytest.mark.parametrize("quant", ["q4_0", "q4_1"])
