@@ -275,6 +275,91 @@ def dequantize_blocks(fmt: str, qs: torch.Tensor, k: int) -> torch.Tensor:
     raise ValueError(f"{fmt!r} is not a block format ({', '.join(BLOCK_FORMATS)})")
 
 
+@dataclass(eq=False)
+class StackedWeight:
+    """A fused projection's ``[n, k]`` weight whose row ranges are quantized weights of
+    different formats, ``parts`` in row order (a GGUF file's q/k/v or gate/up whose parts
+    differ in type: a Q4_K_M file's ``attn_v`` in Q6_K beside Q4_K ``attn_q``/``attn_k``).
+    A product multiplies each part and puts their columns side by side
+    (:meth:`linear`)."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    def __post_init__(self) -> None:
+        self.parts = tuple(self.parts)
+        if not self.parts or len({p.k for p in self.parts}) != 1:
+            raise ValueError("a stacked weight needs parts of one k")
+
+    @classmethod
+    def empty(cls, rows: list[tuple[str, int]], k: int,
+              device: torch.device | str = "cpu") -> StackedWeight:  # fmt: skip
+        """Uninitialised parts of ``(format, rows)`` each (filled with :meth:`copy_rows_`)."""
+        return cls(tuple(QuantizedWeight.empty(fmt, n, k, device) for fmt, n in rows))
+
+    @property
+    def fmt(self) -> str:
+        """The parts' formats, in row order (``q4_k+q6_k``)."""
+        return "+".join(p.fmt for p in self.parts)
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def released(self) -> bool:
+        return all(p.released for p in self.parts)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return sum(p.bits_per_weight * p.n for p in self.parts) / self.n
+
+    def _spans(self) -> list[tuple[int, QuantizedWeight]]:
+        spans, start = [], 0
+        for p in self.parts:
+            spans.append((start, p))
+            start += p.n
+        return spans
+
+    def copy_rows_(self, offset: int, other: QuantizedWeight) -> None:
+        """Rows ``offset .. offset + other.n`` := ``other``: within one part, of its format."""
+        for start, p in self._spans():
+            if start <= offset and offset + other.n <= start + p.n:
+                p.copy_rows_(offset - start, other)
+                return
+        raise ValueError(f"cannot put a {other.fmt} [{other.n}, {other.k}] weight at row "
+                         f"{offset} of a {self.fmt} [{self.n}, {self.k}] one")  # fmt: skip
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 ``[n, k]`` (or the rows ``rows``): the parts' references stacked."""
+        w = torch.cat([p.dequantize() for p in self.parts])
+        return w if rows is None else w[rows]
+
+    def to(self, device: torch.device | str) -> StackedWeight:
+        return StackedWeight(tuple(p.to(device) for p in self.parts))
+
+    def linear(self, linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``linear(x, part, its bias)`` of each part, the outputs side by side."""
+        outs = [linear(x, p, None if bias is None else bias[start:start + p.n])
+                for start, p in self._spans()]  # fmt: skip
+        return torch.cat(outs, dim=-1)
+
+
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     """Symmetric per-output-row int8 of a float ``[n, k]`` weight (scale = max|w| / 127;
     an all-zero row gets scale 1)."""

@@ -6,8 +6,10 @@ expanded); ``Q5_0``, ``Q5_1`` and the K-quants ``Q4_K``, ``Q5_K``, ``Q6_K`` (wha
 ``Q4_K_M`` or ``Q5_K_M`` file holds) become one plane of the file's blocks as they are;
 ``F32``/``F16``/``BF16`` tensors load as they are; any other GGML type (``Q2_K``,
 ``Q3_K``, the I-quants, ...) is dequantized to float32 by the ``gguf`` package and runs
-as a float weight, as does a fused projection's part (q/k/v, gate/up) whose parts are
-not all of one kept type; the load says so in one log line per GGML type. Names are mapped to the Hugging Face checkpoint's, and the rows of Llama's
+as a float weight, as does a fused projection (q/k/v, gate/up) with a part of such a
+type; the load says so in one log line per GGML type. A fused projection whose parts
+are of different kept types (a ``Q4_K_M`` file's ``Q6_K`` ``attn_v`` beside its ``Q4_K``
+``attn_q``/``attn_k``) keeps each part in its own (a ``StackedWeight``). Names are mapped to the Hugging Face checkpoint's, and the rows of Llama's
 ``attn_q``/``attn_k`` are put back in Hugging Face order (llama.cpp's converter
 interleaves the two halves of each head for its RoPE), so the model loads these tensors
 exactly as it loads a safetensors checkpoint.
@@ -23,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedserve.engine.models.checkpoint_names import layout_key
+from pagedserve.engine.lora.request import FUSED
+from pagedserve.engine.models.checkpoint_names import layout_key, projection
 from pagedserve.kernels.quant import BLOCK_BYTES, BLOCK_WEIGHTS, QK, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -134,25 +137,37 @@ def _kept_format(t) -> str | None:
     return fmt
 
 
-def tensor_formats(path: Path) -> dict[str, str]:
+def tensor_formats(path: Path) -> dict[str, str | tuple[str, ...]]:
     """Per model weight (``layers.{i}.{projection}``, ``embed_tokens``, ``lm_head``) the
     quantized format it loads in; weights that load as float are absent. A fused
-    projection is quantized only when all its parts share one format."""
-    parts: dict[str, set[str | None]] = {}
+    projection (q/k/v, gate/up) is quantized when all its parts are of kept types: in
+    their one format, or, where they differ, in each part's (a tuple in row order: a
+    :class:`~pagedserve.kernels.quant.StackedWeight`)."""
+    parts: dict[str, dict[str, str | None]] = {}
     reader = _reader(path)
     arch = _field_str(reader, "general.architecture") or "llama"
     for t in reader.tensors:
         name = hf_name(t.name, arch)
         key = None if name is None else layout_key(name)
         if key is not None:
-            parts.setdefault(key, set()).add(_kept_format(t))
-    return {k: next(iter(f)) for k, f in parts.items() if len(f) == 1 and None not in f}
+            parts.setdefault(key, {})[projection(name.rpartition(".")[0]) or key] = _kept_format(t)
+    formats: dict[str, str | tuple[str, ...]] = {}
+    for key, by_part in parts.items():
+        kinds = set(by_part.values())
+        if None in kinds:
+            continue
+        order = FUSED.get(key.rpartition(".")[2], ())
+        if len(kinds) == 1:
+            formats[key] = kinds.pop()
+        elif set(by_part) == set(order):
+            formats[key] = tuple(by_part[p] for p in order)
+    return formats
 
 
 def _log_expanded(reader, arch: str, quantized_keys: set[str]) -> None:
     """One log line per quantized GGML type whose tensors (model weights) load expanded
     to float32: types the kernels do not take, and kept types that are a part of a fused
-    projection whose parts differ in type."""
+    projection with a part of such a type."""
     other: dict[str, list[str]] = {}
     mixed: dict[str, list[str]] = {}
     for t in reader.tensors:
@@ -168,8 +183,8 @@ def _log_expanded(reader, arch: str, quantized_keys: set[str]) -> None:
         logger.warning("GGUF: %d %s tensors expanded to float32 (the kernels keep %s), e.g. %s",
                        len(names), type_name, ", ".join(NATIVE_TYPES), names[0])  # fmt: skip
     for type_name, names in sorted(mixed.items()):
-        logger.warning("GGUF: %d %s tensors expanded to float32: fused with parts of another "
-                       "type (q/k/v or gate/up), e.g. %s", len(names), type_name, names[0])
+        logger.warning("GGUF: %d %s tensors expanded to float32: fused (q/k/v or gate/up) with "
+                       "a part of a type expanded, e.g. %s", len(names), type_name, names[0])
 
 
 def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,

@@ -16,6 +16,7 @@ from pagedserve.kernels.quant import (
     BLOCK_WEIGHTS,
     FORMATS,
     QuantizedWeight,
+    StackedWeight,
     quantize_int8,
 )
 from tests.helpers.quant import assert_product_close, block_k, random_blocks, random_weight
@@ -383,3 +384,30 @@ def test_block_format_packed_copy_is_the_files_size(native_lib, fmt) -> None:
 def native_lib_width(lib) -> int:
     """The column groups' width of a build (its vector width; 8 portable)."""
     return {"avx512": 16, "avx2": 8}.get(lib.simd_isa().decode(), 8)
+
+
+def test_stacked_weight_multiplies_each_part(native_lib) -> None:
+    """A fused projection of parts in two formats (a Q4_K_M file's q/k in Q4_K, v in
+    Q6_K): filled part by part as a checkpoint's tensors arrive, multiplied part by part
+    by the native and the torch layer ops (each part's rows of the bias), the product of
+    the stacked reference; packed at load part by part, its planes released."""
+    w = StackedWeight.empty([("q4_k", 24), ("q6_k", 8)], 256)
+    assert (w.fmt, w.shape, w.nbytes) == ("q4_k+q6_k", (32, 256), 24 * 144 + 8 * 210)
+    q, k, v = (random_weight(f, n, 256, seed=n) for f, n in (("q4_k", 16), ("q4_k", 8),
+                                                            ("q6_k", 8)))  # fmt: skip
+    for offset, part in ((0, q), (16, k), (24, v)):
+        w.copy_rows_(offset, part)
+    with pytest.raises(ValueError, match="cannot put a q4_k"):
+        w.copy_rows_(20, k)  # across two parts
+    with pytest.raises(ValueError, match="cannot put a q6_k"):
+        w.copy_rows_(8, v)  # into the q4_k part
+    want = torch.cat([p.dequantize() for p in (q, k, v)])
+    assert torch.equal(w.dequantize(), want)
+    x, bias = torch.randn(5, 256), torch.randn(32)
+    ops = NativeLayerOps(native_lib)
+    for o in (ops, TorchLayerOps()):
+        assert_product_close(o.linear(x, w, bias), x, w, bias)
+    before = ops.linear(x, w, bias)
+    ops.prepare_weights([w])
+    assert w.released and all(p.released for p in w.parts)
+    assert torch.equal(ops.linear(x, w, bias), before)

@@ -115,6 +115,10 @@
 #define LIN_ORDER 5
 #define LIN_SIZE 6
 #define LIN_F32 -1
+/* LIN_FMT of a stacked linear (parts of different QF_* formats, their outputs side by
+ * side): LIN_W is the address of an int64 table of the part count, then LIN_SIZE entries
+ * a part (its format, packed weight, bias or 0, rows, k; no order of its own). */
+#define LIN_STACK -2
 /* decoder_layers' own status code (it also returns paged_attention's). */
 #define DEC_ERR_LINEAR -7 /* a quantized linear refused its format or shape */
 

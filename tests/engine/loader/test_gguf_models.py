@@ -59,16 +59,17 @@ def test_gemma3_q8_0_gguf_kept_quantized_equals_hf_on_the_file(gemma3, tmp_path)
     assert greedy(llm) == want
 
 
-# Every kept block format, fused parts alike; in layer 1 a Q3_K projection (expanded) and a
-# gate/up of two types (expanded: a fused weight has one format).
+# Every kept block format; fused parts of one type, and of two (a Q4_K_M file's Q6_K
+# attn_v beside Q4_K attn_q/attn_k: each part kept in its own); in layer 1 a gate/up with
+# a Q3_K part (expanded, its Q5_0 part too).
 BLOCK_TYPES = {
     "token_embd.weight": "Q6_K",  # the embedding and the tied logits
     "blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q4_K", "blk.0.attn_v.weight": "Q4_K",
     "blk.0.attn_output.weight": "Q5_0", "blk.0.ffn_gate.weight": "Q5_K",
-    "blk.0.ffn_up.weight": "Q5_K", "blk.0.ffn_down.weight": "Q6_K",
-    "blk.1.attn_q.weight": "Q5_1", "blk.1.attn_k.weight": "Q5_1", "blk.1.attn_v.weight": "Q5_1",
-    "blk.1.attn_output.weight": "Q3_K", "blk.1.ffn_gate.weight": "Q4_K",
-    "blk.1.ffn_up.weight": "Q6_K", "blk.1.ffn_down.weight": "Q5_0",
+    "blk.0.ffn_up.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K",
+    "blk.1.attn_q.weight": "Q4_K", "blk.1.attn_k.weight": "Q4_K", "blk.1.attn_v.weight": "Q6_K",
+    "blk.1.attn_output.weight": "Q5_1", "blk.1.ffn_gate.weight": "Q3_K",
+    "blk.1.ffn_up.weight": "Q5_0", "blk.1.ffn_down.weight": "Q5_0",
 }
 
 
@@ -89,12 +90,13 @@ def test_k_quant_gguf_kept_quantized_equals_its_float_expansion(tmp_path, caplog
         assert llm.engine.worker.quant_desc == "gguf (q4_k, q5_0, q5_1, q5_k, q6_k)"
         formats = [[getattr(p.weight, "fmt", None) for _, p in layer.linears()]
                    for layer in model.layers]  # fmt: skip
-        assert formats == [["q4_k", "q5_0", "q5_k", "q6_k"], ["q5_1", None, None, "q5_0"]]
+        assert formats == [["q4_k", "q5_0", "q5_k+q4_k", "q6_k"],
+                           ["q4_k+q6_k", "q5_1", None, "q5_0"]]  # fmt: skip
         assert model.embed_tokens.weight.fmt == "q6_k" and model.lm_head is None
         logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF:")]
-        assert len(logged) == 3, logged
+        assert len(logged) == 2, logged
         assert logged[0].startswith("GGUF: 1 Q3_K tensors expanded to float32")
-        assert "fused with parts of another type" in logged[1]
+        assert logged[1].startswith("GGUF: 1 Q5_0 tensors expanded to float32: fused")
         assert greedy(llm) == want
     finally:
         shutil.rmtree(gguf_model_dir(path), ignore_errors=True)  # its float32 conversion

@@ -30,7 +30,7 @@ pytest.importorskip("triton")
 
 from pagedserve.kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E402
 from pagedserve.kernels.cpu.synthetic import PagedStep, make_step  # noqa: E402
-from pagedserve.kernels.quant import FORMATS  # noqa: E402
+from pagedserve.kernels.quant import FORMATS, StackedWeight  # noqa: E402
 from pagedserve.kernels.triton import rope  # noqa: E402
 from pagedserve.kernels.triton.backend import TritonLayerOps  # noqa: E402
 from pagedserve.kernels.triton.common import dot_block  # noqa: E402
@@ -461,6 +461,11 @@ def test_triton_layer_ops_route_quantized_weights() -> None:
     assert_product_close(ops.linear(xo, odd).cpu(), xo.cpu(), odd.to("cpu"), None)
     with pytest.raises(ValueError, match="does not match"):
         quant_matmul(torch.randn(2, 32).to(DEVICE), w)
+    stacked = StackedWeight((random_weight("q4_k", 24, 256, seed=2),
+                             random_weight("q6_k", 8, 256, seed=3))).to(DEVICE)  # fmt: skip
+    xs, bias = torch.randn(3, 256).to(DEVICE), torch.randn(32).to(DEVICE)
+    assert_product_close(ops.linear(xs, stacked, bias).cpu(), xs.cpu(), stacked.to("cpu"),
+                         bias.cpu())  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
