@@ -21,7 +21,8 @@ block formats' one plane is repacked for the native kernels at load instead.
 (``gguf.quants.dequantize``) does, bit for bit (products rounded, then the offset added:
 the K-quants' sub-block scale ``d * sc`` and offset ``dmin * m`` are rounded to float32
 first), which is also what transformers' GGUF loader produces. The native products of
-these weights are in :mod:`pagedserve.kernels.cpu.quant`.
+these weights are in :mod:`pagedserve.kernels.cpu.quant`. A :class:`StackedWeight` is a
+fused projection whose row ranges are weights of different formats.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ expanded); ``Q5_0``, ``Q5_1`` and the K-quants ``Q4_K``, ``Q5_K``, ``Q6_K`` (wha
 as a float weight, as does a fused projection (q/k/v, gate/up) with a part of such a
 type; the load says so in one log line per GGML type. A fused projection whose parts
 are of different kept types (a ``Q4_K_M`` file's ``Q6_K`` ``attn_v`` beside its ``Q4_K``
-``attn_q``/``attn_k``) keeps each part in its own (a ``StackedWeight``). Names are mapped to the Hugging Face checkpoint's, and the rows of Llama's
+``attn_q``/``attn_k``) keeps each part in its own (a ``StackedWeight``). Names are mapped
+to the Hugging Face checkpoint's, and the rows of Llama's
 ``attn_q``/``attn_k`` are put back in Hugging Face order (llama.cpp's converter
 interleaves the two halves of each head for its RoPE), so the model loads these tensors
 exactly as it loads a safetensors checkpoint.

@@ -84,7 +84,8 @@ QUANT_FORMATS: dict[str, int] = dict(sorted(
 QK_K = CONSTANTS["QK_K"]
 """Weights per block along k of the GGUF K-quants."""
 BLOCK_BYTES: dict[str, int] = {name.removeprefix("QB_").lower(): size
-                               for name, size in CONSTANTS.items() if name.startswith("QB_")}  # fmt: skip
+                               for name, size in CONSTANTS.items()
+                               if name.startswith("QB_")}  # fmt: skip
 """Bytes of one GGML block of each format kept as the file's blocks (one plane)."""
 ATTENTION_ERRORS: dict[int, str] = {CONSTANTS[name]: text for name, text in _MESSAGES.items()
                                     if name.startswith("PA_ERR_")}  # fmt: skip

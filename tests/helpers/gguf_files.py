@@ -137,7 +137,8 @@ def random_block_bytes(type_name: str, n: int, k: int, std: float,
     d = torch.randn(n, nb, generator=g) * (std / spread)
     raw[..., d_at:d_at + 2] = d.half().view(torch.uint8).view(n, nb, 2)
     if m_at >= 0:
-        raw[..., m_at:m_at + 2] = (d.half().float() * center).half().view(torch.uint8).view(n, nb, 2)
+        m = (d.half().float() * center).half()
+        raw[..., m_at:m_at + 2] = m.view(torch.uint8).view(n, nb, 2)
     return raw.reshape(n, -1).numpy()
 
 

@@ -130,7 +130,9 @@ static inline int q6k_row(int i) {
 
 /* Offsets of the float16 scales in the file's block: d, then m / dmin (-1: none). */
 static inline int blk_raw_d(int fmt) { return fmt == QF_Q6_K ? 208 : 0; }
-static inline int blk_raw_m(int fmt) { return fmt == QF_Q5_1 || fmt == QF_Q4_K || fmt == QF_Q5_K ? 2 : -1; }
+static inline int blk_raw_m(int fmt) {
+    return fmt == QF_Q5_1 || fmt == QF_Q4_K || fmt == QF_Q5_K ? 2 : -1;
+}
 
 /* Column ``c``'s block ``r`` (the file's bytes) into the group's block ``bo``. */
 static void blk_pack_column(int fmt, const uint8_t *r, int c, uint8_t *bo) {
@@ -405,7 +407,8 @@ static inline __attribute__((always_inline)) void q6k_block(int rt, const float 
                 for (int t = 0; t < 4; ++t) s[r][t] = vf_zero();
             for (int l = 16 * half; l < 16 * half + 16; ++l) {
                 const uint8_t *row = cb + (int64_t)(BO_Q(QF_Q6_K) + 96 * h + 3 * l) * QG;
-                const vi a = vi_load_u8(row), b = vi_load_u8(row + QG), e = vi_load_u8(row + 2 * QG);
+                const vi a = vi_load_u8(row), b = vi_load_u8(row + QG);
+                const vi e = vi_load_u8(row + 2 * QG);
                 vf q[4];
                 q[0] = vi_to_vf(vi_or(vi_and(a, lo4), vi_and(vi_slli(e, 4), hi2)));
                 q[1] = vi_to_vf(vi_or(vi_and(b, lo4), vi_and(vi_slli(e, 2), hi2)));
@@ -419,7 +422,8 @@ static inline __attribute__((always_inline)) void q6k_block(int rt, const float 
             }
             for (int t = 0; t < 4; ++t) {
                 const int sub = 8 * h + 2 * t + half;
-                const vf a = vf_mul(d, vf_load_i8((const int8_t *)cb + (BO_SC(QF_Q6_K) + sub) * QG));
+                const int8_t *sc = (const int8_t *)cb + (BO_SC(QF_Q6_K) + sub) * QG;
+                const vf a = vf_mul(d, vf_load_i8(sc));
                 for (int r = 0; r < rt; ++r)
                     acc[r] = vf_fmadd(a, vf_sub(s[r][t], vf_set1(32.0f * sxb[r * nsx + sub])),
                                       acc[r]);
@@ -517,7 +521,8 @@ static void blk_dequant_rows(int fmt, const uint8_t *raw, int64_t k, const int64
     const int64_t nb = k / bw, rb = nb * blk_bytes(fmt);
     for (int64_t i = i0; i < i1; ++i) {
         const uint8_t *q = raw + (rows ? rows[i] : i) * rb;
-        for (int64_t b = 0; b < nb; ++b) blk_dequant_raw(fmt, q + b * blk_bytes(fmt), out + i * k + b * bw);
+        for (int64_t b = 0; b < nb; ++b)
+            blk_dequant_raw(fmt, q + b * blk_bytes(fmt), out + i * k + b * bw);
     }
 }
 
