@@ -36,7 +36,8 @@ class EngineConfig:
     natively (AVX512-BF16, AMX-BF16), float32 elsewhere."""
     quantization: str | None = None
     """Weight-only quantized linears: gguf (the weights of a GGUF file as it stores them:
-    Q8_0, Q4_0, Q4_1; the embedded default model's own file when no model is given) or
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; the embedded default model's own file
+    when no model is given) or
     int8 (per-output-row int8 made at load from a float checkpoint), gptq or awq (a GPTQ
     or AWQ checkpoint's 4- or 8-bit weights; None serves such a checkpoint so too, as its
     config.json says). Activations stay float32."""

@@ -34,9 +34,9 @@ from typing import Protocol, TypeVar
 import torch
 
 from pagedserve.kernels.layer_ops import LayerOps
-from pagedserve.kernels.quant import QuantizedWeight
+from pagedserve.kernels.quant import QuantizedWeight, StackedWeight
 
-Weight = torch.Tensor | QuantizedWeight
+Weight = torch.Tensor | QuantizedWeight | StackedWeight
 
 PlanT = TypeVar("PlanT")
 

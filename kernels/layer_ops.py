@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import quant
-from pagedserve.kernels.quant import QuantizedWeight
+from pagedserve.kernels.quant import QuantizedWeight, StackedWeight
 
 
 class LayerOps(Protocol):
@@ -128,6 +128,8 @@ class TorchLayerOps:
     ) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return quant.linear_reference(x, weight, bias)
+        if isinstance(weight, StackedWeight):
+            return weight.linear(self.linear, x, bias)
         return F.linear(x, weight, bias)
 
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:

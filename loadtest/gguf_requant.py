@@ -1,13 +1,14 @@
 """A GGUF file re-quantized to another block format, for benchmarks and tests.
 
 ``python -m pagedserve.loadtest.gguf_requant IN.gguf OUT.gguf --type q8_0`` copies every metadata
-field and tensor of ``IN`` and re-encodes its quantized weights (``Q8_0``, ``Q4_0``,
-``Q4_1``) in ``--type``; float tensors (norms) are copied as they are. The weights go
-through float32 on the way (the ``gguf`` package's dequantizer and quantizer), so a Q8_0
-file made from the default model's Q4_1 one holds those 4-bit values at 8 bits: the
-same model as closely as Q8_0 can hold it, with Q8_0's bytes and kernels. That is the
-file to compare formats with (pagedserve and llama.cpp both serve it) when no Q8_0
-release of the model is at hand.
+field and tensor of ``IN`` and re-encodes its quantized weights (any GGML type the
+``gguf`` package dequantizes: Q4_1, the K-quants, ...) in ``--type`` (one the package
+quantizes: ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``); float tensors (norms) are
+copied as they are. The weights go through float32 on the way (the ``gguf`` package's
+dequantizer and quantizer), so a Q8_0 file made from the default model's Q4_1 one holds
+those 4-bit values at 8 bits: the same model as closely as Q8_0 can hold it, with Q8_0's
+bytes and kernels. That is the file to compare formats with (pagedserve and llama.cpp
+both serve it) when no Q8_0 release of the model is at hand.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-REQUANTIZED = ("Q8_0", "Q4_0", "Q4_1")
-"""The GGML types that are re-encoded (and the ones that can be asked for)."""
+REQUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+"""The GGML types that can be asked for (those the ``gguf`` package quantizes)."""
+FLOAT_TYPES = ("F32", "F16", "BF16")
+"""GGML types copied as they are; a tensor of any other type is re-encoded."""
 
 
 def requantize(src: Path, dst: Path, target: str) -> int:
@@ -46,7 +49,7 @@ def requantize(src: Path, dst: Path, target: str) -> int:
     tensors = []
     for t in reader.tensors:
         data = t.data
-        if t.tensor_type.name in REQUANTIZED and t.tensor_type != qtype:
+        if t.tensor_type.name not in FLOAT_TYPES and t.tensor_type != qtype:
             data = gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), qtype)
             tensors.append((t.name, np.ascontiguousarray(data), qtype, True))
         else:

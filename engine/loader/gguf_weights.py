@@ -2,9 +2,15 @@
 
 Tensors in ``Q8_0``, ``Q4_0`` and ``Q4_1`` become :class:`~pagedserve.kernels.quant.QuantizedWeight`
 planes (the bytes of the file, split into codes, scales and offsets; nothing is
-expanded); ``F32``/``F16``/``BF16`` tensors load as they are; any other GGML type (the
-K-quants, I-quants, ...) is dequantized to float32 by the ``gguf`` package and runs as a
-float weight. Names are mapped to the Hugging Face checkpoint's, and the rows of Llama's
+expanded); ``Q5_0``, ``Q5_1`` and the K-quants ``Q4_K``, ``Q5_K``, ``Q6_K`` (what a
+``Q4_K_M`` or ``Q5_K_M`` file holds) become one plane of the file's blocks as they are;
+``F32``/``F16``/``BF16`` tensors load as they are; any other GGML type (``Q2_K``,
+``Q3_K``, the I-quants, ...) is dequantized to float32 by the ``gguf`` package and runs
+as a float weight, as does a fused projection (q/k/v, gate/up) with a part of such a
+type; the load says so in one log line per GGML type. A fused projection whose parts
+are of different kept types (a ``Q4_K_M`` file's ``Q6_K`` ``attn_v`` beside its ``Q4_K``
+``attn_q``/``attn_k``) keeps each part in its own (a ``StackedWeight``). Names are mapped
+to the Hugging Face checkpoint's, and the rows of Llama's
 ``attn_q``/``attn_k`` are put back in Hugging Face order (llama.cpp's converter
 interleaves the two halves of each head for its RoPE), so the model loads these tensors
 exactly as it loads a safetensors checkpoint.
@@ -12,6 +18,7 @@ exactly as it loads a safetensors checkpoint.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +26,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedserve.engine.models.checkpoint_names import layout_key
-from pagedserve.kernels.quant import QK, QuantizedWeight
+from pagedserve.engine.lora.request import FUSED
+from pagedserve.engine.models.checkpoint_names import layout_key, projection
+from pagedserve.kernels.quant import BLOCK_BYTES, BLOCK_WEIGHTS, QK, QuantizedWeight
 
-NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+logger = logging.getLogger(__name__)
+
+NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1",
+                "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}  # fmt: skip
 """GGML types kept quantized, and their :data:`pagedserve.kernels.quant.FORMATS` names."""
-_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+"""GGML types that load as float tensors as they are (not counted as expanded)."""
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, **BLOCK_BYTES}
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 """``general.architecture`` values this loader maps (Llama's q/k rows are permuted;
 Gemma's norms are stored as ``1 + weight``, as its converter writes them)."""
@@ -88,9 +101,13 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
 
 
 def _quantized(fmt: str, raw: np.ndarray, k: int) -> QuantizedWeight:
-    """Split GGML blocks ``raw`` (uint8 ``[n, k / 32 * block bytes]``) into planes."""
+    """Split GGML blocks ``raw`` (uint8 ``[n, k / block weights * block bytes]``) into
+    planes (the block formats: one plane, the blocks as they are)."""
     n = raw.shape[0]
-    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(n, k // QK, _BLOCK_BYTES[fmt])
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8))
+    if fmt in BLOCK_BYTES:
+        return QuantizedWeight(fmt, n, k, data.reshape(n, -1).contiguous(), None)
+    blocks = data.view(n, k // QK, _BLOCK_BYTES[fmt])
     d = blocks[..., 0:2].contiguous().view(torch.float16).view(n, k // QK)
     m = None
     if fmt == "q4_1":
@@ -109,19 +126,66 @@ def _unpermute_index(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
 
 
-def tensor_formats(path: Path) -> dict[str, str]:
+def _kept_format(t) -> str | None:
+    """The format a GGUF tensor of a kept type loads in (None: another type). Its rows
+    must be whole blocks of that format (as GGML stores them): a tensor that is not is
+    refused, naming it."""
+    fmt = NATIVE_TYPES.get(t.tensor_type.name)
+    k = int(t.shape[0])
+    if fmt is not None and k % BLOCK_WEIGHTS[fmt]:
+        raise ValueError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}): its rows of {k} "
+                         f"weights are not whole blocks of {BLOCK_WEIGHTS[fmt]}")
+    return fmt
+
+
+def tensor_formats(path: Path) -> dict[str, str | tuple[str, ...]]:
     """Per model weight (``layers.{i}.{projection}``, ``embed_tokens``, ``lm_head``) the
     quantized format it loads in; weights that load as float are absent. A fused
-    projection is quantized only when all its parts share one format."""
-    parts: dict[str, set[str | None]] = {}
+    projection (q/k/v, gate/up) is quantized when all its parts are of kept types: in
+    their one format, or, where they differ, in each part's (a tuple in row order: a
+    :class:`~pagedserve.kernels.quant.StackedWeight`)."""
+    parts: dict[str, dict[str, str | None]] = {}
     reader = _reader(path)
     arch = _field_str(reader, "general.architecture") or "llama"
     for t in reader.tensors:
         name = hf_name(t.name, arch)
         key = None if name is None else layout_key(name)
         if key is not None:
-            parts.setdefault(key, set()).add(NATIVE_TYPES.get(t.tensor_type.name))
-    return {k: next(iter(f)) for k, f in parts.items() if len(f) == 1 and None not in f}
+            parts.setdefault(key, {})[projection(name.rpartition(".")[0]) or key] = _kept_format(t)
+    formats: dict[str, str | tuple[str, ...]] = {}
+    for key, by_part in parts.items():
+        kinds = set(by_part.values())
+        if None in kinds:
+            continue
+        order = FUSED.get(key.rpartition(".")[2], ())
+        if len(kinds) == 1:
+            formats[key] = kinds.pop()
+        elif set(by_part) == set(order):
+            formats[key] = tuple(by_part[p] for p in order)
+    return formats
+
+
+def _log_expanded(reader, arch: str, quantized_keys: set[str]) -> None:
+    """One log line per quantized GGML type whose tensors (model weights) load expanded
+    to float32: types the kernels do not take, and kept types that are a part of a fused
+    projection with a part of such a type."""
+    other: dict[str, list[str]] = {}
+    mixed: dict[str, list[str]] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name, arch)
+        type_name = t.tensor_type.name
+        if name is None or type_name in FLOAT_TYPES:
+            continue
+        if type_name not in NATIVE_TYPES:
+            other.setdefault(type_name, []).append(t.name)
+        elif layout_key(name) not in quantized_keys:
+            mixed.setdefault(type_name, []).append(t.name)
+    for type_name, names in sorted(other.items()):
+        logger.warning("GGUF: %d %s tensors expanded to float32 (the kernels keep %s), e.g. %s",
+                       len(names), type_name, ", ".join(NATIVE_TYPES), names[0])  # fmt: skip
+    for type_name, names in sorted(mixed.items()):
+        logger.warning("GGUF: %d %s tensors expanded to float32: fused (q/k/v or gate/up) with "
+                       "a part of a type expanded, e.g. %s", len(names), type_name, names[0])
 
 
 def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
@@ -136,6 +200,7 @@ def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
         raise ValueError(f"GGUF general.architecture={arch!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")  # fmt: skip
     quantized_keys = set(formats)
+    _log_expanded(reader, arch, quantized_keys)
     for t in reader.tensors:
         name = hf_name(t.name, arch)
         if name is None:
@@ -146,7 +211,7 @@ def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
         keep = fmt is not None and layout_key(name) in quantized_keys
         if keep:
             value: torch.Tensor | QuantizedWeight = _quantized(fmt, t.data, k)
-        elif type_name in ("F32", "F16"):
+        elif type_name in ("F32", "F16"):  # BF16: through the gguf package
             value = torch.from_numpy(np.array(t.data)).float()
         else:
             value = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()

@@ -27,7 +27,7 @@ from pagedserve.kernels.interface import (
     DecoderStack,
     LayerWeights,
 )
-from pagedserve.kernels.quant import QuantizedWeight, quantize_int8
+from pagedserve.kernels.quant import QuantizedWeight, StackedWeight, quantize_int8
 
 if TYPE_CHECKING:
     from pagedserve.engine.lora.weights import LoRAStep
@@ -281,10 +281,12 @@ class DecoderForCausalLM(nn.Module):
         return self.tp.gather_logits(logits, self.full_spec.vocab_size)
 
     # -- quantized weights --------------------------------------------------
-    def quantize_layout(self, formats: dict[str, str]) -> None:
+    def quantize_layout(self, formats: dict[str, str | tuple[str, ...]]) -> None:
         """Before loading: keep the weights named in ``formats`` quantized. Keys are
         ``layers.{i}.{projection}`` (see :data:`LINEAR_NAMES`), ``embed_tokens`` and
-        ``lm_head``; values are :data:`pagedserve.kernels.quant.FORMATS` names. Their planes are
+        ``lm_head``; values are :data:`pagedserve.kernels.quant.FORMATS` names, or for a
+        fused projection whose parts differ, one per part in row order (q, k, v; gate,
+        up: a :class:`~pagedserve.kernels.quant.StackedWeight`). Their planes are
         allocated on the CPU; the checkpoint must then supply them in that format."""
         self._stack = None
         for name, fmt in formats.items():
@@ -298,8 +300,31 @@ class DecoderForCausalLM(nn.Module):
             if old is None:  # a tied lm_head
                 continue
             bias = None if old.bias is None else torch.empty(old.bias.shape, dtype=torch.float32)
-            setattr(parent, attr, QuantLinear(
-                QuantizedWeight.empty(fmt, old.out_features, old.in_features), bias))
+            if isinstance(fmt, tuple):
+                weight = StackedWeight.empty(self._part_rows(parent, attr, fmt), old.in_features)
+            else:
+                weight = QuantizedWeight.empty(fmt, old.out_features, old.in_features)
+            setattr(parent, attr, QuantLinear(weight, bias))
+
+    @staticmethod
+    def _part_rows(parent: nn.Module, attr: str,
+                   fmts: tuple[str, ...]) -> list[tuple[str, int]]:  # fmt: skip
+        """``(format, rows)`` of a fused projection's parts of formats ``fmts`` (q, k, v
+        or gate, up), neighbours of one format merged."""
+        old = getattr(parent, attr)
+        if attr == "qkv_proj" and len(fmts) == 3:
+            rows = [parent.q_size, parent.kv_size, parent.kv_size]
+        elif attr == "gate_up_proj" and len(fmts) == 2:
+            rows = [old.out_features // 2] * 2
+        else:
+            raise ValueError(f"{attr}: no parts of formats {fmts}")
+        merged: list[tuple[str, int]] = []
+        for fmt, n in zip(fmts, rows, strict=True):
+            if merged and merged[-1][0] == fmt:
+                merged[-1] = (fmt, merged[-1][1] + n)
+            else:
+                merged.append((fmt, n))
+        return merged
 
     def quantized_to(self, device: torch.device) -> None:
         """Move the quantized weights' planes (and input orders) to ``device``

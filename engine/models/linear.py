@@ -8,13 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.kernels.quant import QuantizedWeight
+from pagedserve.kernels.quant import QuantizedWeight, StackedWeight
 
 
 class QuantLinear(nn.Module):
     """A linear layer whose weight stays quantized (``ops.linear`` multiplies it)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: QuantizedWeight | StackedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.weight = weight
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -51,6 +51,12 @@ def put_rows(module: nn.Module, kind: str, offset: int,
     """Rows ``offset ..`` of ``module``'s weight or bias := ``tensor``. A quantized tensor
     goes into a quantized weight of its format, or is dequantized into a float one."""
     target = getattr(module, kind)
+    if isinstance(target, StackedWeight):  # each part of its own format
+        if not isinstance(tensor, QuantizedWeight):
+            raise ValueError(f"a {target.fmt} weight was laid out but the checkpoint has "
+                             f"{tensor.dtype}")  # fmt: skip
+        target.copy_rows_(offset, tensor)
+        return
     if isinstance(target, QuantizedWeight):
         if not isinstance(tensor, QuantizedWeight) or tensor.fmt != target.fmt:
             got = tensor.fmt if isinstance(tensor, QuantizedWeight) else str(tensor.dtype)

@@ -186,7 +186,8 @@ class Worker:
                 path, settings.hf_config.num_attention_heads,
                 getattr(settings.hf_config, "num_key_value_heads", None)
                 or settings.hf_config.num_attention_heads, formats)  # fmt: skip
-            kinds = sorted(set(formats.values()))
+            kinds = sorted({f for v in formats.values()
+                            for f in ((v,) if isinstance(v, str) else v)})  # fmt: skip
             self.quant_desc = f"gguf ({', '.join(kinds) or 'no quantized tensors'})"
         else:
             cq = CheckpointQuant.from_config(settings.quant_config)

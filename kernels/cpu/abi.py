@@ -79,7 +79,14 @@ MAX_HEAD_DIM = CONSTANTS["MAX_HEAD_DIM"]
 QUANT_FORMATS: dict[str, int] = dict(sorted(
     ((name.removeprefix("QF_").lower(), code) for name, code in CONSTANTS.items()
      if name.startswith("QF_")), key=lambda item: item[1]))  # fmt: skip
-"""Quantization format name (``q8_0``, ``q4_0``, ``q4_1``, ``int8``) -> code, in code order."""
+"""Quantization format name (``q8_0``, ``q4_0``, ``q4_1``, ``int8``, ``q5_0``, ``q5_1``,
+``q4_k``, ``q5_k``, ``q6_k``) -> code, in code order."""
+QK_K = CONSTANTS["QK_K"]
+"""Weights per block along k of the GGUF K-quants."""
+BLOCK_BYTES: dict[str, int] = {name.removeprefix("QB_").lower(): size
+                               for name, size in CONSTANTS.items()
+                               if name.startswith("QB_")}  # fmt: skip
+"""Bytes of one GGML block of each format kept as the file's blocks (one plane)."""
 ATTENTION_ERRORS: dict[int, str] = {CONSTANTS[name]: text for name, text in _MESSAGES.items()
                                     if name.startswith("PA_ERR_")}  # fmt: skip
 """paged_attention's status codes -> what each means."""

@@ -30,7 +30,7 @@ from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayer
 from pagedserve.kernels.cpu.native import DTYPE_CODES, kv_layout
 from pagedserve.kernels.cpu.quant import format_code
 from pagedserve.kernels.interface import DecoderStack, ExpertWeights, LayerWeights, Weight
-from pagedserve.kernels.quant import QuantizedWeight
+from pagedserve.kernels.quant import QuantizedWeight, StackedWeight
 
 C = abi.CONSTANTS
 
@@ -238,12 +238,17 @@ class FusedLayers:
         if isinstance(weight, QuantizedWeight):
             if weight.shape != (n, k) or weight.device.type != "cpu":
                 return None
-            planes = [weight.qs, weight.d] + ([] if weight.m is None else [weight.m])
-            if not all(p.is_contiguous() for p in planes):
+            if not all(p.is_contiguous() for p in weight.planes):
                 return None
             packed = self._ops.quant_packed(weight)
             keep.append(packed)
             lin[C["LIN_FMT"]], lin[C["LIN_W"]] = format_code(weight), packed.data_ptr()
+            return lin, self._ops.quant_max_rows
+        if isinstance(weight, StackedWeight):
+            parts = self._stacked_parts(weight, bias, n, k, keep)
+            if parts is None:
+                return None
+            lin[C["LIN_FMT"]], lin[C["LIN_W"]] = C["LIN_STACK"], parts.data_ptr()
             return lin, self._ops.quant_max_rows
         packed = self._ops.native_packed(weight)
         if packed is None or tuple(weight.shape) != (n, k):
@@ -251,6 +256,27 @@ class FusedLayers:
         keep.append(packed)
         lin[C["LIN_FMT"]], lin[C["LIN_W"]] = C["LIN_F32"], packed.data_ptr()
         return lin, NATIVE_LINEAR_MAX_ROWS
+
+    def _stacked_parts(self, weight: StackedWeight, bias, n: int, k: int, keep):
+        """A stacked linear's LIN_STACK table (kept alive in ``keep``), or None."""
+        if weight.shape != (n, k) or weight.device.type != "cpu":
+            return None
+        size = C["LIN_SIZE"]
+        table, row = [len(weight.parts)] + [0] * (size * len(weight.parts)), 0
+        for i, part in enumerate(weight.parts):
+            if not all(p.is_contiguous() for p in part.planes):
+                return None
+            packed = self._ops.quant_packed(part)
+            keep.append(packed)
+            at = 1 + i * size
+            table[at + C["LIN_FMT"]], table[at + C["LIN_W"]] = format_code(part), packed.data_ptr()
+            table[at + C["LIN_N"]], table[at + C["LIN_K"]] = part.n, k
+            if bias is not None:  # float32: 4 bytes a row
+                table[at + C["LIN_BIAS"]] = bias.data_ptr() + 4 * row
+            row += part.n
+        tensor = torch.tensor(table, dtype=torch.int64)
+        keep.append(tensor)
+        return tensor
 
 
 def _f32_vector(t: torch.Tensor) -> bool:

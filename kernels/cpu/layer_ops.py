@@ -43,7 +43,7 @@ from pagedserve.kernels.cpu.abi import MAX_HEAD_DIM
 from pagedserve.kernels.cpu.native import isa as build_isa
 from pagedserve.kernels.cpu.quant import cached_pack, native_dequantize, native_linear, packed_size
 from pagedserve.kernels.layer_ops import TorchLayerOps, rms_norm
-from pagedserve.kernels.quant import QuantizedWeight
+from pagedserve.kernels.quant import QuantizedWeight, StackedWeight
 
 log = logging.getLogger("pagedserve.kernels.cpu.layer_ops")
 
@@ -134,6 +134,7 @@ class NativeLayerOps(TorchLayerOps):
         prefetchers stream a panel without stopping at every 4 KiB page), as do the
         quantized weights' packed copies."""
         weights = [w for w in dict.fromkeys(weights) if w.device.type == "cpu"]  # tied: once
+        weights = [p for w in weights for p in (w.parts if isinstance(w, StackedWeight) else (w,))]
         quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
         weights = [w for w in weights if not isinstance(w, QuantizedWeight)]
         self._pack_quantized(quantized, allocate or _torch_empty)
@@ -156,6 +157,8 @@ class NativeLayerOps(TorchLayerOps):
     ) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return self._quant_linear(x, weight, bias)
+        if isinstance(weight, StackedWeight):
+            return weight.linear(self.linear, x, bias)
         if self._use_native(x, weight, bias):
             return self._gemm_linear(x, weight, bias)
         if not self._use_packed(x, weight):

@@ -27,6 +27,8 @@ def _planes(weight: QuantizedWeight) -> tuple[int | None, int | None, int | None
     weight.require_planes("a product, dequantization or packing from the planes")
     if weight.fmt == "int8":
         return None, None, weight.d.data_ptr()
+    if weight.d is None:  # a block format: its scales are in its blocks
+        return None, None, None
     return weight.d.data_ptr(), None if weight.m is None else weight.m.data_ptr(), None
 
 

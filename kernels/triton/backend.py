@@ -9,7 +9,7 @@ import torch
 
 from pagedserve.kernels.interface import AttentionMetadata
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
-from pagedserve.kernels.quant import QK, QuantizedWeight
+from pagedserve.kernels.quant import QK, QuantizedWeight, StackedWeight
 from pagedserve.kernels.triton import norm, rope
 from pagedserve.kernels.triton.decode import (
     choose_num_splits,
@@ -53,6 +53,8 @@ class TritonLayerOps(TorchLayerOps):
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight) and weight.k % QK == 0 and x.dim() == 2:
             return quant_matmul(x, weight, bias)
+        if isinstance(weight, StackedWeight):
+            return weight.linear(self.linear, x, bias)
         return super().linear(x, weight, bias)
 
 

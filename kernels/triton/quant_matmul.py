@@ -8,6 +8,13 @@ a ``BLOCK_M x BLOCK_N`` tile of ``y`` and walks K one 32-weight block at a time.
 ones (GGML's order), so the two halves are multiplied with the matching halves of
 ``x`` (two ``tl.dot`` of K = 16) instead of being interleaved. Each weight is
 dequantized as GGML does (``d * q``, then ``+ m``); products accumulate in float32.
+
+The block formats (``q5_0``, ``q5_1`` and the K-quants ``q4_k``, ``q5_k``, ``q6_k``) are read
+from their one plane, the GGUF file's blocks as they are (:func:`_block_matmul_kernel`):
+a program walks K one 32-weight run at a time (a Q5 block, or a K-quant's sub-block or
+pair of Q6_K's 16-weight sub-blocks), picks each weight's bits out of its block's bytes
+as ``gguf``'s dequantizer does (the K-quants' 6-bit sub-block scales and mins included)
+and multiplies the float32 run with one ``tl.dot``.
 """
 
 from __future__ import annotations
@@ -16,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.quant import QK, QuantizedWeight
+from pagedserve.kernels.quant import BLOCK_BYTES, BLOCK_WEIGHTS, QK, QuantizedWeight
 
 FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3}
+BLOCK_FORMAT_CODES = {"q5_0": 0, "q5_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
 BLOCK_M = 16
 BLOCK_N = 64
 
@@ -82,9 +90,89 @@ def _quant_matmul_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _f16_at(p, mask):
+    """float32 of the little-endian float16 at byte pointers ``p``."""
+    lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _block_matmul_kernel(
+    x_ptr, qs_ptr, bias_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_qn, stride_ym,
+    FMT: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    i = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    q_rows = qs_ptr + offs_n.to(tl.int64) * stride_qn
+    w_mask = n_mask[None, :]
+    for b in range(0, K // 32):
+        k0 = b * 32
+        xs = tl.load(x_rows + (k0 + i)[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32)
+        blk = q_rows + (k0 // BW) * BB  # [BLOCK_N] pointers to each row's block
+        s = (k0 % BW) // 32  # the run's place in its block
+        if FMT == 0 or FMT == 1:  # q5_0 {d; qh[4]; qs[16]}, q5_1 {d, m; qh[4]; qs[16]}
+            qh_at = 2 if FMT == 0 else 4
+            byte = tl.load(blk[None, :] + (qh_at + 4 + i % 16)[:, None], mask=w_mask, other=0)
+            nib = (byte.to(tl.int32) >> (4 * (i // 16))[:, None]) & 0x0F
+            hb = tl.load(blk[None, :] + (qh_at + i // 8)[:, None], mask=w_mask, other=0)
+            q = nib | (((hb.to(tl.int32) >> (i % 8)[:, None]) & 1) << 4)
+            d = _f16_at(blk, n_mask)[None, :]
+            if FMT == 0:
+                w = d * (q - 16).to(tl.float32)
+            else:
+                w = d * q.to(tl.float32) + _f16_at(blk + 2, n_mask)[None, :]
+        elif FMT == 2 or FMT == 3:  # q4_k, q5_k {d, dmin; scales[12]; (qh[32];) qs[128]}
+            j = s % 4
+            a = tl.load(blk + 4 + j, mask=n_mask, other=0).to(tl.int32)
+            c = tl.load(blk + 8 + j, mask=n_mask, other=0).to(tl.int32)
+            e = tl.load(blk + 12 + j, mask=n_mask, other=0).to(tl.int32)
+            sc = tl.where(s < 4, a & 63, (e & 0x0F) | ((a >> 6) << 4))
+            mn = tl.where(s < 4, c & 63, (e >> 4) | ((c >> 6) << 4))
+            d1 = _f16_at(blk, n_mask) * sc.to(tl.float32)
+            m1 = _f16_at(blk + 2, n_mask) * mn.to(tl.float32)
+            qs_at = 16 if FMT == 2 else 48
+            byte = tl.load(blk[None, :] + (qs_at + 32 * (s // 2) + i)[:, None], mask=w_mask,
+                           other=0)  # fmt: skip
+            q = (byte.to(tl.int32) >> (4 * (s % 2))) & 0x0F
+            if FMT == 3:
+                hb = tl.load(blk[None, :] + (16 + i)[:, None], mask=w_mask, other=0)
+                q = q | (((hb.to(tl.int32) >> s) & 1) << 4)
+            w = d1[None, :] * q.to(tl.float32) - m1[None, :]
+        else:  # q6_k {ql[128]; qh[64]; i8 scales[16]; d}: weights 128h + 32t + i
+            h = s // 4
+            t = s % 4
+            lo = tl.load(blk[None, :] + (64 * h + 32 * (t % 2) + i)[:, None], mask=w_mask,
+                         other=0)  # fmt: skip
+            hi = tl.load(blk[None, :] + (128 + 32 * h + i)[:, None], mask=w_mask, other=0)
+            q = (((lo.to(tl.int32) >> (4 * (t // 2))) & 0x0F)
+                 | (((hi.to(tl.int32) >> (2 * t)) & 3) << 4))  # fmt: skip
+            sc = tl.load(blk[None, :] + (192 + 8 * h + 2 * t + i // 16)[:, None], mask=w_mask,
+                         other=0)  # fmt: skip
+            a = _f16_at(blk + 208, n_mask)[None, :] * sc.to(tl.int8, bitcast=True).to(tl.float32)
+            w = a * (q - 32).to(tl.float32)
+        acc += tl.dot(xs, w, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
 def quant_matmul(x: torch.Tensor, weight: QuantizedWeight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ weight^T (+ bias)`` in ``x``'s dtype (``K`` a multiple of 32)."""
+    """``x [M, K] @ weight^T (+ bias)`` in ``x``'s dtype (``K`` a multiple of 32; of 256
+    for the K-quants, as their weights are)."""
     if x.dim() != 2 or x.shape[1] != weight.k:
         raise ValueError(f"x {tuple(x.shape)} does not match a [{weight.n}, {weight.k}] weight")
     if weight.k % QK:
@@ -94,10 +182,19 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight,
         x = x.contiguous()
     m, n, k = x.shape[0], weight.n, weight.k
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    if weight.fmt in BLOCK_FORMAT_CODES:
+        _block_matmul_kernel[grid](
+            x, weight.qs, bias if bias is not None else weight.qs, y,
+            m, n, k, x.stride(0), weight.qs.stride(0), y.stride(0),
+            FMT=BLOCK_FORMAT_CODES[weight.fmt], BW=BLOCK_WEIGHTS[weight.fmt],
+            BB=BLOCK_BYTES[weight.fmt], HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+        )  # fmt: skip
+        return y
     fmt = FORMAT_CODES[weight.fmt]
     d = weight.d
     dummy = weight.qs
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _quant_matmul_kernel[grid](
         x, weight.qs, d if fmt != 3 else dummy, weight.m if weight.m is not None else dummy,
         d if fmt == 3 else dummy, bias if bias is not None else dummy, y,

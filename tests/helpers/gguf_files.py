@@ -4,10 +4,18 @@ Tensors are named and laid out as ``convert_hf_to_gguf.py`` does for the archite
 (Gemma: norms stored as ``1 + weight``, q/k rows not permuted); the tokenizer fields are
 the default model's (the tiny models use its tokenizer). Float tensors are F32 (norms
 always), the others F32 or Q8_0.
+
+:func:`write_random_gguf` writes a model of random weights straight into a GGUF file (no
+Hugging Face folder: a small file, whatever its width), each 2-D weight in the GGML type
+asked for: random valid blocks for the block formats (any bytes are valid codes and
+sub-block scales; the float16 scales are drawn so the weights spread about as a
+normal of the given deviation does, centered), floats quantized by gguf-py for the
+others.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +117,120 @@ def write_header_only(arch: str, fields: dict, out: Path) -> Path:
         else:
             writer.add_uint32(f"{arch}.{key}", value)
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+# Per GGML type: (bytes a block, weights a block, offset of d, offset of the offset's
+# float16 (-1: none), the offset as a multiple of d that centers the weights, the
+# weights' standard deviation in units of d). The deviations follow from codes and
+# sub-block scales drawn uniformly: Q5_0 d(q - 16); Q5_1 dq + m; Q4_K/Q5_K d sc q - dmin
+# mn with 6-bit sc, mn; Q6_K d sc (q - 32) with int8 sc; Q3_K roughly.
+_RANDOM_BLOCKS = {
+    "Q5_0": (22, 32, 0, -1, 0.0, 9.23),
+    "Q5_1": (24, 32, 0, 2, -15.5, 9.23),
+    "Q4_K": (144, 256, 0, 2, 7.5, 258.3),
+    "Q5_K": (176, 256, 0, 2, 15.5, 527.0),
+    "Q6_K": (210, 256, 208, -1, 0.0, 1366.0),
+    "Q3_K": (110, 256, 108, -1, 0.0, 46.0),
+}
+
+
+def random_block_bytes(type_name: str, n: int, k: int, std: float,
+                       g: torch.Generator) -> np.ndarray:  # fmt: skip
+    """uint8 ``[n, k / block weights * block bytes]``: random valid blocks of GGML type
+    ``type_name`` whose weights have about standard deviation ``std`` and mean 0."""
+    size, width, d_at, m_at, center, spread = _RANDOM_BLOCKS[type_name]
+    nb = k // width
+    raw = torch.randint(0, 256, (n, nb, size), generator=g, dtype=torch.uint8)
+    d = torch.randn(n, nb, generator=g) * (std / spread)
+    raw[..., d_at:d_at + 2] = d.half().view(torch.uint8).view(n, nb, 2)
+    if m_at >= 0:
+        m = (d.half().float() * center).half()
+        raw[..., m_at:m_at + 2] = m.view(torch.uint8).view(n, nb, 2)
+    return raw.reshape(n, -1).numpy()
+
+
+def write_random_gguf(arch: str, out: Path, tokenizer_gguf: Path,
+                      types: Callable[[str], str] | str = "F32", seed: int = 0,
+                      hidden: int = 256, inter: int = 512, layers: int = 2, heads: int = 4,
+                      kv_heads: int = 2, head_dim: int = 64, std: float = 0.15,
+                      tied: bool = True) -> Path:  # fmt: skip
+    """A ``llama`` or ``gemma3`` model of random weights, written as llama.cpp's
+    converter lays its tensors out, with the default model's tokenizer (``tokenizer_gguf``:
+    its GGUF). ``types``: the GGML type of each 2-D weight, by GGUF tensor name (or one
+    for all): F32, Q8_0/Q4_0/Q4_1 (quantized from normal floats of deviation ``std``) or
+    a type of ``_RANDOM_BLOCKS`` (random blocks of about that deviation). Norms are F32
+    near 1 (Gemma's stored as ``1 + weight``, as its converter writes them). ``tied``: no
+    ``output.weight`` (the logits read the embedding table)."""
+    import gguf
+
+    pick = (lambda _name: types) if isinstance(types, str) else types
+    g = torch.Generator().manual_seed(seed)
+    reader = gguf.GGUFReader(str(tokenizer_gguf))
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    writer = gguf.GGUFWriter(str(out), arch=arch)
+    writer.add_name(f"tiny-random-{arch}")
+    writer.add_context_length(1024)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    if arch == "gemma3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(12)
+        writer.add_rope_freq_base_swa(10000.0)
+    else:
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_vocab_size(vocab)
+    for field in reader.fields.values():
+        if field.name.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+
+    def matrix(name: str, n: int, k: int) -> None:
+        type_name = pick(name)
+        if type_name in _RANDOM_BLOCKS:
+            writer.add_tensor(name, random_block_bytes(type_name, n, k, std, g),
+                              raw_dtype=gguf.GGMLQuantizationType[type_name])  # fmt: skip
+            return
+        floats = (torch.randn(n, k, generator=g) * std).numpy()
+        if type_name == "F32":
+            writer.add_tensor(name, floats)
+        else:
+            qtype = gguf.GGMLQuantizationType[type_name]
+            writer.add_tensor(name, gguf.quants.quantize(floats, qtype), raw_dtype=qtype)
+
+    def norm(name: str, size: int) -> None:
+        writer.add_tensor(name, (1.0 + torch.randn(size, generator=g) * 0.05).numpy())
+
+    matrix("token_embd.weight", vocab, hidden)
+    norm("output_norm.weight", hidden)
+    if not tied:
+        matrix("output.weight", vocab, hidden)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for i in range(layers):
+        pre = f"blk.{i}."
+        norm(pre + "attn_norm.weight", hidden)
+        norm(pre + "ffn_norm.weight", hidden)
+        if arch == "gemma3":
+            for n in ("post_attention_norm", "post_ffw_norm"):
+                norm(f"{pre}{n}.weight", hidden)
+            for n in ("attn_q_norm", "attn_k_norm"):
+                norm(f"{pre}{n}.weight", head_dim)
+        for n, rows, cols in (("attn_q", q, hidden), ("attn_k", kv, hidden),
+                              ("attn_v", kv, hidden), ("attn_output", hidden, q),
+                              ("ffn_gate", inter, hidden), ("ffn_up", inter, hidden),
+                              ("ffn_down", hidden, inter)):  # fmt: skip
+            matrix(f"{pre}{n}.weight", rows, cols)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

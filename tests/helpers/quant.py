@@ -5,7 +5,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.quant import QuantizedWeight, quantize_int8
+from pagedserve.kernels.quant import BLOCK_BYTES, BLOCK_WEIGHTS, QuantizedWeight, quantize_int8
+
+F16_FIELDS = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+"""Byte offsets of the float16 fields (d, then m / dmin) in each block format's block."""
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int = 0, scales: tuple[float, ...] = (0.02, 0.05),
+                  generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    """uint8 ``[n, k / block weights * block bytes]``: valid random blocks of block format
+    ``fmt``. Any bytes are valid codes and sub-block scales; the float16 fields (d, m /
+    dmin) are normal with standard deviations ``scales`` (the first for d, the second for
+    the others), so they are finite."""
+    g = generator or torch.Generator().manual_seed(seed)
+    nb = k // BLOCK_WEIGHTS[fmt]
+    raw = torch.randint(0, 256, (n, nb, BLOCK_BYTES[fmt]), generator=g, dtype=torch.uint8)
+    for i, ofs in enumerate(F16_FIELDS[fmt]):
+        value = (torch.randn(n, nb, generator=g) * scales[min(i, 1)]).half()
+        raw[..., ofs:ofs + 2] = value.view(torch.uint8).view(n, nb, 2)
+    return raw.reshape(n, -1).contiguous()
+
+
+def block_k(fmt: str, k: int) -> int:
+    """A k with as many of ``fmt``'s blocks as ``k`` has 32-weight blocks (the tests' k
+    for the K-quants, whose blocks are 256 wide)."""
+    return k * BLOCK_WEIGHTS[fmt] // 32 if BLOCK_WEIGHTS[fmt] > 32 else k
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
@@ -13,6 +37,8 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
     g = torch.Generator().manual_seed(seed)
     if fmt == "int8":
         return quantize_int8(torch.randn(n, k, generator=g))
+    if fmt in BLOCK_BYTES:
+        return QuantizedWeight(fmt, n, k, random_blocks(fmt, n, k, generator=g), None)
     w = QuantizedWeight.empty(fmt, n, k)
     if fmt == "q8_0":
         w.qs.copy_(torch.randint(-128, 128, w.qs.shape, generator=g).to(torch.int8))

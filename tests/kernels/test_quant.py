@@ -1,4 +1,6 @@
-"""Weight-only quantized linears: formats, native kernels at every build level, GGUF loading."""
+"""Weight-only quantized linears: formats, native kernels at every build level, GGUF loading.
+The K-quants' tests take k with as many 256-wide blocks as the others' have 32-wide ones
+(``block_k``)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,16 @@ import torch
 from pagedserve.kernels.cpu import quant
 from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
 from pagedserve.kernels.layer_ops import TorchLayerOps
-from pagedserve.kernels.quant import FORMATS, QuantizedWeight, quantize_int8
-from tests.helpers.quant import assert_product_close, random_weight
+from pagedserve.kernels.quant import (
+    BLOCK_BYTES,
+    BLOCK_FORMATS,
+    BLOCK_WEIGHTS,
+    FORMATS,
+    QuantizedWeight,
+    StackedWeight,
+    quantize_int8,
+)
+from tests.helpers.quant import assert_product_close, block_k, random_blocks, random_weight
 
 
 def test_reference_dequantizes_as_ggml() -> None:
@@ -40,6 +50,8 @@ def test_int8_quantization_is_per_row_symmetric() -> None:
 def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantizedWeight.empty("q4_0", 4, 48)
+    with pytest.raises(ValueError, match="q4_k needs k a multiple of 256"):
+        QuantizedWeight.empty("q4_k", 4, 128)
     with pytest.raises(ValueError, match="quantization format"):
         QuantizedWeight.empty("q3_k", 4, 64)
     a, b = QuantizedWeight.empty("q4_1", 8, 64), QuantizedWeight.empty("q8_0", 2, 64)
@@ -50,6 +62,7 @@ def test_bad_shapes_are_refused() -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (70, 96), (33, 320)])
 def test_native_kernel_matches_reference(native_lib, fmt, n, k) -> None:
+    k = block_k(fmt, k)
     w = random_weight(fmt, n, k, seed=n + k)
     g = torch.Generator().manual_seed(k)
     bias = torch.randn(n, generator=g)
@@ -67,10 +80,11 @@ def test_a_rows_product_does_not_depend_on_its_batch(native_lib, fmt) -> None:
     """Each row of a batch, and each column however the columns are paired and split
     among threads, is computed exactly as that row alone: a request's logits never
     depend on what shares its step."""
-    w = random_weight(fmt, 37, 320, seed=5)
+    k = block_k(fmt, 320)
+    w = random_weight(fmt, 37, k, seed=5)
     g = torch.Generator().manual_seed(6)
     most = NativeLayerOps(native_lib).quant_max_rows
-    x, bias = torch.randn(most, 320, generator=g), torch.randn(37, generator=g)
+    x, bias = torch.randn(most, k, generator=g), torch.randn(37, generator=g)
     alone = torch.cat([quant.native_linear(native_lib, x[i:i + 1], w, bias, 1)
                        for i in range(x.shape[0])])  # fmt: skip
     for rows in (2, 5, 8, 13, most):
@@ -97,7 +111,7 @@ def test_native_int8_takes_any_k(native_lib, fmt, k) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_native_dequantize_is_exact(native_lib, fmt) -> None:
-    w = random_weight(fmt, 37, 128, seed=3)
+    w = random_weight(fmt, 37, block_k(fmt, 128), seed=3)
     assert torch.equal(quant.native_dequantize(native_lib, w, 2), w.dequantize())
     rows = torch.tensor([5, 0, 36, 5])
     assert torch.equal(quant.native_dequantize(native_lib, w, 2, rows=rows), w.dequantize(rows))
@@ -108,7 +122,7 @@ def test_dequantizing_the_packed_copy_gives_the_planes_bits(native_lib, fmt) -> 
     """Rows dequantized from the packed copy (column groups, the last one partial; INT8's
     partial last block) are the planes' rows bit for bit; a row past the weight is
     refused by index."""
-    k = 45 if fmt == "int8" else 96
+    k = 45 if fmt == "int8" else block_k(fmt, 96)
     w = random_weight(fmt, 37, k, seed=12)
     packed = quant.native_pack(native_lib, w)
     want = w.dequantize()
@@ -119,18 +133,19 @@ def test_dequantizing_the_packed_copy_gives_the_planes_bits(native_lib, fmt) -> 
     for bad in (37, -1):
         with pytest.raises(IndexError, match="0..36"):
             quant.native_dequantize(native_lib, w, 1, rows=torch.tensor([3, bad]), packed=packed)
-    big = random_weight(fmt, 301, 1024, seed=13)  # enough work for two threads
+    big = random_weight(fmt, 301, block_k(fmt, 1024), seed=13)  # enough work for two threads
     got = quant.native_dequantize(native_lib, big, 2, packed=quant.native_pack(native_lib, big))
     assert torch.equal(got, big.dequantize())
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_layer_ops_route_quantized_weights(native_lib, fmt) -> None:
     ops, ref_ops = NativeLayerOps(native_lib), TorchLayerOps()
-    w = random_weight(fmt, 96, 64, seed=5)
+    k = block_k(fmt, 64)
+    w = random_weight(fmt, 96, k, seed=5)
     bias = torch.randn(96)
     for rows in (1, ops.quant_max_rows, ops.quant_max_rows + 1, 100):
-        x = torch.randn(rows, 64)
+        x = torch.randn(rows, k)
         assert_product_close(ops.linear(x, w, bias), x, w, bias)
         assert_product_close(ref_ops.linear(x, w, bias), x, w, bias)
     ids = torch.tensor([3, 95, 3])
@@ -200,7 +215,7 @@ def test_the_packed_copy_gives_the_planes_bits(native_lib, fmt) -> None:
     """The engine's path (a copy packed once at load, in groups of output columns) and the
     planes packed for one call are one kernel: the same bits, columns past the last whole
     group included; a changed plane is packed again."""
-    k = 45 if fmt == "int8" else 96
+    k = 45 if fmt == "int8" else block_k(fmt, 96)
     w = random_weight(fmt, 37, k, seed=8)
     assert quant.packed_size(native_lib, w) == native_lib.qgemm_packed_size(
         quant.format_code(w), 37, k) > 0
@@ -212,7 +227,10 @@ def test_the_packed_copy_gives_the_planes_bits(native_lib, fmt) -> None:
         got = quant.native_linear(native_lib, x[:rows], w, bias, 2, packed)
         assert torch.equal(got, quant.native_linear(native_lib, x[:rows], w, bias, 2))
         assert_product_close(got, x[:rows], w, bias)
-    w.d.mul_(2)  # the planes change: the cached copy is packed again
+    if w.d is None:  # a block format: a byte of codes or scales (not a float16 field)
+        w.qs[:, 10].bitwise_xor_(0x55)
+    else:  # the planes change: the cached copy is packed again
+        w.d.mul_(2)
     again = quant.cached_pack(native_lib, w)
     assert again is not packed
     assert torch.equal(quant.native_linear(native_lib, x, w, None, 1, again),
@@ -269,3 +287,127 @@ def test_a_packed_copy_is_made_again_for_another_build_level() -> None:
         lib = cpu_native.build_library(level)
         got = quant.native_linear(lib, x, w, None, 1, quant.cached_pack(lib, w))
         assert torch.equal(got, quant.native_linear(lib, x, w, None, 1)), level
+
+
+def _gguf_dequantize(fmt: str, raw: torch.Tensor) -> torch.Tensor:
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype).copy())
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_block_formats_dequantize_as_gguf(fmt) -> None:
+    """The reference is ``gguf.quants.dequantize`` bit for bit (signed zeros included) on
+    random blocks: any bytes are valid codes and sub-block scales, the float16 fields are
+    set to finite values. Q5_0/Q5_1 also on blocks gguf-py quantized from floats."""
+    for n, blocks, seed in ((1, 1, 0), (5, 3, 1), (16, 2, 2)):
+        k = blocks * BLOCK_WEIGHTS[fmt]
+        raw = random_blocks(fmt, n, k, seed=seed, scales=(0.5, 0.3))
+        assert raw.shape == (n, blocks * BLOCK_BYTES[fmt])
+        w = QuantizedWeight(fmt, n, k, raw, None)
+        want = _gguf_dequantize(fmt, raw)
+        assert torch.equal(w.dequantize().view(torch.int32), want.view(torch.int32))
+        rows = torch.tensor([n - 1, 0])
+        assert torch.equal(w.dequantize(rows), want[rows])
+    if fmt in ("q5_0", "q5_1"):
+        import gguf
+
+        floats = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+        raw = torch.from_numpy(gguf.quants.quantize(floats.numpy(),
+                                                    gguf.GGMLQuantizationType[fmt.upper()]))
+        w = QuantizedWeight(fmt, 6, 128, raw, None)
+        assert torch.equal(w.dequantize(), _gguf_dequantize(fmt, raw))
+        assert (w.dequantize() - floats).abs().max() < 0.25  # what was quantized
+
+
+def test_k_quant_sub_block_scales_and_bits() -> None:
+    """Where a K-quant weight's bits lie: a Q4_K block whose sub-block 5 has scale 37 and
+    min 50 (6-bit values split over bytes 1, 5 and 9 of the scales, GGML's
+    ``get_scale_min_k4``), and a Q6_K block's fifth and sixth bits and int8 scale."""
+    b = torch.zeros(144, dtype=torch.uint8)
+    b[0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)  # d
+    b[2:4] = torch.tensor([0.5], dtype=torch.float16).view(torch.uint8)  # dmin
+    b[4 + 1] = (37 >> 4) << 6  # sub-block 5's scale: top 2 bits over byte 1
+    b[4 + 5] = (50 >> 4) << 6  # its min: top 2 bits over byte 5
+    b[4 + 9] = (37 & 15) | (50 & 15) << 4  # low 4 bits of both in byte 9
+    b[16 + 64 + 7] = 0xA0  # element 7 of sub-block 5: the high nibble of byte 64 + 7
+    w = QuantizedWeight("q4_k", 1, 256, b[None].clone(), None).dequantize()[0]
+    assert w[5 * 32 + 7].item() == 37 * 10 - 0.5 * 50
+    assert w[5 * 32 + 8].item() == -0.5 * 50 and w[4 * 32 + 7].item() == 0.0
+    q6 = torch.zeros(210, dtype=torch.uint8)
+    q6[208:210] = torch.tensor([0.25], dtype=torch.float16).view(torch.uint8)
+    q6[192 + 8 + 2 * 3 + 1] = 0xFE  # scale -2 for weights 128 + 32 * 3 + 16 .. 31
+    q6[64 + 32 + 20] = 0x50  # element 128 + 96 + 20: ql high nibble 5 (t = 3)
+    q6[128 + 32 + 20] = 0b10 << 6  # its bits 6-7 of qh: 2, so q = 5 | 2 << 4 = 37
+    w6 = QuantizedWeight("q6_k", 1, 256, q6[None].clone(), None).dequantize()[0]
+    assert w6[128 + 96 + 20].item() == 0.25 * -2 * (37 - 32)
+    assert torch.equal(w6, _gguf_dequantize("q6_k", q6[None])[0])
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_block_formats_select_and_copy_rows(fmt) -> None:
+    """Rows are whole runs of blocks: a selection (Llama's q/k un-permutation) and a
+    copy into a fused weight keep each row's blocks."""
+    k = BLOCK_WEIGHTS[fmt] * 2
+    w = random_weight(fmt, 12, k, seed=7)
+    index = torch.tensor([3, 0, 11, 7, 7])
+    picked = w.select_rows(index)
+    assert (picked.fmt, picked.n, picked.k, picked.d) == (fmt, 5, k, None)
+    assert torch.equal(picked.dequantize(), w.dequantize()[index])
+    fused = QuantizedWeight.empty(fmt, 17, k)
+    assert fused.qs.shape == (17, 2 * BLOCK_BYTES[fmt]) and fused.d is None
+    fused.copy_rows_(0, w)
+    fused.copy_rows_(12, picked)
+    assert torch.equal(fused.dequantize(), torch.cat((w.dequantize(), picked.dequantize())))
+    assert fused.nbytes == 17 * 2 * BLOCK_BYTES[fmt]
+    assert fused.bits_per_weight == BLOCK_BYTES[fmt] * 8 / BLOCK_WEIGHTS[fmt]
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_block_format_packed_copy_is_the_files_size(native_lib, fmt) -> None:
+    """The packed copy keeps the file's bytes (the K-quants' 6-bit scales and mins
+    unpacked to a byte each: within 3%), and once it is made the planes go: products and
+    embedding lookups read it."""
+    k = BLOCK_WEIGHTS[fmt] * 4
+    w = random_weight(fmt, 2 * native_lib_width(native_lib), k, seed=9)
+    assert 1.0 <= quant.packed_size(native_lib, w) / w.nbytes <= 1.03
+    x, ids = torch.randn(3, k), torch.tensor([4, 0, 4])
+    before, rows = quant.native_linear(native_lib, x, w, None, 1), w.dequantize(ids)
+    ops = NativeLayerOps(native_lib)
+    ops.prepare_weights([w])
+    assert w.released and w.qs.numel() == 0 and w.d is None
+    assert torch.equal(ops.linear(x, w), before)
+    assert torch.equal(ops.embedding(ids, w), rows)
+
+
+def native_lib_width(lib) -> int:
+    """The column groups' width of a build (its vector width; 8 portable)."""
+    return {"avx512": 16, "avx2": 8}.get(lib.simd_isa().decode(), 8)
+
+
+def test_stacked_weight_multiplies_each_part(native_lib) -> None:
+    """A fused projection of parts in two formats (a Q4_K_M file's q/k in Q4_K, v in
+    Q6_K): filled part by part as a checkpoint's tensors arrive, multiplied part by part
+    by the native and the torch layer ops (each part's rows of the bias), the product of
+    the stacked reference; packed at load part by part, its planes released."""
+    w = StackedWeight.empty([("q4_k", 24), ("q6_k", 8)], 256)
+    assert (w.fmt, w.shape, w.nbytes) == ("q4_k+q6_k", (32, 256), 24 * 144 + 8 * 210)
+    q, k, v = (random_weight(f, n, 256, seed=n) for f, n in (("q4_k", 16), ("q4_k", 8),
+                                                            ("q6_k", 8)))  # fmt: skip
+    for offset, part in ((0, q), (16, k), (24, v)):
+        w.copy_rows_(offset, part)
+    with pytest.raises(ValueError, match="cannot put a q4_k"):
+        w.copy_rows_(20, k)  # across two parts
+    with pytest.raises(ValueError, match="cannot put a q6_k"):
+        w.copy_rows_(8, v)  # into the q4_k part
+    want = torch.cat([p.dequantize() for p in (q, k, v)])
+    assert torch.equal(w.dequantize(), want)
+    x, bias = torch.randn(5, 256), torch.randn(32)
+    ops = NativeLayerOps(native_lib)
+    for o in (ops, TorchLayerOps()):
+        assert_product_close(o.linear(x, w, bias), x, w, bias)
+    before = ops.linear(x, w, bias)
+    ops.prepare_weights([w])
+    assert w.released and all(p.released for p in w.parts)
+    assert torch.equal(ops.linear(x, w, bias), before)

@@ -24,12 +24,26 @@
 #define KV_HEADS_FIRST 1 /* [num_blocks, num_kv_heads, block_size, head_dim] */
 
 /* Weight-only quantization formats (``fmt`` of qgemm, qgemm_pack, qgemm_packed,
- * qdequant and qdequant_packed), and the weights per block along k of the GGUF formats. */
+ * qdequant and qdequant_packed), and the weights per block along k of the GGUF formats:
+ * QK for the first ones, QK_K for the K-quants. */
 #define QF_Q8_0 0
 #define QF_Q4_0 1
 #define QF_Q4_1 2
 #define QF_INT8 3
+#define QF_Q5_0 4
+#define QF_Q5_1 5
+#define QF_Q4_K 6
+#define QF_Q5_K 7
+#define QF_Q6_K 8
 #define QK 32
+#define QK_K 256
+/* Bytes of one GGML block of the formats kept as the file's blocks (Q5_0 .. Q6_K: one
+ * plane, each row its blocks as the GGUF file stores them). */
+#define QB_Q5_0 22
+#define QB_Q5_1 24
+#define QB_Q4_K 144
+#define QB_Q5_K 176
+#define QB_Q6_K 210
 
 /* The longest head paged_attention and rope take (their stack buffers). */
 #define MAX_HEAD_DIM 512
@@ -102,6 +116,10 @@
 #define LIN_ORDER 5
 #define LIN_SIZE 6
 #define LIN_F32 -1
+/* LIN_FMT of a stacked linear (parts of different QF_* formats, their outputs side by
+ * side): LIN_W is the address of an int64 table of the part count, then LIN_SIZE entries
+ * a part (its format, packed weight, bias or 0, rows, k; no order of its own). */
+#define LIN_STACK -2
 /* decoder_layers' own status code (it also returns paged_attention's). */
 #define DEC_ERR_LINEAR -7 /* a quantized linear refused its format or shape */
 

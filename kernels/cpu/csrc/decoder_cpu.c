@@ -83,6 +83,18 @@ static int linear(const int64_t *lin, const float *x, int rows, float *y, float 
         gemm_f32(x, k, rows, k, PTR(lin, LIN_W), n, bias, y, n, num_threads);
         return 0;
     }
+    if (lin[LIN_FMT] == LIN_STACK) { /* each part's columns of y in turn */
+        const int64_t *parts = PTR(lin, LIN_W);
+        int64_t col = 0;
+        for (int64_t p = 0; p < parts[0]; ++p) {
+            const int64_t *part = parts + 1 + p * LIN_SIZE;
+            if (qgemm_packed((int)part[LIN_FMT], x, k, rows, k, PTR(part, LIN_W), part[LIN_N],
+                             PTR(part, LIN_BIAS), y + col, n, num_threads))
+                return DEC_ERR_LINEAR;
+            col += part[LIN_N];
+        }
+        return 0;
+    }
     return qgemm_packed((int)lin[LIN_FMT], x, k, rows, k, PTR(lin, LIN_W), n, bias, y, n,
                         num_threads)
                ? DEC_ERR_LINEAR

@@ -10,6 +10,9 @@
  *   Q4_1  qs uint8 ``[n, k/2]``,   d, m float16 ``[n, k/32]``: w = d * q + m
  *   INT8  qs int8 ``[n, k]``,      s float32 ``[n]`` (one scale per output row)
  *
+ * and the block formats Q5_0, Q5_1, Q4_K, Q5_K and Q6_K, whose one plane ``qs`` is the
+ * rows' GGML blocks as the GGUF file stores them (``qgemm_blocks.h``; ``d``/``mn`` NULL).
+ *
  * A Q4 block's 16 bytes hold its elements 0-15 in the low nibbles and 16-31 in the
  * high ones (GGML's order). :c:func:`qdequant` computes every weight exactly as GGML's
  * reference does (the product rounded, then the offset added).
@@ -61,8 +64,23 @@ static inline float f16_bits_to_f32(uint16_t h) {
     return c.f;
 }
 
+/* The formats held as GGML blocks (qgemm_blocks.h). */
+static inline int is_blk(int fmt) { return fmt >= QF_Q5_0 && fmt <= QF_Q6_K; }
+
+/* ------------------------------------------------------------------------- */
+/* The packed layout.                                                         */
+/* ------------------------------------------------------------------------- */
+#if SIMD_VW
+#define QG SIMD_VW
+#else
+#define QG 8
+#endif
+
+#include "qgemm_blocks.h"
+
 /* Bytes of one row of qs. */
 static int64_t row_bytes(int fmt, int64_t k) {
+    if (is_blk(fmt)) return k / blk_weights(fmt) * blk_bytes(fmt);
     return fmt == QF_Q4_0 || fmt == QF_Q4_1 ? k / 2 : k;
 }
 
@@ -80,15 +98,6 @@ static inline float weight_at(int fmt, const uint8_t *q, const uint16_t *dq,
     return f16_bits_to_f32(dq[b]) * (float)v + f16_bits_to_f32(mq[b]);
 }
 
-/* ------------------------------------------------------------------------- */
-/* The packed layout.                                                         */
-/* ------------------------------------------------------------------------- */
-#if SIMD_VW
-#define QG SIMD_VW
-#else
-#define QG 8
-#endif
-
 static int is_q4(int fmt) { return fmt == QF_Q4_0 || fmt == QF_Q4_1; }
 
 /* Code bytes of one column's block. */
@@ -97,12 +106,16 @@ static int block_codes(int fmt) { return is_q4(fmt) ? QK / 2 : QK; }
 /* Bytes of one block of a group: QG columns' codes, then (GGUF formats) their float16
  * scales and (Q4_1) offsets. */
 static int64_t group_block_bytes(int fmt) {
+    if (is_blk(fmt)) return (int64_t)blk_packed_bytes(fmt) * QG;
     const int64_t codes = (int64_t)block_codes(fmt) * QG;
     return codes + (fmt == QF_INT8 ? 0 : fmt == QF_Q4_1 ? 4 * QG : 2 * QG);
 }
 
 /* Blocks along k (INT8: the last one partial when k is not a multiple of 32). */
-static int64_t k_blocks(int fmt, int64_t k) { return fmt == QF_INT8 ? (k + QK - 1) / QK : k / QK; }
+static int64_t k_blocks(int fmt, int64_t k) {
+    if (is_blk(fmt)) return k / blk_weights(fmt);
+    return fmt == QF_INT8 ? (k + QK - 1) / QK : k / QK;
+}
 
 /* Codes a column has in block b: block_codes, fewer only in INT8's partial last block. */
 static int codes_in_block(int fmt, int64_t k, int64_t b) {
@@ -118,6 +131,7 @@ static int64_t group_bytes(int fmt, int64_t k) {
 }
 
 static int valid(int fmt, int64_t n, int64_t k) {
+    if (is_blk(fmt)) return n >= 1 && k >= 1 && !(k % blk_weights(fmt));
     return fmt >= QF_Q8_0 && fmt <= QF_INT8 && n >= 1 && k >= 1 && (fmt == QF_INT8 || !(k % QK));
 }
 
@@ -133,6 +147,10 @@ int qgemm_pack(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
     const int nc = block_codes(fmt);
     uint8_t *out = packed;
     memset(out, 0, (size_t)((n + QG - 1) / QG * gb)); /* padding columns: all zero */
+    if (is_blk(fmt)) {
+        blk_pack(fmt, qs, n, k, out);
+        return 0;
+    }
     for (int64_t g = 0; g * QG < n; ++g) {
         const int cols = n - g * QG < QG ? (int)(n - g * QG) : QG;
         uint8_t *go = out + g * gb;
@@ -156,20 +174,21 @@ int qgemm_pack(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
     return 0;
 }
 
-/* Per row of x, the sum of each block of 32 (the Q4 formats' offsets multiply it): the
- * block's vectors added in order, then their lanes. */
-static void block_sums(const float *x, int64_t ldx, int64_t m, int64_t k, float *sx) {
-    const int64_t nb = k / QK;
+/* Per row of x, the sum of each ``width`` (32, or 16) weights (the offsets multiply
+ * it): the run's vectors added in order, then their lanes. */
+static void block_sums(const float *x, int64_t ldx, int64_t m, int64_t k, int width,
+                       float *sx) {
+    const int64_t nb = k / width;
     for (int64_t r = 0; r < m; ++r)
         for (int64_t b = 0; b < nb; ++b) {
-            const float *xb = x + r * ldx + b * QK;
+            const float *xb = x + r * ldx + b * width;
 #if SIMD_VW
             vf s = vf_load(xb);
-            for (int v = 1; v < QK / SIMD_VW; ++v) s = vf_add(s, vf_load(xb + v * SIMD_VW));
+            for (int v = 1; v < width / SIMD_VW; ++v) s = vf_add(s, vf_load(xb + v * SIMD_VW));
             sx[r * nb + b] = vf_reduce_add(s);
 #else
             float s = 0.0f;
-            for (int i = 0; i < QK; ++i) s += xb[i];
+            for (int i = 0; i < width; ++i) s += xb[i];
             sx[r * nb + b] = s;
 #endif
         }
@@ -244,6 +263,11 @@ static void qgemm_groups(void *ctx, int64_t g0, int64_t g1, int worker) {
     for (int64_t g = g0; g < g1; ++g) {
         const int64_t j = g * QG;
         const int cols = t->n - j < QG ? (int)(t->n - j) : QG;
+        if (is_blk(t->fmt)) {
+            blk_group_rows(t->fmt, t->x, t->ldx, t->m, t->k, t->sx, t->packed + g * gb,
+                           t->bias ? t->bias + j : 0, t->y + j, t->ldy, cols);
+            continue;
+        }
         group_rows(t->fmt, t->x, t->ldx, t->m, t->k, t->sx, t->packed + g * gb,
                    t->bias ? t->bias + j : 0, t->y + j, t->ldy, cols);
     }
@@ -258,10 +282,11 @@ int qgemm_packed(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k,
     if (!valid(fmt, n, k)) return -1;
     if (m < 1) return 0;
     float *sx = 0;
-    if (is_q4(fmt)) {
-        sx = malloc(sizeof(float) * (size_t)(m * (k / QK)));
+    if (is_q4(fmt) || is_blk(fmt)) {
+        const int width = is_blk(fmt) ? blk_sum_width(fmt) : QK;
+        sx = malloc(sizeof(float) * (size_t)(m * (k / width)));
         if (!sx) return -2;
-        block_sums(x, ldx, m, k, sx);
+        block_sums(x, ldx, m, k, width, sx);
     }
     const int64_t groups = (n + QG - 1) / QG;
     const int nt = n * k * m >= PARALLEL_MIN_WORK && num_threads > 1 ? num_threads : 1;

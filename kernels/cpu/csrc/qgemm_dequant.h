@@ -60,6 +60,10 @@ static void qdequant_rows(void *ctx, int64_t i0, int64_t i1, int worker) {
     const float *scale = t->scale;
     const int64_t *rows = t->rows;
     float *out = t->out;
+    if (is_blk(fmt)) {
+        blk_dequant_rows(fmt, qs, k, rows, i0, i1, out);
+        return;
+    }
     for (int64_t i = i0; i < i1; ++i) {
         const int64_t j = rows ? rows[i] : i;
         const uint8_t *q = (const uint8_t *)qs + j * rb;
@@ -80,7 +84,7 @@ static void qdequant_rows(void *ctx, int64_t i0, int64_t i1, int worker) {
 int qdequant(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
              const float *scale, int64_t k, const int64_t *rows, int64_t count, float *out,
              int num_threads) {
-    if (fmt < QF_Q8_0 || fmt > QF_INT8 || (fmt != QF_INT8 && k % QK)) return -1;
+    if (!valid(fmt, 1, k)) return -1;
     const int nt = count * k >= (1 << 18) && num_threads > 1 ? num_threads : 1;
     qdequant_task_t task = {fmt, qs, d, mn, scale, k, rows, out};
     pool_run(qdequant_rows, &task, count, (count + 4 * nt - 1) / (4 * nt), nt);
@@ -156,6 +160,11 @@ static void qdequant_packed_groups(void *ctx, int64_t g0, int64_t g1, int worker
     uint8_t q[QG][QK];
     for (int64_t g = g0; g < g1; ++g) {
         const int cols = t->n - g * QG < QG ? (int)(t->n - g * QG) : QG;
+        if (is_blk(fmt)) {
+            for (int c = 0; c < cols; ++c)
+                blk_dequant_packed_column(fmt, t->packed + g * gb, k, c, t->out + (g * QG + c) * k);
+            continue;
+        }
         const uint8_t *grp = t->packed + g * gb, *blocks = grp + group_head_bytes(fmt);
         float s[QG] = {0};
         if (fmt == QF_INT8) memcpy(s, grp, sizeof(float) * (size_t)cols);
@@ -180,6 +189,10 @@ static void qdequant_packed_rows(void *ctx, int64_t i0, int64_t i1, int worker) 
         const int64_t j = t->rows[i];
         const int c = (int)(j % QG);
         const uint8_t *grp = t->packed + j / QG * gb, *blocks = grp + group_head_bytes(fmt);
+        if (is_blk(fmt)) {
+            blk_dequant_packed_column(fmt, grp, k, c, t->out + i * k);
+            continue;
+        }
         float s = 0.0f;
         if (fmt == QF_INT8) memcpy(&s, grp + sizeof(float) * (size_t)c, sizeof s);
         for (int64_t b = 0; b < nb; ++b) {

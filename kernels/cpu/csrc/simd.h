@@ -90,7 +90,29 @@ static inline void vf_load_nibble_lanes(const uint8_t *p, vf *lo, vf *hi) {
     *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
     *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
+/* vf_load_nibble_lanes through a table: a lane's low 4 bits pick its float (the low
+ * nibble needs no mask). */
+static inline void vf_load_nibble_lanes_lut(const uint8_t *p, vf *lo, vf *hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512 t = _mm512_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, 8.0f, 9.0f,
+                                    10.0f, 11.0f, 12.0f, 13.0f, 14.0f, 15.0f);
+    *lo = _mm512_permutexvar_ps(v, t);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t);
+}
 static inline float f16_to_f32_fast(uint16_t h) { return _cvtsh_ss(h); }
+/* VW int32 lanes (the block formats' codes, decoded with integer operations). */
+typedef __m512i vi;
+/* VW bytes widened to int32 lanes, 0-255. */
+static inline vi vi_load_u8(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vi vi_load_i32(const void *p) { return _mm512_loadu_si512(p); }
+static inline vi vi_set1(int v) { return _mm512_set1_epi32(v); }
+static inline vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
+static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vi vi_srli(vi a, int n) { return _mm512_srli_epi32(a, (unsigned)n); }
+static inline vi vi_slli(vi a, int n) { return _mm512_slli_epi32(a, (unsigned)n); }
+static inline vf vi_to_vf(vi a) { return _mm512_cvtepi32_ps(a); }
 /* 1 / d: the hardware estimate refined by one Newton step (within an ulp or two). */
 static inline vf vf_rcp(vf d) {
     const vf r = _mm512_rcp14_ps(d);
@@ -216,7 +238,19 @@ static inline void vf_load_nibble_lanes(const uint8_t *p, vf *lo, vf *hi) {
     *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
     *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
+#define vf_load_nibble_lanes_lut vf_load_nibble_lanes
 static inline float f16_to_f32_fast(uint16_t h) { return _cvtsh_ss(h); }
+typedef __m256i vi;
+static inline vi vi_load_u8(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline vi vi_load_i32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vi_set1(int v) { return _mm256_set1_epi32(v); }
+static inline vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
+static inline vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
+static inline vi vi_srli(vi a, int n) { return _mm256_srli_epi32(a, n); }
+static inline vi vi_slli(vi a, int n) { return _mm256_slli_epi32(a, n); }
+static inline vf vi_to_vf(vi a) { return _mm256_cvtepi32_ps(a); }
 /* The 12-bit estimate and one Newton step: about 22 bits. */
 static inline vf vf_rcp(vf d) {
     const vf r = _mm256_rcp_ps(d);
@@ -248,6 +282,9 @@ VF_LANES_TREE(vf_max_lanes, vf_hmax_pairs, _mm256_max_ps)
 #endif
 
 #if SIMD_VW
+/* VW unsigned bytes as float32. */
+static inline vf vf_load_u8(const uint8_t *p) { return vi_to_vf(vi_load_u8(p)); }
+
 /* A GGML 4-bit block (16 bytes: elements 0-15 in the low nibbles, 16-31 in the high)
  * as 32 / VW vectors of its codes 0-15, in element order. */
 static inline void vf_load_nibbles32(const uint8_t *p, vf *out) {

@@ -1,11 +1,15 @@
 """GGUF files of architectures other than the default model's: a Gemma 3 file (written as
 llama.cpp's converter writes one, from a tiny random model) serves HF's greedy tokens,
 with the settings transformers' GGUF reader leaves at its defaults read from the header,
-and with ``quantization="gguf"`` its Q8_0 weights kept as stored; a file of an
-architecture the engine does not serve is refused from its header, before conversion."""
+and with ``quantization="gguf"`` its Q8_0 weights kept as stored; a Llama file of random
+Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 blocks (a Q4_K_M file's types) keeps them as stored and serves
+the tokens of its float32 expansion; a file of an architecture the engine does not serve
+is refused from its header, before conversion."""
 
 from __future__ import annotations
 
+import logging
+import shutil
 import time
 
 import pytest
@@ -14,7 +18,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.loader import convert_gguf_model, default_gguf_path
 from pagedserve.engine.loader.default_model import gguf_model_dir
 from pagedserve.engine.loader.gguf_header import config_overrides
-from tests.helpers.gguf_files import write_gemma3_gguf
+from tests.helpers.gguf_files import write_gemma3_gguf, write_random_gguf
 from tests.helpers.hf import hf_greedy
 
 NEW = 10
@@ -52,6 +56,63 @@ def test_gemma3_q8_0_gguf_kept_quantized_equals_hf_on_the_file(gemma3, tmp_path)
     layer = llm.engine.worker.model.layers[5]
     assert layer.qkv_proj.weight.fmt == "q8_0" and layer.down_proj.weight.fmt == "q8_0"
     assert greedy(llm) == want
+
+
+# Every kept block format; fused parts of one type, and of two (a Q4_K_M file's Q6_K
+# attn_v beside Q4_K attn_q/attn_k: each part kept in its own); in layer 1 a gate/up with
+# a Q3_K part (expanded, its Q5_0 part too).
+BLOCK_TYPES = {
+    "token_embd.weight": "Q6_K",  # the embedding and the tied logits
+    "blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q4_K", "blk.0.attn_v.weight": "Q4_K",
+    "blk.0.attn_output.weight": "Q5_0", "blk.0.ffn_gate.weight": "Q5_K",
+    "blk.0.ffn_up.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K",
+    "blk.1.attn_q.weight": "Q4_K", "blk.1.attn_k.weight": "Q4_K", "blk.1.attn_v.weight": "Q6_K",
+    "blk.1.attn_output.weight": "Q5_1", "blk.1.ffn_gate.weight": "Q3_K",
+    "blk.1.ffn_up.weight": "Q5_0", "blk.1.ffn_down.weight": "Q5_0",
+}
+
+
+def test_k_quant_gguf_kept_quantized_equals_its_float_expansion(tmp_path, caplog):
+    """A Llama file (q/k rows as llama.cpp's converter permutes them: the loader puts the
+    kept blocks' rows back with ``select_rows``) whose weights are random valid blocks:
+    served from its blocks, the greedy tokens of the same file expanded to float32 by
+    transformers' GGUF reader; each GGML type still expanded named once in the log."""
+    path = write_random_gguf("llama", tmp_path / "tiny-k.gguf", default_gguf_path(),
+                             BLOCK_TYPES.get)  # fmt: skip
+    assert path.stat().st_size < 16 << 20
+    try:
+        want = greedy(LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02))
+        assert len({t for row in want for t in row}) > 5  # not one repeated token
+        with caplog.at_level(logging.WARNING, logger="pagedserve.engine.loader.gguf_weights"):
+            llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02, quantization="gguf")
+        model = llm.engine.worker.model
+        assert llm.engine.worker.quant_desc == "gguf (q4_k, q5_0, q5_1, q5_k, q6_k)"
+        formats = [[getattr(p.weight, "fmt", None) for _, p in layer.linears()]
+                   for layer in model.layers]  # fmt: skip
+        assert formats == [["q4_k", "q5_0", "q5_k+q4_k", "q6_k"],
+                           ["q4_k+q6_k", "q5_1", None, "q5_0"]]  # fmt: skip
+        assert model.embed_tokens.weight.fmt == "q6_k" and model.lm_head is None
+        logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF:")]
+        assert len(logged) == 2, logged
+        assert logged[0].startswith("GGUF: 1 Q3_K tensors expanded to float32")
+        assert logged[1].startswith("GGUF: 1 Q5_0 tensors expanded to float32: fused")
+        assert greedy(llm) == want
+    finally:
+        shutil.rmtree(gguf_model_dir(path), ignore_errors=True)  # its float32 conversion
+
+
+def test_a_tensor_of_partial_blocks_is_refused_by_name(tmp_path):
+    from pagedserve.engine.loader import gguf_weights
+
+    class Tensor:  # what tensor_formats reads of a reader's tensor
+        name, shape = "blk.0.attn_q.weight", [320, 64]
+
+        class tensor_type:  # noqa: N801
+            name = "Q4_K"
+
+    with pytest.raises(ValueError, match=r"'blk.0.attn_q.weight' \(Q4_K\): its rows of 320 "
+                                         r"weights are not whole blocks of 256"):
+        gguf_weights._kept_format(Tensor)
 
 
 def test_gemma_header_rules(tmp_path):

@@ -89,7 +89,7 @@ def test_gguf_quantized_default_model_matches_hf_on_the_gguf(backend, default_pr
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
 
 
-@pytest.mark.parametrize("fmt", ["q8_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q5_1"])
 def test_a_gguf_file_served_in_its_own_format_matches_hf_on_that_file(
         fmt, tmp_path, monkeypatch, default_prompts):  # fmt: skip
     """Any GGUF file as the model: the default model's re-encoded in ``fmt`` (every

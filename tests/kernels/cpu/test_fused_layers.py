@@ -11,15 +11,16 @@ from pagedserve.engine.models.decoder import DecoderForCausalLM, DecoderSpec, Qu
 from pagedserve.kernels.cpu.backend import CpuBackend
 from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
 from pagedserve.kernels.interface import AttentionMetadata
+from pagedserve.kernels.quant import StackedWeight
 from tests.helpers.quant import random_weight
 
 BLOCK = 16
 
 
-def _config(arch: str):
+def _config(arch: str, hidden: int = 64, inter: int = 128):
     import transformers
 
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    common = dict(vocab_size=96, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, tie_word_embeddings=arch == "qwen3")  # fmt: skip
     if arch == "llama":
@@ -42,8 +43,8 @@ def _config(arch: str):
     return transformers.Qwen3Config(head_dim=16, **common)
 
 
-def _model(arch: str, quant: str | None) -> DecoderForCausalLM:
-    cfg = _config(arch)
+def _model(arch: str, quant: str | None, hidden: int = 64, inter: int = 128) -> DecoderForCausalLM:
+    cfg = _config(arch, hidden, inter)
     model = DecoderForCausalLM(DecoderSpec.from_hf(cfg))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -52,6 +53,21 @@ def _model(arch: str, quant: str | None) -> DecoderForCausalLM:
                 0 if p.dim() > 1 else 1))
     if quant == "int8":
         model.quantize_int8()
+    elif quant == "stacked":  # q/k/v and gate/up of two formats each, as Q4_K_M files have
+        for i, layer in enumerate(model.layers):
+            qk = layer.q_size + layer.kv_size
+            layer.qkv_proj = QuantLinear(StackedWeight((
+                random_weight("q4_k", qk, hidden, seed=10 * i),
+                random_weight("q6_k", layer.kv_size, hidden, seed=10 * i + 1))),
+                layer.qkv_proj.bias)  # fmt: skip
+            layer.gate_up_proj = QuantLinear(StackedWeight((
+                random_weight("q5_k", inter, hidden, seed=10 * i + 2),
+                random_weight("q5_0", inter, hidden, seed=10 * i + 3))), None)  # fmt: skip
+            layer.o_proj = QuantLinear(random_weight("q4_k", hidden, layer.q_size, seed=10 * i + 4),
+                                       layer.o_proj.bias)  # fmt: skip
+            layer.down_proj = QuantLinear(random_weight("q6_k", hidden, inter, seed=10 * i + 5),
+                                          None)  # fmt: skip
+        model._stack = None
     elif quant is not None:  # every projection, an expert's too (not the routers)
         for i, layer in enumerate(model.layers):
             for j, (name, old) in enumerate(list(layer.linears())):
@@ -140,10 +156,18 @@ def test_float32_fused_equals_loop(native_lib, arch, q_lens, ctx):
     _compare(native_lib, model, q_lens, ctx, bool(native_lib.gemm_f32_available()))
 
 
-@pytest.mark.parametrize("quant", ["q4_1", "q4_0", "q8_0", "int8"])
+@pytest.mark.parametrize("quant", ["q4_1", "q4_0", "q8_0", "int8", "q5_0", "q5_1"])
 @pytest.mark.parametrize("q_lens,ctx", STEPS)
 def test_quantized_fused_equals_loop(native_lib, quant, q_lens, ctx):
     _compare(native_lib, _model("llama", quant), q_lens, ctx, True)
+
+
+@pytest.mark.parametrize("quant", ["q4_k", "q5_k", "q6_k", "stacked"])
+@pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 70, 16]), ([1, 1, 9, 3], [20, 33, 0, 40])])
+def test_k_quant_fused_equals_loop(native_lib, quant, q_lens, ctx):
+    # K-quant blocks are 256 wide: a model whose projections take 256 inputs. "stacked":
+    # fused projections whose parts differ in format, in the one call too.
+    _compare(native_lib, _model("llama", quant, hidden=256, inter=256), q_lens, ctx, True)
 
 
 @pytest.mark.parametrize("quant", ["q4_0", "q4_1"])

@@ -30,7 +30,7 @@ pytest.importorskip("triton")
 
 from pagedserve.kernels import KernelSettings, get_attention_backend, torch_ref  # noqa: E402
 from pagedserve.kernels.cpu.synthetic import PagedStep, make_step  # noqa: E402
-from pagedserve.kernels.quant import FORMATS  # noqa: E402
+from pagedserve.kernels.quant import FORMATS, StackedWeight  # noqa: E402
 from pagedserve.kernels.triton import rope  # noqa: E402
 from pagedserve.kernels.triton.backend import TritonLayerOps  # noqa: E402
 from pagedserve.kernels.triton.common import dot_block  # noqa: E402
@@ -45,7 +45,7 @@ from pagedserve.kernels.triton.prefill import paged_prefill_attention as triton_
 from pagedserve.kernels.triton.quant_matmul import quant_matmul  # noqa: E402
 from pagedserve.kernels.triton.write_kv import write_kv as triton_write_kv  # noqa: E402
 from tests.helpers.kernels import fused_qkv_views  # noqa: E402
-from tests.helpers.quant import assert_product_close, random_weight  # noqa: E402
+from tests.helpers.quant import assert_product_close, block_k, random_weight  # noqa: E402
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -436,7 +436,9 @@ def test_triton_in_kernels_triton_is_the_pypi_package() -> None:
 @pytest.mark.parametrize(("n", "k", "m"), [(70, 96, 5), (33, 64, 17), (128, 320, 1)])
 def test_quant_matmul_matches_reference(fmt, n, k, m) -> None:
     """The dequantizing matmul against dequantize-then-matmul: every format, partial
-    tiles in M and N, with and without bias, strided rows."""
+    tiles in M and N, with and without bias, strided rows (the K-quants with as many
+    256-wide blocks as the others have 32-wide ones)."""
+    k = block_k(fmt, k)
     w = random_weight(fmt, n, k, seed=n + k).to(DEVICE)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g).to(DEVICE)
@@ -459,6 +461,11 @@ def test_triton_layer_ops_route_quantized_weights() -> None:
     assert_product_close(ops.linear(xo, odd).cpu(), xo.cpu(), odd.to("cpu"), None)
     with pytest.raises(ValueError, match="does not match"):
         quant_matmul(torch.randn(2, 32).to(DEVICE), w)
+    stacked = StackedWeight((random_weight("q4_k", 24, 256, seed=2),
+                             random_weight("q6_k", 8, 256, seed=3))).to(DEVICE)  # fmt: skip
+    xs, bias = torch.randn(3, 256).to(DEVICE), torch.randn(32).to(DEVICE)
+    assert_product_close(ops.linear(xs, stacked, bias).cpu(), xs.cpu(), stacked.to("cpu"),
+                         bias.cpu())  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
