@@ -20,12 +20,29 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 ``(hidden_size / num_heads) ** -0.5`` (every other size: ``head_dim ** -0.5``)."""
 
 
+def _value(field):
+    """A header field's value (a string, a number, or a list of them), read from its parts
+    (``ReaderField.contents`` is only in newer ``gguf`` releases)."""
+    import gguf
+
+    kind = field.types[0] if field.types else None
+    items = [field.parts[i] for i in field.data]
+    if kind == gguf.GGUFValueType.ARRAY:
+        sub = field.types[-1]
+        if sub == gguf.GGUFValueType.STRING:
+            return [bytes(p).decode() for p in items]
+        return [p.tolist()[0] for p in items]
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(items[0]).decode()
+    return items[0].tolist()[0] if items else None
+
+
 def _fields(path: Path) -> dict:
-    """The header's key/value fields (arrays as lists)."""
+    """The header's key/value fields (arrays as lists), the tokenizer's left out."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    return {name: field.contents() for name, field in reader.fields.items()
+    return {name: _value(field) for name, field in reader.fields.items()
             if not name.startswith("tokenizer.")}  # fmt: skip
 
 

@@ -39,6 +39,9 @@ def load_config(path: Path) -> transformers.PretrainedConfig:
     cfg = transformers.AutoConfig.from_pretrained(str(path))
     arch = (getattr(cfg, "architectures", None) or [None])[0]
     if arch in MULTIMODAL_TEXT_MODELS:
+        if getattr(cfg, "quantization_config", None):
+            raise ValueError(f"a quantized {arch} checkpoint is not supported: serve the "
+                             "float checkpoint (quantization='int8' keeps its linears in int8)")
         text = cfg.text_config
         text.architectures = [MULTIMODAL_TEXT_MODELS[arch]]
         text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))

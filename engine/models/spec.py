@@ -229,6 +229,13 @@ class DecoderSpec:
         # HF's Llama never slides, whatever its config holds.
         windows = () if arch == "LlamaForCausalLM" else layer_windows(cfg)
         rope_keys = _layer_rope_keys(cfg)
+        if arch == "Gemma3ForCausalLM" and not rope_keys:
+            raise ValueError("a Gemma 3 config without per-layer-type rope_parameters (its "
+                             "local and global RoPE) is not supported: it needs "
+                             "transformers >= 5")
+        if ACTIVATIONS[act] != "silu" and arch in MOE_ARCHITECTURES:
+            raise ValueError(f"{key}={act!r} is not supported for mixture-of-experts models: "
+                             "their experts here are SiLU-gated")
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,

@@ -93,8 +93,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
-    """``max_model_len``, or the most positions the model serves (its RoPE table, or a
-    sliding window it cannot go past); more than that is refused."""
+    """``max_model_len``, or the most positions the model serves (its RoPE table, or where
+    longrope's long factors would begin); more than that is refused."""
     hf_max, why = position_limit(hf_config)
     if config.max_model_len is not None and config.max_model_len > hf_max:
         raise ValueError(f"max_model_len={config.max_model_len} is larger than the model's {why}")

@@ -107,6 +107,14 @@ def test_what_gemma_configs_refuse(tiny_model_factory):
     cfg.use_bidirectional_attention = True
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         DecoderSpec.from_hf(cfg)
+    cfg = transformers.AutoConfig.from_pretrained(tiny_model_factory("gemma3"))
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}  # one RoPE only
+    with pytest.raises(ValueError, match="per-layer-type rope_parameters"):
+        DecoderSpec.from_hf(cfg)
+    cfg = transformers.AutoConfig.from_pretrained(tiny_model_factory("mixtral"))
+    cfg.hidden_act = "gelu_pytorch_tanh"
+    with pytest.raises(ValueError, match="not supported for mixture-of-experts"):
+        DecoderSpec.from_hf(cfg)
 
 
 @pytest.mark.parametrize("arch", ("gemma2", "gemma3"))
