@@ -31,6 +31,24 @@ BLOCK_M = 16
 BLOCK_N = 64
 
 
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output tile: its rows and columns, and which of them exist."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
+def _store_tile(acc, bias_ptr, y_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask,
+                HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The float32 tile ``acc`` plus the bias (where there is one) into ``y``."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])  # the step's row count: one variant for all
 def _quant_matmul_kernel(
     x_ptr, qs_ptr, d_ptr, m_ptr, scale_ptr, bias_ptr, y_ptr,
@@ -39,12 +57,7 @@ def _quant_matmul_kernel(
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask = _tile(M, N, BLOCK_M, BLOCK_N)
     half = tl.arange(0, 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
@@ -84,10 +97,7 @@ def _quant_matmul_kernel(
     if FMT == 3:
         s = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
         acc = acc * s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(acc, bias_ptr, y_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, HAS_BIAS)
 
 
 @triton.jit
@@ -106,12 +116,7 @@ def _block_matmul_kernel(
     FMT: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask = _tile(M, N, BLOCK_M, BLOCK_N)
     i = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
@@ -163,10 +168,7 @@ def _block_matmul_kernel(
             a = _f16_at(blk + 208, n_mask)[None, :] * sc.to(tl.int8, bitcast=True).to(tl.float32)
             w = a * (q - 32).to(tl.float32)
         acc += tl.dot(xs, w, input_precision="ieee")
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(acc, bias_ptr, y_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, HAS_BIAS)
 
 
 def quant_matmul(x: torch.Tensor, weight: QuantizedWeight,
