@@ -52,6 +52,10 @@ class DecoderLayer(nn.Module):
         self.window = s.window(index)
         """The layer's sliding window (0: it attends to the whole context)."""
         self.softcap = s.attn_softcap
+        self.attn_options = {"window": self.window, "softcap": self.softcap} \
+            if self.window or self.softcap else {}  # fmt: skip
+        """What the attention backend is passed beside the scale (nothing for a layer that
+        neither slides nor caps)."""
         self.gelu = s.activation == "gelu_tanh"
         self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
@@ -111,15 +115,13 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view_as(q)
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view_as(k)
-        options = {"window": self.window, "softcap": self.softcap} \
-            if self.window or self.softcap else {}  # fmt: skip
         rope_forward = getattr(attn, "rope_forward", None)
         if rope_forward is not None:  # RoPE fused with the K/V write
-            o = rope_forward(q, k, v, cos, sin, k_cache, v_cache, meta, self.scale, **options)
+            o = rope_forward(q, k, v, cos, sin, k_cache, v_cache, meta, self.scale, **self.attn_options)
         else:
             q, k = ops.rope(q, k, cos, sin)
             o = attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale,
-                             **options)  # fmt: skip
+                             **self.attn_options)  # fmt: skip
         attn_out = linear("o_proj", o.reshape(t, self.q_size))
         if self.tp is not None:
             self.tp.all_reduce(attn_out)
