@@ -299,14 +299,8 @@ HEAVY = {
 }
 
 
-@pytest.mark.parametrize("case", list(HEAVY))
-def test_health_answers_while_a_large_request_is_prepared(server, case):
-    """Work that grows with the input runs off the event loop: /health answers within
-    100 ms all the while a request near the body limit is decoded, templated, tokenized
-    or range-checked."""
-    route, obj, status = HEAVY[case]
-    body = json.dumps(obj).encode()
-    assert len(body) < 4 * 2**20
+def _health_latencies_while(server, route, body, status):
+    """Send ``body`` to ``route`` and poll /health until it is answered: the latencies."""
     done = threading.Event()
     result = {}
 
@@ -328,4 +322,22 @@ def test_health_answers_while_a_large_request_is_prepared(server, case):
     sender.join()
     assert result["status"] == status
     assert len(latencies) >= 3, latencies
-    assert max(latencies) < 0.1, sorted(latencies)[-5:]
+    return latencies
+
+
+@pytest.mark.parametrize("case", list(HEAVY))
+def test_health_answers_while_a_large_request_is_prepared(server, case):
+    """Work that grows with the input runs off the event loop: /health answers within
+    100 ms all the while a request near the body limit is decoded, templated, tokenized
+    or range-checked. Work left on the loop stalls every run for as long as it takes; a
+    host busy with other tests stalls one now and then, so the best of three runs counts."""
+    route, obj, status = HEAVY[case]
+    body = json.dumps(obj).encode()
+    assert len(body) < 4 * 2**20
+    worst = []
+    for _ in range(3):
+        latencies = _health_latencies_while(server, route, body, status)
+        if max(latencies) < 0.1:
+            return
+        worst.append(sorted(latencies)[-3:])
+    pytest.fail(f"/health was slower than 100 ms in every run; slowest per run: {worst}")
