@@ -73,3 +73,15 @@ def block_extra_keys(cache_salt: str | None, block_index: int,
         return NO_EXTRA_KEYS
     salt = NO_EXTRA_KEYS if cache_salt is None else (cache_salt,)
     return salt if lora_key is None else (*salt, LORA_MARKER, lora_key)
+
+
+def group_key(key: BlockHash, group: int) -> BlockHash:
+    """The pool key of a block of KV group ``group`` holding the tokens keyed ``key``:
+    groups hold the same tokens in different blocks, so each caches them apart (group 0
+    under the key itself, a later one under the key and its number)."""
+    return key if group == 0 else key + bytes((group,))
+
+
+def split_group_key(pool_key: BlockHash) -> tuple[BlockHash, int]:
+    """``(key, group)`` of a pool key made by :func:`group_key`."""
+    return (pool_key, 0) if len(pool_key) == 16 else (pool_key[:16], pool_key[16])

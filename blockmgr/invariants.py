@@ -13,7 +13,11 @@ Checked:
    (parent key, tokens, extra keys) hash to its key, with exactly ``block_size`` tokens;
 5. each table's hashed blocks, if cached, are cached under the table's own chain keys, and
    a table has exactly ``ceil(num_tokens / block_size)`` blocks;
-6. the slot counters equal their sums over live requests; nothing is cached with caching off.
+6. the slot counters equal their sums over live requests; nothing is cached with caching off;
+7. with several KV groups: every group's table has group 0's length; the null block
+   (one past the pool) fills exactly the first ``num_skipped`` positions of a sliding
+   group's table and no other position of any table; a cached block's key names its
+   group, and a table's blocks are cached only under their own group's keys.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections import Counter
 from typing import Protocol
 
 from pagedserve.blockmgr.block_pool import BlockPool
-from pagedserve.blockmgr.hashing import hash_block_tokens
+from pagedserve.blockmgr.hashing import group_key, hash_block_tokens, split_group_key
 from pagedserve.blockmgr.request_state import RequestBlocks
 from pagedserve.blockmgr.util import cdiv
 
@@ -35,6 +39,8 @@ class ManagerState(Protocol):
     enable_prefix_caching: bool
     pool: BlockPool
     requests: dict[str, RequestBlocks]
+    windows: tuple[int | None, ...]
+    null_block: int
     num_slots_allocated: int
     num_slots_filled: int
 
@@ -69,9 +75,12 @@ def _check_free_queue(pool: BlockPool, n: int) -> None:
 def _check_holders(mgr: ManagerState) -> None:
     """3: ref counts vs tables."""
     holders: Counter[int] = Counter()
+    null = mgr.null_block
     for rid, state in mgr.requests.items():
-        blocks = state.block_ids
+        blocks = [b for st in state.groups() for b in st.block_ids if b != null]
         assert len(set(blocks)) == len(blocks), f"request {rid}: a block appears twice in {blocks}"
+        assert all(0 <= b < mgr.num_blocks for b in blocks), (
+            f"request {rid}: a block id outside the pool in {blocks}")
         holders.update(blocks)
     for b, rc in enumerate(mgr.pool.ref_counts):
         assert rc == holders[b], f"block {b}: ref count {rc} but held by {holders[b]} tables"
@@ -93,7 +102,9 @@ def _check_cache(mgr: ManagerState) -> None:
         assert meta is not None, f"cached block {b} has no metadata"
         parent, tokens, extras = meta
         assert len(tokens) == bs, f"cached block {b} holds {len(tokens)} tokens, not {bs}"
-        assert hash_block_tokens(parent, tokens, extras) == key, (
+        chain_key, group = split_group_key(key)
+        assert group < len(mgr.windows), f"cached block {b}: key of group {group}"
+        assert hash_block_tokens(parent, tokens, extras) == chain_key, (
             f"cached block {b}: key does not match its parent, tokens and extra keys")
     assert num_keyed == len(pool.cached), (
         f"{len(pool.cached)} cache entries but {num_keyed} blocks with a key")
@@ -104,8 +115,8 @@ def _check_cache(mgr: ManagerState) -> None:
 
 
 def _check_tables(mgr: ManagerState) -> None:
-    """5, 6: per-request tables and slot counters."""
-    pool, bs = mgr.pool, mgr.block_size
+    """5, 6, 7: per-request tables and slot counters."""
+    pool, bs, null = mgr.pool, mgr.block_size, mgr.null_block
     allocated = filled = 0
     for rid, state in mgr.requests.items():
         blocks = state.block_ids
@@ -113,14 +124,30 @@ def _check_tables(mgr: ManagerState) -> None:
         assert h <= len(blocks) and h <= len(state.block_hashes), (
             f"request {rid}: {h} hashed blocks, {len(blocks)} blocks, "
             f"{len(state.block_hashes)} keys")
-        for i in range(h):
-            key = pool.block_hash[blocks[i]]
-            assert key is None or key == state.block_hashes[i], (
-                f"request {rid}: block {blocks[i]} at position {i} is cached under another chain")
         assert len(blocks) == cdiv(state.num_tokens, bs), (
             f"request {rid}: {len(blocks)} blocks for {state.num_tokens} tokens")
-        allocated += len(blocks) * bs
-        filled += state.num_tokens
+        groups = state.groups()
+        assert len(groups) == len(mgr.windows), (
+            f"request {rid}: {len(groups)} tables for {len(mgr.windows)} KV groups")
+        for g, st in enumerate(groups):
+            ids = st.block_ids
+            assert len(ids) == len(blocks), (
+                f"request {rid}: group {g}'s table has {len(ids)} positions, group 0's "
+                f"{len(blocks)}")
+            k = st.num_skipped
+            assert k == 0 or mgr.windows[g] is not None, (
+                f"request {rid}: full-attention group {g} skips {k} positions")
+            assert all(b == null for b in ids[:k]) and null not in ids[k:], (
+                f"request {rid}: group {g}'s table {ids} does not hold the null block at "
+                f"exactly its first {k} positions")
+            for i in range(h):
+                b = ids[i]
+                key = None if b == null else pool.block_hash[b]
+                assert key is None or key == group_key(state.block_hashes[i], g), (
+                    f"request {rid}: block {b} at position {i} of group {g} is cached under "
+                    "another chain or group")
+            allocated += (len(ids) - k) * bs
+            filled += state.num_tokens - k * bs
     assert allocated == mgr.num_slots_allocated, (
         f"num_slots_allocated={mgr.num_slots_allocated}, tables hold {allocated}")
     assert filled == mgr.num_slots_filled, (
