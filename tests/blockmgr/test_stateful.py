@@ -4,13 +4,16 @@ Requests share random prefixes (and sometimes a salt) over a tiny vocabulary so 
 duplicates and evictions are frequent; each step is one of admit (lookup + allocate,
 possibly chunked), decode/prefill, fork, finish, preempt, churn (fill and free) and
 reset. After every step the manager's own invariants are checked, plus what only the test
-knows: every cached block in a table holds exactly that request's tokens.
+knows: every cached block in a table holds exactly that request's tokens, and every
+position a request's next token reads holds a real block in every KV group (sliding
+groups give back only what their windows have left).
 """
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -24,8 +27,15 @@ from hypothesis.stateful import (
 )
 
 from pagedserve.blockmgr import KVCacheManager
+from pagedserve.blockmgr.groups import KVGroups
 from tests.helpers.blockmgr import BS, FakeRequest
 
+GROUPS = [
+    None,  # one full-attention group
+    KVGroups((None, 5, 5, 9), ((3,), (0,), (1,), (2,))),  # Gemma-like: full, then sliding
+    KVGroups((6,), ((0, 1),)),  # every layer slides (Mistral v0.1)
+]
+"""Group layouts the machine runs (windows in tokens, blocks of ``BS`` = 4)."""
 PREFIXES = [[], list(range(100, 112)), list(range(100, 106)) + [7] * 6, [1, 2, 3, 4, 5, 6, 7, 8]]
 SALTS = [None, None, "s"]
 
@@ -33,8 +43,8 @@ SALTS = [None, None, "s"]
 class Model:
     """Drives a manager the way the scheduler does and checks it against the requests."""
 
-    def __init__(self, num_blocks: int, caching: bool) -> None:
-        self.mgr = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching)
+    def __init__(self, num_blocks: int, caching: bool, groups: KVGroups | None = None) -> None:
+        self.mgr = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching, groups=groups)
         self.waiting: dict[str, FakeRequest] = {}
         self.running: dict[str, FakeRequest] = {}
         self.next_id = 0
@@ -53,6 +63,8 @@ class Model:
         assert n == len(blocks) * BS
         assert len(blocks) <= (len(req.all_token_ids) - 1) // BS
         for i, b in enumerate(blocks):
+            if b == mgr.null_block:  # below group 0's window
+                continue
             parent, tokens, extras = mgr.pool.block_meta[b]
             assert tokens == req.all_token_ids[i * BS:(i + 1) * BS]
             if i == 0:
@@ -65,6 +77,7 @@ class Model:
         num_new = min(len(req.all_token_ids) - n, budget)
         if not mgr.allocate_slots(req, num_new, blocks or None):
             return False
+        self.check_reads(req, n)
         req.num_computed_tokens = n + num_new
         del self.waiting[req.request_id]
         self.running[req.request_id] = req
@@ -99,8 +112,11 @@ class Model:
         limit = min(parent.num_computed_tokens, len(child.all_token_ids) - 1)
         shared = self.mgr.fork(parent, child, limit)
         assert shared % BS == 0 and shared <= max(limit, 0)
-        assert self.mgr.get_block_table(child.request_id) == (
-            self.mgr.get_block_table(parent.request_id)[:shared // BS])
+        for c, p in zip(self.mgr.get_block_tables(child.request_id),
+                        self.mgr.get_block_tables(parent.request_id), strict=True):
+            assert c == (p[:shared // BS] if shared else [])
+        if shared:
+            self.check_reads(child, shared)
         child.num_computed_tokens = shared
         self.running[child.request_id] = child
         if not self.mgr.allocate_slots(child, len(child.all_token_ids) - shared):
@@ -114,19 +130,31 @@ class Model:
         if self.mgr.allocate_slots(req, num_tokens):
             self.mgr.free(req)
 
+    def check_reads(self, req: FakeRequest, num_computed: int) -> None:
+        """Every group holds a real block wherever the query at token ``num_computed``
+        (and every later one) reads."""
+        mgr = self.mgr
+        for w, table in zip(mgr.windows, mgr.get_block_tables(req.request_id), strict=True):
+            first = 0 if w is None else max(0, num_computed - w + 1) // BS
+            assert mgr.null_block not in table[first:], (
+                f"{req.request_id}: window {w} from token {num_computed} reads {table}")
+
     def check(self) -> None:
         mgr = self.mgr
         mgr.check_invariants()
         held: set[int] = set()
         for rid, req in self.running.items():
-            table = mgr.get_block_table(rid)
-            assert len(table) >= -(-req.num_computed_tokens // BS)
-            held.update(table)
-            for i, b in enumerate(table):
-                meta = mgr.pool.block_meta[b]
-                if meta is not None and (i + 1) * BS <= len(req.all_token_ids):
-                    assert meta[1] == req.all_token_ids[i * BS:(i + 1) * BS], (
-                        f"{rid}: cached block {b} at {i} holds other tokens")
+            tables = mgr.get_block_tables(rid)
+            assert len(tables[0]) >= -(-req.num_computed_tokens // BS)
+            self.check_reads(req, req.num_computed_tokens)
+            for table in tables:
+                real = [b for b in table if b != mgr.null_block]
+                held.update(real)
+                for i, b in enumerate(table):
+                    meta = None if b == mgr.null_block else mgr.pool.block_meta[b]
+                    if meta is not None and (i + 1) * BS <= len(req.all_token_ids):
+                        assert meta[1] == req.all_token_ids[i * BS:(i + 1) * BS], (
+                            f"{rid}: cached block {b} at {i} holds other tokens")
         for rid in self.waiting:
             assert mgr.num_allocated_blocks(rid) == 0
         assert mgr.num_free_blocks == mgr.num_blocks - len(held)
@@ -143,9 +171,11 @@ class Model:
 class BlockManagerMachine(RuleBasedStateMachine):
     reqs = Bundle("reqs")
 
-    @initialize(num_blocks=st.integers(6, 40), caching=st.booleans())
-    def setup(self, num_blocks: int, caching: bool) -> None:
-        self.model = Model(num_blocks, caching)
+    @initialize(num_blocks=st.integers(6, 40), caching=st.booleans(),
+                groups=st.sampled_from(GROUPS))
+    def setup(self, num_blocks: int, caching: bool, groups: KVGroups | None) -> None:
+        self.model = Model(num_blocks * (1 if groups is None else groups.num_groups), caching,
+                           groups)
 
     @rule(target=reqs, prefix=st.sampled_from(PREFIXES),
           suffix=st.lists(st.integers(0, 5), min_size=1, max_size=10), salt=st.sampled_from(SALTS))
@@ -213,11 +243,12 @@ TestBlockManagerMachine.settings = settings(
 )
 
 
-def test_random_soak() -> None:
+@pytest.mark.parametrize("groups", GROUPS, ids=["full", "gemma", "all_sliding"])
+def test_random_soak(groups: KVGroups | None) -> None:
     """A long seeded run with many concurrent requests (plain random, no shrinking)."""
     rng = random.Random(1234)
     for caching in (True, False):
-        model = Model(48, caching)
+        model = Model(48 * (1 if groups is None else groups.num_groups), caching, groups)
         for _ in range(3000):
             op = rng.random()
             if op < 0.2:
