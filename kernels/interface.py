@@ -74,10 +74,18 @@ class AttentionMetadata:
     prepared: object | None = None
     """The backend's typed per-step plan made by ``AttentionBackend.prepare`` (gather
     indices, masks, launch sizes); shared by every layer of the step."""
+    other_groups: tuple[AttentionMetadata, ...] = ()
+    """With several KV groups, the metadata of groups 1, 2, ... (their own block tables
+    and slots; this one is group 0's): a layer reads its group's."""
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @property
+    def groups(self) -> tuple[AttentionMetadata, ...]:
+        """Every KV group's metadata, group 0 (this one) first."""
+        return (self, *self.other_groups)
 
     def plan(self, kind: type[PlanT]) -> PlanT:
         """The per-step plan of type ``kind`` that ``prepare`` made for this step."""

@@ -24,6 +24,9 @@ BENCHMARKS: list[tuple[str, str, str]] = [
      "a batch job and interactive requests under fcfs and priority scheduling"),
     ("lora", "pagedserve.loadtest.lora_bench",
      "the same workload on the base model and spread over k LoRA adapters"),
+    ("memory", "pagedserve.loadtest.memory_bench",
+     "a GGUF file's resident weights against its tensor bytes; the KV cache of one long "
+     "request on a sliding-window model against a full-attention cache"),
     ("serve", "pagedserve.loadtest.serve_bench_cli",
      "online serving: streaming requests at a running server (TTFT, TPOT, ITL, throughput)"),
     ("soak", "pagedserve.loadtest.soak",

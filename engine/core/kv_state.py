@@ -80,6 +80,7 @@ class KVStateTaker:
             "prefix_cache_hits": stats.prefix_cache_hits,
             "prefix_hit_rate": stats.hit_rate,
             "num_preemptions": sched.num_preemptions,
+            "num_kv_groups": kv.num_groups,
             **(totals or {}),
         }
         states = [self._request_state(sched, r, tables) for r in reqs]
@@ -93,9 +94,15 @@ class KVStateTaker:
 
     def _request_state(self, sched: Scheduler, req: Request, tables: bool) -> KVRequestState:
         rid = req.request_id
-        table = sched.kv.get_block_table(rid)
+        kv = sched.kv
+        table = kv.get_block_table(rid)
         runs = None
-        if tables:
+        if tables and kv.num_groups > 1:
+            # every group's blocks, group 0's first; a sliding table changes below its
+            # window, so its runs are made afresh
+            null = kv.null_block
+            runs = table_runs([b for t in kv.get_block_tables(rid) for b in t if b != null])
+        elif tables:
             kept = self._runs.get(rid)
             if kept is not None and kept[0] is table and len(table) >= kept[1]:
                 runs = table_runs(table, kept[2], kept[1])
@@ -106,7 +113,8 @@ class KVStateTaker:
         return KVRequestState(
             request_id=rid, status=req.status.name.lower(), num_tokens=req.num_tokens,
             num_computed_tokens=req.num_computed_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0), num_blocks=len(table),
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_blocks=kv.num_allocated_blocks(rid),
             block_runs=runs)
 
 

@@ -36,6 +36,7 @@ import logging
 from collections.abc import Iterable
 
 from pagedserve.blockmgr import KVCacheManager, cdiv
+from pagedserve.blockmgr.groups import KVGroups
 from pagedserve.engine.core.lora_slots import LoRAGate, active_loras, lora_gate, lora_victims
 from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.core.scheduler_output import (
@@ -66,8 +67,9 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         scheduling_policy: str = "fcfs",
         max_loras: int = 0,
+        kv_groups: KVGroups | None = None,
     ) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_groups)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -212,7 +214,8 @@ class Scheduler:
                 for low in victims:
                     self._preempt(low, out.preempted_req_ids)
                 seats, free = len(self.running), self.kv.num_free_blocks
-            need = cdiv(min(head.num_tokens, self.max_num_batched_tokens), self.kv.block_size)
+            need = self.kv.num_groups * cdiv(min(head.num_tokens, self.max_num_batched_tokens),
+                                             self.kv.block_size)  # fmt: skip
             while seats >= self.max_num_seqs or free - need < self.num_watermark_blocks:
                 low = self.running[-1] if self.running else None
                 if low is None or low.params.priority <= head.params.priority:
@@ -245,7 +248,8 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            num_needed = cdiv(num_cached + num_new, kv.block_size) - len(computed_blocks)
+            num_needed = kv.num_groups * (cdiv(num_cached + num_new, kv.block_size)
+                                          - len(computed_blocks))  # fmt: skip
             if kv.num_free_blocks - num_needed < self.num_watermark_blocks and self.running:
                 break
             forked = 0 if computed_blocks or whole else self._fork_from_sibling(req, scheduled)
@@ -288,20 +292,22 @@ class Scheduler:
     def _describe(self, req: Request, out: SchedulerOutput) -> None:
         """What the model side needs of a scheduled request: all of it the first time,
         else the tokens and blocks added since it was last sent."""
-        table = self.kv.get_block_table(req.request_id)
+        table, *others = self.kv.get_block_tables(req.request_id)
         if not req.runner_knows:
             out.new_requests.append(NewRequestData(
                 req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids, params=req.params,
                 sample_index=req.index, block_ids=list(table),
                 num_computed_tokens=req.num_computed_tokens,
-                lora_request=req.lora_request, pooling=req.group.pooling))  # fmt: skip
+                lora_request=req.lora_request, pooling=req.group.pooling,
+                other_block_ids=[list(t) for t in others]))  # fmt: skip
             req.runner_knows = True
         else:
+            sent = req.num_sent_blocks
             out.cached_requests.append(CachedRequestData(
                 req_id=req.request_id, new_token_ids=req.all_token_ids[req.num_sent_tokens:],
-                new_block_ids=table[req.num_sent_blocks:],
-                num_computed_tokens=req.num_computed_tokens))  # fmt: skip
+                new_block_ids=table[sent:], num_computed_tokens=req.num_computed_tokens,
+                other_block_ids=[t[sent:] for t in others]))  # fmt: skip
         req.num_sent_tokens = req.num_tokens
         req.num_sent_blocks = len(table)
 

@@ -37,6 +37,9 @@ class NewRequestData:
     """The adapter the request runs with."""
     pooling: PoolingParams | None = None
     """An embedding request's pooling: the runner returns its vector."""
+    other_block_ids: list[list[int]] = field(default_factory=list)
+    """With several KV groups, the tables of groups 1, 2, ... (``block_ids`` is group
+    0's); positions a sliding window has left hold the null block."""
 
 
 @dataclass(slots=True)
@@ -49,6 +52,9 @@ class CachedRequestData:
     new_block_ids: list[int]
     """Blocks appended to the request's table since."""
     num_computed_tokens: int
+    other_block_ids: list[list[int]] = field(default_factory=list)
+    """With several KV groups, the blocks appended to each other group's table (a
+    position a window has left since keeps its old id in the runner: no step reads it)."""
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.blockmgr import cdiv
+from pagedserve.blockmgr.groups import KVGroups
 from pagedserve.engine.core.pooling import PoolingParams
 from pagedserve.engine.core.sampling_params import SamplingParams
 from pagedserve.engine.errors import EngineInputError, InputField, PromptTooLongError, TokenIdError
@@ -31,11 +32,25 @@ class InputLimits:
     enable_chunked_prefill: bool
     hidden_size: int = 0
     """The model's hidden size: the length of its embeddings."""
+    kv_groups: KVGroups | None = None
+    """The KV groups (None: one full-attention group): a request's blocks are its peak
+    over every group's table."""
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens the whole KV cache holds."""
-        return self.num_kv_blocks * self.block_size
+        """Tokens one request can hold in the whole KV cache."""
+        if self.kv_groups is None:
+            return self.num_kv_blocks * self.block_size
+        return self.kv_groups.capacity_tokens(self.block_size, self.num_kv_blocks,
+                                              self.max_num_batched_tokens,
+                                              max(self.max_model_len, 1))  # fmt: skip
+
+    def kv_blocks_needed(self, num_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once."""
+        if self.kv_groups is None:
+            return cdiv(num_tokens, self.block_size)
+        return self.kv_groups.peak_blocks(self.block_size, num_tokens,
+                                          self.max_num_batched_tokens)  # fmt: skip
 
     def check_token_ids(self, ids: list[int], field: InputField = InputField.PROMPT) -> None:
         """Every id an integer in ``[0, vocab_size)``; else a :class:`TokenIdError`."""
@@ -85,7 +100,7 @@ class InputLimits:
                     f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion). "
                     f"Please reduce the length of the prompt or the completion.",
                     prompt if room < 1 else InputField.MAX_TOKENS)
-        need = cdiv(num_prompt_tokens + max_tokens, self.block_size)
+        need = self.kv_blocks_needed(num_prompt_tokens + max_tokens)
         if need > self.num_kv_blocks:
             raise PromptTooLongError(
                 f"the request needs {need} KV cache blocks ({num_prompt_tokens} prompt + "

@@ -100,13 +100,15 @@ class LLMEngine:
             speculative_config=config.speculative_config,
             scheduling_policy=config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else 0,
+            kv_groups=w.kv_groups,
         )  # fmt: skip
         self.limits = InputLimits(
             vocab_size=settings.vocab_size, max_model_len=settings.max_model_len,
             num_kv_blocks=w.num_blocks, block_size=settings.block_size,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            hidden_size=settings.decoder.hidden_size)  # fmt: skip
+            hidden_size=settings.decoder.hidden_size,
+            kv_groups=w.kv_groups if w.kv_groups.sliding else None)  # fmt: skip
         self.info = EngineInfo(
             model_name=settings.model_name, model_path=str(settings.model_path),
             tokenizer=w.tokenizer, eos_token_ids=tuple(w.eos_token_ids),

@@ -177,6 +177,9 @@ class DecoderForCausalLM(nn.Module):
         self._stack: DecoderStack | None = None
         """The layers as a backend's ``run_layers`` takes them; rebuilt after the weights
         or RoPE tables are replaced."""
+        self.kv_layer_groups: tuple[int, ...] = ()
+        """Per layer, the KV group whose block table it reads (set by the worker when the
+        cache has several groups: a step's metadata then carries each group's)."""
 
     def set_rope(self, hf_config, max_model_len: int) -> None:
         device = self.embed_tokens.weight.device
@@ -227,7 +230,8 @@ class DecoderForCausalLM(nn.Module):
         hidden = self._embed(input_ids, attn.ops)
         if self.spec.gemma_norms:  # in the model's dtype, as HF rounds it
             hidden = hidden * torch.tensor(self.spec.hidden_size ** 0.5, dtype=hidden.dtype)
-        run_layers = None if self.tp is not None or lora is not None or \
+        metas = meta.groups
+        run_layers = None if self.tp is not None or lora is not None or len(metas) > 1 or \
             not self.spec.llama_layers else getattr(attn, "run_layers", None)  # fmt: skip
         fused = None if run_layers is None or not self.layers else run_layers(
             self.decoder_stack(), hidden, positions, kv_caches, meta)
@@ -240,12 +244,13 @@ class DecoderForCausalLM(nn.Module):
                        sin[positions].to(dtype).unsqueeze(1))
                  for key, (cos, sin) in tables.items()}  # fmt: skip
         keys = self.spec.rope_keys
+        groups = self.kv_layer_groups if len(metas) > 1 else ()
         residual = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches,
                                                             strict=False)):  # fmt: skip
             cos, sin = ropes[keys[i] if keys else ""]
-            hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache, meta, attn,
-                                     lora, i)  # fmt: skip
+            hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache,
+                                     metas[groups[i]] if groups else meta, attn, lora, i)
         if residual is None:  # a model without layers
             return attn.ops.rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
         return attn.ops.add_rms_norm(residual, hidden, self.norm, self.spec.rms_norm_eps)[1]

@@ -335,6 +335,11 @@ def capture_decode_graphs(worker: Any) -> DecodeGraphRunner | None:
     steps: the choice depends only on the step's description."""
     cfg = worker.config
     sizes = capture_sizes(cfg.max_num_seqs)
+    if worker.kv_groups.num_groups > 1:
+        if worker.settings.device.type == "cuda" and not cfg.enforce_eager:
+            logger.info("CUDA graphs off: the KV cache has %d groups (sliding-window layers), "
+                        "each with its own block table", worker.kv_groups.num_groups)
+        return None
     if not graphs_wanted(worker.settings.device, cfg.enforce_eager, worker.attn, worker.model):
         if worker.model.spec.moe is not None and worker.settings.device.type == "cuda" \
                 and not cfg.enforce_eager:  # fmt: skip

@@ -44,6 +44,8 @@ NONFINITE = ("the model's logits were NaN or infinite (at the chosen token, or a
 PROMPT_LOGPROB_ROWS = 256
 """Prompt rows whose logits are computed at once (each a vocabulary of float32)."""
 i64, i32 = torch.int64, torch.int32
+GROUP_DTYPES = (i64, i64, i32, i64)
+"""A KV group's staged arrays: rows, flat table indices, block ids, slots."""
 
 
 class ModelRunner:
@@ -60,6 +62,7 @@ class ModelRunner:
         structured: StructuredOutputManager | None = None,
         max_blocks_per_seq: int = 64,
         samples: bool = True,
+        num_kv_groups: int = 1,
     ) -> None:
         self.samples = samples
         """False on tensor-parallel ranks other than 0: they run the forward pass and
@@ -82,6 +85,9 @@ class ModelRunner:
         self.staging = StagingBuffer(device)
         """Every step's integer inputs, staged on the host and copied once."""
         self.block_rows = BlockTableRows(max_blocks_per_seq, device)
+        self.group_rows = [BlockTableRows(max_blocks_per_seq, device)
+                           for _ in range(num_kv_groups - 1)]  # fmt: skip
+        """With several KV groups, the rows of groups 1, 2, ..."""
         self.decode_graphs: DecodeGraphRunner | None = None
         """Set on CUDA (``pagedserve.engine.worker.cuda_graphs``): runs decode-only steps as CUDA graphs."""
         self._prompt_lp: set[str] = set()
@@ -103,13 +109,19 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self._prompt_lp.discard(rid)
             self.block_rows.release(rid)
+            for rows in self.group_rows:
+                rows.release(rid)
             self.sampler.release(rid)
             self.pooler.release(rid)
         for rid in sched.preempted_req_ids:
             # Its blocks are gone; when it is scheduled again its description carries the
             # whole new table. Its generator stays: its random stream continues.
-            self.requests[rid].block_ids = []
+            state = self.requests[rid]
+            state.block_ids = []
+            state.other_block_ids = [[] for _ in self.group_rows]
             self.block_rows.release(rid)
+            for rows in self.group_rows:
+                rows.release(rid)
         for new in sched.new_requests:
             if (new.params is not None and new.params.prompt_logprobs is not None
                     and new.sample_index == 0):
@@ -122,11 +134,14 @@ class ModelRunner:
                 if self.samples else None,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 matcher=self._matcher(new.params) if self.samples else None,
-                lora=new.lora_request, pooling=new.pooling)
+                lora=new.lora_request, pooling=new.pooling,
+                other_block_ids=[list(t) for t in new.other_block_ids])
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
             state.all_token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
+            for table, added in zip(state.other_block_ids, cached.other_block_ids, strict=True):
+                table.extend(added)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _matcher(self, params: SamplingParams) -> Matcher | None:
@@ -204,14 +219,59 @@ class ModelRunner:
                sampling_ids, drafts_of, lora) -> StepInputs:  # fmt: skip
         """The step's arrays through the staging buffer (one host-to-device copy), the
         block tables updated with only the entries added since the last step."""
+        reqs = self.requests
+        self.block_rows.ensure_width(max(len(reqs[rid].block_ids) for rid, _ in order))
+        rows, flat_idx, new_ids, slots_a = self._table_changes(
+            self.block_rows, [reqs[rid].block_ids for rid, _ in order], order, seq_lens)
+        graph_step = self._stage_for_graphs(input_ids, positions, slots_a, qsl, seq_lens, rows,
+                                            logits_idx, flat_idx, new_ids, num_decodes,
+                                            sampling_ids, drafts_of, order, lora)  # fmt: skip
+        if graph_step is not None:
+            return graph_step
+        groups = []
+        for g, group_rows in enumerate(self.group_rows):
+            group_rows.ensure_width(self.block_rows.width)
+            groups += self._table_changes(
+                group_rows, [reqs[rid].other_block_ids[g] for rid, _ in order], order,
+                seq_lens)  # fmt: skip
+        ids_t, pos_t, slot_t, qsl_t, lens_t, logit_t, rows_t, idx_t, vals_t, *group_t = \
+            self.staging.stage(
+                [(input_ids, i64), (positions, i64), (slots_a, i64), (qsl, i32),
+                 (seq_lens, i32), (logits_idx, i64), (rows, i64), (flat_idx, i64),
+                 (new_ids, i32),
+                 *zip(groups, GROUP_DTYPES * len(self.group_rows), strict=True)])
+        self.block_rows.apply(idx_t, vals_t)
+
+        def metadata(slots: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
+            return AttentionMetadata(
+                slot_mapping=slots, query_start_loc=qsl_t, seq_lens=lens_t,
+                block_tables=tables, num_decodes=num_decodes,
+                max_query_len=max(b - a for a, b in zip(qsl, qsl[1:], strict=False)),
+                max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+            )  # fmt: skip
+
+        meta = metadata(slot_t, self.block_rows.gather(rows_t))
+        others = []
+        for g, group_rows in enumerate(self.group_rows):
+            g_rows, g_idx, g_vals, g_slots = group_t[4 * g:4 * g + 4]
+            group_rows.apply(g_idx, g_vals)
+            others.append(metadata(g_slots, group_rows.gather(g_rows)))
+        meta.other_groups = tuple(others)
+        return StepInputs(input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logit_t,
+                          sampling_ids=sampling_ids, drafts=drafts_of,
+                          scheduled=order, lora=lora)  # fmt: skip
+
+    def _table_changes(self, block_rows: BlockTableRows, tables: list[list[int]],
+                       order: list[tuple[str, int]], seq_lens: list[int],
+                       ) -> tuple[list[int], list[int], list[int], np.ndarray]:  # fmt: skip
+        """One KV group's step: each request's row, the table entries to write (flat
+        indices and block ids) and the slots the step's tokens write."""
         bs = self.block_size
         rows, flat_idx, new_ids = [], [], []
         one_slot: list[int] = []  # rows of one token (decodes, first in the order)
         chunk_slots: list[np.ndarray] = []
-        self.block_rows.ensure_width(max(len(self.requests[rid].block_ids) for rid, _ in order))
-        for (rid, n), end in zip(order, seq_lens, strict=True):
-            ids = self.requests[rid].block_ids
-            row, idx, vals = self.block_rows.changes(rid, ids)
+        for (rid, n), end, ids in zip(order, seq_lens, tables, strict=True):
+            row, idx, vals = block_rows.changes(rid, ids)
             rows.append(row)
             flat_idx += idx
             new_ids += vals
@@ -222,26 +282,8 @@ class ModelRunner:
                 pos = np.arange(end - n, end)
                 blocks = np.asarray(ids[first:(end - 1) // bs + 1], dtype=np.int64)
                 chunk_slots.append(blocks[pos // bs - first] * bs + pos % bs)
-        slots_a = np.concatenate([np.asarray(one_slot, dtype=np.int64), *chunk_slots])
-        graph_step = self._stage_for_graphs(input_ids, positions, slots_a, qsl, seq_lens, rows,
-                                            logits_idx, flat_idx, new_ids, num_decodes,
-                                            sampling_ids, drafts_of, order, lora)  # fmt: skip
-        if graph_step is not None:
-            return graph_step
-        ids_t, pos_t, slot_t, qsl_t, lens_t, logit_t, rows_t, idx_t, vals_t = self.staging.stage(
-            [(input_ids, i64), (positions, i64), (slots_a, i64), (qsl, i32),
-             (seq_lens, i32), (logits_idx, i64), (rows, i64), (flat_idx, i64),
-             (new_ids, i32)])  # fmt: skip
-        self.block_rows.apply(idx_t, vals_t)
-        meta = AttentionMetadata(
-            slot_mapping=slot_t, query_start_loc=qsl_t, seq_lens=lens_t,
-            block_tables=self.block_rows.gather(rows_t), num_decodes=num_decodes,
-            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:], strict=False)),
-            max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-        )  # fmt: skip
-        return StepInputs(input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logit_t,
-                          sampling_ids=sampling_ids, drafts=drafts_of,
-                          scheduled=order, lora=lora)  # fmt: skip
+        slots = np.concatenate([np.asarray(one_slot, dtype=np.int64), *chunk_slots])
+        return rows, flat_idx, new_ids, slots
 
     def _stage_for_graphs(self, input_ids, positions, slots, qsl, seq_lens, rows, logits_idx,
                           flat_idx, new_ids, num_decodes, sampling_ids, drafts_of, order,
@@ -250,7 +292,7 @@ class ModelRunner:
         buffers in the one copy (rows padded to every buffer row; the block table
         gathered into the graphs' table), or None when the step runs otherwise (a step
         with an adapter: the graphs hold none)."""
-        graphs = None if lora is not None else self.decode_graphs
+        graphs = None if lora is not None or self.group_rows else self.decode_graphs
         n = len(seq_lens)
         batch = None if graphs is None else graphs.batch_for(n, num_decodes, len(input_ids),
                                                              max(seq_lens))  # fmt: skip
@@ -280,11 +322,13 @@ class ModelRunner:
         sampled (None when none did)."""
         self.update_states(sched)
         step = self.prepare(sched)
-        # The graphs hold no adapter: a step with one runs eagerly.
-        hidden = None if self.decode_graphs is None or step.lora is not None else \
-            self.decode_graphs.run(step)  # fmt: skip
+        # The graphs hold no adapter and one block table: a step with an adapter or with
+        # several KV groups runs eagerly.
+        hidden = None if self.decode_graphs is None or step.lora is not None or \
+            step.meta.other_groups else self.decode_graphs.run(step)  # fmt: skip
         if hidden is None:
-            self.attn.prepare(step.meta, self.block_size)
+            for meta in step.meta.groups:
+                self.attn.prepare(meta, self.block_size)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
                                 self.attn, step.lora)  # fmt: skip
         qsl = step.meta.query_start_loc_cpu

@@ -57,6 +57,8 @@ class CachedRequestState:
     request reports none twice)."""
     lora: LoRARequest | None = None
     pooling: PoolingParams | None = None
+    other_block_ids: list[list[int]] = field(default_factory=list)
+    """With several KV groups, the tables of groups 1, 2, ..."""
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.blockmgr.groups import KVGroups
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.errors import EngineFatalError, ParallelError
 from pagedserve.engine.loader import (
@@ -102,8 +104,11 @@ class Worker:
             self.tp.min_int(self._num_blocks())  # fmt: skip
         if self.tp is not None:
             self.tp.started()
-        shape = (self.spec.num_layers, 2, num_blocks, config.block_size,
-                 self.spec.num_kv_heads, self.spec.head_dim)
+        groups = self.kv_groups
+        # A block id addresses one block of each of group_size per-position tensors; with
+        # sliding groups one more block (the null block, never written) follows the pool.
+        shape = (groups.group_size, 2, num_blocks + (1 if groups.sliding else 0),
+                 config.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         # The backend's layout in memory; every cache indexes as [blocks, block_size, Hkv,
         # D] (pagedserve.kernels.interface).
         def empty(dims: tuple[int, ...]) -> torch.Tensor:
@@ -115,7 +120,9 @@ class Worker:
 
         self.kv_cache = allocate_kv_cache(shape, getattr(self.attn, "kv_heads_first", False),
                                           empty)  # fmt: skip
-        kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        slots = groups.layer_slots(self.spec.num_layers)
+        kv_caches = [(self.kv_cache[j, 0], self.kv_cache[j, 1]) for _, j in slots]
+        model.kv_layer_groups = tuple(g for g, _ in slots) if groups.num_groups > 1 else ()
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend, self.tokenizer, settings.vocab_size,
             self.eos_token_ids) if self.rank == 0 else None  # fmt: skip
@@ -124,7 +131,8 @@ class Worker:
                                   config.speculative_config if self.rank == 0 else None,
                                   self.structured,
                                   max_blocks_per_seq=-(-settings.max_model_len // config.block_size),
-                                  samples=self.rank == 0)  # fmt: skip
+                                  samples=self.rank == 0,
+                                  num_kv_groups=groups.num_groups)  # fmt: skip
         self.loras = None
         """The loaded LoRA adapters (``enable_lora``), shared with the runner."""
         if config.enable_lora:
@@ -156,8 +164,14 @@ class Worker:
             num_blocks, config.block_size, capacity,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
             str(self.kv_dtype).removeprefix("torch."), settings.max_model_len,
-            capacity / settings.max_model_len,
+            num_blocks / groups.peak_blocks(config.block_size, settings.max_model_len,
+                                            settings.max_num_batched_tokens),
             "on" if config.enable_prefix_caching else "off")
+        if groups.sliding:
+            logger.info("KV groups: %d tables per request (%s), a block spans %d layers; "
+                        "sliding tables keep only their windows", groups.num_groups,
+                        ", ".join("full" if w is None else f"window {w}"
+                                  for w in groups.windows), groups.group_size)  # fmt: skip
         if self.tp is not None:
             logger.info("tensor parallel: %d ranks (%s), rank 0 holds %d of %d heads and "
                         "%d KV heads", self.tp.size, "spawned" if self._procs else "launcher",
@@ -218,10 +232,20 @@ class Worker:
             "not one: pass a .gguf file (or omit model for the embedded default), or use "
             "quantization='int8' for a float checkpoint")
 
+    @functools.cached_property
+    def kv_groups(self) -> KVGroups:
+        """The layers that share a block table: one group, or with sliding layers (whose
+        window is shorter than the context) groups that keep only their windows."""
+        limit = self.settings.max_model_len
+        return KVGroups.of_layers([w if 0 < w < limit else None
+                                   for w in (self.spec.window(i)
+                                             for i in range(self.spec.num_layers))])
+
     def block_bytes(self) -> int:
         s = self.spec
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return s.num_layers * 2 * self.config.block_size * s.num_kv_heads * s.head_dim * elem
+        return (self.kv_groups.group_size * 2 * self.config.block_size * s.num_kv_heads
+                * s.head_dim * elem)
 
     def _num_blocks(self) -> int:
         cfg = self.config

@@ -60,10 +60,19 @@ def test_prefix_hits_preemption_and_n_equal_hf(arch, backend, tiny_model_factory
     """Prompts sharing a 70-token prefix (the window cuts into it), twice: the second
     pass hits the prefix cache; a pool too small for all of them at once preempts; n=2
     gives two greedy copies."""
+    import transformers
+
+    from pagedserve.blockmgr.groups import KVGroups
+
     path = tiny_model_factory(arch)
     shared = prompt(70, 3)
     prompts = [shared + prompt(5 + 4 * i, 10 + i) for i in range(6)]
-    llm = engine(path, backend, monkeypatch, num_gpu_blocks_override=14, max_num_seqs=6)
+    spec = DecoderSpec.from_hf(transformers.AutoConfig.from_pretrained(path))
+    groups = KVGroups.of_layers([spec.window(i) or None for i in range(spec.num_layers)])
+    # room for the longest request alone (its full tables and windows) and a few more
+    num_blocks = groups.peak_blocks(16, 110, 24) + 4
+    llm = engine(path, backend, monkeypatch, num_gpu_blocks_override=num_blocks, max_num_seqs=6)
+    assert llm.engine.kv.windows == groups.windows
     want = hf_greedy(path, prompts, NEW)
     for _ in range(2):
         assert greedy(llm, prompts, n=2) == [[w, w] for w in want]
@@ -153,3 +162,38 @@ def test_the_text_model_of_a_gemma3_image_and_text_checkpoint(tiny_model_factory
     spec = llm.engine.worker.model.spec
     assert spec.windows == (12, 12, 0) and spec.gemma_norms and spec.tie_word_embeddings
     assert [o[0] for o in greedy(llm, PROMPTS)] == hf_greedy(path, PROMPTS, NEW)
+
+
+def test_a_long_gemma3_request_keeps_its_windows_not_its_context(tiny_model_factory, monkeypatch):
+    """Gemma 3's five sliding layers to one full one: while a 600-token request decodes
+    it holds one full table and about a window per sliding group (under a third of
+    what six full tables would), the block map shows those blocks, its output equals
+    HF's, and every block returns to the pool at the end."""
+    from pagedserve.engine.core.kv_state import take_kv_state
+
+    path = tiny_model_factory("gemma3_6")
+    llm = engine(path, "auto", monkeypatch)
+    eng = llm.engine
+    assert eng.kv.windows == (None, 12, 12, 12, 12, 12)
+    ids = prompt(600, 7)
+    eng.add_request("long", ids, SamplingParams(temperature=0.0, max_tokens=NEW,
+                                                min_tokens=NEW))  # fmt: skip
+    (rid,) = eng.scheduler.requests
+    tokens, held = [], []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens = list(out.outputs[0].token_ids)
+        if eng.kv.num_allocated_blocks(rid):
+            held.append(eng.kv.num_allocated_blocks(rid))
+            state = take_kv_state(eng.scheduler, 0.0)
+            (req,) = state.requests
+            assert req.num_blocks == held[-1]
+            assert sum(count for _, count in req.block_runs) == held[-1]
+            assert state.counters["num_kv_groups"] == 6
+            assert state.counters["num_used_blocks"] == held[-1]
+    full = -(-(600 + NEW) // 16)
+    window_blocks = -(-(12 - 1 + 24) // 16) + 1  # a window and a chunk of 24
+    assert max(held) <= full + 5 * window_blocks
+    assert held[-1] < 6 * full / 3
+    assert tokens == hf_greedy(path, [ids], NEW)[0]
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks

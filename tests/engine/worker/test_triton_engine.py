@@ -75,6 +75,10 @@ def triton_tokens_interpreted(model: str) -> dict[str, list]:
     warm = keys.distinct()
     num_warm = len(keys.keys)
     eager = generate(llm)
+    if w.kv_groups.num_groups > 1:  # one block table per group: the padded runner holds one
+        mixed = generate(llm, MIXED_PROMPT_LENS)
+        return {"eager": eager, "mixed": mixed, "keys": [len(warm), sorted(
+            map(repr, keys.distinct(num_warm) - warm))]}
     runner = DecodeGraphRunner(w.model, w.attn, w.runner.kv_caches, w.config.block_size,
                                w.settings.max_model_len, capture_sizes(w.config.max_num_seqs),
                                w.settings.device, use_graphs=False)  # fmt: skip
