@@ -5,7 +5,10 @@ first use dequantizes it (via transformers' GGUF reader) into a float32 Hugging 
 style folder, ``<cache root>/models/SmolLM2-135M-Instruct``, atomically; later uses
 memory-map that folder. Any other GGUF file given as the model is converted the same
 way, once, into ``<cache root>/models/<file stem>-<hash>`` (the hash of its path, size
-and modification time, so an edited file is converted again). The cache root is
+and modification time, so an edited file is converted again); served in its own blocks
+(``quantization="gguf"``) it needs only its config, tokenizer and generation config,
+written from its header into ``<file stem>-<hash>-header`` in moments, whatever the
+file's size. The cache root is
 ``$PAGEDSERVE_CACHE`` (default ``~/.cache/pagedserve``; :func:`pagedserve.engine.envs.cache_root`).
 """
 
@@ -105,10 +108,22 @@ def _conversion_version(path: Path) -> int:
         return 0
 
 
-def _write_converted(gguf: Path, out: Path) -> None:
-    """Dequantize ``gguf`` into an HF-style folder ``out`` (which must exist and be empty)."""
+def _write_converted(gguf: Path, out: Path, weights: bool = True) -> None:
+    """Dequantize ``gguf`` into an HF-style folder ``out`` (which must exist and be empty);
+    without ``weights`` only its config, tokenizer and generation config (read from the
+    header: what serving the file in its own blocks needs)."""
     folder, fname = str(gguf.parent), gguf.name
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    if not weights:
+        config = transformers.AutoConfig.from_pretrained(folder, gguf_file=fname)
+        arch = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[
+            config.model_type]
+        _write_config(gguf, out, config, arch)
+        transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        (out / _CONVERSION_MARKER).write_text(
+            json.dumps({"version": CONVERSION_VERSION, "weights": False}) + "\n")
+        return
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=fname, dtype=CONVERTED_DTYPE
     )
@@ -123,19 +138,24 @@ def _write_converted(gguf: Path, out: Path) -> None:
         state[name] = tensor.detach().to(CONVERTED_DTYPE).contiguous()
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
 
-    # Config: save_pretrained refuses GGUF-quantized models, so write it ourselves
-    # without the quantization_config (the weights are dequantized now).
+    _write_config(gguf, out, config, type(model).__name__)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / _CONVERSION_MARKER).write_text(json.dumps({"version": CONVERSION_VERSION}) + "\n")
+
+
+def _write_config(gguf: Path, out: Path, config: transformers.PretrainedConfig,
+                  arch: str) -> None:  # fmt: skip
+    """The config as ``config.json``: save_pretrained refuses GGUF-quantized models, so
+    it is written here, without the quantization_config, with the header's settings
+    that transformers does not read."""
     cfg: dict[str, Any] = config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         cfg.pop(key, None)
     cfg.update(gguf_header.config_overrides(gguf))
     cfg["dtype"] = str(CONVERTED_DTYPE).removeprefix("torch.")
-    cfg["architectures"] = [type(model).__name__]
+    cfg["architectures"] = [arch]
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-    model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / _CONVERSION_MARKER).write_text(json.dumps({"version": CONVERSION_VERSION}) + "\n")
 
 
 def convert_default_model(force: bool = False) -> Path:
@@ -156,8 +176,11 @@ def gguf_model_dir(gguf: Path) -> Path:
     return cache_root() / "models" / f"{gguf.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
 
 
-def convert_gguf_model(gguf: Path, force: bool = False) -> Path:
+def convert_gguf_model(gguf: Path, force: bool = False, weights: bool = True) -> Path:
     """Convert the GGUF file ``gguf`` into the cache (once) and return its folder.
+    Without ``weights`` (the file is served in its own blocks) only the config, tokenizer
+    and generation config are written, from the header: no tensor is read (a folder
+    converted with weights serves too).
 
     Raises:
         ModelNotFoundError: there is no such file.
@@ -165,17 +188,29 @@ def convert_gguf_model(gguf: Path, force: bool = False) -> Path:
     if not gguf.is_file():
         raise ModelNotFoundError(f"GGUF file {str(gguf)!r} does not exist")
     gguf_header.check_served(gguf)  # from the header, before the (slow) conversion
-    return _convert(gguf, gguf_model_dir(gguf), force)
+    full = gguf_model_dir(gguf)
+    if weights or _is_converted(full, True):
+        return _convert(gguf, full, force)
+    return _convert(gguf, full.with_name(full.name + "-header"), force, weights=False)
 
 
-def _convert(gguf: Path, target: Path, force: bool) -> Path:
-    """Dequantize ``gguf`` into the folder ``target`` unless it is there already.
+def _is_converted(path: Path, weights: bool) -> bool:
+    """A folder this version converted, with weights or without."""
+    if _conversion_version(path) != CONVERSION_VERSION:
+        return False
+    return is_complete_model_dir(path) if weights else (path / CONFIG_NAME).is_file()
+
+
+def _convert(gguf: Path, target: Path, force: bool, weights: bool = True) -> Path:
+    """Dequantize ``gguf`` into the folder ``target`` unless it is there already (without
+    ``weights``: its header's config and tokenizer only).
 
     The conversion writes into a temporary sibling folder and renames it into
     place, so a crash never leaves a half-written model folder and two
     processes converting at once both end up with one complete folder.
     """
-    if not force and is_complete_model_dir(target):
+    complete = is_complete_model_dir if weights else (lambda p: (p / CONFIG_NAME).is_file())
+    if not force and complete(target):
         if _conversion_version(target) == CONVERSION_VERSION:
             return target
         logger.info("Re-converting %s: it was made by an older conversion", target)
@@ -185,7 +220,7 @@ def _convert(gguf: Path, target: Path, force: bool) -> Path:
     start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        _write_converted(gguf, tmp)
+        _write_converted(gguf, tmp, weights)
         if force and target.exists():
             trash = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
             try:
@@ -194,7 +229,7 @@ def _convert(gguf: Path, target: Path, force: bool) -> Path:
                 trash = None
             else:
                 shutil.rmtree(trash, ignore_errors=True)
-        elif target.exists() and not is_complete_model_dir(target):
+        elif target.exists() and not complete(target):
             # A folder we did not write atomically (e.g. copied by hand and incomplete).
             logger.warning("Replacing incomplete model folder %s", target)
             shutil.rmtree(target, ignore_errors=True)
@@ -202,7 +237,7 @@ def _convert(gguf: Path, target: Path, force: bool) -> Path:
             os.replace(tmp, target)
         except OSError:
             # Another process finished first (target is a non-empty folder): use theirs.
-            if not is_complete_model_dir(target):
+            if not complete(target):
                 raise
             logger.debug("%s was converted concurrently; using %s", gguf.name, target)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -213,7 +248,7 @@ def _convert(gguf: Path, target: Path, force: bool) -> Path:
     logger.info(
         "Converted %s to %s at %s in %.1f s",
         gguf.name,
-        str(CONVERTED_DTYPE).removeprefix("torch."),
+        str(CONVERTED_DTYPE).removeprefix("torch.") if weights else "its config and tokenizer",
         target,
         time.monotonic() - start,
     )

@@ -115,7 +115,8 @@ def _hf_cache_dir() -> str:
         return "~/.cache/huggingface/hub"
 
 
-def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+def resolve_model_path(model: str | None, revision: str | None = None,
+                       weights: bool = True) -> Path:  # fmt: skip
     """Resolve a model reference to a local Hugging Face style folder.
 
     Args:
@@ -126,6 +127,8 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
             download only when the network is allowed).
         revision: hub revision (branch, tag or commit); ignored for local folders
             and the embedded default.
+        weights: False when a GGUF file is served in its own blocks: its folder then
+            holds only what its header gives (config, tokenizer, generation config).
 
     Returns:
         The folder holding ``config.json``, tokenizer files and safetensors weights.
@@ -143,7 +146,7 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
     if is_gguf_file(model):
         if revision:
             logger.warning("revision=%r ignored for the GGUF file %s", revision, path)
-        return convert_gguf_model(path)
+        return convert_gguf_model(path, weights=weights)
     if path.exists():
         return _resolve_local(path)
     if _looks_like_path(model):

@@ -67,7 +67,10 @@ class EngineSettings:
 def resolve_settings(config: EngineConfig) -> EngineSettings:
     """``config`` resolved against its model's files and the device; a setting the model
     or the device cannot meet is a ``ValueError`` that names it."""
-    model_path = resolve_model_path(config.model, config.revision)
+    # A GGUF file served in its own blocks is read by the loader itself: its folder holds
+    # only the header's config and tokenizer.
+    model_path = resolve_model_path(config.model, config.revision,
+                                    weights=config.quantization != "gguf")  # fmt: skip
     hf_config = load_config(model_path)
     device = resolve_device(config.device)
     quant_config = read_quantization_config(hf_config, model_path)

@@ -81,10 +81,16 @@ def test_k_quant_gguf_kept_quantized_equals_its_float_expansion(tmp_path, caplog
                              BLOCK_TYPES.get)  # fmt: skip
     assert path.stat().st_size < 16 << 20
     try:
-        want = greedy(LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02))
-        assert len({t for row in want for t in row}) > 5  # not one repeated token
         with caplog.at_level(logging.WARNING, logger="pagedserve.engine.loader.gguf_weights"):
             llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02, quantization="gguf")
+        # served in its own blocks: only the header was converted, no tensor expanded
+        served = llm.engine.settings.model_path
+        assert served.name == gguf_model_dir(path).name + "-header"
+        assert sorted(p.suffix for p in served.iterdir()) == [
+            ".jinja", ".json", ".json", ".json", ".json", ".json"]
+        assert not gguf_model_dir(path).exists()
+        want = greedy(LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02))
+        assert len({t for row in want for t in row}) > 5  # not one repeated token
         model = llm.engine.worker.model
         assert llm.engine.worker.quant_desc == "gguf (q4_k, q5_0, q5_1, q5_k, q6_k)"
         formats = [[getattr(p.weight, "fmt", None) for _, p in layer.linears()]

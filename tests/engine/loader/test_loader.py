@@ -152,7 +152,7 @@ def test_conversion_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     """A failing conversion leaves neither the target nor a temp folder behind."""
     monkeypatch.setenv(envs.CACHE.name, str(tmp_path))
 
-    def boom(gguf: Path, out: Path) -> None:
+    def boom(gguf: Path, out: Path, weights: bool = True) -> None:
         (out / "config.json").write_text("{}")
         raise RuntimeError("crash mid-conversion")
 
@@ -171,7 +171,7 @@ def test_conversion_logs_and_reuses(
     monkeypatch.setenv(envs.CACHE.name, str(tmp_path))
     calls: list[Path] = []
 
-    def fake(gguf: Path, out: Path) -> None:
+    def fake(gguf: Path, out: Path, weights: bool = True) -> None:
         calls.append(out)
         (out / "config.json").write_text("{}")
         (out / "model.safetensors").write_bytes(b"x")

@@ -89,21 +89,39 @@ def test_gguf_quantized_default_model_matches_hf_on_the_gguf(backend, default_pr
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q5_1"])
+GGUF_FILES = {
+    "q8_0": "gguf (q8_0)",
+    "q5_0": "gguf (q5_0)",
+    "q5_1": "gguf (q5_1)",
+    "q4_k_m": "gguf (q4_k, q5_0, q6_k, q8_0)",
+    "q5_k_m": "gguf (q5_1, q5_k, q6_k, q8_0)",
+    "q6_k": "gguf (q6_k, q8_0)",
+}
+"""The default model's GGUF files made by ``loadtest.gguf_requant`` and the formats the
+engine keeps them in. The K-quant recipes hold K-quants only in ``ffn_down`` (the one
+weight whose rows are whole 256-weight blocks) and their fallbacks elsewhere."""
+
+
+@pytest.mark.parametrize("fmt", list(GGUF_FILES))
 def test_a_gguf_file_served_in_its_own_format_matches_hf_on_that_file(
         fmt, tmp_path, monkeypatch, default_prompts):  # fmt: skip
-    """Any GGUF file as the model: the default model's re-encoded in ``fmt`` (every
-    linear and the embedding), served from its own blocks, equals HF transformers on the
-    same file (the folder it converts to)."""
+    """Any GGUF file as the model: the default model's re-encoded in ``fmt`` (a single
+    type for every linear and the embedding, or llama-quantize's Q4_K_M, Q5_K_M or Q6_K
+    mix), served from its own blocks, equals HF transformers on the same file (the folder
+    it converts to)."""
+    import gguf
+
     from pagedserve.engine import envs
     from pagedserve.engine.loader import default_gguf_path, resolve_model_path
-    from pagedserve.loadtest.gguf_requant import requantize
+    from pagedserve.loadtest.gguf_requant import FILE_TYPES, requantize
 
     monkeypatch.setenv(envs.CACHE.name, str(tmp_path / "cache"))
     path = tmp_path / f"SmolLM2-135M-Instruct.{fmt.upper()}.gguf"
     assert requantize(default_gguf_path(), path, fmt) > 0
+    file_type = gguf.GGUFReader(str(path)).fields["general.file_type"].contents()
+    assert file_type == FILE_TYPES[fmt.upper()]
     llm = LLM(model=str(path), quantization="gguf", max_num_batched_tokens=24)
-    assert llm.engine.worker.quant_desc == f"gguf ({fmt})"
+    assert llm.engine.worker.quant_desc == GGUF_FILES[fmt]
     want = hf_greedy(resolve_model_path(str(path)), default_prompts[:4], 32)
     assert run(llm, default_prompts[:4], 32) == want
 
