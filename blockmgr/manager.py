@@ -218,25 +218,16 @@ class KVCacheManager:
         computed = new_computed_blocks or []
         num_before = len(state.block_ids) if state is not None else 0
         if computed:
-            if not self.enable_prefix_caching:
-                raise ValueError("new_computed_blocks given with prefix caching off")
-            if num_before:
-                raise ValueError(f"request {rid} already has blocks; computed blocks are for "
-                                 "its first allocation")
+            self._check_first_allocation(rid, num_before)
         elif state is not None and self._sliding:
             self._skip_left(state, req.num_computed_tokens)
         num_tokens = req.num_computed_tokens + len(computed) * bs + num_new_tokens
         num_new_blocks = max(0, cdiv(num_tokens, bs) - num_before - len(computed))
         lookup = self._last_lookup if self._last_lookup is not None and \
             self._last_lookup[0] == rid else None  # fmt: skip
-        group_computed: list[list[int]] = []
-        if computed:
-            group_computed = self._group_computed(req, computed, lookup)
-        ref_counts = pool.ref_counts
-        null = self.null_block
-        num_revived = sum(1 for blocks in group_computed for b in blocks
-                          if b != null and ref_counts[b] == 0)  # fmt: skip
-        if self.num_groups * num_new_blocks + num_revived > pool.num_free_blocks:
+        group_computed = self._group_computed(req, computed, lookup) if computed else []
+        if self.num_groups * num_new_blocks + self._num_revived(group_computed) > \
+                pool.num_free_blocks:
             return False
 
         lookup_hashes = self._take_lookup(rid)
@@ -245,20 +236,12 @@ class KVCacheManager:
                 # Not from this request's latest lookup: rebuild the keys to validate.
                 lookup_hashes = self._chain_keys(req, len(computed))
             self._validate_computed(rid, group_computed, lookup_hashes)
-
         if state is None:
             state = RequestBlocks(self.num_groups - 1)
             self.requests[rid] = state
         num_real = 0
         if computed:
-            for st, blocks in zip(state.groups(), group_computed, strict=True):
-                real = [b for b in blocks if b != null]
-                pool.touch(real)
-                num_real += len(real)
-                st.block_ids.extend(blocks)
-                st.num_skipped = len(blocks) - len(real)
-            state.num_hashed_blocks = len(computed)
-            state.block_hashes = lookup_hashes
+            num_real = self._attach_computed(state, group_computed, lookup_hashes)
         elif lookup_hashes is not None and not state.block_hashes:
             state.block_hashes = lookup_hashes
         new_blocks = [pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
@@ -270,11 +253,45 @@ class KVCacheManager:
         self.num_slots_filled -= (len(computed) * self.num_groups - num_real) * bs
         self._filled(req, state, num_tokens)
         if (computed or num_new_blocks) and logger.isEnabledFor(logging.DEBUG):
-            one = self.num_groups == 1
-            logger.debug("allocate %s: computed=%s new=%s -> %d blocks, %d tokens", rid,
-                         computed if one else group_computed, new_blocks[0] if one else new_blocks,
-                         len(state.block_ids), state.num_tokens)  # fmt: skip
+            self._log_allocation(rid, state, group_computed, new_blocks)
         return True
+
+    def _num_revived(self, group_computed: list[list[int]]) -> int:
+        """Hit blocks that are free now: taking them takes them from the free queue."""
+        null, ref_counts = self.null_block, self.pool.ref_counts
+        return sum(1 for blocks in group_computed for b in blocks
+                   if b != null and ref_counts[b] == 0)  # fmt: skip
+
+    def _log_allocation(self, rid: str, state: RequestBlocks, group_computed: list[list[int]],
+                        new_blocks: list[list[int]]) -> None:  # fmt: skip
+        one = self.num_groups == 1
+        computed = (group_computed[0] if group_computed else []) if one else group_computed
+        logger.debug("allocate %s: computed=%s new=%s -> %d blocks, %d tokens", rid, computed,
+                     new_blocks[0] if one else new_blocks, len(state.block_ids),
+                     state.num_tokens)  # fmt: skip
+
+    def _check_first_allocation(self, rid: str, num_before: int) -> None:
+        """Computed blocks come with caching on, to a request without blocks."""
+        if not self.enable_prefix_caching:
+            raise ValueError("new_computed_blocks given with prefix caching off")
+        if num_before:
+            raise ValueError(f"request {rid} already has blocks; computed blocks are for "
+                             "its first allocation")
+
+    def _attach_computed(self, state: RequestBlocks, group_computed: list[list[int]],
+                         keys: list[BlockHash]) -> int:  # fmt: skip
+        """A new table starts with the hit's blocks (one reference each) in every group;
+        returns how many are real blocks (not null)."""
+        null, num_real = self.null_block, 0
+        for st, blocks in zip(state.groups(), group_computed, strict=True):
+            real = [b for b in blocks if b != null]
+            self.pool.touch(real)
+            num_real += len(real)
+            st.block_ids.extend(blocks)
+            st.num_skipped = len(blocks) - len(real)
+        state.num_hashed_blocks = len(group_computed[0])
+        state.block_hashes = keys
+        return num_real
 
     def _group_computed(self, req: KVRequest, computed: list[int],
                         lookup: tuple[str, list[BlockHash], list[list[int]]] | None,

@@ -150,6 +150,10 @@ def make_tiny_model(arch: str, out: Path, tokenizer_src: Path, seed: int = 0,
                 hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=2, image_size=28, patch_size=14))
         cls = transformers.Gemma3ForConditionalGeneration
+    elif arch == "phi3_window":  # Phi-3-mini-4k's shape: fused checkpoint, every layer slides
+        cfg = transformers.Phi3Config(**common, sliding_window=16, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0})
+        cls = transformers.Phi3ForCausalLM
     elif arch == "mistral_window":  # every layer slides over its last 20 positions
         cfg = transformers.MistralConfig(**common, sliding_window=20, rope_theta=10000.0)
         cls = transformers.MistralForCausalLM

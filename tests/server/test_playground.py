@@ -110,6 +110,9 @@ def test_page_streams_and_shows_the_blocks(server, browser, tmp_path):
     page.click("#key-submit")
     page.wait_for_selector("body[data-ready='1']")
     assert page.inner_text("#model-name") == "tiny-random-llama"
+    # the map is drawn by the first poll, which starts once the page is ready
+    page.wait_for_function(
+        f"document.querySelectorAll('#block-map .blk').length === {NUM_BLOCKS}")
     assert page.locator("#block-map .blk").count() == NUM_BLOCKS
     assert counter(page, "used") == 0 and counter(page, "free") == NUM_BLOCKS
 

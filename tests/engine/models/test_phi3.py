@@ -64,6 +64,7 @@ def test_sliding_window_serves_past_the_window(tiny_model_factory, prompts, tmp_
     llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
     assert llm.engine.settings.max_model_len == 1024  # max_position_embeddings
     assert llm.engine.worker.model.spec.windows == (24, 24)
+    assert llm.engine.kv.windows == (24,)  # one KV group, which drops what the window left
     # Prompts and outputs well past the window slide as HF's do.
     ask = _filling(prompts, 70)
     assert greedy(llm, ask, 12) == hf_greedy(path, ask, 12)

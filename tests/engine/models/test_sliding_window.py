@@ -1,5 +1,5 @@
 """Sliding-window attention and the Gemma 2/3 decoders: greedy output equal to HF
-transformers (float32) on tiny random models whose window (12 or 20 positions) is far
+transformers (float32) on tiny random models whose window (12, 16 or 20 positions) is far
 shorter than the prompts, on every CPU attention path (the torch backend and the native
 one at each build level this CPU runs), through chunked prefill, prefix-cache hits,
 preemption and ``n`` > 1."""
@@ -13,10 +13,11 @@ from pagedserve.engine.models.spec import DecoderSpec
 from pagedserve.kernels.cpu import native
 from tests.helpers.hf import hf_greedy
 
-ARCHS = ("gemma2", "gemma3", "mistral_window")
+ARCHS = ("gemma2", "gemma3", "mistral_window", "phi3_window")
 """Gemma 2 (sliding and full layers in turn, capped scores and logits, window 12),
 Gemma 3 (two sliding layers with a local RoPE to one full layer with a scaled global
-RoPE, QK norms, window 12) and a Mistral whose every layer slides over 20 positions."""
+RoPE, QK norms, window 12), a Mistral whose every layer slides over 20 positions and a
+Phi-3 (fused checkpoint tensors) whose every layer slides over 16."""
 BACKENDS = ("torch", *(f"cpu-{level}" for level in native.runnable_levels()))
 NEW = 10
 

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# pagedserve and llama.cpp's llama-server on the same GGUF file, one server at a time:
+#   single stream, 128-token prompts: TTFT and ITL (8 requests, 128 tokens out each)
+#   single stream, 4,096-token prompts: TTFT and ITL (2 requests, 64 tokens out)
+#   32 streams, 128-token prompts: output tok/s (64 requests, 128 tokens out)
+# Usage: scripts/vs_llama_server.sh FILE.gguf [OUT_DIR]
+# llama-server: $LLAMA_SERVER, else /tmp/lcb/bin/llama-server (../shared/tools/
+# build_llama_server.sh builds it). pagedserve serves the file with --quantization gguf;
+# llama-server with one slot for the single-stream runs and 32 for the concurrent one,
+# both with the host's cores. Each run's JSON (bench serve --save-result) and log go to
+# OUT_DIR (default /tmp/vs_llama); the last lines print the figures side by side.
+set -uo pipefail
+GGUF=${1:?usage: $0 FILE.gguf [OUT_DIR]}
+OUT=${2:-/tmp/vs_llama}
+LLAMA=${LLAMA_SERVER:-/tmp/lcb/bin/llama-server}
+PS=${PAGEDSERVE:-pagedserve}
+PORT=${PORT:-8765}
+THREADS=$(nproc)
+mkdir -p "$OUT"
+[ -x "$LLAMA" ] || { echo "no llama-server at $LLAMA" >&2; exit 2; }
+
+SERVER_PID=
+stop_server() {
+    [ -n "$SERVER_PID" ] || return 0
+    kill -TERM "$SERVER_PID" 2>/dev/null
+    for _ in $(seq 1 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL "$SERVER_PID" 2>/dev/null
+    wait "$SERVER_PID" 2>/dev/null
+    SERVER_PID=
+}
+trap stop_server EXIT
+start_server() {  # start_server NAME CMD...: start, and wait up to 10 minutes for /health
+    "${@:2}" >"$OUT/server_$1.log" 2>&1 &
+    SERVER_PID=$!
+    for _ in $(seq 1 1200); do
+        curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && return 0
+        kill -0 "$SERVER_PID" 2>/dev/null || break
+        sleep 0.5
+    done
+    echo "server $1 did not start: see $OUT/server_$1.log" >&2
+    stop_server
+    return 1
+}
+bench() {  # bench NAME IN OUT_TOKENS PROMPTS CONCURRENCY
+    "$PS" bench serve --port "$PORT" --endpoint /v1/completions --dataset random \
+        --random-input-len "$2" --random-output-len "$3" --num-prompts "$4" \
+        --max-concurrency "$5" --num-warmups 1 --request-rate inf --seed 0 \
+        --save-result "$OUT/$1.json" >"$OUT/$1.log" 2>&1 || echo "bench $1 failed: $OUT/$1.log" >&2
+}
+single() {  # single SERVER
+    bench "${1}_128" 128 128 8 1
+    bench "${1}_4096" 4096 64 2 1
+}
+
+start_server llamacpp_1 "$LLAMA" -m "$GGUF" -c 8192 -np 1 -t "$THREADS" --port "$PORT" &&
+    single llamacpp
+stop_server
+start_server llamacpp_32 "$LLAMA" -m "$GGUF" -c 16384 -np 32 -t "$THREADS" --port "$PORT" &&
+    bench llamacpp_c32 128 128 64 32
+stop_server
+start_server pagedserve "$PS" serve --model "$GGUF" --quantization gguf --port "$PORT" \
+    --max-num-seqs 64 --max-model-len 8192 && {
+    single pagedserve
+    bench pagedserve_c32 128 128 64 32
+}
+stop_server
+
+python3 - "$OUT" <<'EOF'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+def get(name, key):
+    try:
+        r = json.loads((out / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return float("nan")
+    metric, _, stat = key.partition(".")
+    value = r.get(metric, float("nan"))
+    return value[stat] if stat else value
+rows = [("128-token prompt, 1 stream", "_128", ("ttft_ms.median", "itl_ms.median")),
+        ("4,096-token prompt, 1 stream", "_4096", ("ttft_ms.median", "itl_ms.median")),
+        ("128-token prompts, 32 streams", "_c32", ("output_throughput", "itl_ms.median"))]
+for title, suffix, keys in rows:
+    for k in keys:
+        p, l = get("pagedserve" + suffix, k), get("llamacpp" + suffix, k)
+        print(f"{title}: {k} pagedserve {p:.2f} llama.cpp {l:.2f} ratio {p / l:.2f}")
+EOF
