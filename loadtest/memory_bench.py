@@ -44,7 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _rss() -> int:
-    with open("/proc/self/statm") as f:
+    """The process's private resident bytes (``RssAnon``: file pages, such as the mapped
+    GGUF the loader reads, are the page cache's)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    with open("/proc/self/statm") as f:  # no RssAnon: the whole resident set
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -176,7 +182,7 @@ def main(args: argparse.Namespace) -> None:
         print(f"{Path(r['gguf']).name} ({r['quant']}): tensors in the file "
               f"{r['gguf_tensor_bytes'] / 2**20:.1f} MiB; weights held "
               f"{r['weights_tensor_bytes'] / 2**20:.1f} MiB ({r['weights_over_file']:.3f}x); "
-              f"resident growth less the KV cache {r['rss_growth_less_kv'] / 2**20:.1f} MiB "
+              f"private resident growth less the KV cache {r['rss_growth_less_kv'] / 2**20:.1f} MiB "
               f"({r['rss_over_file']:.3f}x)")
     if args.kv_window:
         report["kv_window"] = r = kv_window_memory(args)
