@@ -19,28 +19,8 @@ THREADS=$(nproc)
 mkdir -p "$OUT"
 [ -x "$LLAMA" ] || { echo "no llama-server at $LLAMA" >&2; exit 2; }
 
-SERVER_PID=
-stop_server() {
-    [ -n "$SERVER_PID" ] || return 0
-    kill -TERM "$SERVER_PID" 2>/dev/null
-    for _ in $(seq 1 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL "$SERVER_PID" 2>/dev/null
-    wait "$SERVER_PID" 2>/dev/null
-    SERVER_PID=
-}
-trap stop_server EXIT
-start_server() {  # start_server NAME CMD...: start, and wait up to 10 minutes for /health
-    "${@:2}" >"$OUT/server_$1.log" 2>&1 &
-    SERVER_PID=$!
-    for _ in $(seq 1 1200); do
-        curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && return 0
-        kill -0 "$SERVER_PID" 2>/dev/null || break
-        sleep 0.5
-    done
-    echo "server $1 did not start: see $OUT/server_$1.log" >&2
-    stop_server
-    return 1
-}
+# shellcheck source=scripts/servers.sh
+source "$(cd "$(dirname "$0")" && pwd)/servers.sh"
 bench() {  # bench NAME IN OUT_TOKENS PROMPTS CONCURRENCY
     "$PS" bench serve --port "$PORT" --endpoint /v1/completions --dataset random \
         --random-input-len "$2" --random-output-len "$3" --num-prompts "$4" \
