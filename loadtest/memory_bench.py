@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="the KV cache of the --kv-window run")
     p.add_argument("--output-json")
 
 
@@ -114,6 +116,7 @@ def gguf_memory(path: str) -> dict[str, Any]:
     worker = llm.engine.worker
     kv = worker.kv_cache.numel() * worker.kv_cache.element_size()
     held = _tensor_bytes([worker.model, worker.attn])
+    llm.engine.close()
     return {
         "gguf": str(path), "quant": worker.quant_desc, "gguf_tensor_bytes": file_bytes,
         "gguf_bytes_by_type": kinds, "weights_tensor_bytes": held,
@@ -145,7 +148,7 @@ def kv_window_memory(args: argparse.Namespace) -> dict[str, Any]:
         transformers.Gemma3ForCausalLM(cfg).save_pretrained(d)
         load_tokenizer(convert_default_model()).save_pretrained(d)  # the default model's
         llm = LLM(d, dtype="float32", block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                  kv_cache_memory_gb=1.0, enable_prefix_caching=False)
+                  kv_cache_memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=False)
         eng = llm.engine
         ids = [(37 * i) % 20000 + 100 for i in range(args.prompt_len)]
         eng.add_request("long", ids, SamplingParams(temperature=0.0, max_tokens=8,
@@ -162,6 +165,7 @@ def kv_window_memory(args: argparse.Namespace) -> dict[str, Any]:
         per_layer_block = 2 * args.block_size * args.num_kv_heads * args.head_dim * elem
         full = -(-(args.prompt_len + 8) // args.block_size) * args.num_layers * per_layer_block
         groups = worker.kv_groups
+        llm.engine.close()
         return {
             "prompt_len": args.prompt_len, "layers": args.num_layers, "window": args.window,
             "kv_groups": [("full" if w is None else w) for w in groups.windows],

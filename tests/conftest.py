@@ -42,6 +42,33 @@ def _native_levels() -> tuple[str, ...]:
     return cpu_native.runnable_levels()
 
 
+WORKER_RSS_LIMIT = 3 << 30
+"""A test process holding more than this after a test collects its garbage and gives the
+heap's free memory back: an engine is freed by the cyclic collector, not when its last
+name goes, and the engine's malloc tuning keeps freed memory in the process, so two
+workers that each ran a large test could otherwise hold most of a 24 GiB host."""
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_test_process_memory():
+    yield
+    if _rss_bytes() > WORKER_RSS_LIMIT:
+        import gc
+
+        from pagedserve.engine.worker import process_tuning
+
+        gc.collect()
+        process_tuning.return_free_memory()
+
+
 @pytest.fixture(scope="session", params=_native_levels())
 def native_lib(request):
     """The native CPU library at each build level this CPU runs (portable, and AVX2 and

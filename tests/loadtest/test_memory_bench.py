@@ -18,7 +18,8 @@ def test_kv_window_reports_the_windowed_cache_against_a_full_one():
     window and a chunk per sliding group, far under six full tables."""
     r = memory_bench.kv_window_memory(args(prompt_len=600, num_layers=6, window=32,
                                            num_kv_heads=1, head_dim=32,
-                                           max_num_batched_tokens=64))  # fmt: skip
+                                           max_num_batched_tokens=64,
+                                           kv_cache_memory_gb=0.05))  # fmt: skip
     assert r["kv_groups"] == ["full", 32, 32, 32, 32, 32] and r["group_size"] == 1
     full_blocks = -(-608 // 16)
     assert r["end_blocks"] <= full_blocks + 5 * (-(-(31 + 64) // 16) + 1)
