@@ -100,9 +100,10 @@ def weight_bytes(model: Any, batch: int | None = None) -> int:
 
 
 def kv_bytes_per_token(worker: Any) -> int:
-    """Bytes of one token's K and V over every layer of the worker's KV cache."""
-    cache = worker.kv_cache  # [layers, 2, blocks, block_size, kv heads, head dim]
-    return cache[:, :, 0, 0].numel() * cache.element_size()
+    """Bytes of one token's K and V over every layer of the worker's KV cache (each
+    layer's own view: with KV groups, layers of different groups share a tensor)."""
+    return sum((k[0, 0].numel() + v[0, 0].numel()) * k.element_size()
+               for k, v in worker.runner.kv_caches)  # [blocks, block_size, kv heads, dim]
 
 
 def time_decode(llm: Any, batch: int, prompt_len: int, steps: int, seed: int,
