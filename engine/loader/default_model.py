@@ -189,15 +189,14 @@ def convert_gguf_model(gguf: Path, force: bool = False, weights: bool = True) ->
         raise ModelNotFoundError(f"GGUF file {str(gguf)!r} does not exist")
     gguf_header.check_served(gguf)  # from the header, before the (slow) conversion
     full = gguf_model_dir(gguf)
-    if weights or _is_converted(full, True):
+    if weights or (_is_complete(full, True) and _conversion_version(full) == CONVERSION_VERSION):
         return _convert(gguf, full, force)
     return _convert(gguf, full.with_name(full.name + "-header"), force, weights=False)
 
 
-def _is_converted(path: Path, weights: bool) -> bool:
-    """A folder this version converted, with weights or without."""
-    if _conversion_version(path) != CONVERSION_VERSION:
-        return False
+def _is_complete(path: Path, weights: bool) -> bool:
+    """A converted folder's files are all there: config and weights, or (without
+    ``weights``) the config."""
     return is_complete_model_dir(path) if weights else (path / CONFIG_NAME).is_file()
 
 
@@ -209,7 +208,9 @@ def _convert(gguf: Path, target: Path, force: bool, weights: bool = True) -> Pat
     place, so a crash never leaves a half-written model folder and two
     processes converting at once both end up with one complete folder.
     """
-    complete = is_complete_model_dir if weights else (lambda p: (p / CONFIG_NAME).is_file())
+    def complete(path: Path) -> bool:
+        return _is_complete(path, weights)
+
     if not force and complete(target):
         if _conversion_version(target) == CONVERSION_VERSION:
             return target

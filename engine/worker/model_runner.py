@@ -241,13 +241,14 @@ class ModelRunner:
                  (new_ids, i32),
                  *zip(groups, GROUP_DTYPES * len(self.group_rows), strict=True)])
         self.block_rows.apply(idx_t, vals_t)
+        max_query_len = max(b - a for a, b in zip(qsl, qsl[1:], strict=False))
+        max_seq_len = max(seq_lens)
 
         def metadata(slots: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
             return AttentionMetadata(
                 slot_mapping=slots, query_start_loc=qsl_t, seq_lens=lens_t,
-                block_tables=tables, num_decodes=num_decodes,
-                max_query_len=max(b - a for a, b in zip(qsl, qsl[1:], strict=False)),
-                max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+                block_tables=tables, num_decodes=num_decodes, max_query_len=max_query_len,
+                max_seq_len=max_seq_len, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             )  # fmt: skip
 
         meta = metadata(slot_t, self.block_rows.gather(rows_t))
