@@ -195,6 +195,12 @@ class KVCacheManager:
         return n
 
     # -- allocation ------------------------------------------------------------------
+    def num_new_blocks_for(self, num_tokens: int, num_computed_blocks: int = 0) -> int:
+        """Blocks a new request's first allocation of ``num_tokens`` tokens takes from
+        the pool, ``num_computed_blocks`` of its positions a prefix-cache hit: a block per
+        new position in every group's table."""
+        return self.num_groups * (cdiv(num_tokens, self.block_size) - num_computed_blocks)
+
     def allocate_slots(
         self, req: KVRequest, num_new_tokens: int, new_computed_blocks: list[int] | None = None
     ) -> bool:

@@ -35,7 +35,7 @@ import itertools
 import logging
 from collections.abc import Iterable
 
-from pagedserve.blockmgr import KVCacheManager, cdiv
+from pagedserve.blockmgr import KVCacheManager
 from pagedserve.blockmgr.groups import KVGroups
 from pagedserve.engine.core.lora_slots import LoRAGate, active_loras, lora_gate, lora_victims
 from pagedserve.engine.core.request import Request, RequestStatus
@@ -214,8 +214,7 @@ class Scheduler:
                 for low in victims:
                     self._preempt(low, out.preempted_req_ids)
                 seats, free = len(self.running), self.kv.num_free_blocks
-            need = self.kv.num_groups * cdiv(min(head.num_tokens, self.max_num_batched_tokens),
-                                             self.kv.block_size)  # fmt: skip
+            need = self.kv.num_new_blocks_for(min(head.num_tokens, self.max_num_batched_tokens))
             while seats >= self.max_num_seqs or free - need < self.num_watermark_blocks:
                 low = self.running[-1] if self.running else None
                 if low is None or low.params.priority <= head.params.priority:
@@ -248,8 +247,7 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            num_needed = kv.num_groups * (cdiv(num_cached + num_new, kv.block_size)
-                                          - len(computed_blocks))  # fmt: skip
+            num_needed = kv.num_new_blocks_for(num_cached + num_new, len(computed_blocks))
             if kv.num_free_blocks - num_needed < self.num_watermark_blocks and self.running:
                 break
             forked = 0 if computed_blocks or whole else self._fork_from_sibling(req, scheduled)
