@@ -4,7 +4,8 @@
   is about. The engine speaks of its own fields (:class:`InputField`: the prompt, and each
   ``SamplingParams`` field); a front end maps them to its own names (the OpenAI server's
   table is ``server/param_names.py``).
-* Model, checkpoint and adapter errors: what cannot be served, and why.
+* Model, checkpoint and adapter errors: what cannot be served, and why; JSON text
+  (a client's or a file's) past its limits.
 * Fatal errors: the engine cannot step any more.
 * Internal signals, caught where they are raised from.
 """
@@ -116,6 +117,19 @@ class CheckpointQuantError(ValueError):
 
 class LoRAError(ValueError):
     """An adapter that cannot be served, and why."""
+
+
+class JSONTextError(ValueError):
+    """JSON text from a client or a file that is malformed, too large or nested too
+    deeply (:mod:`pagedserve.engine.jsonlimits`); the message names the field and the
+    limit."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):
+        return type(self), (str(self), self.field)
 
 
 class KVBudgetError(ValueError):

@@ -12,9 +12,11 @@ Torch-free.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from pagedserve.engine.errors import JSONTextError
+from pagedserve.engine.jsonlimits import decode_json
 
 METHODS = ("ngram",)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 2
@@ -57,9 +59,9 @@ class SpeculativeConfig:
             return value
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not a JSON object: {e}") from None
+                value = decode_json(value, "speculative_config")
+            except JSONTextError as e:
+                raise ValueError(str(e)) from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config={value!r} is invalid: must be a dict "
                              "such as {\"method\": \"ngram\", \"num_speculative_tokens\": 4}")

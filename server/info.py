@@ -5,14 +5,17 @@ from __future__ import annotations
 from aiohttp import web
 
 from pagedserve import __version__
+from pagedserve.engine.errors import JSONTextError
+from pagedserve.engine.jsonlimits import decode_json
 from pagedserve.engine.lora import LoRAError
+from pagedserve.engine.lora.request import check_lora_name
 from pagedserve.server.errors import bad_request, not_found
 from pagedserve.server.lora import LoRAModule, LoRANameError
 from pagedserve.server.metrics import CONTENT_TYPE
 from pagedserve.server.param_names import DETOKENIZE
 from pagedserve.server.prompts import chat_prompt
 from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest, read_request
-from pagedserve.server.sse import json_response
+from pagedserve.server.sse import json_response, read_json
 from pagedserve.server.state import STATE_KEY, ServerState
 
 
@@ -88,15 +91,20 @@ def _detokenize(state: ServerState, tokens: list[int]) -> str:
 
 
 async def load_adapter(request: web.Request) -> web.Response:
-    """``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``."""
+    """``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``. The adapter's files are
+    read and checked on the tokenizer thread, so a large or slow one stalls no other
+    request."""
     state = request.app[STATE_KEY]
     body = await _lora_body(request, ("lora_name", "lora_path"))
+    module = LoRAModule(body["lora_name"], body["lora_path"])
     try:
-        state.loras.add(LoRAModule(body["lora_name"], body["lora_path"]))
+        state.loras.check_name(module.name)  # before any file is read
+        await state.offload(state.loras.check, module)
+        state.loras.register(module)
     except LoRAError as e:
         raise bad_request(str(e), "lora_name" if isinstance(e, LoRANameError) else
                           "lora_path") from None  # fmt: skip
-    return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+    return web.Response(text=f"Success: LoRA adapter '{module.name}' added successfully.")
 
 
 async def unload_adapter(request: web.Request) -> web.Response:
@@ -104,6 +112,10 @@ async def unload_adapter(request: web.Request) -> web.Response:
     (running ones finish with it)."""
     state = request.app[STATE_KEY]
     name = (await _lora_body(request, ("lora_name",)))["lora_name"]
+    try:
+        check_lora_name(name)
+    except LoRAError as e:
+        raise bad_request(str(e), "lora_name") from None
     if not state.loras.remove(name):
         raise not_found(f"The LoRA adapter `{name}` is not served.", "lora_name")
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
@@ -111,9 +123,9 @@ async def unload_adapter(request: web.Request) -> web.Response:
 
 async def _lora_body(request: web.Request, keys: tuple[str, ...]) -> dict:
     try:
-        body = await request.json()
-    except ValueError:
-        raise bad_request("the request body must be a JSON object", None) from None
+        body = decode_json(await read_json(request), "the request body")
+    except JSONTextError as e:
+        raise bad_request(str(e), None) from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None)
     for k in keys:

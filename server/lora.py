@@ -12,20 +12,21 @@ endpoints and bodies; :mod:`pagedserve.server.info`). Imports no web framework.
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass
 
-from pagedserve.engine.errors import LoRAError
+from pagedserve.engine.errors import JSONTextError, LoRAError
+from pagedserve.engine.jsonlimits import decode_json
 from pagedserve.engine.lora.request import (
     LoRALimits,
     LoRARequest,
     check_adapter,
+    check_lora_name,
     read_adapter_config,
 )
 
 
 class LoRANameError(LoRAError):
-    """An adapter name that is taken."""
+    """An adapter name that is taken, or that cannot name an adapter."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +44,9 @@ def parse_lora_module(text: str) -> LoRAModule:
     text = text.strip()
     if text.startswith("{"):
         try:
-            obj = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"--lora-modules {text!r} is not valid JSON: {e}") from None
+            obj = decode_json(text, f"--lora-modules {text!r}")
+        except JSONTextError as e:
+            raise ValueError(str(e)) from None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) \
                 or not isinstance(obj.get("path"), str):  # fmt: skip
             raise ValueError(f"--lora-modules {text!r} needs string 'name' and 'path'")
@@ -75,15 +76,35 @@ class LoRAAdapters:
 
     def add(self, m: LoRAModule) -> LoRARequest:
         """Check and register an adapter; a :class:`LoRAError` says why it cannot be."""
+        self.check(m)
+        return self.register(m)
+
+    def check_name(self, name: str) -> None:
+        """A :class:`LoRANameError` unless ``name`` can name a new adapter."""
+        try:
+            check_lora_name(name)
+        except LoRAError as e:
+            raise LoRANameError(str(e)) from None
+        if name in self.model_names or name in self.by_name:
+            raise LoRANameError(f"a model named {name!r} is already served")
+
+    def check(self, m: LoRAModule) -> None:
+        """Check an adapter's name, path and files (its config; with the model's limits
+        its weights' names and shapes too) without registering it: the part of
+        :meth:`add` that reads files, which the server runs off the event loop."""
         if self.limits is None:
             raise LoRAError(f"LoRA adapter {m.name!r} given but LoRA is off (start the "
                             "server with --enable-lora)")
-        if m.name in self.model_names or m.name in self.by_name:
-            raise LoRANameError(f"a model named {m.name!r} is already served")
+        self.check_name(m.name)
         if isinstance(self.limits, int):
             read_adapter_config(m.path, self.limits)
         else:
             check_adapter(m.path, self.limits)
+
+    def register(self, m: LoRAModule) -> LoRARequest:
+        """Serve a checked adapter under its name (a :class:`LoRANameError` if the name
+        was taken since the check)."""
+        self.check_name(m.name)
         req = self.by_name[m.name] = LoRARequest(m.name, next(self._ids), m.path)
         self.parents[m.name] = m.base_model_name or self.model_names[0]
         return req

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import inspect
-import json
 from typing import Any
 
+from pagedserve.engine.errors import JSONTextError
+from pagedserve.engine.jsonlimits import decode_json
 from pagedserve.server.errors import bad_request
 from pagedserve.server.generation import Prompt
 from pagedserve.server.param_names import COMPLETIONS, Route
@@ -69,10 +70,9 @@ def _template_tool_calls(calls: list[Any], i: int) -> list[dict[str, Any]]:
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
-                args = json.loads(args)
-            except ValueError:
-                raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not "
-                                  "valid JSON", "messages") from None
+                args = decode_json(args, f"messages[{i}].tool_calls[{j}].function.arguments")
+            except JSONTextError as e:
+                raise bad_request(str(e), "messages") from None
         out.append({**c, "function": {**fn, "arguments": args}})
     return out
 

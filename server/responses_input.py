@@ -33,6 +33,7 @@ def wants_logprobs(req: ResponsesRequest) -> bool:
     (``top_logprobs`` alone, as OpenAI's API, leaves them empty)."""
     return LOGPROBS_INCLUDE in (req.include or ())
 ROLES = ("user", "system", "developer", "assistant")
+_JSON_TYPES = {list: "an array", dict: "an object", bool: "a boolean"}
 ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
 
 
@@ -97,6 +98,9 @@ def input_messages(items: str | list[dict[str, Any]] | None,
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         where = f"input[{i}]"
+        if item.get("id") is not None and not isinstance(item["id"], str):
+            raise bad_request(f"{where}.id must be a string, got "
+                              f"{_JSON_TYPES.get(type(item['id']), 'a number')}", "input")
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:

@@ -18,13 +18,13 @@ model runner's side, which pools the hidden states, is :mod:`pagedserve.engine.w
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.errors import EngineInputError, InputField
+from pagedserve.engine.jsonlimits import read_json_file
 
 if TYPE_CHECKING:
     from pagedserve.engine.core.sampling_params import SamplingParams
@@ -82,11 +82,11 @@ def pooling_defaults(model_path: str | Path) -> PoolingParams:
     pooling module's ``config.json``); empty fields without them."""
     root = Path(model_path)
     try:
-        modules = json.loads((root / "modules.json").read_text())
+        modules = read_json_file(root / "modules.json")
         pool_dir = next(m.get("path", "") for m in modules
                         if str(m.get("type", "")).endswith("Pooling"))
-        cfg = json.loads((root / pool_dir / "config.json").read_text())
-    except (OSError, ValueError, StopIteration, AttributeError, TypeError):
+        cfg = read_json_file(root / pool_dir / "config.json")
+    except (OSError, ValueError, StopIteration, AttributeError, TypeError):  # JSONTextError too
         return PoolingParams()
     kind = next((v for k, v in _ST_MODES.items() if cfg.get(k)), None)
     other = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v

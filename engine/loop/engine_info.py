@@ -7,7 +7,6 @@ Torch-free.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from pagedserve.blockmgr.groups import KVGroups
 from pagedserve.engine.core.pooling import PoolingParams
 from pagedserve.engine.core.sampling_params import SamplingParams
 from pagedserve.engine.errors import EngineInputError, InputField, PromptTooLongError, TokenIdError
+from pagedserve.engine.jsonlimits import read_json_file
 from pagedserve.engine.lora.request import LoRALimits
 
 
@@ -147,8 +147,8 @@ def generation_defaults(model_path: str | Path) -> dict[str, Any]:
     temperature 0.6, top_p 0.95, top_k 20); empty without the file."""
     path = Path(model_path) / "generation_config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
+        config = read_json_file(path)
+    except (OSError, ValueError):  # JSONTextError too
         return {}
     if not isinstance(config, dict):
         return {}

@@ -39,7 +39,19 @@ class LoRAWeights:
 def load_lora(req: LoRARequest, limits: LoRALimits, dtype: torch.dtype,
               device: torch.device) -> LoRAWeights:  # fmt: skip
     """Check an adapter against the model (:func:`check_adapter`) and load its weights;
-    a :class:`LoRAError` names what does not fit."""
+    a :class:`LoRAError` naming the adapter says why it cannot be loaded (whatever its
+    files hold, or however they changed since it was checked)."""
+    try:
+        return _load(req, limits, dtype, device)
+    except LoRAError as e:
+        raise LoRAError(f"the LoRA adapter {req.lora_name!r} cannot be loaded: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a file swapped mid-read, a device out of memory
+        raise LoRAError(f"the LoRA adapter {req.lora_name!r} cannot be loaded: "
+                        f"{type(e).__name__}: {e}") from None
+
+
+def _load(req: LoRARequest, limits: LoRALimits, dtype: torch.dtype,
+          device: torch.device) -> LoRAWeights:  # fmt: skip
     from safetensors.torch import load_file
 
     cfg, found = check_adapter(req.lora_path, limits)
@@ -48,8 +60,16 @@ def load_lora(req: LoRARequest, limits: LoRALimits, dtype: torch.dtype,
         tensors = load_file(str(path))
     except Exception as e:  # a truncated or foreign file
         raise LoRAError(f"{path} is not a readable safetensors file: {e}") from None
-    weights = {key: {ab: tensors[name] for ab, name in names.items()}
-               for key, names in found.items()}  # fmt: skip
+    weights = {}
+    for (layer, module), names in found.items():
+        out_f, in_f = limits.shape_of(module)
+        for ab, name in names.items():
+            want = (cfg.rank, in_f) if ab == "A" else (out_f, cfg.rank)
+            t = tensors.get(name)
+            if t is None or tuple(t.shape) != want:
+                raise LoRAError(f"{path} changed while it was read: tensor {name!r} is "
+                                f"{'gone' if t is None else tuple(t.shape)}, not {want}")
+        weights[layer, module] = {ab: tensors[name] for ab, name in names.items()}
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
     for i in range(limits.num_layers):
         fused = {}

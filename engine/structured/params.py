@@ -12,7 +12,8 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.errors import StructuredOutputsError
+from pagedserve.engine.errors import JSONTextError, StructuredOutputsError
+from pagedserve.engine.jsonlimits import decode_json
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -100,10 +101,9 @@ def _schema_text(schema: Any) -> str:
     of the output's properties)."""
     if isinstance(schema, str):
         try:
-            schema = _json.loads(schema)
-        except ValueError as e:
-            raise StructuredOutputsError(
-                f"structured_outputs.json is not valid JSON: {e}", "json") from None
+            schema = decode_json(schema, "structured_outputs.json")
+        except JSONTextError as e:
+            raise StructuredOutputsError(str(e), "json") from None
     if isinstance(schema, bool):
         schema = {} if schema else None
     if not isinstance(schema, dict):

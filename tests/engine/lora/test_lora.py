@@ -257,6 +257,44 @@ def test_bad_adapter_fails_its_request_only(tiny, adapters, prompts, reference, 
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_adapter_files_swapped_after_loading(tiny, adapters, prompts, reference, tmp_path,
+                                             monkeypatch):  # fmt: skip
+    """An adapter's weights file overwritten once it is loaded: the engine serves on with
+    the weights it loaded; once it must load them again (evicted past max_cpu_loras), or
+    the file changes while it is read, that adapter's request alone fails, with an error
+    naming the adapter."""
+    import shutil
+    import struct
+
+    import safetensors.torch
+
+    path = tmp_path / "swap"
+    shutil.copytree(adapters["all"], path)
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8, max_cpu_loras=1)
+    swap = LoRARequest("swap", 1, str(path))
+    assert run(llm, prompts[:1], swap) == [reference["all"][0]]
+    weights = path / "adapter_model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(struct.pack("<Q", 20000) + b"[" * 10000 + b"]" * 10000)
+    assert run(llm, prompts[:1], swap) == [reference["all"][0]]  # the weights it loaded
+    assert run(llm, prompts[:1], lora(adapters, "qv", 2)) == [reference["qv"][0]]  # evicts it
+    with pytest.raises(EngineInputError, match="the LoRA adapter 'swap' cannot be loaded: "
+                                               ".* is nested too deeply") as e:
+        run(llm, prompts[:1], swap)
+    assert e.value.field is InputField.LORA_REQUEST
+    weights.write_bytes(good)  # checked whole, then another shape by the time it is read
+    real = safetensors.torch.load_file
+    monkeypatch.setattr(safetensors.torch, "load_file",
+                        lambda f: {k: v.t() for k, v in real(f).items()})
+    with pytest.raises(EngineInputError, match="the LoRA adapter 'swap' cannot be loaded: "
+                                               ".* changed while it was read"):
+        run(llm, prompts[:1], swap)
+    monkeypatch.undo()
+    assert run(llm, prompts[:1], None) == [reference[None][0]]
+    assert run(llm, prompts[:1], swap) == [reference["all"][0]]
+    assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
+
+
 def test_lora_needs_enable_lora(tiny, adapters, prompts):
     llm = LLM(tiny, dtype="float32")
     with pytest.raises(EngineInputError, match="enable_lora") as e:
