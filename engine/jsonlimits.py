@@ -40,8 +40,10 @@ def decode_json(text: str | bytes, field: str, *, max_size: int = MAX_SIZE,
         value = msgspec.json.decode(text)
     except RecursionError:
         raise _too_deep(field, max_depth) from None
-    except msgspec.ValidationError as e:  # a number past float64 or past 4300 digits
-        raise JSONTextError(f"{field} has a number out of range: {e}", field) from None
+    except msgspec.ValidationError:
+        raise JSONTextError(f"{field} has a number out of range: a number may not be past "
+                            "float64's range, nor an integer longer than 4300 digits",
+                            field) from None
     except msgspec.DecodeError as e:
         at = _lone_surrogate(text if unit == "characters" else
                              bytes(text).decode("utf-8", "replace"))

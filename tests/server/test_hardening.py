@@ -53,6 +53,18 @@ def test_deeply_nested_json_is_400(server, route):
     assert_error(post(server, route, inner), 400, None)
 
 
+@pytest.mark.parametrize("route", [CHAT, "/tokenize"])
+def test_tool_call_arguments_nested_too_deeply_are_400(server, route):
+    """Arguments sent as a JSON string are decoded by the server itself, bounded."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
+    messages = [*MSG, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    err = assert_error(post(server, route, {"messages": messages}), 400, "messages")
+    assert err["message"] == ("messages[1].tool_calls[0].function.arguments is nested too "
+                              "deeply: arrays and objects may be nested at most 128 levels")
+
+
 @pytest.mark.parametrize("key", ["\u00b2", "--5", "5" * 5000, "\u0665", "1_0", " "])
 def test_logit_bias_key_that_is_no_decimal_is_400(server, key):
     for route, body in ((CHAT, {"messages": MSG, "max_tokens": 2}),

@@ -5,6 +5,11 @@ added or removed at run time (``--allow-runtime-lora-updating``), with vLLM's bo
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import shutil
+import struct
+import time
 
 import pytest
 
@@ -135,8 +140,6 @@ def test_adapters_loaded_and_unloaded_at_run_time(tiny, adapters, offline):
         await post("/v1/completions", {**body})
         return out
 
-    import json
-
     out = run_in_process(engine, options, script)
     statuses = [s for _, _, s, _ in out]
     assert statuses == [404, 200, 200, 400, 400, 400, 200, 400, 200, 404, 404, 400, 200], out
@@ -190,3 +193,148 @@ def test_a_lora_module_that_does_not_fit_stops_the_server(tiny, adapters):
     assert "--lora-modules:" in str(e.value) and "need (2, 64)" in str(e.value)
     assert "Traceback" not in str(e.value)
     assert srv.proc.returncode == 2
+
+
+def _copy(src, dst, config: str | None = None, header: bytes | None = None):
+    """A copy of adapter ``src`` with its config's text or its weights' header replaced."""
+    shutil.copytree(src, dst)
+    if config is not None:
+        (dst / "adapter_config.json").write_text(config)
+    if header is not None:
+        (dst / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return str(dst)
+
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+def test_runtime_adapters_refuse_hostile_input(tiny, adapters, offline, tmp_path):
+    """No body or adapter file makes a 5xx, nothing bad is registered, /v1/models keeps
+    answering; an adapter whose weights file is overwritten once loaded serves on with
+    the weights loaded, and one overwritten before its first use fails its requests
+    alone with an error naming it."""
+    engine = _engine(tiny, enable_lora=True, max_lora_rank=8)
+    options = ServeOptions(allow_runtime_lora_updating=True)
+    sql = str(adapters["sql"])
+    cfg = json.loads((adapters["sql"] / "adapter_config.json").read_text())
+    bad = {
+        "deep_config": (_copy(adapters["sql"], tmp_path / "dc", json.dumps(
+            {**cfg, "target_modules": "@"}).replace('"@"', DEEP)), "nested too deeply"),
+        "alpha_inf": (_copy(adapters["sql"], tmp_path / "ai", json.dumps(
+            {**cfg, "lora_alpha": "@"}).replace('"@"', "1e400")), "number out of range"),
+        "alpha_huge": (_copy(adapters["sql"], tmp_path / "ah", json.dumps(
+            {**cfg, "lora_alpha": "@"}).replace('"@"', "1" + "0" * 400)),
+            "must be a finite number with |lora_alpha| <= 65536"),
+        "deep_header": (_copy(adapters["sql"], tmp_path / "dh", header=DEEP.encode()),
+                        "is nested too deeply"),
+    }
+    body = {"prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "ignore_eos": True}
+    swap, late = _copy(adapters["sql"], tmp_path / "swap"), _copy(adapters["poet"],
+                                                                   tmp_path / "late")
+
+    async def script(client):
+        async def post(path, payload):
+            kw = {"data": payload, "headers": {"Content-Type": "application/json"}} \
+                if isinstance(payload, bytes) else {"json": payload}  # fmt: skip
+            r = await client.post(path, **kw)
+            text = await r.text()
+            return r.status, (json.loads(text).get("error") if r.status != 200 else text)
+
+        load = "/v1/load_lora_adapter"
+        out = {name: await post(load, {"lora_name": name, "lora_path": path})
+               for name, (path, _) in bad.items()}  # fmt: skip
+        out["surrogate"] = await post(load, {"lora_name": "\ud800", "lora_path": sql})
+        out["control"] = await post(load, {"lora_name": "a\u0007", "lora_path": sql})
+        out["long_name"] = await post(load, {"lora_name": "n" * 300, "lora_path": sql})
+        out["long_path"] = await post(load, {"lora_name": "p", "lora_path": "/a" * 50000})
+        out["nul_path"] = await post(load, {"lora_name": "p", "lora_path": sql + "\x00"})
+        out["deep_body"] = await post(load, DEEP.encode())
+        out["unload"] = await post("/v1/unload_lora_adapter", {"lora_name": "\x1b[2J"})
+        models = await client.get("/v1/models")
+        out["models"] = models.status, [m["id"] for m in (await models.json())["data"]]
+        assert (await post(load, {"lora_name": "swap", "lora_path": swap}))[0] == 200
+        assert (await post(load, {"lora_name": "late", "lora_path": late}))[0] == 200
+        out["swap1"] = await post("/v1/completions", {**body, "model": "swap"})
+        garbage = struct.pack("<Q", 20000) + b"[" * 10000 + b"]" * 10000
+        for path in (swap, late):
+            with open(f"{path}/adapter_model.safetensors", "wb") as f:
+                f.write(garbage)
+        out["swap2"] = await post("/v1/completions", {**body, "model": "swap"})
+        out["late"] = await post("/v1/completions", {**body, "model": "late"})
+        out["base"] = await post("/v1/completions", body)
+        return out
+
+    out = run_in_process(engine, options, script)
+    for name, (_, why) in bad.items():
+        status, err = out[name]
+        assert status == 400 and err["param"] == "lora_path" and why in err["message"], err
+    expect = {"surrogate": (None, "the \\u escape at character 15 is a lone surrogate"),
+              "control": ("lora_name", "lora_name has U+0007 at index 1"),
+              "long_name": ("lora_name", "lora_name is 300 characters long; the limit is 256"),
+              "long_path": ("lora_path", "lora_path is 100000 bytes long; the limit is 4096"),
+              "nul_path": ("lora_path", "lora_path has the control character U+0000"),
+              "deep_body": (None, "the request body is nested too deeply: arrays and objects "
+                                  "may be nested at most 128 levels"),
+              "unload": ("lora_name", "lora_name has U+001B at index 0")}
+    for name, (param, why) in expect.items():
+        status, err = out[name]
+        assert status == 400 and err["param"] == param and why in err["message"], (name, err)
+    assert out["models"] == (200, [str(tiny)])
+    for name in ("swap1", "swap2"):  # loaded with the first request, kept since
+        assert json.loads(out[name][1])["choices"][0]["text"] == offline["sql"]
+    status, err = out["late"]
+    assert status == 400 and err["param"] == "model", err
+    assert err["message"].startswith("the LoRA adapter 'late' cannot be loaded: ")
+    assert json.loads(out["base"][1])["choices"][0]["text"] == offline[None]
+
+
+async def _health_while(client, request) -> tuple[int, list[float]]:
+    """Poll /health until ``request`` (a coroutine) is answered: its status and the
+    latencies."""
+    task = asyncio.ensure_future(request)
+    latencies = []
+    while not task.done():
+        t0 = time.monotonic()
+        assert (await client.get("/health")).status == 200
+        latencies.append(time.monotonic() - t0)
+        await asyncio.sleep(0.01)
+    return (await task).status, latencies
+
+
+def test_health_answers_while_an_adapter_is_checked(tiny, adapters, tmp_path, monkeypatch):
+    """An adapter's files are read and checked off the event loop: /health answers within
+    100 ms while a slow check runs, and a 48 MB safetensors header is refused at once (it
+    is past the size an adapter of the model can have) without being parsed. The best of
+    three runs counts, as in test_hardening.py."""
+    from pagedserve.server import lora as server_lora
+
+    real = server_lora.check_adapter
+    monkeypatch.setattr(server_lora, "check_adapter",
+                        lambda *a: time.sleep(0.5) or real(*a))  # a slow disk
+    pad = b"0," * (24 * 2**20)
+    header = b'{"__metadata__": {"pad": [' + pad + b'0]}}'
+    huge, size = _copy(adapters["sql"], tmp_path / "huge", header=header), len(header)
+    del pad, header
+    engine = _engine(tiny, enable_lora=True, max_lora_rank=8)
+    options = ServeOptions(allow_runtime_lora_updating=True)
+
+    async def script(client):
+        runs = {"slow": [], "huge": []}
+        for i in range(3):
+            for case, path in (("slow", str(adapters["sql"])), ("huge", huge)):
+                runs[case].append(await _health_while(client, client.post(
+                    "/v1/load_lora_adapter", json={"lora_name": f"{case}{i}",
+                                                   "lora_path": path})))
+        r = await client.post("/v1/load_lora_adapter", json={"lora_name": "h",
+                                                             "lora_path": huge})
+        return runs, await r.json()
+
+    runs, err = run_in_process(engine, options, script)
+    assert [s for s, _ in runs["slow"]] == [200] * 3 and [s for s, _ in runs["huge"]] == [400] * 3
+    assert err["error"]["param"] == "lora_path"
+    assert f"has a safetensors header of {size} bytes; the limit for an adapter of this " \
+        "model is 1077248 bytes" in err["error"]["message"]  # fmt: skip
+    for case, results in runs.items():
+        worst = [max(lat, default=0.0) for _, lat in results]
+        assert min(worst) < 0.1, (case, worst)
+    assert min(len(lat) for _, lat in runs["slow"]) >= 3

@@ -189,12 +189,30 @@ def test_text_format_json_schema(client):
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": -1}, "top_logprobs"),
+    ({"text": {"format": {"type": "json_schema", "name": "x",
+                          "schema": "[" * 5000 + "]" * 5000}}}, "text"),
+    ({"input": [{"role": "user", "content": "hi", "id": ["msg_1"]}]}, "input"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, extra, param):
     body = {"model": MODEL, "input": "Hi", **extra}
     r = requests.post(server.url + "/v1/responses", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+@pytest.mark.parametrize("item_id, kind", [(["msg_1"], "an array"), ({"a": 1}, "an object")])
+def test_an_item_id_that_is_no_string_is_400_whole_and_streamed(server, item_id, kind):
+    for stream in (False, True):
+        r = requests.post(server.url + "/v1/responses", timeout=60, json={
+            "model": MODEL, "max_output_tokens": 2, "stream": stream, "input": [
+                {"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}",
+                 "id": item_id}]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": f"input[1].id must be a string, got {kind}",
+                                     "type": "BadRequestError", "param": "input", "code": 400}
+    assert requests.post(server.url + "/v1/responses", json={
+        "model": MODEL, "input": "Hi", "max_output_tokens": 2}, timeout=60).status_code == 200
 
 
 def test_stored_responses_continue_a_conversation(client):

@@ -163,7 +163,17 @@ def test_auto_runs_and_parses(client):
     assert "<tool_call>" not in (whole.message.content or "")
 
 
+DEEP = "[" * 5000 + "]" * 5000
+"""A schema string nested past the interpreter's recursion limit."""
+TOO_DEEP = "is nested too deeply: arrays and objects may be nested at most 128 levels"
 BAD = [
+    ({"guided_json": DEEP}, "guided_json", f"guided_json {TOO_DEEP}"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}},
+     "response_format", f"response_format.json_schema.schema {TOO_DEEP}"),
+    ({"structured_outputs": {"json": DEEP}}, "structured_outputs",
+     f"structured_outputs.json {TOO_DEEP}"),
+    ({"guided_json": '{"type": "object", "maxProperties": 1e400}'}, "guided_json",
+     "guided_json has a number out of range"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                  "schema": {"type": "frob"}}}},
      "response_format", "response_format.json_schema.schema cannot be compiled: "),
