@@ -89,14 +89,16 @@ def _too_deep(field: str, max_depth: int) -> JSONTextError:
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether ``value`` has arrays and objects nested more than ``limit`` levels."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
-        if items is None:
-            continue
+    """Whether ``value`` has arrays and objects nested more than ``limit`` levels (level by
+    level: a list operation per container, not a stack entry per value)."""
+    level = [value] if type(value) is list or type(value) is dict else []
+    depth = 0
+    while level:
+        depth += 1
         if depth > limit:
             return True
-        stack.extend((x, depth + 1) for x in items if isinstance(x, (dict, list)))
+        items: list = []
+        for v in level:
+            items += v.values() if type(v) is dict else v
+        level = [x for x in items if type(x) is list or type(x) is dict]
     return False
