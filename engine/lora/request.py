@@ -180,9 +180,13 @@ def read_adapter_config(path: str | Path, max_rank: int) -> AdapterConfig:
     check_lora_path(path)
     root = Path(path)
     cfg_path = root / CONFIG_FILE
-    if not cfg_path.is_file():
+    try:  # (is_file raises what is not a missing file: a directory it may not search)
+        has_config, has_weights = cfg_path.is_file(), (root / WEIGHTS_FILE).is_file()
+    except OSError as e:
+        raise LoRAError(f"the LoRA adapter at {str(root)!r} cannot be read: {e}") from None
+    if not has_config:
         raise LoRAError(f"the LoRA adapter at {str(root)!r} has no {CONFIG_FILE}")
-    if not (root / WEIGHTS_FILE).is_file():
+    if not has_weights:
         raise LoRAError(f"the LoRA adapter at {str(root)!r} has no {WEIGHTS_FILE} (only "
                         "safetensors weights are read)")
     try:

@@ -149,3 +149,14 @@ def test_adapter_paths_are_checked_before_the_file_system(path, why):
 def test_good_adapter_paths(tmp_path):
     for path in ("/tmp/" + "x" * 255, "rel/é/dir", tmp_path):
         check_lora_path(path)
+
+
+def test_a_path_the_file_system_refuses_is_a_lora_error(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_file", refuse)
+    with pytest.raises(LoRAError, match="cannot be read: .*Permission denied"):
+        read_adapter_config(tmp_path, 8)
