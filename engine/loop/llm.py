@@ -26,6 +26,10 @@ class LLM:
 
     Every keyword maps onto a field of :class:`pagedserve.engine.config.EngineConfig`; an unknown
     keyword is a ``TypeError``.
+
+    :meth:`shutdown` (or leaving a ``with LLM(...) as llm:`` block, or dropping the last
+    reference) stops what the engine started (the tensor-parallel ranks and their process
+    group), so that another ``LLM`` can start in the same process.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -37,18 +41,32 @@ class LLM:
         if is_worker_rank(self.config):
             run_worker_rank(self.config)
             raise SystemExit(0)
-        self.engine = LLMEngine(self.config)
+        self._engine: LLMEngine | None = LLMEngine(self.config)
 
-    def close(self) -> None:
-        """Stop what the engine started outside this process's threads (the
-        tensor-parallel ranks; they also stop when the interpreter exits)."""
-        self.engine.close()
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine; a ``RuntimeError`` after :meth:`shutdown`."""
+        if self._engine is None:
+            raise RuntimeError("this LLM was shut down (LLM.shutdown()): it cannot be used "
+                               "any more; create a new LLM")  # fmt: skip
+        return self._engine
+
+    def shutdown(self) -> None:
+        """Stop the engine: its tensor-parallel ranks exit, its process group and shared
+        memory go, and the LLM lets go of the model. Twice is harmless; anything else
+        after it raises ``RuntimeError``. (An LLM dropped without a shutdown does the same
+        when it is garbage collected, or when the interpreter exits.)"""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    close = shutdown
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -5,7 +5,8 @@ Two ways in, one engine:
 * **The engine's own start** (``LLM(tensor_parallel_size=N)``, ``pagedserve serve
   --tensor-parallel-size N``): the engine process is rank 0; it starts ranks 1..N-1 as
   child interpreters, which die with it (Linux ``PR_SET_PDEATHSIG``) and are watched by
-  a thread that marks the engine failed the moment one exits.
+  a thread that marks the engine failed the moment one exits. A rank that fails writes
+  its error to a pipe of its own before it exits, so the engine's error names it.
 * **A launcher** that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
   ``MASTER_PORT`` (``torchrun``, across machines too): every rank runs the same
   command; rank 0 serves, the others build their shard and wait for steps
@@ -21,13 +22,14 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
+import traceback
 
 from pagedserve.engine import envs
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import ParallelError
 from pagedserve.engine.parallel import frames
 
 logger = logging.getLogger("pagedserve.engine.parallel")
@@ -69,10 +71,20 @@ def use_cores(cores: list[int] | None) -> int:
     return n
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+REPORT_BYTES = 4000
+"""The most of a failed rank's error that reaches rank 0."""
+_COLLECTIVE = "collective"
+"""A report's first line when the rank's error was a failed collective (a peer's doing)."""
+
+
+def report_error(fd: int, exc: BaseException) -> None:
+    """A rank the engine started: write why it fails to rank 0 (its report pipe)."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    kind = _COLLECTIVE if isinstance(exc, ParallelError) else "error"
+    try:
+        os.write(fd, f"{kind}\n{text}".encode(errors="replace")[:REPORT_BYTES])
+    except OSError:
+        pass
 
 
 class WorkerProcesses:
@@ -84,34 +96,82 @@ class WorkerProcesses:
     works) and nothing is forked.
     """
 
-    def __init__(self, config: EngineConfig, size: int) -> None:
+    def __init__(self, config: EngineConfig, size: int, init_method: str) -> None:
         self.size = size
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.init_method = init_method
+        """Rank 0's store, which the ranks join (``tcp://host:port``)."""
         self.failure: str | None = None
         """Why the group failed (a rank exited), or None."""
+        self.reports: dict[int, tuple[bool, str]] = {}
+        """Rank -> (whether it was a failed collective, its error), for ranks that failed."""
         self._stopping = False
         env = envs.child_environment(sys.path)
         self.procs: list[subprocess.Popen] = []
+        self._watchers: list[threading.Thread] = []
         for r in range(1, size):
-            p = subprocess.Popen(
-                [sys.executable, "-m", "pagedserve.engine.worker.rank", str(r), str(size),
-                 self.init_method, str(os.getpid())],
-                stdin=subprocess.PIPE, env=env)  # fmt: skip
+            read_fd, write_fd = os.pipe()
+            try:
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "pagedserve.engine.worker.rank", str(r), str(size),
+                     self.init_method, str(os.getpid()), str(write_fd)],
+                    stdin=subprocess.PIPE, env=env, pass_fds=(write_fd,))  # fmt: skip
+            except BaseException:
+                os.close(read_fd)
+                self.stop(timeout=0.0)
+                raise
+            finally:
+                os.close(write_fd)
             self.procs.append(p)
-            p.stdin.write(frames.encode(config))
-            p.stdin.close()
-        for r, p in enumerate(self.procs, start=1):
-            threading.Thread(target=self._watch, args=(r, p), name=f"tp-watch-{r}",
-                             daemon=True).start()  # fmt: skip
+            t = threading.Thread(target=self._watch, args=(r, p, read_fd), name=f"tp-watch-{r}",
+                                 daemon=True)  # fmt: skip
+            self._watchers.append(t)
+            t.start()
+            try:
+                p.stdin.write(frames.encode(config))
+                p.stdin.close()
+            except BrokenPipeError:  # it failed already: its watcher says why
+                pass
 
-    def _watch(self, rank: int, p: subprocess.Popen) -> None:
-        """Reap rank ``rank``; an exit before :meth:`stop` is the group's failure."""
+    def _watch(self, rank: int, p: subprocess.Popen, report_fd: int) -> None:
+        """Read rank ``rank``'s report and reap it; an exit before :meth:`stop` is the
+        group's failure."""
+        data = b""
+        with os.fdopen(report_fd, "rb", buffering=0) as f:
+            while chunk := f.read(REPORT_BYTES):  # a report arrives before the exit
+                data += chunk
+                kind, _, text = data.decode(errors="replace").partition("\n")
+                self.reports[rank] = (kind == _COLLECTIVE, text)
         p.wait()
         if self._stopping or self.failure is not None:
             return
         self.failure = (f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
                         f"{p.returncode}")  # fmt: skip
+        if rank in self.reports:
+            self.failure += f": {self.reports[rank][1]}"
         logger.error("%s; the engine cannot step any more", self.failure)
+
+    def failed_rank(self) -> str | None:
+        """The error of the first rank that failed on its own (not by a failed
+        collective, a peer's doing), else of the first that failed; None if none did."""
+        if not self.reports:
+            return None
+        rank = min(self.reports, key=lambda r: (self.reports[r][0], r))
+        return f"tensor-parallel rank {rank} failed: {self.reports[rank][1]}"
+
+    def check_started(self) -> None:
+        """While the group starts: raise :class:`ParallelError` once a rank has failed or
+        exited."""
+        why = self.failed_rank() or self.failure
+        if why is not None:
+            raise ParallelError(why)
+
+    def cause_of(self, exc: BaseException) -> BaseException:
+        """What to raise for rank 0's ``exc`` (after :meth:`stop`): when a collective
+        failed, the error of the rank that failed, if one said why; else ``exc``."""
+        why = self.failed_rank()
+        if isinstance(exc, ParallelError) and why is not None and why not in str(exc):
+            return ParallelError(why)
+        return exc
 
     def stop(self, timeout: float | None = None) -> None:
         """Join the ranks (after the shutdown message), terminating any that linger past
@@ -129,6 +189,9 @@ class WorkerProcesses:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+        for t in self._watchers:  # their reports are all in
+            if t is not threading.current_thread():
+                t.join(5.0)
 
 
 def is_worker_rank(config: EngineConfig) -> bool:
@@ -163,9 +226,10 @@ def die_with_parent(parent_pid: int) -> None:
 def start_rank0(config: EngineConfig, device) -> tuple[object, WorkerProcesses | None]:
     """Rank 0's group (a :class:`~pagedserve.engine.parallel.group.TensorParallel`): joined with
     the launcher's ranks (no processes of its own), or with ranks it spawns now."""
-    from pagedserve.engine.parallel.group import TensorParallel
+    from pagedserve.engine.parallel.group import TensorParallel, check_no_group, host_store
 
     size = config.tensor_parallel_size
+    check_no_group()
     if env_rank() is not None:
         rank, _ = check_env(config)
         if rank != 0:
@@ -174,12 +238,17 @@ def start_rank0(config: EngineConfig, device) -> tuple[object, WorkerProcesses |
         return TensorParallel(0, size, device, envs.tp_step_timeout(),
                               local_size=envs.launcher_ranks()[3],
                               start_timeout_s=envs.tp_start_timeout()), None
-    procs = WorkerProcesses(config, size)
+    store = host_store(envs.tp_start_timeout())
+    procs = WorkerProcesses(config, size, f"tcp://127.0.0.1:{store.port}")
     try:
-        tp = TensorParallel(0, size, device, envs.tp_step_timeout(), procs.init_method,
-                            start_timeout_s=envs.tp_start_timeout())
-    except BaseException:
+        tp = TensorParallel(0, size, device, envs.tp_step_timeout(),
+                            start_timeout_s=envs.tp_start_timeout(), store=store,
+                            check_ranks=procs.check_started)  # fmt: skip
+    except BaseException as exc:
         procs.stop(timeout=1.0)
-        raise
+        cause = procs.cause_of(exc)
+        if cause is exc:
+            raise
+        raise cause from exc
     return tp, procs
 

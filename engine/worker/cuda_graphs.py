@@ -277,6 +277,13 @@ class DecodeGraphRunner:
         self.buffers.pad(0, self.sizes[-1])
         return time.perf_counter() - t0
 
+    def release(self) -> None:
+        """Free the captured graphs (before the communicator their collectives use goes);
+        the runner captures nothing after."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.use_graphs = False
+
     def batch_for(self, num_reqs: int, num_decodes: int, num_tokens: int,
                   max_seq_len: int) -> int | None:  # fmt: skip
         """The graph size for a step of that shape, or None when it must run eagerly (not

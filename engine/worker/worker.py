@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
@@ -10,6 +9,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -49,8 +49,10 @@ DEFAULT_CPU_KV_GB = 1.0
 
 class Worker:
     """``tp``: this process's rank of a tensor-parallel group (ranks other than 0 get one
-    from :mod:`pagedserve.engine.parallel.launch`); with ``tensor_parallel_size > 1`` and no ``tp``
-    the worker is rank 0 and starts the group itself."""
+    from :mod:`pagedserve.engine.parallel.launch`, and close it themselves); with
+    ``tensor_parallel_size > 1`` and no ``tp`` the worker is rank 0 and starts the group
+    itself. Rank 0 stops its group at :meth:`shutdown`, or when the worker is collected
+    without one (at the interpreter's exit at the latest)."""
 
     def __init__(self, settings: EngineSettings, tp: TensorParallel | None = None) -> None:
         t0 = time.perf_counter()
@@ -60,20 +62,24 @@ class Worker:
         self.tp = tp
         self._procs: WorkerProcesses | None = None
         self._pinned_thread: int | None = None
-        self._unpin: tuple[int, set[int], int] | None = None
-        """How the stepping thread ran before it was pinned to rank 0's cores (its native
-        id, its cores, torch's thread count): restored at shutdown."""
+        self._held = SimpleNamespace(unpin=None, graphs=None, graceful=True)
+        """What stopping the group needs besides the group: how the stepping thread ran
+        before it was pinned to rank 0's cores (``unpin``: its native id, its cores,
+        torch's thread count), the decode graphs, and how to stop."""
+        self._stop: weakref.finalize | None = None
         self.tokenizer = load_tokenizer(config.tokenizer or settings.model_path)
         if tp is None and config.tensor_parallel_size > 1:
             check_divisible(settings.decoder, config.tensor_parallel_size)
             self.tp, self._procs = start_rank0(config, settings.device)
-            ref = weakref.ref(self)  # the ranks stop with the interpreter at the latest
-            atexit.register(lambda: (w := ref()) is not None and w.shutdown())
+            self._stop = weakref.finalize(self, _stop_group, self.tp, self._procs, self._held)
         try:
             self._build(t0)
-        except BaseException:
+        except BaseException as exc:
             self.shutdown(graceful=False)
-            raise
+            cause = exc if self._procs is None else self._procs.cause_of(exc)
+            if cause is exc:
+                raise
+            raise cause from exc
 
     @property
     def rank(self) -> int:
@@ -148,7 +154,7 @@ class Worker:
             warm_up_kernels(self)
         from pagedserve.engine.worker.cuda_graphs import capture_decode_graphs
 
-        self.runner.decode_graphs = capture_decode_graphs(self)
+        self.runner.decode_graphs = self._held.graphs = capture_decode_graphs(self)
         capacity = num_blocks * config.block_size
         if self.rank != 0:
             return
@@ -279,8 +285,8 @@ class Worker:
                 self._pinned_thread = threading.get_ident()
                 if self.settings.device.type == "cpu":
                     if hasattr(os, "sched_getaffinity"):
-                        self._unpin = (threading.get_native_id(), os.sched_getaffinity(0),
-                                       torch.get_num_threads())  # fmt: skip
+                        self._held.unpin = (threading.get_native_id(), os.sched_getaffinity(0),
+                                            torch.get_num_threads())  # fmt: skip
                     use_cores(core_share(0, tp.local_size))
             tp.send(STEP, for_workers(sched))
             return self.runner.execute(sched)
@@ -294,18 +300,8 @@ class Worker:
             raise EngineFatalError(f"a tensor-parallel step failed on rank 0: {exc!r}") from exc
 
     def _restore_cores(self) -> None:
-        """Give the thread that stepped (the caller's, offline) its cores and torch its
-        thread count back: an engine that is gone leaves the process as it found it."""
-        unpin, self._unpin = self._unpin, None
         self._pinned_thread = None
-        if unpin is None:
-            return
-        tid, cores, threads = unpin
-        try:
-            os.sched_setaffinity(tid, cores)
-        except OSError:  # the thread has exited
-            pass
-        torch.set_num_threads(threads)
+        _restore_cores(self._held)
 
     def check_alive(self) -> None:
         """Raise :class:`~pagedserve.engine.errors.ParallelError` once a tensor-parallel rank
@@ -314,24 +310,49 @@ class Worker:
             raise ParallelError(self._procs.failure)
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop the tensor-parallel ranks (rank 0; a no-op without them). ``graceful``:
-        tell them to stop and wait for them; else (a failed start) terminate them soon."""
-        tp, self.tp = self.tp, None
-        self._restore_cores()
-        if tp is not None and getattr(self, "runner", None) is not None:
-            # Graphs holding NCCL collectives go before the communicator does (destroying
-            # it under live captures can hang).
+        """Stop the tensor-parallel group that this worker started (rank 0; a no-op
+        without one; twice is harmless). ``graceful``: tell the ranks to stop and wait
+        for them; else (a failed start) terminate them soon."""
+        self.tp = None
+        self._pinned_thread = None
+        if getattr(self, "runner", None) is not None:
             self.runner.decode_graphs = None
-        if tp is None or tp.rank != 0:
-            if tp is not None:
-                tp.close()
+        if self._stop is None:
+            _restore_cores(self._held)
             return
-        procs = self._procs
-        if graceful and (procs is None or procs.failure is None):
-            try:
-                tp.send(SHUTDOWN)
-            except ParallelError:
-                logger.debug("the shutdown message did not reach every rank", exc_info=True)
-        if procs is not None:
-            procs.stop(timeout=None if graceful else 1.0)
-        tp.close()
+        self._held.graceful = graceful
+        self._stop()
+
+
+def _restore_cores(held: SimpleNamespace) -> None:
+    """Give the thread that stepped (the caller's, offline) its cores and torch its
+    thread count back: an engine that is gone leaves the process as it found it."""
+    unpin, held.unpin = held.unpin, None
+    if unpin is None:
+        return
+    tid, cores, threads = unpin
+    try:
+        os.sched_setaffinity(tid, cores)
+    except OSError:  # the thread has exited
+        pass
+    torch.set_num_threads(threads)
+
+
+def _stop_group(tp: TensorParallel, procs: WorkerProcesses | None,
+                held: SimpleNamespace) -> None:  # fmt: skip
+    """Stop rank 0's group: the worker's shutdown, and its finalizer (it holds nothing of
+    the worker, so a worker dropped without a shutdown stops its ranks when collected)."""
+    _restore_cores(held)
+    graphs, held.graphs = held.graphs, None
+    if graphs is not None:
+        # Graphs holding NCCL collectives go before the communicator does (destroying it
+        # under live captures can hang).
+        graphs.release()
+    if held.graceful and (procs is None or procs.failure is None):
+        try:
+            tp.send(SHUTDOWN)
+        except ParallelError:
+            logger.debug("the shutdown message did not reach every rank", exc_info=True)
+    if procs is not None:
+        procs.stop(timeout=None if held.graceful else 1.0)
+    tp.close()

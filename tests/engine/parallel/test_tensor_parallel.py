@@ -17,6 +17,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.errors import EngineFatalError
 from pagedserve.engine.parallel import shm
 from pagedserve.kernels.cpu import native
+from tests.helpers.parallel import rank_command
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 PREFIX = [(7 * j + 11) % 4000 + 5 for j in range(40)]
@@ -162,10 +163,11 @@ def _gone(pid: int) -> bool:
 
 def test_close_stops_every_rank(tiny_model_factory):
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", tensor_parallel_size=2)
-    pids = [p.pid for p in _ranks(llm)]
+    ranks = _ranks(llm)
+    pids = [p.pid for p in ranks]
     llm.generate(prompts()[:2], SamplingParams(max_tokens=4), use_tqdm=False)
     llm.close()
-    assert all(p.returncode == 0 for p in _ranks(llm))
+    assert all(p.returncode == 0 for p in ranks)
     assert all(_gone(pid) for pid in pids)
     llm.close()  # twice is harmless
 
@@ -226,21 +228,6 @@ def test_hung_rank_fails_the_step_after_the_timeout(tiny_model_factory, monkeypa
     assert rank.returncode is not None
 
 
-def _rank_command(monkeypatch, code: str) -> None:
-    """Start ranks 1..N-1 as ``python -c code`` (their usual arguments in ``sys.argv``,
-    the engine's configuration on their stdin)."""
-    from pagedserve.engine.parallel import launch
-
-    real = launch.subprocess.Popen
-
-    def popen(args, **kwargs):  # every Popen of the process: only the ranks' change
-        if list(args[1:3]) == ["-m", "pagedserve.engine.worker.rank"]:
-            args = [args[0], "-c", code, *args[3:]]
-        return real(args, **kwargs)
-
-    monkeypatch.setattr(launch.subprocess, "Popen", popen)
-
-
 SLOW_RANK = """
 import runpy, time
 time.sleep(10)
@@ -257,7 +244,7 @@ def test_slow_starting_rank_is_not_a_hung_one(tiny_model_factory, monkeypatch):
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM(path, dtype="float32") as one:
         ref = [o.outputs[0].token_ids for o in one.generate(prompts()[:3], sp, use_tqdm=False)]
-    _rank_command(monkeypatch, SLOW_RANK)
+    rank_command(monkeypatch, SLOW_RANK)
     with LLM(path, dtype="float32", tensor_parallel_size=2) as llm:
         outs = llm.generate(prompts()[:3], sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -275,8 +262,9 @@ def test_rank_that_stops_taking_steps_fails_the_step_feed(tiny_model_factory, mo
     """A rank that hangs between steps (it never takes the next step's description)
     fails the step after the step timeout, as one that hangs inside a step does."""
     monkeypatch.setenv("PAGEDSERVE_TP_STEP_TIMEOUT", "3")
-    _rank_command(monkeypatch, IDLE_RANK)
+    rank_command(monkeypatch, IDLE_RANK)
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", tensor_parallel_size=2)
+    ranks = _ranks(llm)
     try:
         t0 = time.monotonic()
         with pytest.raises(EngineFatalError):
@@ -284,7 +272,7 @@ def test_rank_that_stops_taking_steps_fails_the_step_feed(tiny_model_factory, mo
         assert time.monotonic() - t0 < 15
     finally:
         llm.close()
-    assert all(p.returncode is not None for p in _ranks(llm))
+    assert all(p.returncode is not None for p in ranks)
 
 
 def test_rank_that_never_joins_fails_the_start_and_the_next_start_works(
@@ -298,7 +286,7 @@ def test_rank_that_never_joins_fails_the_start_and_the_next_start_works(
     monkeypatch.setenv("PAGEDSERVE_TP_START_TIMEOUT", "3")
     monkeypatch.setenv("PAGEDSERVE_TP_STEP_TIMEOUT", "1")
     with monkeypatch.context() as m:
-        _rank_command(m, "import time; time.sleep(60)")
+        rank_command(m, "import time; time.sleep(60)")
         t0 = time.monotonic()
         with pytest.raises(ParallelError, match="PAGEDSERVE_TP_START_TIMEOUT"):
             LLM(path, dtype="float32", tensor_parallel_size=2)
