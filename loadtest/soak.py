@@ -1,9 +1,13 @@
 """Soak: mixed traffic at a server for a long run, then what leaked.
 
 Workers send streaming and whole chat and completion requests, Responses API turns
-(half of them continuing a stored response), embeddings, drop streams half-way (client
-disconnects), send bad requests, and every ``--burst-every`` seconds a burst
-past the waiting limit (429s expected). Meanwhile ``/health`` is probed every 100 ms and
+(half of them continuing a stored response), embeddings, structured outputs (a JSON
+schema the reply must satisfy), tool calls (``auto``, ``required`` and a named tool),
+requests through a LoRA adapter, drop streams half-way (client disconnects), send bad
+requests, and every ``--burst-every`` seconds a burst past the waiting limit (429s
+expected). Meanwhile adapters are loaded and unloaded under the traffic every
+``--lora-every`` seconds (``/v1/load_lora_adapter``; a request naming an adapter unloaded
+an instant before is a 404, counted as ``lora_unloaded``). Meanwhile ``/health`` is probed every 100 ms and
 the server's RSS and open file descriptors are sampled every 10 s. The report: requests
 by outcome, RSS at the start, after 2 minutes and at the end, descriptors, KV cache use,
 running and waiting requests at the end (all must be 0), and ``/health`` latency.
@@ -23,28 +27,20 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from pagedserve.loadtest.server_metrics import metric_total
+from pagedserve.loadtest.soak_traffic import Traffic
 
 READY = re.compile(r"pagedserve ready on (http://\S+)")
 DEFAULT_SERVER_ARGS = ("--max-model-len 2048 --kv-cache-memory-gb 0.5 --max-num-seqs 16 "
                        "--max-waiting-requests 32 --log-level warning")
-BAD_BODIES: list[tuple[str, bytes]] = [
-    ("/v1/chat/completions", b"{not json"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
-                             b'"model": "nope"}'),
-    ("/v1/completions", b'{"prompt": [1, 2, 99999999]}'),
-    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"\xc2\xb2": 1}}'),
-    ("/v1/completions", b"[" * 5000 + b"]" * 5000),
-    ("/detokenize", b'{"tokens": [-1]}'),
-]
-WORDS = ("alpha", "river", "stone", "cloud", "paper", "green", "quiet", "north", "light")
+FEATURE_ARGS = ("--enable-auto-tool-choice --tool-call-parser hermes --enable-lora "
+                "--allow-runtime-lora-updating --max-lora-rank 8 --max-loras 2")
+"""Added to the server's flags: the features the soak's traffic uses."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between bursts past the waiting limit (default: 30)")
     p.add_argument("--burst-size", type=int, default=64,
                    help="requests per burst (default: %(default)s)")
+    p.add_argument("--lora-path", default=None,
+                   help="a PEFT LoRA adapter of the served model, loaded and unloaded under "
+                        "the traffic (default: a random one is written for the server "
+                        "started here; none against --base-url)")
+    p.add_argument("--lora-every", type=float, default=5.0,
+                   help="seconds between adapter loads and unloads (default: 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-result", default=None, metavar="FILE.json")
 
@@ -95,132 +97,16 @@ def _percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-class Soak:
+class Soak(Traffic):
+    """The traffic from ``--concurrency`` workers and the bursts, with the probes."""
+
     def __init__(self, args: argparse.Namespace, base_url: str, pid: int | None) -> None:
-        self.args = args
-        self.url = base_url
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        super().__init__(base_url, args, random.Random(args.seed), headers)
         self.pid = pid
-        self.rng = random.Random(args.seed)
-        self.outcomes: Counter[str] = Counter()
         self.health: list[tuple[float, float]] = []
         self.samples: list[dict[str, float]] = []
-        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         self.t0 = 0.0
-        self.deadline = 0.0
-        self.last_response: str | None = None
-        """A stored response that no turn has continued yet."""
-
-    # -- traffic ------------------------------------------------------------------------
-    def _prompt(self) -> str:
-        return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(4, 40)))
-
-    def _body(self, chat: bool, stream: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"max_tokens": self.rng.randint(1, self.args.max_tokens),
-                                "temperature": self.rng.choice([0.0, 0.7]), "stream": stream}
-        if self.rng.random() < 0.2:
-            body["n"] = self.rng.randint(2, 3)
-        if chat:
-            body["messages"] = [{"role": "user", "content": self._prompt()}]
-        else:
-            body["prompt"] = self._prompt()
-        return body
-
-    async def _generate(self, session: Any, chat: bool, stream: bool,
-                        disconnect: bool = False) -> str:
-        route = "/v1/chat/completions" if chat else "/v1/completions"
-        async with session.post(self.url + route, json=self._body(chat, stream or disconnect),
-                                headers=self.headers) as r:
-            if (bad := await self._status(r)) is not None:
-                return bad
-            if not (stream or disconnect):
-                data = await r.json()
-                ok = all(c.get("finish_reason") in ("stop", "length") for c in data["choices"])
-                return "ok" if ok else "bad_finish"
-            events = 0
-            async for line in r.content:
-                if not line.startswith(b"data: "):
-                    continue
-                events += 1
-                if disconnect and events >= 2:
-                    return "client_disconnect"  # leaving the block closes the connection
-                if line.startswith(b"data: [DONE]"):
-                    return "ok"
-                if line.startswith(b'data: {"error"'):
-                    code = json.loads(line[6:])["error"]["code"]
-                    return "rate_limited" if code == 429 else f"stream_error_{code}"
-            return "ok" if disconnect else "stream_cut"
-
-    async def _status(self, r: Any) -> str | None:
-        """The outcome of a response that is not a 200 (None for a 200)."""
-        if r.status == 200:
-            return None
-        await r.read()
-        return "rate_limited" if r.status == 429 else f"http_{r.status}"
-
-    async def _embed(self, session: Any) -> str:
-        inputs = [self._prompt() for _ in range(self.rng.randint(1, 3))]
-        async with session.post(self.url + "/v1/embeddings", headers=self.headers, json={
-                "input": inputs, "encoding_format": self.rng.choice(["float", "base64"])}) as r:
-            if (bad := await self._status(r)) is not None:
-                return bad
-            data = await r.json()
-            return "ok" if [d["index"] for d in data["data"]] == list(range(len(inputs))) \
-                else "bad_embedding"  # fmt: skip
-
-    async def _respond(self, session: Any) -> str:
-        """A Responses API turn: whole or streamed, and half the time the continuation of
-        the last stored one (a conversation of two turns at most)."""
-        body: dict[str, Any] = {"input": " ".join(self.rng.choice(WORDS) for _ in range(
-            self.rng.randint(2, 10))), "max_output_tokens": self.rng.randint(1, self.args.max_tokens),
-            "stream": self.rng.random() < 0.4}  # fmt: skip
-        if self.last_response is not None and self.rng.random() < 0.5:
-            body["previous_response_id"], self.last_response = self.last_response, None
-        async with session.post(self.url + "/v1/responses", json=body,
-                                headers=self.headers) as r:  # fmt: skip
-            if (bad := await self._status(r)) is not None:
-                return bad
-            if not body["stream"]:
-                data = await r.json()
-                ended = data["status"]
-            else:
-                ended = None
-                async for line in r.content:
-                    if line.startswith(b"data: "):
-                        data = json.loads(line[6:])
-                        ended = data["type"].removeprefix("response.")
-                data = data.get("response", {})
-            if ended not in ("completed", "incomplete"):
-                return f"response_{ended}"
-            if "previous_response_id" not in body:
-                self.last_response = data["id"]
-            return "ok"
-
-    async def _bad(self, session: Any) -> str:
-        route, body = self.rng.choice(BAD_BODIES)
-        async with session.post(self.url + route, data=body, headers={
-                **self.headers, "Content-Type": "application/json"}) as r:
-            await r.read()
-            return "bad_request_refused" if 400 <= r.status < 500 else f"http_{r.status}"
-
-    async def _one(self, session: Any) -> str:
-        x = self.rng.random()
-        try:
-            if x < 0.08:
-                outcome = await self._bad(session)
-            elif x < 0.14:
-                outcome = await self._embed(session)
-            elif x < 0.22:
-                outcome = await self._respond(session)
-            elif x < 0.3:
-                outcome = await self._generate(session, self.rng.random() < 0.5, True, True)
-            else:
-                outcome = await self._generate(session, x < 0.6, self.rng.random() < 0.6)
-        except asyncio.TimeoutError:
-            outcome = "lost_timeout"
-        except Exception as e:  # noqa: BLE001 - every failure is an outcome to count
-            outcome = f"lost_{type(e).__name__}"
-        self.outcomes[outcome] += 1
-        return outcome
 
     async def _worker(self, session: Any) -> None:
         while time.monotonic() < self.deadline:
@@ -272,6 +158,8 @@ class Soak:
                      for _ in range(self.args.concurrency)]
             tasks += [asyncio.create_task(c) for c in (
                 self._bursts(session), self._health(session), self._sampler())]
+            if self.lora_path:
+                tasks.append(asyncio.create_task(self._lora_admin(session)))
             await asyncio.gather(*tasks)
         # The client's pooled connections are closed first, so that the descriptors
         # counted at the end are what the server kept, not what the client holds open.
@@ -300,10 +188,14 @@ class Soak:
             "duration_s": self.args.duration,
             "requests": sum(self.outcomes.values()),
             "outcomes": dict(sorted(self.outcomes.items())),
+            "kinds": dict(sorted(self.kinds.items())),
+            "lora_ops": dict(sorted(self.lora_ops.items())),
             "server_errors": sum(v for k, v in self.outcomes.items()
-                                 if k.startswith(("http_5", "stream_error_5"))),
+                                 if k.startswith(("http_5", "stream_error_5")))
+            + sum(v for k, v in self.lora_ops.items() if "_http_5" in k),
             "lost": sum(v for k, v in self.outcomes.items()
-                        if k.startswith("lost_") or k == "stream_cut"),
+                        if k.startswith("lost_") or k == "stream_cut")
+            + sum(v for k, v in self.lora_ops.items() if "_lost_" in k),
             "rss": rss,
             "fds": {"start": self.samples[0]["fds"], "end": self.samples[-1]["fds"]}
             if self.samples else {},
@@ -322,7 +214,7 @@ class Soak:
 
 def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pagedserve.server.cli", "serve", "--port", "0",
-           *shlex.split(args.server_args)]
+           *shlex.split(args.server_args), *shlex.split(FEATURE_ARGS)]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -339,9 +231,28 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"error: the server exited ({proc.wait()}) before it was ready")
 
 
+def write_adapter(server_args: str, out: Path) -> str:
+    """A random rank-8 LoRA adapter of the model ``server_args`` serve (``--model``, else
+    the embedded default), written to ``out``."""
+    import transformers
+
+    from pagedserve.engine.loader.hub import resolve_model_path
+    from pagedserve.engine.models import DecoderSpec
+    from pagedserve.loadtest.lora_bench import write_random_adapter
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model", default=None)
+    model = p.parse_known_args(shlex.split(server_args))[0].model
+    config = transformers.AutoConfig.from_pretrained(resolve_model_path(model))
+    return str(write_random_adapter(DecoderSpec.from_hf(config), out, rank=8, std=0.02))
+
+
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"soak: {r['duration_s']:.0f}s, {r['requests']} requests"]
     lines += [f"  {k:<24} {v}" for k, v in r["outcomes"].items()]
+    if r.get("lora_ops"):
+        lines.append("adapter loads and unloads: " + ", ".join(
+            f"{k} {v}" for k, v in r["lora_ops"].items()))
     lines.append(f"server errors (5xx): {r['server_errors']}   lost: {r['lost']}")
     if r["rss"]:
         x = r["rss"]
@@ -360,17 +271,20 @@ def format_report(r: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``pagedserve bench soak``; the report."""
     proc = None
-    if args.base_url:
-        url, pid = args.base_url.rstrip("/"), args.server_pid
-    else:
-        proc, url = _start_server(args)
-        pid = proc.pid
-    try:
-        report = asyncio.run(Soak(args, url, pid).run())
-    finally:
-        if proc is not None:
-            proc.terminate()
-            report_exit = proc.wait(60)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-soak-") as tmp:
+        if args.base_url:
+            url, pid = args.base_url.rstrip("/"), args.server_pid
+        else:
+            if args.lora_path is None:
+                args.lora_path = write_adapter(args.server_args, Path(tmp) / "adapter")
+            proc, url = _start_server(args)
+            pid = proc.pid
+        try:
+            report = asyncio.run(Soak(args, url, pid).run())
+        finally:
+            if proc is not None:
+                proc.terminate()
+                report_exit = proc.wait(60)
     if proc is not None:
         report["server_exit_status"] = report_exit
     print(format_report(report), flush=True)
