@@ -6,19 +6,14 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from tests.helpers.hf import hf_greedy
-from tests.helpers.prompts import PROMPTS
+from tests.helpers.prompts import PROMPTS, default_prompt_ids
 
-CHAT = [{"role": "user", "content": "Give me three tips for writing readable Python code."}]
 NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def default_prompts(default_tokenizer):
-    tok = default_tokenizer
-    ids = [tok.encode(p) for p in PROMPTS]
-    chat = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-    ids.append(tok.encode(chat, add_special_tokens=False))
-    return ids
+    return default_prompt_ids(default_tokenizer)
 
 
 @pytest.fixture(scope="module")
