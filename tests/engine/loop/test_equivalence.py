@@ -86,6 +86,7 @@ def test_gguf_quantized_default_model_matches_hf_on_the_gguf(backend, default_pr
 
 GGUF_FILES = {
     "q8_0": "gguf (q8_0)",
+    "q4_0": "gguf (q4_0)",
     "q5_0": "gguf (q5_0)",
     "q5_1": "gguf (q5_1)",
     "q4_k_m": "gguf (q4_k, q5_0, q6_k, q8_0)",
