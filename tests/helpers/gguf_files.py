@@ -15,6 +15,11 @@ others.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -240,3 +245,34 @@ def write_random_gguf(arch: str, out: Path, tokenizer_gguf: Path,
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def cached_random_gguf(arch: str, tokenizer_gguf: Path, types: dict[str, str],
+                       other_type: str, **kwargs) -> Path:  # fmt: skip
+    """:func:`write_random_gguf` (``types`` by tensor name, ``other_type`` for the other
+    weights), written once into ``$PAGEDSERVE_CACHE/test-files`` (atomically) under a
+    name keyed by the arguments, the code that writes it and the ``gguf`` package's
+    version: the same path every run, so its conversion and its references are cached
+    too."""
+    from importlib.metadata import version
+
+    from pagedserve.engine import envs
+
+    key = json.dumps({"arch": arch, "types": types, "other": other_type, "kwargs": kwargs,
+                      "tokenizer": tokenizer_gguf.stat().st_size, "gguf": version("gguf"),
+                      "code": [inspect.getsource(f) for f in (write_random_gguf,
+                                                              random_block_bytes)]},
+                     sort_keys=True)  # fmt: skip
+    folder = envs.cache_root() / "test-files"
+    path = folder / f"tiny-random-{arch}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.gguf"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".gguf.tmp")
+        os.close(fd)
+        try:
+            write_random_gguf(arch, Path(tmp), tokenizer_gguf,
+                              lambda name: types.get(name, other_type), **kwargs)  # fmt: skip
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return path
