@@ -36,10 +36,10 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
-def _native_levels() -> tuple[str, ...]:
-    from pagedserve.kernels.cpu import native as cpu_native
+def _native_levels() -> list:
+    from tests.helpers.kernels import native_level_params
 
-    return cpu_native.runnable_levels()
+    return native_level_params()
 
 
 WORKER_RSS_LIMIT = 3 << 30
@@ -71,8 +71,8 @@ def _bounded_test_process_memory():
 
 @pytest.fixture(scope="session", params=_native_levels())
 def native_lib(request):
-    """The native CPU library at each build level this CPU runs (portable, and AVX2 and
-    AVX-512 where the CPU has them); each build reports the vector path it runs."""
+    """The native CPU library at each build level (portable, AVX2, AVX-512; a level this
+    CPU cannot run is a skip that says so); each build reports the vector path it runs."""
     from pagedserve.kernels.cpu import native as cpu_native
 
     lib = cpu_native.build_library(request.param)

@@ -15,6 +15,11 @@ others.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -159,13 +164,14 @@ def write_random_gguf(arch: str, out: Path, tokenizer_gguf: Path,
                       hidden: int = 256, inter: int = 512, layers: int = 2, heads: int = 4,
                       kv_heads: int = 2, head_dim: int = 64, std: float = 0.15,
                       tied: bool = True) -> Path:  # fmt: skip
-    """A ``llama`` or ``gemma3`` model of random weights, written as llama.cpp's
+    """A ``llama``, ``qwen2`` or ``gemma3`` model of random weights, written as llama.cpp's
     converter lays its tensors out, with the default model's tokenizer (``tokenizer_gguf``:
     its GGUF). ``types``: the GGML type of each 2-D weight, by GGUF tensor name (or one
     for all): F32, Q8_0/Q4_0/Q4_1 (quantized from normal floats of deviation ``std``) or
     a type of ``_RANDOM_BLOCKS`` (random blocks of about that deviation). Norms are F32
-    near 1 (Gemma's stored as ``1 + weight``, as its converter writes them). ``tied``: no
-    ``output.weight`` (the logits read the embedding table)."""
+    near 1 (Gemma's stored as ``1 + weight``, as its converter writes them); Qwen2's q/k/v
+    biases F32 of deviation ``std``. ``tied``: no ``output.weight`` (the logits read the
+    embedding table)."""
     import gguf
 
     pick = (lambda _name: types) if isinstance(types, str) else types
@@ -231,8 +237,42 @@ def write_random_gguf(arch: str, out: Path, tokenizer_gguf: Path,
                               ("ffn_gate", inter, hidden), ("ffn_up", inter, hidden),
                               ("ffn_down", hidden, inter)):  # fmt: skip
             matrix(f"{pre}{n}.weight", rows, cols)
+        if arch == "qwen2":
+            for n, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                writer.add_tensor(f"{pre}{n}.bias", (torch.randn(rows, generator=g) * std).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def cached_random_gguf(arch: str, tokenizer_gguf: Path, types: dict[str, str],
+                       other_type: str, **kwargs) -> Path:  # fmt: skip
+    """:func:`write_random_gguf` (``types`` by tensor name, ``other_type`` for the other
+    weights), written once into ``$PAGEDSERVE_CACHE/test-files`` (atomically) under a
+    name keyed by the arguments, the code that writes it and the ``gguf`` package's
+    version: the same path every run, so its conversion and its references are cached
+    too."""
+    from importlib.metadata import version
+
+    from pagedserve.engine import envs
+
+    key = json.dumps({"arch": arch, "types": types, "other": other_type, "kwargs": kwargs,
+                      "tokenizer": tokenizer_gguf.stat().st_size, "gguf": version("gguf"),
+                      "code": [inspect.getsource(f) for f in (write_random_gguf,
+                                                              random_block_bytes)]},
+                     sort_keys=True)  # fmt: skip
+    folder = envs.cache_root() / "test-files"
+    path = folder / f"tiny-random-{arch}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.gguf"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".gguf.tmp")
+        os.close(fd)
+        try:
+            write_random_gguf(arch, Path(tmp), tokenizer_gguf,
+                              lambda name: types.get(name, other_type), **kwargs)  # fmt: skip
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return path

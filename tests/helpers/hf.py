@@ -149,3 +149,25 @@ def hf_prompt_logprobs(path: str | Path, prompts: list[list[int]], k: int) -> li
               "tol": PROMPT_LOGPROB_TOL}  # fmt: skip
     value = cached_reference("hf_prompt_logprobs", inputs, compute, (hf_prompt_logprobs,))
     return [tuple(entry) for entry in value]
+
+
+def hf_scores(path: str | Path, sequences: list[list[int]]) -> list[tuple[list, list, list]]:
+    """Per token sequence and position ``i >= 1``: the float32 HF model's logprob of token
+    ``i`` given the tokens before it, its most likely token there and the margin between
+    its two largest logits (one forward pass a sequence); cached
+    (:func:`cached_reference`)."""
+
+    def compute():
+        model = load_hf(path).eval()
+        out = []
+        with torch.inference_mode():
+            for seq in sequences:
+                logits = model(torch.tensor([seq])).logits[0, :-1].float()
+                chosen = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(seq[1:])[:, None])
+                top2 = logits.topk(2, dim=-1)
+                out.append((chosen[:, 0].tolist(), top2.indices[:, 0].tolist(),
+                            (top2.values[:, 0] - top2.values[:, 1]).tolist()))  # fmt: skip
+        return out
+
+    inputs = {"model": files_digest(path), "sequences": sequences}
+    return cached_reference("hf_scores", inputs, compute, (hf_scores, load_hf))

@@ -68,3 +68,17 @@ def decodes_as_chunks(step: PagedStep) -> tuple[torch.Tensor, torch.Tensor]:
     query = torch.zeros(6, *step.query.shape[1:])
     query[2], query[5] = step.query[0], step.query[1]
     return query, torch.tensor([0, 3, 6], dtype=torch.int32)
+
+
+def native_level_params(levels: tuple[str, ...] | None = None, prefix: str = "") -> list:
+    """Every native build level of ``levels`` (default all) as a parameter, ``prefix`` +
+    its name; the levels this CPU cannot run are skipped, saying so."""
+    import pytest
+
+    from pagedserve.kernels.cpu import native
+
+    runnable = native.runnable_levels()
+    return [pytest.param(prefix + level, id=prefix + level) if level in runnable else
+            pytest.param(prefix + level, id=prefix + level, marks=pytest.mark.skip(
+                reason=f"{level} not on this CPU (it runs {', '.join(runnable)})"))
+            for level in (native.LEVELS if levels is None else levels)]  # fmt: skip

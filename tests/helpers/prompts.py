@@ -23,3 +23,14 @@ TINY_MODEL_TEXTS = [
 ]
 """Three prompts (two short, one of a few dozen tokens) of the tiny-model tests that
 compare greedy output with HF transformers."""
+
+CHAT = [{"role": "user", "content": "Give me three tips for writing readable Python code."}]
+
+
+def default_prompt_ids(tokenizer) -> list[list[int]]:
+    """The token ids of :data:`PROMPTS` and of :data:`CHAT` in the model's chat template:
+    the prompts of the default model's HF reference (computed once, cached)."""
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    chat = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    ids.append(tokenizer.encode(chat, add_special_tokens=False))
+    return ids

@@ -3,8 +3,10 @@ llama.cpp's converter writes one, from a tiny random model) serves HF's greedy t
 with the settings transformers' GGUF reader leaves at its defaults read from the header,
 and with ``quantization="gguf"`` its Q8_0 weights kept as stored; a Llama file of random
 Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 blocks (a Q4_K_M file's types) keeps them as stored and serves
-the tokens of its float32 expansion; a file of an architecture the engine does not serve
-is refused from its header, before conversion."""
+the tokens of its float32 expansion; a Qwen2 file of random Q4_0/Q8_0 weights (its own
+tensor names and biases, q/k rows not permuted) serves HF's greedy tokens on the same
+file; a file of an architecture the engine does not serve is refused from its header,
+before conversion."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.loader import convert_gguf_model, default_gguf_path
 from pagedserve.engine.loader.default_model import gguf_model_dir
 from pagedserve.engine.loader.gguf_header import config_overrides
-from tests.helpers.gguf_files import write_gemma3_gguf, write_random_gguf
+from tests.helpers.gguf_files import cached_random_gguf, write_gemma3_gguf, write_random_gguf
 from tests.helpers.hf import hf_greedy
 
 NEW = 10
@@ -105,6 +107,29 @@ def test_k_quant_gguf_kept_quantized_equals_its_float_expansion(tmp_path, caplog
         assert greedy(llm) == want
     finally:
         shutil.rmtree(gguf_model_dir(path), ignore_errors=True)  # its float32 conversion
+
+
+QWEN2_TYPES = {"token_embd.weight": "Q8_0", "output.weight": "Q8_0"}
+"""The types of a Qwen2 file's embedding and logits; its other weights are Q4_0."""
+
+
+def test_qwen2_gguf_equals_hf_on_the_file():
+    """A Qwen2 file (``qwen2`` tensor names, q/k/v biases, q/k rows as its converter
+    writes them: not permuted, unlike Llama's) of random Q4_0 weights and a Q8_0
+    embedding and ``output.weight``: served from its blocks, and expanded, the greedy
+    tokens of HF transformers on the same file (the file, its conversion and the
+    reference made once, in the cache)."""
+    path = cached_random_gguf("qwen2", default_gguf_path(), QWEN2_TYPES, "Q4_0", tied=False)
+    want = hf_greedy(convert_gguf_model(path), PROMPTS, NEW)
+    assert len({t for row in want for t in row}) > 5  # not one repeated token
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02, quantization="gguf")
+    assert llm.engine.settings.hf_config.model_type == "qwen2"
+    assert llm.engine.worker.quant_desc == "gguf (q4_0, q8_0)"
+    model = llm.engine.worker.model
+    assert model.layers[0].qkv_proj.weight.fmt == "q4_0"
+    assert model.lm_head.weight.fmt == "q8_0"
+    assert greedy(llm) == want
+    assert greedy(LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)) == want
 
 
 def test_a_tensor_of_partial_blocks_is_refused_by_name(tmp_path):

@@ -6,19 +6,14 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from tests.helpers.hf import hf_greedy
-from tests.helpers.prompts import PROMPTS
+from tests.helpers.prompts import PROMPTS, default_prompt_ids
 
-CHAT = [{"role": "user", "content": "Give me three tips for writing readable Python code."}]
 NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def default_prompts(default_tokenizer):
-    tok = default_tokenizer
-    ids = [tok.encode(p) for p in PROMPTS]
-    chat = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-    ids.append(tok.encode(chat, add_special_tokens=False))
-    return ids
+    return default_prompt_ids(default_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +86,7 @@ def test_gguf_quantized_default_model_matches_hf_on_the_gguf(backend, default_pr
 
 GGUF_FILES = {
     "q8_0": "gguf (q8_0)",
+    "q4_0": "gguf (q4_0)",
     "q5_0": "gguf (q5_0)",
     "q5_1": "gguf (q5_1)",
     "q4_k_m": "gguf (q4_k, q5_0, q6_k, q8_0)",

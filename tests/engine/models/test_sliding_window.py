@@ -12,13 +12,14 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.models.spec import DecoderSpec
 from pagedserve.kernels.cpu import native
 from tests.helpers.hf import hf_greedy
+from tests.helpers.kernels import native_level_params
 
 ARCHS = ("gemma2", "gemma3", "mistral_window", "phi3_window")
 """Gemma 2 (sliding and full layers in turn, capped scores and logits, window 12),
 Gemma 3 (two sliding layers with a local RoPE to one full layer with a scaled global
 RoPE, QK norms, window 12), a Mistral whose every layer slides over 20 positions and a
 Phi-3 (fused checkpoint tensors) whose every layer slides over 16."""
-BACKENDS = ("torch", *(f"cpu-{level}" for level in native.runnable_levels()))
+BACKENDS = ["torch", *native_level_params(prefix="cpu-")]
 NEW = 10
 
 

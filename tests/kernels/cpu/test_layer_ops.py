@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
 from pagedserve.kernels.layer_ops import TorchLayerOps, apply_rope, rms_norm
+from tests.helpers.kernels import native_level_params
 
 
 @pytest.fixture
@@ -218,7 +219,7 @@ def test_fma_peak_is_measured_by_vector_builds_only(native) -> None:
             assert peak is not None and 0 < peak < float("inf")
 
 
-VECTOR_LEVELS = [lv for lv in cpu_native.runnable_levels() if lv != "portable"]
+VECTOR_LEVELS = native_level_params(tuple(lv for lv in cpu_native.LEVELS if lv != "portable"))
 
 
 @pytest.fixture(scope="module", params=VECTOR_LEVELS)
