@@ -148,7 +148,9 @@ def _request_bytes(host: str, path: str, body: bytes, headers: str = "") -> byte
 
 def test_stream_whose_client_stops_reading_is_aborted(server):
     """The client keeps the connection open but takes no data: once the server's writes
-    have waited --sse-write-timeout (1 s), the request is aborted and its blocks freed."""
+    have waited --sse-write-timeout (1 s), the request is aborted and its blocks freed.
+    Checked by the abort count (without the timeout nothing is aborted while the client
+    stays), within a 30 s deadline that only a busy host comes near."""
 
     host, port = _host_port(server.url)
     before = _metric(server, "pagedserve:request_success_total", finished_reason="abort")
@@ -160,8 +162,7 @@ def test_stream_whose_client_stops_reading_is_aborted(server):
     sock.connect((host, port))
     try:
         sock.sendall(_request_bytes(host, COMP, body, f"Authorization: Bearer {KEY}\r\n"))
-        t0 = time.monotonic()
-        deadline = t0 + 30
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if _metric(server, "pagedserve:request_success_total",
                        finished_reason="abort") == before + 512:
@@ -169,7 +170,6 @@ def test_stream_whose_client_stops_reading_is_aborted(server):
             time.sleep(0.2)
         else:
             raise AssertionError("the stream was not aborted")
-        assert time.monotonic() - t0 < 10
         assert _idle(server)
     finally:
         sock.close()
@@ -187,25 +187,28 @@ def tserver(default_model_path):
         yield srv
 
 
+# The timeouts below are 2 s and 4 s; each test allows four times as long (a busy host
+# delays a timer, it does not stop it), and without the timeout nothing would happen:
+# aiohttp's own keep-alive is 75 s, and a body or a request has no deadline.
 def test_idle_connection_is_closed(tserver):
     sock = socket.create_connection(_host_port(tserver.url))
     try:
-        took = _closed_within(sock, 6)
-        assert took is not None and took < 4, took
+        took = _closed_within(sock, 8)
+        assert took is not None, "the idle connection was still open after 8 s"
     finally:
         sock.close()
 
 
 def test_slow_headers_are_cut_off(tserver):
     """A client that trickles its headers (one byte every 0.3 s) is disconnected once the
-    keep-alive timeout (2 s) has passed without a complete request."""
+    keep-alive timeout (2 s) has passed without a complete request (within 8 s)."""
     host, port = _host_port(tserver.url)
     sock = socket.create_connection((host, port))
     t0 = time.monotonic()
     try:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
         closed = False
-        for _ in range(30):
+        while time.monotonic() - t0 < 8:
             try:
                 sock.sendall(b"X")
             except (BrokenPipeError, ConnectionResetError):
@@ -214,7 +217,7 @@ def test_slow_headers_are_cut_off(tserver):
             if _closed_within(sock, 0.3) is not None:
                 closed = True
                 break
-        assert closed and time.monotonic() - t0 < 5
+        assert closed
     finally:
         sock.close()
 
@@ -226,10 +229,10 @@ def test_slow_body_is_408(tserver):
         head = _request_bytes(host, COMP, b"x" * 1000)[:-1000]
         sock.sendall(head + b'{"prompt": ')
         t0 = time.monotonic()
-        sock.settimeout(10)
+        sock.settimeout(8)
         reply = sock.recv(65536)
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
-        assert 1.5 < time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 > 1.5
         assert b'"code":408' in reply and b"--body-timeout" in reply
     finally:
         sock.close()
@@ -238,8 +241,8 @@ def test_slow_body_is_408(tserver):
 def test_request_deadline_is_408_and_frees_blocks(tserver):
     body = {"messages": MSG, "max_tokens": 1500, "ignore_eos": True}
     t0 = time.monotonic()
-    r = requests.post(tserver.url + CHAT, json=body, timeout=30)
-    assert 3.5 < time.monotonic() - t0 < 10
+    r = requests.post(tserver.url + CHAT, json=body, timeout=16)
+    assert time.monotonic() - t0 > 3.5
     err = assert_error(r, 408, None)
     assert "--request-timeout" in err["message"] and err["type"] == "RequestTimeoutError"
     assert _idle(tserver)
@@ -269,7 +272,7 @@ def test_admission_counts_sequences(tserver):
                                                       "stream": True},
                            stream=True, timeout=30) as b:
             assert b.status_code == 200
-            deadline = time.monotonic() + 3
+            deadline = time.monotonic() + 10
             while (_metric(tserver, "pagedserve:num_requests_waiting") != 3
                    and time.monotonic() < deadline):
                 time.sleep(0.02)
