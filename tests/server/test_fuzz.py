@@ -1,12 +1,16 @@
 """Schema-driven fuzzing: requests generated from the server's own ``/openapi.json``
 (valid ones and ones that break the schema), against a real server on a tiny random
-model. No request may get a 5xx or hang. The seed is fixed (``derandomize``) and the
-count bounded, so a run is repeatable and takes a few minutes.
+model. No request may get a 5xx or hang (the client gives up before the server's
+deadline would turn a hang into a 408, and a 408 fails too); a request that breaks the
+schema must get a 4xx; every answer must match the document (status, content type, body
+schema). The seed is fixed (``derandomize``) and the count bounded, so a run is
+repeatable and takes a few minutes.
 
 Generating the requests costs more than serving them (tens of ms each on two cores), and
 it is single-threaded: the routes are fuzzed side by side, one worker process per core
 (:mod:`tests.helpers.fuzz`), started with the server; each route's test waits for its
-result. ``FUZZ_EXAMPLES=N`` sets another count."""
+result. ``FUZZ_EXAMPLES=N`` sets another count of valid requests per route (half as
+many break the schema)."""
 
 from __future__ import annotations
 
