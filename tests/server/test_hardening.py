@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
+from pagedserve.loadtest.health_bench import heavy_requests
 from tests.helpers.server import ServerProcess, sse_events
 
 KEY = "hardening-key"
@@ -287,20 +288,10 @@ def test_admission_counts_sequences(tserver):
     assert b_events[-1] == b"[DONE]"
 
 
-def _ids(n: int) -> list[int]:
-    return [1000 + i % 30000 for i in range(n)]
-
-
-HEAVY = {
-    "empty_messages": (CHAT, {"messages": [{"role": "user", "content": ""}] * 120000,
-                              "max_tokens": 1}, 400),
-    "long_message": (CHAT, {"messages": [{"role": "user", "content": "hello " * 600000}]},
-                     400),
-    "token_id_prompt": (COMP, {"prompt": _ids(500000)}, 400),
-    "many_token_id_prompts": (COMP, {"prompt": [_ids(2040)] * 256}, 400),
-    "detokenize": ("/detokenize", {"tokens": _ids(500000)}, 400),
-    "tokenize": ("/tokenize", {"prompt": "hello " * 600000}, 200),
-}
+STATUS = {"tokenize": 200}
+"""What each large request gets: the others are over a limit (400)."""
+HEAVY = {kind: (route, body, STATUS.get(kind, 400))
+         for kind, (route, body) in heavy_requests().items()}
 
 
 def _thread_cpu(pid: int) -> tuple[float, float]:
@@ -362,7 +353,8 @@ def test_health_answers_while_a_large_request_is_prepared(server, case):
     stretch; work on the loop puts nearly all of it there), and /health answers all the
     while, its slowest answer under a third of the request's own duration or 100 ms (a
     stall of the loop, or of the GIL, lasts about as long as the request; a busy host
-    delays a poll now and then, so the best of three runs counts)."""
+    delays a poll now and then, so the best of three runs counts). ``pagedserve bench
+    health`` measures the latencies themselves."""
     route, obj, status = HEAVY[case]
     body = json.dumps(obj).encode()
     assert len(body) < 4 * 2**20
@@ -377,3 +369,20 @@ def test_health_answers_while_a_large_request_is_prepared(server, case):
         runs.append((round(took, 2), [round(x, 2) for x in sorted(latencies)[-3:]]))
     pytest.fail("/health was slower than a third of the request's duration in every run; "
                 f"(duration, slowest answers) per run: {runs}")
+
+
+def test_bench_health_reports_the_latencies(server):
+    import argparse
+
+    from pagedserve.loadtest import health_bench
+
+    parser = argparse.ArgumentParser()
+    health_bench.add_arguments(parser)
+    args = parser.parse_args(["--url", server.url, "--api-key", KEY, "--repeats", "1",
+                              "--kinds", "detokenize,tokenize"])
+    report = health_bench.main(args)
+    rows = report["kinds"]
+    assert [rows[k]["status"] for k in ("detokenize", "tokenize")] == [400, 200]
+    for row in rows.values():
+        assert row["health_polls"] >= 1 and 0 < row["health_p50_ms"] <= row["health_max_ms"]
+        assert row["body_bytes"] > 2**20 and row["request_s"] > 0
