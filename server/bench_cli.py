@@ -29,6 +29,8 @@ BENCHMARKS: list[tuple[str, str, str]] = [
      "request on a sliding-window model against a full-attention cache"),
     ("serve", "pagedserve.loadtest.serve_bench_cli",
      "online serving: streaming requests at a running server (TTFT, TPOT, ITL, throughput)"),
+    ("health", "pagedserve.loadtest.health_bench",
+     "/health latency while a running server prepares requests near the body limit"),
     ("soak", "pagedserve.loadtest.soak",
      "a long run of mixed traffic, disconnects, bad requests and bursts; what leaked"),
 ]

@@ -46,6 +46,8 @@ _ERROR_CODES = {
     "503": "shutting down or the engine is not running",
 }
 _ANY_JSON = {"application/json": {"schema": {"type": "object"}}}
+_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+"""One server-sent event (OpenAPI 3.1 has a stream's schema describe each event)."""
 
 
 def _errors() -> dict[str, Any]:
@@ -56,7 +58,7 @@ def _errors() -> dict[str, Any]:
 def _post(schema: str, summary: str, stream: bool = False) -> dict[str, Any]:
     ok: dict[str, Any] = dict(_ANY_JSON)
     if stream:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["text/event-stream"] = {"schema": _EVENT}
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {
@@ -94,6 +96,7 @@ def build_document() -> dict[str, Any]:
     components["Error"] = _ERROR
     health = _get("200 while the engine is alive and progressing, else 503", "",
                   codes=("503",))
+    health["get"]["security"] = []  # the one route open without the API key
     return {
         "openapi": "3.1.0",
         "info": {"title": "pagedserve", "version": __version__},

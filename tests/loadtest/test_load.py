@@ -63,10 +63,15 @@ def test_load_200_streams_at_concurrency_32(default_tokenizer) -> None:
     server = report["server_metrics"]
     assert server["ttft"]["server_count"] == NUM_REQUESTS
     assert server["e2e"]["server_count"] == NUM_REQUESTS
-    # The server's mean latencies are inside the client's (no network, same machine).
+    # The server's mean latencies are inside the client's: its interval (arrival to first
+    # or last token) is nested in the client's (send to first or last byte), so it is
+    # never longer (5% and 5 ms for the two clocks). The client's own work on a busy host
+    # makes its latencies longer by no fixed ratio, so the lower bound only catches a
+    # wrong unit or interval (10x); the latencies themselves are `pagedserve bench serve`'s.
     for key in ("ttft", "e2e"):
         s, c = server[key]["server_mean_ms"], server[key]["client_mean_ms"]
-        assert s <= c * 1.05 + 5.0 and s >= c * 0.5, (key, s, c)
+        assert c * 0.1 <= s <= c * 1.05 + 5.0, (key, s, c)
+    assert server["ttft"]["server_mean_ms"] <= server["e2e"]["server_mean_ms"]
 
 
 # -- the checks themselves ---------------------------------------------------------------

@@ -5,6 +5,7 @@ large requests are prepared."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -13,6 +14,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
+from pagedserve.loadtest.health_bench import heavy_requests
 from tests.helpers.server import ServerProcess, sse_events
 
 KEY = "hardening-key"
@@ -159,7 +161,9 @@ def _request_bytes(host: str, path: str, body: bytes, headers: str = "") -> byte
 
 def test_stream_whose_client_stops_reading_is_aborted(server):
     """The client keeps the connection open but takes no data: once the server's writes
-    have waited --sse-write-timeout (1 s), the request is aborted and its blocks freed."""
+    have waited --sse-write-timeout (1 s), the request is aborted and its blocks freed.
+    Checked by the abort count (without the timeout nothing is aborted while the client
+    stays), within a 30 s deadline that only a busy host comes near."""
 
     host, port = _host_port(server.url)
     before = _metric(server, "pagedserve:request_success_total", finished_reason="abort")
@@ -171,8 +175,7 @@ def test_stream_whose_client_stops_reading_is_aborted(server):
     sock.connect((host, port))
     try:
         sock.sendall(_request_bytes(host, COMP, body, f"Authorization: Bearer {KEY}\r\n"))
-        t0 = time.monotonic()
-        deadline = t0 + 30
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if _metric(server, "pagedserve:request_success_total",
                        finished_reason="abort") == before + 512:
@@ -180,7 +183,6 @@ def test_stream_whose_client_stops_reading_is_aborted(server):
             time.sleep(0.2)
         else:
             raise AssertionError("the stream was not aborted")
-        assert time.monotonic() - t0 < 10
         assert _idle(server)
     finally:
         sock.close()
@@ -198,25 +200,28 @@ def tserver(default_model_path):
         yield srv
 
 
+# The timeouts below are 2 s and 4 s; each test allows four times as long (a busy host
+# delays a timer, it does not stop it), and without the timeout nothing would happen:
+# aiohttp's own keep-alive is 75 s, and a body or a request has no deadline.
 def test_idle_connection_is_closed(tserver):
     sock = socket.create_connection(_host_port(tserver.url))
     try:
-        took = _closed_within(sock, 6)
-        assert took is not None and took < 4, took
+        took = _closed_within(sock, 8)
+        assert took is not None, "the idle connection was still open after 8 s"
     finally:
         sock.close()
 
 
 def test_slow_headers_are_cut_off(tserver):
     """A client that trickles its headers (one byte every 0.3 s) is disconnected once the
-    keep-alive timeout (2 s) has passed without a complete request."""
+    keep-alive timeout (2 s) has passed without a complete request (within 8 s)."""
     host, port = _host_port(tserver.url)
     sock = socket.create_connection((host, port))
     t0 = time.monotonic()
     try:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
         closed = False
-        for _ in range(30):
+        while time.monotonic() - t0 < 8:
             try:
                 sock.sendall(b"X")
             except (BrokenPipeError, ConnectionResetError):
@@ -225,7 +230,7 @@ def test_slow_headers_are_cut_off(tserver):
             if _closed_within(sock, 0.3) is not None:
                 closed = True
                 break
-        assert closed and time.monotonic() - t0 < 5
+        assert closed
     finally:
         sock.close()
 
@@ -237,10 +242,10 @@ def test_slow_body_is_408(tserver):
         head = _request_bytes(host, COMP, b"x" * 1000)[:-1000]
         sock.sendall(head + b'{"prompt": ')
         t0 = time.monotonic()
-        sock.settimeout(10)
+        sock.settimeout(8)
         reply = sock.recv(65536)
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
-        assert 1.5 < time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 > 1.5
         assert b'"code":408' in reply and b"--body-timeout" in reply
     finally:
         sock.close()
@@ -249,8 +254,8 @@ def test_slow_body_is_408(tserver):
 def test_request_deadline_is_408_and_frees_blocks(tserver):
     body = {"messages": MSG, "max_tokens": 1500, "ignore_eos": True}
     t0 = time.monotonic()
-    r = requests.post(tserver.url + CHAT, json=body, timeout=30)
-    assert 3.5 < time.monotonic() - t0 < 10
+    r = requests.post(tserver.url + CHAT, json=body, timeout=16)
+    assert time.monotonic() - t0 > 3.5
     err = assert_error(r, 408, None)
     assert "--request-timeout" in err["message"] and err["type"] == "RequestTimeoutError"
     assert _idle(tserver)
@@ -280,7 +285,7 @@ def test_admission_counts_sequences(tserver):
                                                       "stream": True},
                            stream=True, timeout=30) as b:
             assert b.status_code == 200
-            deadline = time.monotonic() + 3
+            deadline = time.monotonic() + 10
             while (_metric(tserver, "pagedserve:num_requests_waiting") != 3
                    and time.monotonic() < deadline):
                 time.sleep(0.02)
@@ -295,61 +300,106 @@ def test_admission_counts_sequences(tserver):
     assert b_events[-1] == b"[DONE]"
 
 
-def _ids(n: int) -> list[int]:
-    return [1000 + i % 30000 for i in range(n)]
+STATUS = {"tokenize": 200}
+"""What each large request gets: the others are over a limit (400)."""
+HEAVY = {kind: (route, body, STATUS.get(kind, 400))
+         for kind, (route, body) in heavy_requests().items()}
 
 
-HEAVY = {
-    "empty_messages": (CHAT, {"messages": [{"role": "user", "content": ""}] * 120000,
-                              "max_tokens": 1}, 400),
-    "long_message": (CHAT, {"messages": [{"role": "user", "content": "hello " * 600000}]},
-                     400),
-    "token_id_prompt": (COMP, {"prompt": _ids(500000)}, 400),
-    "many_token_id_prompts": (COMP, {"prompt": [_ids(2040)] * 256}, 400),
-    "detokenize": ("/detokenize", {"tokens": _ids(500000)}, 400),
-    "tokenize": ("/tokenize", {"prompt": "hello " * 600000}, 200),
-}
+def _thread_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of a process's main thread (the server's event loop) and of all its
+    other threads together (``schedstat``'s nanoseconds where the kernel keeps them, else
+    ``stat``'s clock ticks)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main = rest = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    seconds = int(f.read().split()[0]) / 1e9
+            except OSError:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended
+            continue
+        if int(tid) == pid:
+            main += seconds
+        else:
+            rest += seconds
+    return main, rest
 
 
-def _health_latencies_while(server, route, body, status):
-    """Send ``body`` to ``route`` and poll /health until it is answered: the latencies."""
+def _while_prepared(server, route, body, status) -> tuple[list[float], float, float, float]:
+    """Send ``body`` to ``route`` and poll /health until it is answered: the /health
+    latencies, the request's duration, and the CPU seconds the server's loop thread and
+    its other threads spent meanwhile."""
     done = threading.Event()
     result = {}
 
     def send():
         try:
+            t0 = time.monotonic()
             result["status"] = post(server, route, body).status_code
+            result["took"] = time.monotonic() - t0
         finally:
             done.set()
 
+    loop0, rest0 = _thread_cpu(server.pid)
     sender = threading.Thread(target=send)
     sender.start()
     latencies = []
     with requests.Session() as s:
         while not done.is_set():
             t0 = time.monotonic()
-            assert s.get(server.url + "/health", timeout=10).status_code == 200
+            assert s.get(server.url + "/health", timeout=30).status_code == 200
             latencies.append(time.monotonic() - t0)
-            time.sleep(0.01)
+            time.sleep(0.05)
     sender.join()
+    loop1, rest1 = _thread_cpu(server.pid)
     assert result["status"] == status
-    assert len(latencies) >= 3, latencies
-    return latencies
+    assert len(latencies) >= 2, latencies
+    return latencies, result["took"], loop1 - loop0, rest1 - rest0
 
 
 @pytest.mark.parametrize("case", list(HEAVY))
 def test_health_answers_while_a_large_request_is_prepared(server, case):
-    """Work that grows with the input runs off the event loop: /health answers within
-    100 ms all the while a request near the body limit is decoded, templated, tokenized
-    or range-checked. Work left on the loop stalls every run for as long as it takes; a
-    host busy with other tests stalls one now and then, so the best of three runs counts."""
+    """Work that grows with the input runs off the event loop: while a request near the
+    body limit is decoded, templated, tokenized or range-checked, the loop thread spends
+    less than half the CPU time the other threads do (CPU time, which a busy host does not
+    stretch; work on the loop puts nearly all of it there), and /health answers all the
+    while, its slowest answer under a third of the request's own duration or 100 ms (a
+    stall of the loop, or of the GIL, lasts about as long as the request; a busy host
+    delays a poll now and then, so the best of three runs counts). ``pagedserve bench
+    health`` measures the latencies themselves."""
     route, obj, status = HEAVY[case]
     body = json.dumps(obj).encode()
     assert len(body) < 4 * 2**20
-    worst = []
+    runs = []
     for _ in range(3):
-        latencies = _health_latencies_while(server, route, body, status)
-        if max(latencies) < 0.1:
+        latencies, took, loop_cpu, other_cpu = _while_prepared(server, route, body, status)
+        assert loop_cpu < other_cpu / 2, (
+            f"the event loop's thread ran {loop_cpu:.3f} s of CPU, the others "
+            f"{other_cpu:.3f} s: the request was prepared on the loop")
+        if max(latencies) < max(0.1, took / 3):
             return
-        worst.append(sorted(latencies)[-3:])
-    pytest.fail(f"/health was slower than 100 ms in every run; slowest per run: {worst}")
+        runs.append((round(took, 2), [round(x, 2) for x in sorted(latencies)[-3:]]))
+    pytest.fail("/health was slower than a third of the request's duration in every run; "
+                f"(duration, slowest answers) per run: {runs}")
+
+
+def test_bench_health_reports_the_latencies(server):
+    import argparse
+
+    from pagedserve.loadtest import health_bench
+
+    parser = argparse.ArgumentParser()
+    health_bench.add_arguments(parser)
+    args = parser.parse_args(["--url", server.url, "--api-key", KEY, "--repeats", "1",
+                              "--kinds", "detokenize,tokenize"])
+    report = health_bench.main(args)
+    rows = report["kinds"]
+    assert [rows[k]["status"] for k in ("detokenize", "tokenize")] == [400, 200]
+    for row in rows.values():
+        assert row["health_polls"] >= 1 and 0 < row["health_p50_ms"] <= row["health_max_ms"]
+        assert row["body_bytes"] > 2**20 and row["request_s"] > 0
