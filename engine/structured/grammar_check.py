@@ -31,16 +31,12 @@ _TOKEN = re.compile(r"""
 _Node = tuple  # ("lit",) | ("ref", name) | ("alt", [[node, ...], ...]) | ("opt", node)
 
 
-class _Unreadable(Exception):
-    pass
-
-
 def _tokens(body: str, lark: bool) -> list[tuple[str, str]]:
     out, pos = [], 0
     while pos < len(body):
         m = _TOKEN.match(body, pos)
         if m is None:
-            raise _Unreadable(body[pos:pos + 20])
+            raise ValueError(body[pos:pos + 20])
         pos = m.end()
         kind = m.lastgroup
         if kind in ("space", "comment", "arrow"):
@@ -83,12 +79,12 @@ class _Parser:
             close = "]" if text == "[" else ")"
             inner = self.alternatives(close)
             if self.peek() != ("op", close):
-                raise _Unreadable(text)
+                raise ValueError(text)
             self.i += 1
             if text in ("(=", "(!"):
                 return ("alt", [[]])  # a lookahead consumes nothing
             return ("opt", inner) if text == "[" else inner
-        raise _Unreadable(text)
+        raise ValueError(text)
 
     def postfix(self, node: _Node) -> _Node:
         while (tok := self.peek()) is not None:
@@ -125,7 +121,7 @@ def _rules(text: str) -> tuple[dict[str, _Node], str] | None:
         p = _Parser(_tokens(text[m.end():end], lark))
         node = p.alternatives(None)
         if p.peek() is not None:
-            raise _Unreadable(p.peek()[1])
+            raise ValueError(p.peek()[1])
         name = m.group(1)
         if name in rules:  # Lark may add alternatives to a rule in a second definition
             node = ("alt", rules[name][1] + node[1])
@@ -160,7 +156,7 @@ def endless_rule(grammar: str) -> str | None:
     try:
         found = _rules(grammar)
         return None if found is None else _first_endless(*found)
-    except (_Unreadable, IndexError, RecursionError):  # groups nested past the stack
+    except (ValueError, IndexError, RecursionError):  # groups nested past the stack
         return None
 
 
