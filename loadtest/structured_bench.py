@@ -7,9 +7,15 @@ decodes is timed by the wall clock and by the process's CPU time (all its thread
 spinning ones included). Reported: the best and the median step of each kind and their
 ratios, and the bitmask fill and apply alone (best of N, this thread's CPU time). Then
 grammar compile time: the first compile (which builds the backend's tokenizer tables),
-another cold spec, and a cached one.
+another cold spec, and a cached one. Last, a plain request beside the heaviest structured
+request a client may send (``n=16``, a string of up to 100k characters): the plain
+request's latency alone, beside an unconstrained ``n=16`` group and beside the
+structured one, and their ratios (target: beside the structured group within 2x alone; on
+a CPU, where 17 rows cost several times one, the grammar's share is the ratio to the
+unconstrained group).
 
     python -m pagedserve.loadtest.structured_bench [--rounds 6] [--steps 12] [--backend xgrammar]
+        [--beside-rounds 3]
 """
 
 from __future__ import annotations
@@ -73,6 +79,57 @@ def _mask_cost(llm: LLM, batch: int, reps: int = 30) -> float:
     return best
 
 
+HEAVY = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 100000}},
+         "required": ["s"]}
+"""The heavy structured request: a string of up to 100k characters, ``n=16``."""
+
+
+def _plain_latency(llm: LLM, beside: StructuredOutputsParams | None | bool,
+                   max_tokens: int = 16) -> float:
+    """Wall time of one plain greedy request of ``max_tokens`` tokens, alone
+    (``beside=False``) or beside an ``n=16`` group (unconstrained with ``None``, else
+    under ``beside``) that starts with it and outlasts it."""
+    eng, tok = llm.engine, llm.get_tokenizer()
+    tag = next(_IDS)
+    if beside is not False:
+        group = SamplingParams(n=16, temperature=1.0, seed=tag, max_tokens=8 * max_tokens,
+                               structured_outputs=beside or None)
+        eng.add_request(f"heavy-{tag}", tok.encode("Write a long story as JSON:"), group)
+        if beside:  # its grammar compiles before the clock starts (a cached spec)
+            llm.engine.structured.submit(beside).result()
+    rid = f"plain-{tag}"
+    t0 = time.perf_counter()
+    eng.add_request(rid, tok.encode(PROMPTS[tag % len(PROMPTS)]),
+                    SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while True:
+        done = [o for o in eng.step() if o.request_id == rid and o.finished]
+        if done:
+            break
+    latency = time.perf_counter() - t0
+    for r in list(eng.output.groups):
+        eng.abort_request(r)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return latency
+
+
+def _beside_heavy(llm: LLM, rounds: int) -> None:
+    heavy = StructuredOutputsParams(json=HEAVY)
+    llm.engine.structured.submit(heavy).result()
+    _plain_latency(llm, False, 3)  # warm-up
+    alone, unconstrained, structured = [], [], []
+    for _ in range(rounds):
+        alone.append(_plain_latency(llm, False))
+        unconstrained.append(_plain_latency(llm, None))
+        structured.append(_plain_latency(llm, heavy))
+    med = statistics.median
+    a, u, c = med(alone), med(unconstrained), med(structured)
+    print(f"plain request (16 tokens), median of {rounds}: alone {a * 1e3:.0f} ms, beside an "
+          f"unconstrained n=16 group {u * 1e3:.0f} ms = {u / a:.2f}x, beside n=16 with a "
+          f"maxLength 100000 string (backend {llm.engine.structured.backend_name}) "
+          f"{c * 1e3:.0f} ms = {c / a:.2f}x alone, {c / u:.2f}x beside the unconstrained group")
+
+
 def _compile_times(llm: LLM) -> tuple[float, float, float]:
     mgr = llm.engine.structured
     spec = StructuredOutputsParams(json=SCHEMA)
@@ -92,9 +149,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--backend", default="xgrammar", choices=("xgrammar", "llguidance"))
+    ap.add_argument("--backend", default="xgrammar", choices=("auto", "xgrammar", "llguidance"))
+    ap.add_argument("--beside-rounds", type=int, default=3,
+                    help="rounds of the plain-beside-heavy-structured case (0: skip)")
+    ap.add_argument("--only-beside", action="store_true",
+                    help="run only the plain-beside-heavy-structured case")
     args = ap.parse_args()
     llm = LLM(dtype="float32", kv_cache_memory_gb=0.5, structured_outputs_backend=args.backend)
+    if args.only_beside:
+        _beside_heavy(llm, args.beside_rounds)
+        return
     first, cold, cached = _compile_times(llm)
     llm.engine.structured.submit(StructuredOutputsParams(json=LONG)).result()
     print(f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
@@ -118,6 +182,8 @@ def main() -> None:
               f"{med(cc) * 1e3:.1f} / {med(uc) * 1e3:.1f} ms = {med(cc) / med(uc):.3f}; "
               f"mask fill+apply alone {mask * 1e3:.2f} ms = {100 * mask / min(uw):.1f}% of "
               "the best step")
+    if args.beside_rounds:
+        _beside_heavy(llm, args.beside_rounds)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 

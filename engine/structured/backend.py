@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pagedserve.engine.errors import StructuredOutputsError
+from pagedserve.engine.structured.grammar_check import endless_rule
 from pagedserve.engine.structured.params import StructuredOutputsParams
-from pagedserve.engine.structured.schema import has_bounded_pattern
+from pagedserve.engine.structured.schema import prefers_llguidance, unenforced_keyword
 
 BACKENDS = {
     "xgrammar": ("pagedserve.engine.structured.xgrammar_backend", "xgrammar"),
@@ -83,8 +84,9 @@ def load_backend(name: str, tokenizer: Any, vocab_size: int,
 
 def choose_backend(name: str, constraint: StructuredOutputsParams) -> str:
     """The backend that compiles ``constraint``: ``name``; with ``auto``, xgrammar unless
-    ``constraint`` is a JSON schema with a string whose length bounds sit beside a pattern
-    (xgrammar would drop the bounds) and llguidance is installed."""
+    ``constraint`` is a JSON schema that llguidance serves better (a string with length
+    bounds, an ``allOf``: :func:`~pagedserve.engine.structured.schema.prefers_llguidance`)
+    and llguidance is installed."""
     if name != AUTO:
         return name
     if constraint.kind == "json" and is_available("llguidance"):
@@ -92,9 +94,33 @@ def choose_backend(name: str, constraint: StructuredOutputsParams) -> str:
             schema = json.loads(constraint.json)
         except ValueError:
             schema = None  # the backend reports it
-        if has_bounded_pattern(schema):
+        if prefers_llguidance(schema):
             return "llguidance"
     return "xgrammar"
+
+
+def check_enforced(constraint: StructuredOutputsParams, backend: str) -> None:
+    """Refuse a JSON schema with a keyword ``backend`` would not enforce (its outputs
+    could break the schema), naming the keyword and where it is, and a grammar with a
+    rule that cannot end."""
+    if constraint.kind == "grammar":
+        rule = endless_rule(constraint.grammar)
+        if rule is not None:
+            raise StructuredOutputsError(
+                f"structured_outputs.grammar has no finite derivation: rule {rule!r} never "
+                "ends (each of its alternatives needs a rule that never ends, such as "
+                "itself)", "grammar")
+    if constraint.kind != "json":
+        return
+    found = unenforced_keyword(json.loads(constraint.json), backend)
+    if found is not None:
+        keyword, path = found
+        hint = (" (structured_outputs_backend='llguidance' enforces it)"
+                if backend == "xgrammar" and keyword in ("allOf", "minLength", "maxLength")
+                else "")
+        raise StructuredOutputsError(
+            f"structured_outputs.json uses {keyword!r} at {path}, which the {backend} "
+            f"grammar backend does not enforce{hint}: remove it", "json")
 
 
 def compile_error(constraint: StructuredOutputsParams, exc: BaseException) -> StructuredOutputsError:

@@ -21,6 +21,7 @@ from pagedserve.engine.structured.backend import (
     Grammar,
     GrammarBackend,
     Matcher,
+    check_enforced,
     choose_backend,
     is_available,
     load_backend,
@@ -74,7 +75,9 @@ class StructuredOutputManager:
 
     def _compile(self, constraint: StructuredOutputsParams) -> Grammar:
         self.num_compiles += 1
-        return self.backend(choose_backend(self.backend_name, constraint)).compile(constraint)
+        name = choose_backend(self.backend_name, constraint)
+        check_enforced(constraint, name)
+        return self.backend(name).compile(constraint)
 
     def matcher(self, constraint: StructuredOutputsParams) -> Matcher:
         """A new matcher of a compiled constraint (blocks if it is still compiling); with

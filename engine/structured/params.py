@@ -16,6 +16,9 @@ from pagedserve.engine.errors import JSONTextError, StructuredOutputsError
 from pagedserve.engine.jsonlimits import decode_json
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_SCHEMA_DEPTH = 128
+"""How deeply a JSON schema's objects and arrays may nest (a subschema takes about two
+levels): the grammar backends build a schema's grammar recursively."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +112,26 @@ def _schema_text(schema: Any) -> str:
     if not isinstance(schema, dict):
         raise StructuredOutputsError(
             "structured_outputs.json must be a JSON schema object", "json")
+    if _depth_over(schema, MAX_SCHEMA_DEPTH):
+        raise StructuredOutputsError(
+            f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels", "json")
     try:
         return _json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as e:
         raise StructuredOutputsError(
             f"structured_outputs.json cannot be serialised: {e}", "json") from None
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value``'s dicts and lists nest deeper than ``limit`` (walked without
+    recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return True
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values() if isinstance(x, (dict, list)))
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return False

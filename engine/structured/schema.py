@@ -5,14 +5,16 @@ default (strict) does not. :func:`close_objects` gives llguidance the same outpu
 making ``additionalProperties`` false where the schema leaves it unsaid. (xgrammar's
 bounded strings are mended in its grammar: ``xgrammar_backend.bounded_strings_with_escapes``.)
 :func:`has_bounded_pattern` finds what xgrammar does not honour (the ``auto`` backend
-gives such a schema to llguidance).
+gives such a schema to llguidance). :func:`unenforced_keyword` finds a keyword no backend
+enforces (or, with xgrammar, one it drops), so that the schema is refused rather than served
+unconstrained.
 
 Rewrites return a new schema; the input is not modified. Torch-free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
@@ -22,6 +24,9 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems", "not", "if
                   "else", "contains", "propertyNames", "unevaluatedProperties",
                   "unevaluatedItems")
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_UNENFORCED = ("not", "dependentSchemas", "dependentRequired", "dependencies", "contains",
+               "unevaluatedProperties", "unevaluatedItems")
+"""Keywords that neither backend enforces (xgrammar drops them without a word)."""
 
 Rewrite = Callable[[dict, bool], dict]
 
@@ -43,18 +48,77 @@ def map_subschemas(schema: Any, fn: Rewrite, in_all_of: bool = False) -> Any:
     return fn(out, in_all_of)
 
 
+def subschemas(schema: Any) -> Iterator[tuple[str, dict]]:
+    """Every subschema of ``schema`` (itself included) with its JSON pointer, outermost
+    first; iterative, so any depth is walked without recursion."""
+    stack: list[tuple[str, Any]] = [("#", schema)]
+    while stack:
+        path, s = stack.pop()
+        if not isinstance(s, dict):
+            continue
+        yield path, s
+        found = []
+        for k, v in s.items():
+            if k in _SCHEMA_MAPS and isinstance(v, dict):
+                found += [(f"{path}/{k}/{name}", sub) for name, sub in v.items()]
+            elif k in _SCHEMA_LISTS and isinstance(v, list):
+                found += [(f"{path}/{k}/{i}", sub) for i, sub in enumerate(v)]
+            elif k in _SCHEMA_VALUES or k == "dependencies" and isinstance(v, dict):
+                found += ([(f"{path}/{k}/{name}", sub) for name, sub in v.items()]
+                          if k == "dependencies" else [(f"{path}/{k}", v)])
+        stack.extend(reversed(found))
+
+
+def _keyword(s: dict, backend: str) -> str | None:
+    for k in _UNENFORCED:
+        if k in s:
+            return k
+    if "if" in s and ("then" in s or "else" in s):
+        return "if/then/else"
+    if s.get("uniqueItems") is True:
+        return "uniqueItems"
+    if backend == "xgrammar":
+        all_of = s.get("allOf")
+        if isinstance(all_of, list) and len(all_of) > 1:
+            return "allOf"
+        if "pattern" in s and ("minLength" in s or "maxLength" in s):
+            return "minLength" if "minLength" in s else "maxLength"
+    return None
+
+
+def unenforced_keyword(schema: Any, backend: str) -> tuple[str, str] | None:
+    """The first keyword of ``schema`` that ``backend`` would not enforce, and the JSON
+    pointer of the subschema that holds it; None if it enforces them all. No backend
+    enforces ``not``, ``if``/``then``/``else``, ``dependentSchemas``,
+    ``dependentRequired``, ``dependencies``, ``uniqueItems``, ``contains`` or
+    ``unevaluated*``; xgrammar also drops an ``allOf`` of several members (it would
+    take any one of them) and a string's length bounds beside its ``pattern``."""
+    for path, s in subschemas(schema):
+        k = _keyword(s, backend)
+        if k is not None:
+            return k, path
+    return None
+
+
+def prefers_llguidance(schema: Any) -> bool:
+    """Whether llguidance serves ``schema`` better than xgrammar: a string with length
+    bounds (xgrammar fills such a string's mask a thousand times slower, or drops the
+    bounds beside a ``pattern``) or an ``allOf`` of several members (xgrammar does not
+    enforce it; llguidance merges it and refuses a contradiction)."""
+    for _path, s in subschemas(schema):
+        if "minLength" in s or "maxLength" in s:
+            return True
+        all_of = s.get("allOf")
+        if isinstance(all_of, list) and len(all_of) > 1:
+            return True
+    return False
+
+
 def has_bounded_pattern(schema: Any) -> bool:
     """Whether a string of ``schema`` has a ``pattern`` and ``minLength`` / ``maxLength``
     (xgrammar 0.2.x keeps the pattern and drops the bounds)."""
-    found = []
-
-    def look(s: dict, _in_all_of: bool) -> dict:
-        if "pattern" in s and ("minLength" in s or "maxLength" in s):
-            found.append(s)
-        return s
-
-    map_subschemas(schema, look)
-    return bool(found)
+    return any("pattern" in s and ("minLength" in s or "maxLength" in s)
+               for _path, s in subschemas(schema))
 
 
 def _closed_object(s: dict, in_all_of: bool) -> dict:

@@ -166,6 +166,10 @@ def test_auto_runs_and_parses(client):
 DEEP = "[" * 5000 + "]" * 5000
 """A schema string nested past the interpreter's recursion limit."""
 TOO_DEEP = "is nested too deeply: arrays and objects may be nested at most 128 levels"
+DEEP_SCHEMA: dict = {"type": "string"}
+"""A schema object nested past 128 levels (as a JSON object, not a string)."""
+for _ in range(100):
+    DEEP_SCHEMA = {"type": "object", "properties": {"a": DEEP_SCHEMA}}
 BAD = [
     ({"guided_json": DEEP}, "guided_json", f"guided_json {TOO_DEEP}"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}},
@@ -191,6 +195,22 @@ BAD = [
         "type": "object", "properties": {"a": {"type": "frob"}}}}}], "tool_choice": "required"},
      "tools", "tools[*].function.parameters cannot be compiled"),
     ({"tools": [{"type": "nope"}]}, "tools", "tools[0] must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                 "schema": {"not": {}}}}},
+     "response_format", "response_format.json_schema.schema uses 'not' at #, which the "
+     "xgrammar grammar backend does not enforce"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {
+        "type": "array", "uniqueItems": True}}}}},
+     "structured_outputs", "uses 'uniqueItems' at #/properties/a"),
+    ({"guided_json": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, "guided_json",
+     "guided_json cannot be compiled: Unsatisfiable schema: incompatible types"),
+    ({"guided_json": {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}},
+     "guided_json", "guided_json uses 'if/then/else' at #"),
+    ({"guided_grammar": 'root ::= root "a"'}, "guided_grammar",
+     "guided_grammar has no finite derivation: rule 'root' never ends"),
+    ({"structured_outputs": {"grammar": 'root ::= "x" | b\nb ::= "y" b'}},
+     "structured_outputs", "rule 'b' never ends"),
+    ({"guided_json": DEEP_SCHEMA}, "guided_json", "guided_json nests deeper than 128 levels"),
 ]
 
 
@@ -236,3 +256,13 @@ def test_llguidance_backend_serves_parse_tools_and_400s(default_model_path):
             "model": MODEL, "messages": ask("hi"), "max_tokens": 4, "guided_regex": "(open"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
         assert "guided_regex cannot be compiled: " in bad.json()["error"]["message"]
+        for extra, message in [
+                ({"guided_json": {"not": {"type": "string"}}},
+                 "guided_json uses 'not' at #, which the llguidance grammar backend does not "
+                 "enforce"),
+                ({"guided_grammar": "root ::= a\na ::= a"},
+                 "guided_grammar has no finite derivation: rule 'root' never ends")]:
+            bad = requests.post(srv.url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": ask("hi"), "max_tokens": 4, **extra})
+            assert bad.status_code == 400, bad.text
+            assert bad.json()["error"]["message"].startswith(message), bad.json()

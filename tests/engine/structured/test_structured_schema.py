@@ -117,11 +117,15 @@ PATTERN_WITH_BOUNDS = {"type": "object", "properties": {
 
 
 def test_auto_gives_llguidance_the_bounds_xgrammar_would_drop(default_tokenizer):
+    """And any bounded string: xgrammar's mended bounded string fills its mask a thousand
+    times slower than llguidance's (about 0.15 s a row)."""
     assert has_bounded_pattern(BOUNDED) and has_bounded_pattern(PATTERN_WITH_BOUNDS)
     plain = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}}
+    unbounded = {"type": "object", "properties": {"s": {"type": "string"}}}
     assert not has_bounded_pattern(plain)
     assert choose_backend("auto", S(json=PATTERN_WITH_BOUNDS)) == "llguidance"
-    assert choose_backend("auto", S(json=plain)) == "xgrammar"
+    assert choose_backend("auto", S(json=plain)) == "llguidance"
+    assert choose_backend("auto", S(json=unbounded)) == "xgrammar"
     assert choose_backend("auto", S(regex="[a-z]{2,4}")) == "xgrammar"
     assert choose_backend("xgrammar", S(json=PATTERN_WITH_BOUNDS)) == "xgrammar"
     tok = default_tokenizer
@@ -131,7 +135,8 @@ def test_auto_gives_llguidance_the_bounds_xgrammar_would_drop(default_tokenizer)
         for text, ok in [('{"p": "abcd"}', True), ('{"p": "abcdefgh"}', False),
                          ('{"p": "a"}', False), ('{"p": "AB"}', False)]:
             assert _accepts(compiled, tok, PATTERN_WITH_BOUNDS, text) is ok, text
-        assert _accepts(compiled, tok, plain, '{"s": "a\\"b"}')  # xgrammar's escapes
+        assert _accepts(compiled, tok, plain, '{"s": "a\\"b"}')  # escapes
+        assert _accepts(compiled, tok, unbounded, '{"s": "a"}')
         assert sorted(mgr._backends) == ["llguidance", "xgrammar"]
     finally:
         mgr.shutdown()
