@@ -2,7 +2,8 @@
 
 A GGUF file is converted to a Hugging Face folder by transformers' GGUF reader, which
 takes many seconds for a real model. Its architecture is checked first, from the header
-alone, so that a file this engine cannot serve is refused at once, naming it. And the
+alone, so that a file this engine cannot serve (or a malformed one) is refused at once,
+naming it. And the
 reader leaves some of Gemma's settings at its configs' defaults although the file (or
 llama.cpp's rules for it) says otherwise: :func:`config_overrides` gives the settings the
 file holds, which the converted config then carries.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pagedserve.engine.loader.gguf_file import read_header
+
 SERVED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3")
 """``general.architecture`` values whose conversion this engine serves (Phi-3's GGUF
 config would lack its longrope factors: refused)."""
@@ -20,29 +23,11 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 ``(hidden_size / num_heads) ** -0.5`` (every other size: ``head_dim ** -0.5``)."""
 
 
-def _value(field):
-    """A header field's value (a string, a number, or a list of them), read from its parts
-    (``ReaderField.contents`` is only in newer ``gguf`` releases)."""
-    import gguf
-
-    kind = field.types[0] if field.types else None
-    items = [field.parts[i] for i in field.data]
-    if kind == gguf.GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if sub == gguf.GGUFValueType.STRING:
-            return [bytes(p).decode() for p in items]
-        return [p.tolist()[0] for p in items]
-    if kind == gguf.GGUFValueType.STRING:
-        return bytes(items[0]).decode()
-    return items[0].tolist()[0] if items else None
-
-
 def _fields(path: Path) -> dict:
-    """The header's key/value fields (arrays as lists), the tokenizer's left out."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    return {name: _value(field) for name, field in reader.fields.items()
+    """The header's key/value fields (arrays as lists), the tokenizer's left out; the
+    header is read with bounds (:func:`pagedserve.engine.loader.gguf_file.read_header`:
+    a malformed file is refused, naming what is wrong)."""
+    return {name: value for name, value in read_header(path).fields.items()
             if not name.startswith("tokenizer.")}  # fmt: skip
 
 
