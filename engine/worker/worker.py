@@ -185,6 +185,7 @@ class Worker:
         settings = self.settings
         quant = settings.quantization
         if quant in (None, "int8"):
+            weight_files(settings.model_path)  # their headers checked before the model is built
             try:
                 model = load_model(settings.hf_config, iter_weights(settings.model_path),
                                    settings.device, settings.dtype, settings.max_model_len,

@@ -26,7 +26,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve import LLM
-from pagedserve.engine import envs
 from pagedserve.engine.errors import CheckpointShapeError, ModelFileError
 from pagedserve.engine.loader import convert_gguf_model, default_gguf_path, default_model
 from pagedserve.engine.loader.gguf_file import read_header
@@ -38,8 +37,9 @@ KV = 0.01
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
-    """Conversions go to a cache of the test's own."""
-    monkeypatch.setenv(envs.CACHE.name, str(tmp_path / "cache"))
+    """Conversions go to a cache of the test's own (the native kernels stay built in the
+    user's)."""
+    monkeypatch.setattr(default_model, "cache_root", lambda: tmp_path / "cache")
 
 
 @pytest.fixture(scope="module")
@@ -194,11 +194,10 @@ def test_a_conversion_that_fails_midway_leaves_no_model_in_the_cache(valid_gguf,
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(default_model, "_write_config", fail_after_the_weights)
-    for weights in (True, False):
-        with pytest.raises(RuntimeError, match="disk full"):
-            convert_gguf_model(valid_gguf, weights=weights)
-        assert _cache_entries(tmp_path) == []
+    with pytest.raises(RuntimeError, match="disk full"):
+        convert_gguf_model(valid_gguf)
     assert "model.safetensors" in {p.name for p in written}  # it failed midway
+    assert _cache_entries(tmp_path) == []
     monkeypatch.setattr(default_model, "_write_config", real)
     folder = convert_gguf_model(valid_gguf, weights=False)
     assert default_model._is_complete(folder, False)
@@ -309,3 +308,36 @@ def test_a_tensor_of_another_shape_than_the_config_gives_is_refused(tiny, tmp_pa
                              rf"shape \[{', '.join(map(str, shape))}\], but the model's config "
                              rf"gives it shape \[{', '.join(map(str, want))}\]"):  # fmt: skip
         LLM(str(path), kv_cache_memory_gb=KV)
+
+
+# -- a chat template that raises ----------------------------------------------------------
+BROKEN_TEMPLATE = "{{ raise_exception('this template renders nothing') }}"
+
+
+@pytest.fixture(scope="module")
+def broken_template_gguf(tiny_model_factory, tmp_path_factory) -> Path:
+    """The tiny Gemma 3 as a GGUF file whose chat template raises whatever it renders."""
+    from tests.helpers.gguf_files import write_gemma3_gguf
+
+    return write_gemma3_gguf(tiny_model_factory("gemma3_6"),
+                             tmp_path_factory.mktemp("gguf") / "broken-template.gguf",
+                             default_gguf_path(), chat_template=BROKEN_TEMPLATE)  # fmt: skip
+
+
+def test_a_chat_template_that_raises_is_named_at_load_and_refuses_each_chat(
+        broken_template_gguf, caplog):  # fmt: skip
+    """The model loads (its prompts need no template) and the load warns, naming the
+    template's error; each conversation is refused with the template's error (the server:
+    a 400, ``tests/server/test_gguf_server.py``)."""
+    import jinja2
+
+    from pagedserve import SamplingParams
+
+    with caplog.at_level("WARNING", logger="pagedserve.engine.loader.model_files"):
+        llm = LLM(str(broken_template_gguf), quantization="gguf", kv_cache_memory_gb=KV)
+    assert [r for r in caplog.records if "the chat template of" in r.getMessage()
+            and "this template renders nothing" in r.getMessage()]  # fmt: skip
+    with pytest.raises(jinja2.TemplateError, match="this template renders nothing"):
+        llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
