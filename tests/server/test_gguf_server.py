@@ -1,6 +1,8 @@
 """The server on a Gemma 3 GGUF file (a tiny random model written as llama.cpp's converter
 writes one, with Gemma 3's turn template): the file's chat template renders the prompt,
-and a streamed chat completion gives the whole one's text, SSE chunk by chunk."""
+and a streamed chat completion gives the whole one's text, SSE chunk by chunk; a file whose
+template raises serves, each chat request a 400 naming the template's error; and a
+malformed model file stops ``pagedserve serve`` with one error line."""
 
 from __future__ import annotations
 

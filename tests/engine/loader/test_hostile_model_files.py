@@ -3,13 +3,14 @@ what is wrong and the limit, before anything reads or allocates a declared size:
 
 * GGUF files (converted to float, and served in their own blocks): truncated, tensors
   past the end of the file or overlapping, absurd dimensions and counts, arrays and
-  strings longer than the file;
+  strings longer than the file, model sizes its tensors do not have;
 * safetensors checkpoints: header length bombs, headers that are not JSON or nested too
   deeply, data offsets out of range or overlapping, a dtype and shape that do not fill
   their byte range, and tensors whose shape is not the one the config gives;
 
-and a conversion that fails midway leaves nothing in the cache that a later load would
-take for a converted model.
+a conversion that fails midway leaves nothing in the cache that a later load would take
+for a converted model; and a chat template that raises is named at load and refuses each
+conversation with its error.
 """
 
 from __future__ import annotations
@@ -130,6 +131,30 @@ def _gguf_case_ids() -> list[str]:
             "vocabulary past the file", "metadata array of 2**60", "5 dimensions",
             "a dimension of 2**40", "2**65 elements", "offset past the file",
             "overlapping tensors", "unknown tensor type"]  # fmt: skip
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("llama.embedding_length", 2**31, r"llama.embedding_length=2147483648, but "
+                                      r"token_embd.weight has rows of 64"),
+    ("llama.block_count", 2**31, r"llama.block_count=2147483648, but the file has tensors of "
+                                 r"1 blocks \(blk.0 to blk.0\)"),
+    ("llama.attention.head_count", 0, r"llama.attention.head_count=0, but a count of heads is 1 "
+                                      r"to embedding_length \(64\)"),
+    ("llama.feed_forward_length", 2**31, r"llama.feed_forward_length=2147483648, but "
+                                         r"blk.0.ffn_up.weight has 128 rows"),
+    ("llama.context_length", 2**31, r"llama.context_length=2147483648, but the limit is "
+                                    r"16777216"),
+])  # fmt: skip
+def test_model_sizes_the_tensors_do_not_have_are_refused(valid_gguf, tmp_path, key, value,
+                                                         words):  # fmt: skip
+    """The config is built from these (the engine allocates what they say before it reads a
+    tensor): each must be what the tensors hold, and the context in bounds."""
+    path = _patched(valid_gguf, tmp_path / "sizes.gguf",
+                    _after_key(valid_gguf.read_bytes(), key) + 4, "<I", value)
+    for quantization in (None, "gguf"):
+        with pytest.raises(ModelFileError, match=rf"GGUF file '{path}': {words}"):
+            LLM(str(path), quantization=quantization, kv_cache_memory_gb=KV)
+    assert _cache_entries(tmp_path) == []
 
 
 def _cache_entries(tmp_path: Path) -> list[str]:
