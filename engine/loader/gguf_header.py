@@ -44,11 +44,14 @@ def check_served(path: Path) -> str:
     """The file's architecture, or a ``ValueError`` naming it when this engine does not
     serve it, or a :class:`ModelFileError` when the model's sizes in its header are not
     those of its tensors (read from the header: nothing is converted)."""
-    arch = architecture(path)
+    header = read_header(path)
+    arch = header.fields.get("general.architecture")
+    if not arch:
+        raise ValueError(f"GGUF file {str(path)!r} has no general.architecture")
     if arch not in SERVED_ARCHITECTURES:
         raise ValueError(f"GGUF file {str(path)!r}: general.architecture={arch!r} is not "
                          f"supported; supported: {', '.join(SERVED_ARCHITECTURES)}")
-    _check_sizes(path, arch, read_header(path))
+    _check_sizes(path, arch, header)
     return arch
 
 
