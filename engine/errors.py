@@ -115,6 +115,16 @@ class CheckpointQuantError(ValueError):
     """A quantized checkpoint this loader cannot serve; the message names the setting."""
 
 
+class ModelFileError(ValueError):
+    """A malformed model file (a GGUF file, a safetensors checkpoint): the message names
+    the file, what is wrong and the limit it breaks."""
+
+
+class CheckpointShapeError(ModelFileError):
+    """A checkpoint tensor whose shape is not the one the model's config gives it (the
+    loader adds the file that holds it to the message)."""
+
+
 class LoRAError(ValueError):
     """An adapter that cannot be served, and why."""
 

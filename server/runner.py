@@ -18,6 +18,7 @@ from aiohttp import web
 
 from pagedserve import AsyncEngine, EngineConfig
 from pagedserve.engine import envs
+from pagedserve.engine.errors import ModelFileError
 from pagedserve.engine.lora import LoRAError
 from pagedserve.engine.worker import process_tuning
 from pagedserve.server.app import build_app
@@ -53,13 +54,16 @@ def url_of(sock: socket.socket) -> str:
 async def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Load the model, serve until a signal, shut down gracefully; the exit status."""
     loop = asyncio.get_running_loop()
-    if options.data_parallel_size > 1:
-        from pagedserve.engine.loop.dp_engine import DataParallelEngine
+    try:
+        if options.data_parallel_size > 1:
+            from pagedserve.engine.loop.dp_engine import DataParallelEngine
 
-        engine = await loop.run_in_executor(None, DataParallelEngine.from_config, config,
-                                            options.data_parallel_size)  # fmt: skip
-    else:
-        engine = await loop.run_in_executor(None, AsyncEngine.from_config, config)
+            engine = await loop.run_in_executor(None, DataParallelEngine.from_config, config,
+                                                options.data_parallel_size)  # fmt: skip
+        else:
+            engine = await loop.run_in_executor(None, AsyncEngine.from_config, config)
+    except ModelFileError as e:  # a malformed GGUF or safetensors file: one line, no traceback
+        raise SystemExit(f"error: {e}") from None
     # What start-up allocated lives as long as the process: freezing it keeps the
     # collector's full passes (which hold the GIL, loop included) short.
     process_tuning.freeze_startup_heap()

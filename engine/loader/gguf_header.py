@@ -2,7 +2,8 @@
 
 A GGUF file is converted to a Hugging Face folder by transformers' GGUF reader, which
 takes many seconds for a real model. Its architecture is checked first, from the header
-alone, so that a file this engine cannot serve is refused at once, naming it. And the
+alone, so that a file this engine cannot serve (or a malformed one) is refused at once,
+naming it. And the
 reader leaves some of Gemma's settings at its configs' defaults although the file (or
 llama.cpp's rules for it) says otherwise: :func:`config_overrides` gives the settings the
 file holds, which the converted config then carries.
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pagedserve.engine.errors import ModelFileError
+from pagedserve.engine.loader.gguf_file import GGUFHeader, read_header
+
 SERVED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3")
 """``general.architecture`` values whose conversion this engine serves (Phi-3's GGUF
 config would lack its longrope factors: refused)."""
@@ -20,29 +24,11 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 ``(hidden_size / num_heads) ** -0.5`` (every other size: ``head_dim ** -0.5``)."""
 
 
-def _value(field):
-    """A header field's value (a string, a number, or a list of them), read from its parts
-    (``ReaderField.contents`` is only in newer ``gguf`` releases)."""
-    import gguf
-
-    kind = field.types[0] if field.types else None
-    items = [field.parts[i] for i in field.data]
-    if kind == gguf.GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if sub == gguf.GGUFValueType.STRING:
-            return [bytes(p).decode() for p in items]
-        return [p.tolist()[0] for p in items]
-    if kind == gguf.GGUFValueType.STRING:
-        return bytes(items[0]).decode()
-    return items[0].tolist()[0] if items else None
-
-
 def _fields(path: Path) -> dict:
-    """The header's key/value fields (arrays as lists), the tokenizer's left out."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    return {name: _value(field) for name, field in reader.fields.items()
+    """The header's key/value fields (arrays as lists), the tokenizer's left out; the
+    header is read with bounds (:func:`pagedserve.engine.loader.gguf_file.read_header`:
+    a malformed file is refused, naming what is wrong)."""
+    return {name: value for name, value in read_header(path).fields.items()
             if not name.startswith("tokenizer.")}  # fmt: skip
 
 
@@ -56,12 +42,62 @@ def architecture(path: Path) -> str:
 
 def check_served(path: Path) -> str:
     """The file's architecture, or a ``ValueError`` naming it when this engine does not
-    serve it (read from the header: nothing is converted)."""
-    arch = architecture(path)
+    serve it, or a :class:`ModelFileError` when the model's sizes in its header are not
+    those of its tensors (read from the header: nothing is converted)."""
+    header = read_header(path)
+    arch = header.fields.get("general.architecture")
+    if not arch:
+        raise ValueError(f"GGUF file {str(path)!r} has no general.architecture")
     if arch not in SERVED_ARCHITECTURES:
         raise ValueError(f"GGUF file {str(path)!r}: general.architecture={arch!r} is not "
                          f"supported; supported: {', '.join(SERVED_ARCHITECTURES)}")
+    _check_sizes(path, arch, header)
     return arch
+
+
+MAX_CONTEXT_LENGTH = 1 << 24
+"""A GGUF file's ``context_length`` at most (the RoPE tables are built for it)."""
+
+
+def _check_sizes(path: Path, arch: str, header: GGUFHeader) -> None:
+    """The model's sizes the config is built from (``embedding_length``, ``block_count``,
+    ``feed_forward_length``, the head counts, ``context_length``) agree with the tensors'
+    shapes and are in bounds: the engine allocates what they say before it reads a tensor."""
+    shapes = {t.name: t.shape for t in header.tensors}
+
+    def bad(key: str, value, why: str) -> ModelFileError:
+        return ModelFileError(f"GGUF file {str(path)!r}: {arch}.{key}={value!r}, but {why}")
+
+    def get(key: str):
+        value = header.fields.get(f"{arch}.{key}")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise bad(key, value, "it is not an integer")
+        return value
+
+    embd = shapes.get("token_embd.weight")
+    hidden = get("embedding_length")
+    if embd is None or len(embd) != 2:
+        raise ModelFileError(f"GGUF file {str(path)!r}: it has no 2-D token_embd.weight")
+    if hidden != embd[0]:
+        raise bad("embedding_length", hidden, f"token_embd.weight has rows of {embd[0]}")
+    blocks = {int(n.split(".")[1]) for n in shapes if n.startswith("blk.")
+              and n.split(".")[1].isdigit()}  # fmt: skip
+    layers = get("block_count")
+    if layers is None or len(blocks) != layers or max(blocks, default=-1) != layers - 1:
+        raise bad("block_count", layers, f"the file has tensors of {len(blocks)} blocks "
+                                         f"(blk.0 to blk.{max(blocks, default=0)})")
+    heads, kv_heads = get("attention.head_count"), get("attention.head_count_kv")
+    for key, n in (("attention.head_count", heads), ("attention.head_count_kv", kv_heads)):
+        if n is not None and not 1 <= n <= hidden:
+            raise bad(key, n, f"a count of heads is 1 to embedding_length ({hidden})")
+    if heads is None:
+        raise bad("attention.head_count", heads, "the file must give it")
+    ffn, up = get("feed_forward_length"), shapes.get("blk.0.ffn_up.weight")
+    if not arch.endswith("moe") and up is not None and len(up) == 2 and ffn != up[1]:
+        raise bad("feed_forward_length", ffn, f"blk.0.ffn_up.weight has {up[1]} rows")
+    ctx = get("context_length")
+    if ctx is not None and not 1 <= ctx <= MAX_CONTEXT_LENGTH:
+        raise bad("context_length", ctx, f"the limit is {MAX_CONTEXT_LENGTH}")
 
 
 def config_overrides(path: Path) -> dict:

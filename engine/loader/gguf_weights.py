@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedserve.engine.loader.gguf_file import read_header
 from pagedserve.engine.lora.request import FUSED
 from pagedserve.engine.models.checkpoint_names import layout_key, projection
 from pagedserve.kernels.quant import BLOCK_BYTES, BLOCK_WEIGHTS, QK, QuantizedWeight
@@ -76,8 +77,11 @@ _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def _reader(path: Path):
+    """The ``gguf`` package's reader of the file, once its header has been read with
+    bounds (a malformed file is refused before the package reads it)."""
     import gguf
 
+    read_header(path)
     return gguf.GGUFReader(str(path))
 
 

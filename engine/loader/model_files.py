@@ -7,6 +7,7 @@ A folder holds ``config.json``, tokenizer files and the weights, one
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,10 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from pagedserve.engine.errors import ModelNotFoundError
+from pagedserve.engine.errors import ModelFileError, ModelNotFoundError
+from pagedserve.engine.loader.safetensors_file import read_header
+
+logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -69,8 +73,19 @@ def text_model_name(name: str) -> str | None:
 
 
 def load_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
-    """Load the tokenizer (with its chat template) from a resolved model folder."""
-    return transformers.AutoTokenizer.from_pretrained(str(path))
+    """Load the tokenizer (with its chat template) from a resolved model folder. A chat
+    template that fails on a conversation of one user message is logged (a warning):
+    the conversations it renders are refused one by one, naming it."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}],
+                                          tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - any error of the template's own
+            logger.warning("the chat template of %s fails on a conversation of one user "
+                           "message (%s: %s): chat requests are refused with the error unless "
+                           "another template is given", path, type(e).__name__, e)
+    return tokenizer
 
 
 def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
@@ -90,11 +105,26 @@ def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """Return the safetensors files of a model folder, in index order."""
+    """Return the safetensors files of a model folder, in index order, each one's header
+    checked (:func:`pagedserve.engine.loader.safetensors_file.read_header`: a malformed
+    file is refused before it is opened for its tensors)."""
+    files = _weight_files(path)
+    for file in files:
+        read_header(file)
+    return files
+
+
+def _weight_files(path: Path) -> list[Path]:
     index = path / WEIGHTS_INDEX_NAME
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = list(dict.fromkeys(weight_map.values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = list(dict.fromkeys(weight_map.values()))
+            if not all(isinstance(f, str) for f in files):
+                raise TypeError("a shard name that is not a string")
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise ModelFileError(f"{index} is not a safetensors index (a JSON object whose "
+                                 f"weight_map names each tensor's shard): {e!r}") from None
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
             raise ModelNotFoundError(f"{index} lists shards that are missing: {', '.join(missing)}")

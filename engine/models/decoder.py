@@ -17,7 +17,13 @@ import torch
 from torch import nn
 
 from pagedserve.engine.models.checkpoint_names import QUANTIZED_PARTS, required_tensors
-from pagedserve.engine.models.linear import QuantEmbedding, QuantLinear, project, put_rows
+from pagedserve.engine.models.linear import (
+    QuantEmbedding,
+    QuantLinear,
+    check_shape,
+    project,
+    put_rows,
+)
 from pagedserve.engine.models.moe import SparseMoE, moe_tensor
 from pagedserve.engine.models.rope import rope_tables
 from pagedserve.engine.models.spec import DecoderSpec
@@ -393,11 +399,11 @@ class DecoderForCausalLM(nn.Module):
                 if name == "lm_head.weight":
                     if self.lm_head is None:
                         continue
-                    put_rows(self.lm_head, "weight", 0, tensor)
+                    put_rows(self.lm_head, "weight", 0, tensor, name)
                 elif name == "embed_tokens.weight":
-                    put_rows(self.embed_tokens, "weight", 0, tensor)
+                    put_rows(self.embed_tokens, "weight", 0, tensor, name)
                 elif name == "norm.weight":
-                    self.norm.copy_(self._norm_weight(tensor))
+                    self._put_norm(self.norm, name, tensor)
                 else:
                     self._load_layer_tensor(name, tensor, qkv_off, gu_off)
             loaded.add(name)
@@ -419,23 +425,28 @@ class DecoderForCausalLM(nn.Module):
                              "the model's config names no quantization (quantization_config)")
         place = None if layer.moe is None else moe_tensor(layer.moe, parts[2:])
         if place is not None:
-            put_rows(place[0], "weight", place[1], tensor)
+            half = proj in ("gate_proj", "up_proj", "w1", "w3")  # a half of a gate_up_proj
+            put_rows(place[0], "weight", place[1], tensor, name,
+                     place[0].out_features // 2 if half else None)  # fmt: skip
         elif parts[2] in ("mlp", "block_sparse_moe") and (layer.moe is not None or len(parts) != 5):
             n = "none" if layer.moe is None else len(layer.moe.experts)
             raise ValueError(f"unexpected checkpoint tensor {name!r} (layer {parts[1]}'s "
                              f"experts: {n})")
         elif proj in qkv_off:
-            put_rows(layer.qkv_proj, kind, qkv_off[proj], tensor)
+            s = self.spec
+            rows = (s.num_heads if proj == "q_proj" else s.num_kv_heads) * s.head_dim
+            put_rows(layer.qkv_proj, kind, qkv_off[proj], tensor, name, rows)
         elif proj in gu_off:
-            put_rows(layer.gate_up_proj, kind, gu_off[proj], tensor)
+            put_rows(layer.gate_up_proj, kind, gu_off[proj], tensor, name,
+                     self.spec.intermediate_size)  # fmt: skip
         elif proj == "o_proj":
-            put_rows(layer.o_proj, kind, 0, tensor)
+            put_rows(layer.o_proj, kind, 0, tensor, name)
         elif proj == "down_proj":
-            put_rows(layer.down_proj, kind, 0, tensor)
+            put_rows(layer.down_proj, kind, 0, tensor, name)
         elif leaf in self._norm_names:
-            getattr(layer, self._norm_names[leaf]).copy_(self._norm_weight(tensor))
+            self._put_norm(getattr(layer, self._norm_names[leaf]), name, tensor)
         elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-            getattr(layer, proj).copy_(self._norm_weight(tensor))
+            self._put_norm(getattr(layer, proj), name, tensor)
         else:
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
 
@@ -449,6 +460,10 @@ class DecoderForCausalLM(nn.Module):
                     "post_feedforward_layernorm.weight": "mlp_out_norm"}
         return {"input_layernorm.weight": "input_layernorm",
                 "post_attention_layernorm.weight": "post_attention_layernorm"}
+
+    def _put_norm(self, target: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+        check_shape(name, tensor, target.shape)
+        target.copy_(self._norm_weight(tensor))
 
     def _norm_weight(self, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint's RMSNorm weight as the norms here apply it (Gemma's: ``1 +

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.engine.errors import CheckpointShapeError
 from pagedserve.kernels.quant import QuantizedWeight, StackedWeight
 
 
@@ -46,10 +47,12 @@ def project(proj: nn.Module, x: torch.Tensor, ops: Any) -> torch.Tensor:
     return ops.linear(x if order is None else x.index_select(-1, order), proj.weight, proj.bias)
 
 
-def put_rows(module: nn.Module, kind: str, offset: int,
-              tensor: torch.Tensor | QuantizedWeight) -> None:
-    """Rows ``offset ..`` of ``module``'s weight or bias := ``tensor``. A quantized tensor
-    goes into a quantized weight of its format, or is dequantized into a float one."""
+def put_rows(module: nn.Module, kind: str, offset: int, tensor: torch.Tensor | QuantizedWeight,
+             name: str, rows: int | None = None) -> None:
+    """Rows ``offset ..`` of ``module``'s weight or bias := the checkpoint tensor ``name``
+    (``rows`` of them; None: the rest). A quantized tensor goes into a quantized weight of
+    its format, or is dequantized into a float one. A float tensor of another shape is
+    refused (:class:`CheckpointShapeError`, naming it and the shape the config gives)."""
     target = getattr(module, kind)
     if isinstance(target, StackedWeight):  # each part of its own format
         if not isinstance(tensor, QuantizedWeight):
@@ -65,4 +68,15 @@ def put_rows(module: nn.Module, kind: str, offset: int,
         return
     if isinstance(tensor, QuantizedWeight):
         tensor = tensor.dequantize()
+    check_shape(name, tensor, (target.shape[0] - offset if rows is None else rows,
+                               *target.shape[1:]))  # fmt: skip
     target[offset: offset + tensor.shape[0]].copy_(tensor)
+
+
+def check_shape(name: str, tensor: torch.Tensor, want) -> None:
+    """A :class:`CheckpointShapeError` unless the checkpoint tensor ``name`` has shape
+    ``want`` (the one the model's config gives it)."""
+    if tuple(tensor.shape) != tuple(want):
+        raise CheckpointShapeError(f"checkpoint tensor {name!r} has shape "
+                                   f"{list(tensor.shape)}, but the model's config gives it "
+                                   f"shape {list(want)}")

@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.blockmgr.groups import KVGroups
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.engine.errors import EngineFatalError, ParallelError
+from pagedserve.engine.errors import CheckpointShapeError, EngineFatalError, ParallelError
 from pagedserve.engine.loader import (
     DEFAULT_MODEL_NAME,
     checkpoint_weights,
@@ -28,7 +28,7 @@ from pagedserve.engine.loader import (
 from pagedserve.engine.loader.checkpoint_quant import (
     CheckpointQuant,
 )
-from pagedserve.engine.loader.model_files import eos_token_ids
+from pagedserve.engine.loader.model_files import eos_token_ids, weight_files
 from pagedserve.engine.models import build_model, load_model
 from pagedserve.engine.models.shard import check_divisible
 from pagedserve.engine.parallel.group import SHUTDOWN, STEP, TensorParallel, for_workers
@@ -191,8 +191,15 @@ class Worker:
         settings = self.settings
         quant = settings.quantization
         if quant in (None, "int8"):
-            model = load_model(settings.hf_config, iter_weights(settings.model_path), settings.device,
-                               settings.dtype, settings.max_model_len, self.tp)  # fmt: skip
+            weight_files(settings.model_path)  # their headers checked before the model is built
+            try:
+                model = load_model(settings.hf_config, iter_weights(settings.model_path),
+                                   settings.device, settings.dtype, settings.max_model_len,
+                                   self.tp)  # fmt: skip
+            except CheckpointShapeError as e:
+                files = weight_files(settings.model_path)
+                where = files[0] if len(files) == 1 else settings.model_path
+                raise CheckpointShapeError(f"{where}: {e}") from None
             self.quant_desc = None
             if quant == "int8":
                 model.quantize_int8()
