@@ -68,7 +68,9 @@ class EngineInputError(ValueError):
     def __reduce__(self):
         # Picklable whatever a subclass's __init__ takes (errors cross to the front end
         # of a data-parallel server).
-        return _rebuild_input_error, (type(self), str(self), self.field.value)
+        # Attributes a subclass sets (``kind``) travel as the object's state.
+        return _rebuild_input_error, (type(self), str(self), self.field.value), \
+            dict(self.__dict__)  # fmt: skip
 
 
 def _rebuild_input_error(cls: type[EngineInputError], message: str,

@@ -116,8 +116,10 @@ async def unload_adapter(request: web.Request) -> web.Response:
         check_lora_name(name)
     except LoRAError as e:
         raise bad_request(str(e), "lora_name") from None
-    if not state.loras.remove(name):
+    removed = state.loras.remove(name)
+    if removed is None:
         raise not_found(f"The LoRA adapter `{name}` is not served.", "lora_name")
+    state.engine.retire_lora(removed.lora_int_id)  # its weights go once no request uses it
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 

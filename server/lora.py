@@ -112,10 +112,11 @@ class LoRAAdapters:
     def get(self, name: str) -> LoRARequest | None:
         return self.by_name.get(name)
 
-    def remove(self, name: str) -> bool:
-        """Stop serving an adapter (requests running with it finish with it)."""
+    def remove(self, name: str) -> LoRARequest | None:
+        """Stop serving an adapter (requests running with it finish with it); the
+        adapter that was served under ``name``, if any."""
         self.parents.pop(name, None)
-        return self.by_name.pop(name, None) is not None
+        return self.by_name.pop(name, None)
 
     def card(self, name: str) -> dict:
         """What ``/v1/models`` says of an adapter beside the common fields."""

@@ -204,6 +204,10 @@ class AsyncEngine:
         self._commands.append(("abort", request_id))
         self._wake.set()
 
+    def retire_lora(self, lora_int_id: int) -> None:
+        """Free an unloaded adapter's weights (once no live request uses them)."""
+        self._commands.append(("retire_lora", lora_int_id))
+
     def kv_state(self, max_cells: int = DEFAULT_MAX_CELLS,
                  tables: bool = True) -> asyncio.Future[KVState]:
         """A future of the KV cache snapshot, taken by the engine thread between steps
@@ -352,6 +356,8 @@ class AsyncEngine:
                                     pooling=cmd.pooling, cache_salt=cmd.cache_salt)
                 except Exception as exc:  # a bad request harms no one else
                     self._loop.call_soon_threadsafe(self._deliver_error, cmd.request_id, exc)
+            elif cmd[0] == "retire_lora":
+                eng.retire_lora(cmd[1])
             else:
                 _, rid = cmd
                 eng.abort_request(rid)

@@ -175,6 +175,10 @@ class ReplicaClient:
             self._send(("abort", rid))
         return True
 
+    def retire_lora(self, lora_int_id: int) -> None:
+        if self._dead is None:
+            self._send(("retire_lora", lora_int_id))
+
     def kv_state(self, max_cells: int, tables: bool) -> asyncio.Future[KVState]:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}")
@@ -351,6 +355,11 @@ class DataParallelEngine:
         i = self._owner.get(request_id)
         if i is not None and self.replicas[i].abort(request_id):
             self._finished(request_id)
+
+    def retire_lora(self, lora_int_id: int) -> None:
+        """Every replica frees an unloaded adapter's weights."""
+        for r in self.replicas:
+            r.retire_lora(lora_int_id)
 
     def fail_all(self, exc: BaseException) -> None:
         for r in self.replicas:

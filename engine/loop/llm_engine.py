@@ -265,6 +265,12 @@ class LLMEngine:
         self._finish(group.members, RequestStatus.FINISHED_ABORTED)
         return self.output.make_output(group, force=True)
 
+    def retire_lora(self, lora_int_id: int) -> None:
+        """An adapter is no longer served (unloaded by name): its weights are freed once
+        no live request uses them."""
+        if self.worker.loras is not None:
+            self.worker.loras.retire(lora_int_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

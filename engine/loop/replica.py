@@ -10,6 +10,7 @@ writes frames back (:mod:`pagedserve.engine.parallel.frames`). The front end
      cache_salt)
     ("abort", request_id)
     ("kv", ask_id, max_cells, tables)
+    ("retire_lora", lora_int_id)
     ("stop",)
 
 and receives ``("ready", info)`` once the model is loaded, then ``("out", request_id,
@@ -70,6 +71,8 @@ class ReplicaServer:
             task = self._forwarders.pop(rid, None)
             if task is not None:
                 task.cancel()
+        elif kind == "retire_lora":
+            self.engine.retire_lora(cmd[1])
         elif kind == "kv":
             self.loop.create_task(self._kv(*cmd[1:]))
         elif kind == "stop":

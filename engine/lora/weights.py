@@ -112,6 +112,21 @@ class LoRARegistry:
         self._loaded: OrderedDict[int, LoRAWeights] = OrderedDict()
         self.in_use: Callable[[], set[int]] = set
         """The adapter ids of live requests (set by the engine)."""
+        self._retired: set[int] = set()
+        """Ids no longer served whose weights live requests still use."""
+
+    def retire(self, lora_int_id: int) -> None:
+        """The adapter of ``lora_int_id`` is no longer served (unloaded): its weights go
+        now, or when the last live request that uses it ends."""
+        if lora_int_id in self._loaded:
+            self._retired.add(lora_int_id)
+            self._drop_retired()
+
+    def _drop_retired(self) -> None:
+        used = self.in_use()
+        for lid in [i for i in self._retired if i not in used]:
+            self._retired.discard(lid)
+            self._loaded.pop(lid, None)
 
     def get(self, req: LoRARequest) -> LoRAWeights:
         """The adapter's weights, loaded (and checked) on first use. An id that live
@@ -124,16 +139,22 @@ class LoRARegistry:
         if w is not None and lid in self.in_use():
             raise LoRAError(f"lora_int_id={lid} is in use by adapter {w.request.lora_name!r} "
                             f"({w.request.lora_path}); another adapter needs another id")
-        w = load_lora(req, self.limits, self.dtype, self.device)
-        self._loaded[lid] = w
-        self._loaded.move_to_end(lid)
-        if len(self._loaded) > self.capacity:
-            used = self.in_use() | {lid}
-            for old in [k for k in self._loaded if k not in used]:  # least recent first
-                if len(self._loaded) <= self.capacity:
-                    break
-                del self._loaded[old]
+        self._loaded.pop(lid, None)
+        self._evict(self.capacity - 1)  # before the load: its memory can take their place
+        w = self._loaded[lid] = load_lora(req, self.limits, self.dtype, self.device)
         return w
+
+    def _evict(self, keep: int) -> None:
+        """Drop least recently used adapters no live request uses until ``keep`` remain
+        (or only used ones do)."""
+        if len(self._loaded) <= keep:
+            return
+        used = self.in_use()
+        for old in [k for k in self._loaded if k not in used]:  # least recent first
+            if len(self._loaded) <= keep:
+                break
+            del self._loaded[old]
+            self._retired.discard(old)
 
     @property
     def loaded_ids(self) -> list[int]:
@@ -143,6 +164,8 @@ class LoRARegistry:
                  num_tokens: int) -> LoRAStep | None:  # fmt: skip
         """The step's adapters from each request's ``(adapter, first row, end row)``;
         None when no row has one."""
+        if self._retired:
+            self._drop_retired()
         rows: dict[LoRARequest, list[int]] = {}
         for req, lo, hi in spans:
             if req is not None:

@@ -9,13 +9,15 @@ the first compile, in the pool.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
+from pagedserve.engine.errors import StructuredOutputsError
 from pagedserve.engine.structured.backend import (
     AUTO,
     Grammar,
@@ -66,12 +68,12 @@ class StructuredOutputManager:
             fut = self._cache.get(key)
             if fut is not None:
                 self._cache.move_to_end(key)
-                return fut
-            fut = self._pool.submit(self._compile, constraint)
-            self._cache[key] = fut
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        return fut
+            else:
+                fut = self._pool.submit(self._compile, constraint)
+                self._cache[key] = fut
+                while len(self._cache) > MAX_CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
+        return _own(fut)
 
     def _compile(self, constraint: StructuredOutputsParams) -> Grammar:
         self.num_compiles += 1
@@ -87,3 +89,39 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _own(fut: Future[Grammar]) -> Future[Grammar]:
+    """A caller's own future of a cached compile. A failed compile is cached and handed to
+    every request that sends its constraint: each raise of one exception object adds its
+    frames to the object's traceback, and those frames keep each raiser's locals (the
+    request, its body) alive for as long as the failure stays cached. Each caller gets
+    its own copy of the exception instead; and cancelling a caller's future (a client
+    gone while it waited) cannot cancel the compile the cache shares."""
+    if fut.done() and not fut.cancelled() and fut.exception() is None:
+        return fut
+    out: Future[Grammar] = Future()
+
+    def settle(done: Future[Grammar]) -> None:
+        try:
+            if done.cancelled():
+                out.cancel()
+            elif (exc := done.exception()) is None:
+                out.set_result(done.result())
+            else:
+                out.set_exception(_copied(exc))
+        except InvalidStateError:  # the caller cancelled its own future first
+            pass
+
+    fut.add_done_callback(settle)
+    return out
+
+
+def _copied(exc: BaseException) -> BaseException:
+    """``exc`` as a new object of its type and message, with no traceback."""
+    try:
+        fresh = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception type that cannot be rebuilt
+        fresh = StructuredOutputsError(str(exc))
+    fresh.__traceback__ = fresh.__cause__ = fresh.__context__ = None
+    return fresh

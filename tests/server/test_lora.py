@@ -158,6 +158,32 @@ def test_adapters_loaded_and_unloaded_at_run_time(tiny, adapters, offline):
     assert json.loads(out[12][3])["choices"][0]["text"] == offline[None]
 
 
+def test_unloading_an_adapter_frees_its_weights(tiny, adapters, offline):
+    """Adapters loaded, used and unloaded one after another under new names (what a
+    deployment that rotates adapters does): none of the unloaded stays in memory."""
+    engine = _engine(tiny, enable_lora=True, max_lora_rank=8)
+    options = ServeOptions(allow_runtime_lora_updating=True)
+    body = {"prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "ignore_eos": True}
+
+    async def script(client):
+        texts = []
+        for i in range(4):
+            name, path = f"turn{i}", adapters["sql" if i % 2 else "poet"]
+            r = await client.post("/v1/load_lora_adapter",
+                                  json={"lora_name": name, "lora_path": str(path)})
+            assert r.status == 200, await r.text()
+            r = await client.post("/v1/completions", json={**body, "model": name})
+            texts.append(json.loads(await r.text())["choices"][0]["text"])
+            r = await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+            assert r.status == 200, await r.text()
+        await asyncio.sleep(0.2)  # the engine thread takes the last unload
+        return texts
+
+    texts = run_in_process(engine, options, script)
+    assert texts == [offline["poet"], offline["sql"]] * 2
+    assert engine.worker.loras.loaded_ids == []
+
+
 def test_lora_module_flags(tiny, adapters):
     assert parse_lora_module("a=/p/q") == LoRAModule("a", "/p/q")
     assert parse_lora_module('{"name": "a", "path": "/p", "base_model_name": "b"}') == \

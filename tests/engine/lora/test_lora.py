@@ -177,6 +177,48 @@ def test_live_adapters_stay_loaded_past_capacity(tiny, adapters, prompts, refere
     assert loads == ["all", "mlp"]  # each once: a waiting request's adapter is kept
 
 
+def test_a_retired_adapter_is_freed_once_no_request_uses_it(tiny, adapters, prompts,
+                                                           reference):  # fmt: skip
+    """An adapter unloaded by name is retired: its weights go at once when no request
+    uses it, else at the first step after its last request ends (which finishes with
+    it)."""
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8)
+    eng, reg = llm.engine, llm.engine.worker.loras
+    for i, name in enumerate(("all", "qv", "mlp"), start=1):
+        assert run(llm, prompts[:1], lora(adapters, name, i)) == [reference[name][0]]
+    assert reg.loaded_ids == [1, 2, 3]
+    eng.retire_lora(1)
+    eng.retire_lora(7)  # never loaded: nothing to do
+    assert reg.loaded_ids == [2, 3]
+    eng.add_request("live", prompts[0], greedy(), lora_request=lora(adapters, "qv", 2))
+    eng.step()
+    eng.retire_lora(2)
+    assert reg.loaded_ids == [3, 2]  # its request is still running
+    out = []
+    while eng.has_unfinished_requests():
+        out += [o for o in eng.step() if o.finished]
+    assert list(out[0].outputs[0].token_ids) == reference["qv"][0]
+    assert run(llm, prompts[:1], None) == [reference[None][0]]  # a step after it ended
+    assert reg.loaded_ids == [3]
+
+
+def test_loads_past_capacity_evict_before_loading(tiny, adapters, prompts, reference,
+                                                 monkeypatch):  # fmt: skip
+    """At capacity, the least recently used unused adapter goes before the next one is
+    read, so a load never holds capacity + 1 adapters."""
+    from pagedserve.engine.lora import weights
+
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8, max_cpu_loras=2)
+    reg = llm.engine.worker.loras
+    held = []
+    real = weights.load_lora
+    monkeypatch.setattr(weights, "load_lora", lambda req, *a: held.append(
+        len(reg.loaded_ids)) or real(req, *a))  # fmt: skip
+    for i, name in enumerate(("all", "qv", "mlp", "all"), start=1):
+        assert run(llm, prompts[:1], lora(adapters, name, i)) == [reference[name][0]]
+    assert held == [0, 1, 1, 1] and reg.loaded_ids == [3, 4]
+
+
 def test_one_id_for_two_adapters_is_refused_while_in_use(tiny, adapters, prompts, reference):
     llm = LLM(tiny, dtype="float32", enable_lora=True, max_lora_rank=8)
     a, b = lora(adapters, "all", 1), lora(adapters, "mlp", 1)

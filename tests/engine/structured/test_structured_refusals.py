@@ -183,3 +183,23 @@ def test_endless_grammars_are_refused_by_every_backend(managers, backend):
                        "never ends (each of its alternatives needs a rule that never ends, "
                        "such as itself)"), msg
     managers[backend].submit(S(grammar='root ::= "a" root | "b"')).result(timeout=60)
+
+
+def test_a_cached_failure_is_each_callers_own_exception(managers):
+    """A failed compile stays cached and every request with that constraint gets its
+    error: as a copy each, so raising it (as each request does) cannot grow one shared
+    traceback that keeps every earlier request's frames alive."""
+    import pickle
+    import traceback
+
+    spec = S(json={"not": {}})
+    first = managers["auto"].submit(spec).exception(timeout=60)
+    for _ in range(20):
+        with pytest.raises(StructuredOutputsError):
+            managers["auto"].submit(spec).result()
+    again = managers["auto"].submit(spec).exception(timeout=60)
+    assert again is not first and str(again) == str(first) and again.kind == first.kind
+    assert again.__traceback__ is None
+    assert len(list(traceback.walk_tb(first.__traceback__))) == 0
+    back = pickle.loads(pickle.dumps(again))  # as it crosses to a data-parallel front end
+    assert (str(back), back.kind, back.field) == (str(again), again.kind, again.field)
