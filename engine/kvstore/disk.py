@@ -70,7 +70,11 @@ def scan_directory(root: Path, stale_temp_s: float = STALE_TEMP_S) -> OrderedDic
     used first; removes dead writers' temporary files on the way."""
     found: list[tuple[int, bytes, int]] = []
     now = time.time()
-    for sub in os.scandir(root):
+    try:
+        subs = list(os.scandir(root))
+    except FileNotFoundError:  # removed from outside: writes create it again
+        return OrderedDict()
+    for sub in subs:
         if not sub.is_dir(follow_symlinks=False):
             continue
         try:

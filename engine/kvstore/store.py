@@ -215,7 +215,7 @@ class KVBlockStore:
         """Put a block into tier ``first``, demoting what each tier evicts."""
         carry = [(key, payload)]
         for i in range(first, len(self.tiers)):
-            if i > first:
+            if i > 0:
                 with self._cond:
                     self._stats.demotions += len(carry)
             evicted = []
