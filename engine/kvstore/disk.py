@@ -263,7 +263,7 @@ class DiskTier:
             pass  # evicted meanwhile: the payload read is whole and verified all the same
         with self._lock:
             self._stats.loads += 1
-            self._stats.bytes_read += len(result)
+            self._stats.bytes_read += file_size(key, len(result))
             if key in self._index:
                 self._index.move_to_end(key)
         return result

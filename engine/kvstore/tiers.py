@@ -24,7 +24,8 @@ Evicted = list[tuple[bytes, Payload]]
 
 @dataclass
 class TierStats:
-    """A tier's counters (each only grows, except ``blocks`` and ``bytes_used``)."""
+    """A tier's counters (each only grows, except ``blocks`` and ``bytes_used``). Bytes
+    are counted as the tier holds them: the disk tier's include the file headers."""
 
     hits: int = 0
     """Lookups (``contains``) that found the key here."""

@@ -3,6 +3,7 @@ dead writers' temporary files (a real SIGKILL included)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -32,7 +33,7 @@ def test_roundtrip_and_counters(tmp_path: Path) -> None:
     assert tier.get(key(0)) == payload(key(0))
     assert tier.get(key(1)) is None
     s = tier.stats()
-    assert (s["hits"], s["misses"], s["loads"], s["bytes_read"]) == (1, 1, 1, NBYTES)
+    assert (s["hits"], s["misses"], s["loads"], s["bytes_read"]) == (1, 1, 1, FILE_BYTES)
     assert (s["writes"], s["bytes_written"], s["blocks"], s["bytes_used"]) == (
         1, FILE_BYTES, 1, FILE_BYTES)
     assert s["evictions"] == s["errors"] == 0 and s["enabled"] == 1
@@ -68,7 +69,7 @@ def test_lru_across_a_restart(tmp_path: Path) -> None:
     assert _files(tier) == {key(4)} and tier.stats()["evictions"] == 2
 
 
-def test_damaged_files_are_counted_skips_and_removed(tmp_path: Path) -> None:
+def test_damaged_files_are_counted_skips_and_removed(tmp_path: Path, caplog) -> None:
     tier = _tier(tmp_path, 10)
     for i in range(6):
         tier.put(key(i), payload(key(i)))
@@ -84,10 +85,16 @@ def test_damaged_files_are_counted_skips_and_removed(tmp_path: Path) -> None:
     write_block(paths[3], key(3), other.digest, payload(key(3)))
     write_block(paths[4], key(4), fingerprint().digest, payload(key(4)), version=7)
     os.unlink(paths[5])
-    for i in range(6):
-        assert tier.contains(key(i))
-        assert tier.get(key(i)) is None
-        assert not tier.contains(key(i))
+    with caplog.at_level(logging.WARNING, logger="pagedserve.engine.kvstore"):
+        for i in range(6):
+            assert tier.contains(key(i))
+            assert tier.get(key(i)) is None
+            assert not tier.contains(key(i))
+    logged = [r.getMessage() for r in caplog.records if "skipped block file" in r.getMessage()]
+    assert [m.rsplit("(", 1)[1] for m in logged] == [
+        "truncated); the block is recomputed", "corrupt); the block is recomputed",
+        "corrupt); the block is recomputed", "foreign); the block is recomputed",
+        "version); the block is recomputed"]  # a vanished file is a plain miss
     s = tier.stats()
     assert s["skips"] == {"missing": 1, "truncated": 1, "corrupt": 2, "foreign": 1,
                           "version": 1}  # fmt: skip

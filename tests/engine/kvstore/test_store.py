@@ -33,7 +33,7 @@ def test_roundtrip_through_the_disk_and_a_restart(tmp_path: Path) -> None:
     assert store.longest_prefix(chain) == 3
     assert _load(store, chain[:3]) == [payload(k) for k in chain[:3]]
     stats = store.stats()
-    assert stats["disk"]["loads"] == 3 and stats["disk"]["bytes_read"] == 3 * NBYTES
+    assert stats["disk"]["loads"] == 3 and stats["disk"]["bytes_read"] == 3 * FILE_BYTES
     assert stats["store"]["blocks_loaded"] == 3 and stats["store"]["loads_cut_short"] == 0
     assert stats["store"]["lookups"] == 1 and stats["store"]["lookup_blocks"] == 3
     store.close()
