@@ -33,7 +33,8 @@ def test_two_processes_share_a_directory(tmp_path: Path) -> None:
         disk = report["stats"]["disk"]
         assert disk["enabled"] == 1 and disk["errors"] == 0 and disk["writes"] > 100
         assert sum(disk["skips"].values()) == disk["skips"]["missing"]
-    # Each process rescans every eighth of the capacity it writes.
+    # Each process writes at most an eighth of the capacity between its rescans (its own
+    # index never holds more than the capacity) and has at most one file in flight.
     assert largest <= CAPACITY + 2 * (CAPACITY // 8) + 2 * FILE_BYTES, (largest, CAPACITY)
     tier = DiskTier(tmp_path, CAPACITY, fingerprint(), NBYTES)
     assert dir_bytes(root) == tier.stats()["bytes_used"] <= CAPACITY
