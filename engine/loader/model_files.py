@@ -6,7 +6,6 @@ A folder holds ``config.json``, tokenizer files and the weights, one
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,8 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from pagedserve.engine.errors import ModelFileError, ModelNotFoundError
+from pagedserve.engine.errors import JSONTextError, ModelFileError, ModelNotFoundError
+from pagedserve.engine.jsonlimits import read_json_file
 from pagedserve.engine.loader.safetensors_file import read_header
 
 logger = logging.getLogger(__name__)
@@ -94,11 +94,12 @@ def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
     ids: set[int] = set()
     gen_path = path / "generation_config.json"
     if gen_path.exists():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(x) for x in eos)
+        eos = _json_file(gen_path).get("eos_token_id")
+        found = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in found):
+            raise ModelFileError(f"{gen_path}: eos_token_id={str(eos)[:80]} must be a token "
+                                 "id or a list of token ids")
+        ids.update(found)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
@@ -118,11 +119,15 @@ def _weight_files(path: Path) -> list[Path]:
     index = path / WEIGHTS_INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json_file(index)["weight_map"]
             files = list(dict.fromkeys(weight_map.values()))
             if not all(isinstance(f, str) for f in files):
                 raise TypeError("a shard name that is not a string")
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            outside = [f for f in files if Path(f).name != f or f in ("", ".", "..")]
+            if outside:
+                raise ValueError(f"shard name {outside[0][:200]!r} is not a file name in the "
+                                 "model's folder")
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError) as e:
             raise ModelFileError(f"{index} is not a safetensors index (a JSON object whose "
                                  f"weight_map names each tensor's shard): {e!r}") from None
         missing = [f for f in files if not (path / f).is_file()]
@@ -156,3 +161,15 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 name = text_model_name(stored)
                 if name is not None:
                     yield name, f.get_tensor(stored)
+
+
+def _json_file(path: Path) -> dict:
+    """A model folder's JSON object file; a :class:`ModelFileError` naming it when it is
+    not one (malformed, too large or too deep)."""
+    try:
+        value = read_json_file(path)
+    except (OSError, JSONTextError) as e:
+        raise ModelFileError(f"{path} cannot be read as a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{path} is not a JSON object")
+    return value

@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from pagedserve.engine import envs, loader
+from pagedserve.engine.errors import ModelFileError
 from pagedserve.engine.loader import default_model, model_files
 
 
@@ -261,3 +262,36 @@ def test_a_model_the_engine_would_compute_wrongly_is_refused(tiny_model_factory,
     (path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(ValueError, match=message):
         LLM(str(path), kv_cache_memory_gb=0.02)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"eos_token_id": [2, ', "cannot be read as a JSON object"),
+    ("[" * 200 + "]" * 200, "nested"),
+    ('["eos"]', "is not a JSON object"),
+    ('{"eos_token_id": ["2"]}', "must be a token id or a list of token ids"),
+    ('{"eos_token_id": -1}', "must be a token id or a list of token ids"),
+])  # fmt: skip
+def test_a_malformed_generation_config_is_named(tmp_path, text, message):
+    (tmp_path / "generation_config.json").write_text(text)
+    tok = type("Tok", (), {"eos_token_id": 2})()
+    with pytest.raises(ModelFileError, match=message) as e:
+        model_files.eos_token_ids(tmp_path, tok)
+    assert "generation_config.json" in str(e.value)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors",
+                                   ".."])  # fmt: skip
+def test_a_shard_index_naming_a_file_outside_the_folder_is_refused(tmp_path, shard):
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a.weight": shard}}))
+    with pytest.raises(ModelFileError, match="is not a file name in the model's folder"):
+        model_files.weight_files(tmp_path)
+
+
+def test_a_malformed_quantize_config_is_named(tmp_path):
+    from pagedserve.engine.errors import CheckpointQuantError
+    from pagedserve.engine.loader.checkpoint_quant import read_quantization_config
+
+    (tmp_path / "quantize_config.json").write_text('{"bits": 4,')
+    with pytest.raises(CheckpointQuantError, match="quantize_config.json cannot be read"):
+        read_quantization_config(object(), tmp_path)
