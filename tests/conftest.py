@@ -25,7 +25,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_collection_modifyitems(config, items):
     """A module with ``RUN_IN_SUBPROCESS`` runs either its tests in this process or, when
     that is impossible (Triton already imported without the interpreter), only its
-    ``test_in_subprocess`` runner, which runs the module in a fresh process."""
+    ``test_in_subprocess`` runner, which runs the module in a fresh process. Modules with
+    ``SCHEDULE_FIRST`` are collected first."""
     keep, drop = [], []
     for item in items:
         flag = getattr(item.module, "RUN_IN_SUBPROCESS", None)
@@ -34,6 +35,10 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    # The longest modules first (``SCHEDULE_FIRST = True``), each module's tests in their
+    # order: with two workers (``--dist loadfile`` deals modules out in this order) they
+    # start at once on both, rather than one of them starting last and running on alone.
+    items.sort(key=lambda item: not getattr(item.module, "SCHEDULE_FIRST", False))
 
 
 def _native_levels() -> list:

@@ -98,6 +98,16 @@ def hf_greedy(path: str | Path, prompt_ids: list[list[int]], new_tokens: int) ->
     return cached_reference("hf_greedy", inputs, compute, (hf_greedy, load_hf, greedy_of))
 
 
+def greedy_tokens(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The engine's greedy tokens of each prompt, exactly ``n`` of them (``min_tokens``
+    masks EOS as HF's ``min_new_tokens`` does): what :func:`hf_greedy` is compared with."""
+    from pagedserve import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def load_hf(path: str | Path):
     """The float32 HF model at ``path``, with eager attention where the default (SDPA)
     cannot compute it (Gemma 2's soft-capped scores)."""

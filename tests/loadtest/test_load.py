@@ -30,6 +30,9 @@ from pagedserve.loadtest.serve_bench import (
     wait_server_idle,
 )
 
+SCHEDULE_FIRST = True
+"""Among the longest modules of the suite: started first (``tests/conftest.py``)."""
+
 NUM_REQUESTS = 200
 CONCURRENCY = 32
 

@@ -16,6 +16,9 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.kernels.cpu import native as cpu_native
 from tests.helpers.server import ServerProcess
 
+SCHEDULE_FIRST = True
+"""Among the longest modules of the suite: started first (``tests/conftest.py``)."""
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
 

@@ -26,6 +26,9 @@ from pagedserve.loadtest.serve_bench import run_benchmark, run_problems, wait_se
 from tests.helpers.server import ServerProcess, child_pids, process_alive
 from tests.helpers.server_checks import CHAT_PATH, MODEL
 
+SCHEDULE_FIRST = True
+"""Among the longest modules of the suite: started first (``tests/conftest.py``)."""
+
 ARGS = ["--data-parallel-size", "2", "--dtype", "float32", "--device", "cpu",
         "--kv-cache-memory-gb", "0.25", "--log-level", "warning"]
 

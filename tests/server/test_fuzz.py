@@ -25,6 +25,9 @@ import requests
 from tests.helpers.fuzz import checked_call, fuzz_route
 from tests.helpers.server import ServerProcess
 
+SCHEDULE_FIRST = True
+"""Among the longest modules of the suite: started first (``tests/conftest.py``)."""
+
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "600"))

@@ -16,6 +16,9 @@ import requests
 
 from tests.helpers.server import ServerProcess
 
+SCHEDULE_FIRST = True
+"""Among the longest modules of the suite: started first (``tests/conftest.py``)."""
+
 TEMPLATE = Path(__file__).parent / "data" / "tools_template.jinja"
 ARGS = ["--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "0.25", "--max-model-len",
         "2048", "--dtype", "float32", "--log-level", "warning", "--enable-auto-tool-choice",

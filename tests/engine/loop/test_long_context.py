@@ -12,6 +12,9 @@ from pathlib import Path
 from pagedserve import LLM, SamplingParams
 from tests.helpers.hf import hf_greedy
 
+SCHEDULE_FIRST = True
+"""Among the longest modules of the suite: started first (``tests/conftest.py``)."""
+
 NEW_TOKENS = 8
 
 ADJ = ["quiet", "old", "bright", "narrow", "wooden", "busy", "cold"]
