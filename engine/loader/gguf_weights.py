@@ -130,14 +130,13 @@ def _unpermute_index(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
 
 
-def _kept_format(t) -> str | None:
-    """The format a GGUF tensor of a kept type loads in (None: another type). Its rows
-    must be whole blocks of that format (as GGML stores them): a tensor that is not is
-    refused, naming it."""
-    fmt = NATIVE_TYPES.get(t.tensor_type.name)
-    k = int(t.shape[0])
+def _kept_format(name: str, type_name: str, k: int) -> str | None:
+    """The format a GGUF tensor (its name, GGML type name and row length ``k``) of a kept
+    type loads in (None: another type). Its rows must be whole blocks of that format (as
+    GGML stores them): a tensor that is not is refused, naming it."""
+    fmt = NATIVE_TYPES.get(type_name)
     if fmt is not None and k % BLOCK_WEIGHTS[fmt]:
-        raise ValueError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}): its rows of {k} "
+        raise ValueError(f"GGUF tensor {name!r} ({type_name}): its rows of {k} "
                          f"weights are not whole blocks of {BLOCK_WEIGHTS[fmt]}")
     return fmt
 
@@ -149,13 +148,15 @@ def tensor_formats(path: Path) -> dict[str, str | tuple[str, ...]]:
     their one format, or, where they differ, in each part's (a tuple in row order: a
     :class:`~pagedserve.kernels.quant.StackedWeight`)."""
     parts: dict[str, dict[str, str | None]] = {}
-    reader = _reader(path)
-    arch = _field_str(reader, "general.architecture") or "llama"
-    for t in reader.tensors:
+    header = read_header(path)  # names, types and shapes: no need for the package's reader
+    arch = header.fields.get("general.architecture")
+    arch = arch if isinstance(arch, str) else "llama"
+    for t in header.tensors:
         name = hf_name(t.name, arch)
         key = None if name is None else layout_key(name)
         if key is not None:
-            parts.setdefault(key, {})[projection(name.rpartition(".")[0]) or key] = _kept_format(t)
+            parts.setdefault(key, {})[projection(name.rpartition(".")[0]) or key] = \
+                _kept_format(t.name, t.type_name, int(t.shape[0]))  # fmt: skip
     formats: dict[str, str | tuple[str, ...]] = {}
     for key, by_part in parts.items():
         kinds = set(by_part.values())

@@ -135,15 +135,9 @@ def test_qwen2_gguf_equals_hf_on_the_file():
 def test_a_tensor_of_partial_blocks_is_refused_by_name(tmp_path):
     from pagedserve.engine.loader import gguf_weights
 
-    class Tensor:  # what tensor_formats reads of a reader's tensor
-        name, shape = "blk.0.attn_q.weight", [320, 64]
-
-        class tensor_type:  # noqa: N801
-            name = "Q4_K"
-
     with pytest.raises(ValueError, match=r"'blk.0.attn_q.weight' \(Q4_K\): its rows of 320 "
                                          r"weights are not whole blocks of 256"):
-        gguf_weights._kept_format(Tensor)
+        gguf_weights._kept_format("blk.0.attn_q.weight", "Q4_K", 320)
 
 
 def test_gemma_header_rules(tmp_path):

@@ -43,9 +43,17 @@ def test_a_gguf_file_served_in_its_own_format_matches_hf_on_that_file(
 
     from pagedserve.engine import envs
     from pagedserve.engine.loader import default_gguf_path, resolve_model_path
+    from pagedserve.engine.worker.kernel_settings import kernel_settings
     from pagedserve.loadtest.gguf_requant import FILE_TYPES, requantize
 
+    # The file's conversions go to a cache of their own; the native library, built once
+    # for the suite, is shared (rebuilding it took longer than the rest of a case).
+    kernels = kernel_settings().kernel_dir
+    kernels.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv(envs.CACHE.name, str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / kernels.name).symlink_to(kernels, target_is_directory=True)
+    assert kernel_settings().kernel_dir.resolve() == kernels.resolve()
     path = tmp_path / f"SmolLM2-135M-Instruct.{fmt.upper()}.gguf"
     assert requantize(default_gguf_path(), path, fmt) > 0
     file_type = gguf.GGUFReader(str(path)).fields["general.file_type"].contents()
