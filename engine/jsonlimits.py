@@ -67,6 +67,19 @@ def read_json_file(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES,
     return decode_json(data, str(path), max_size=max_bytes, max_depth=max_depth)
 
 
+def read_json_object(path: str | Path, error: type[Exception]) -> dict:
+    """The JSON object in the file at ``path``; ``error`` naming the file when it cannot
+    be read, is not JSON within the limits of :func:`read_json_file`, or is not an
+    object."""
+    try:
+        value = read_json_file(path)
+    except (OSError, JSONTextError) as e:
+        raise error(f"{path} cannot be read as a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise error(f"{path} is not a JSON object")
+    return value
+
+
 def _lone_surrogate(text: str) -> int | None:
     """Where the first ``\\u`` escape of a lone surrogate starts in ``text``, if any."""
     pending = None  # (offset, end) of a high surrogate's escape

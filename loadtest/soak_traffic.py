@@ -242,19 +242,11 @@ class Traffic:
     async def _one(self, session: Any) -> str:
         kind = self.rng.choices(KINDS, WEIGHTS)[0]
         self.kinds[kind] += 1
+        handlers = {"bad": self._bad, "embed": self._embed, "responses": self._respond,
+                    "structured": self._structured, "tools": self._tools, "lora": self._lora}
         try:
-            if kind == "bad":
-                outcome = await self._bad(session)
-            elif kind == "embed":
-                outcome = await self._embed(session)
-            elif kind == "responses":
-                outcome = await self._respond(session)
-            elif kind == "structured":
-                outcome = await self._structured(session)
-            elif kind == "tools":
-                outcome = await self._tools(session)
-            elif kind == "lora":
-                outcome = await self._lora(session)
+            if kind in handlers:
+                outcome = await handlers[kind](session)
             elif kind == "disconnect":
                 outcome = await self._generate(session, self.rng.random() < 0.5, True, True)
             else:

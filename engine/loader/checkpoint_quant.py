@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.engine.errors import CheckpointQuantError, JSONTextError
-from pagedserve.engine.jsonlimits import read_json_file
+from pagedserve.engine.errors import CheckpointQuantError
+from pagedserve.engine.jsonlimits import read_json_object
 from pagedserve.kernels.quant import QK
 
 if TYPE_CHECKING:
@@ -61,12 +61,7 @@ def read_quantization_config(hf_config: Any, model_path: Path | None) -> dict | 
         return {**(qc if isinstance(qc, dict) else qc.to_dict()), "_source": "quantization_config"}
     for name, method in QUANT_CONFIG_FILES.items():
         if model_path is not None and (model_path / name).is_file():
-            try:
-                qc = read_json_file(model_path / name)
-            except (OSError, JSONTextError) as e:
-                raise CheckpointQuantError(f"{model_path / name} cannot be read: {e}") from None
-            if not isinstance(qc, dict):
-                raise CheckpointQuantError(f"{model_path / name} is not a JSON object")
+            qc = read_json_object(model_path / name, CheckpointQuantError)
             return {"quant_method": method, **qc, "_source": name}
     return None
 

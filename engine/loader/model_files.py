@@ -14,8 +14,8 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from pagedserve.engine.errors import JSONTextError, ModelFileError, ModelNotFoundError
-from pagedserve.engine.jsonlimits import read_json_file
+from pagedserve.engine.errors import ModelFileError, ModelNotFoundError
+from pagedserve.engine.jsonlimits import read_json_file, read_json_object
 from pagedserve.engine.loader.safetensors_file import read_header
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
     ids: set[int] = set()
     gen_path = path / "generation_config.json"
     if gen_path.exists():
-        eos = _json_file(gen_path).get("eos_token_id")
+        eos = read_json_object(gen_path, ModelFileError).get("eos_token_id")
         found = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in found):
             raise ModelFileError(f"{gen_path}: eos_token_id={str(eos)[:80]} must be a token "
@@ -161,15 +161,3 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 name = text_model_name(stored)
                 if name is not None:
                     yield name, f.get_tensor(stored)
-
-
-def _json_file(path: Path) -> dict:
-    """A model folder's JSON object file; a :class:`ModelFileError` naming it when it is
-    not one (malformed, too large or too deep)."""
-    try:
-        value = read_json_file(path)
-    except (OSError, JSONTextError) as e:
-        raise ModelFileError(f"{path} cannot be read as a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ModelFileError(f"{path} is not a JSON object")
-    return value
