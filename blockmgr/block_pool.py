@@ -11,12 +11,15 @@ Invariants (checked by :mod:`pagedserve.blockmgr.invariants`):
 * ``block_meta[b]`` (parent key, token ids, extra keys) is set exactly for cached blocks,
   and hashing it again gives ``block_hash[b]``;
 * ``keyed[b]`` is 1 exactly for cached blocks (the block map reads the pool's keys from it
-  in one pass of C).
+  in one pass of C);
+* ``spill[b]`` is 1 only for cached blocks: those handed to ``on_spill`` (the lower tier,
+  :mod:`pagedserve.blockmgr.lower_tier`) when they are evicted for reuse or by
+  :meth:`BlockPool.reset_prefix_cache`, never when their keys are dropped as untrusted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedserve.blockmgr.free_list import FreeBlockQueue
 from pagedserve.blockmgr.hashing import BlockHash, ExtraKeys
@@ -30,7 +33,7 @@ class BlockPool:
     """Owns every block's ref count and cache key. Knows nothing about requests."""
 
     __slots__ = ("num_blocks", "ref_counts", "block_hash", "block_meta", "keyed", "cached",
-                 "free_queue", "num_evictions")
+                 "free_queue", "num_evictions", "spill", "on_spill")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -41,6 +44,10 @@ class BlockPool:
         self.cached: dict[BlockHash, int] = {}
         self.free_queue = FreeBlockQueue(num_blocks)
         self.num_evictions = 0
+        self.spill = bytearray(num_blocks)
+        self.on_spill: Callable[[BlockHash, int], None] | None = None
+        """Called with ``(key, block)`` as a spilling block is evicted, before the block
+        is reused (the lower tier's :meth:`~pagedserve.blockmgr.lower_tier.LowerTier.evicted`)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -61,7 +68,7 @@ class BlockPool:
         for _ in range(n):
             b = popleft()
             if block_hash[b] is not None:
-                self._evict(b)
+                self._evict(b, spill=True)
             ref_counts[b] = 1
             out.append(b)
         return out
@@ -87,23 +94,31 @@ class BlockPool:
             if rc == 0:
                 append(b)
 
-    def cache_block(self, block_id: int, key: BlockHash, meta: BlockMeta) -> bool:
-        """Register ``block_id`` under ``key``. Returns False (no change) if the key is
-        already taken by another block (a duplicate) or the block already has a key."""
+    def cache_block(self, block_id: int, key: BlockHash, meta: BlockMeta,
+                    spill: bool = False) -> bool:  # fmt: skip
+        """Register ``block_id`` under ``key``; with ``spill`` the block goes to the lower
+        tier when it is evicted. Returns False (no change) if the key is already taken by
+        another block (a duplicate) or the block already has a key."""
         if key in self.cached or self.block_hash[block_id] is not None:
             return False
         self.cached[key] = block_id
         self.block_hash[block_id] = key
         self.block_meta[block_id] = meta
         self.keyed[block_id] = 1
+        self.spill[block_id] = spill
         return True
 
     def lookup(self, key: BlockHash) -> int | None:
         """The block cached under ``key``, or None."""
         return self.cached.get(key)
 
-    def _evict(self, block_id: int) -> None:
+    def _evict(self, block_id: int, spill: bool = False) -> None:
+        """Forget the block's key; with ``spill`` (its bytes are intact) a spilling block
+        goes to ``on_spill`` first."""
         key = self.block_hash[block_id]
+        if spill and self.spill[block_id] and self.on_spill is not None:
+            self.on_spill(key, block_id)
+        self.spill[block_id] = 0
         del self.cached[key]
         self.block_hash[block_id] = None
         self.block_meta[block_id] = None
@@ -128,9 +143,15 @@ class BlockPool:
         return len(free)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every key. Refused (False, nothing changed) while any block is referenced."""
+        """Forget every key (spilling blocks go to ``on_spill`` first: their bytes are
+        intact). Refused (False, nothing changed) while any block is referenced."""
         if len(self.free_queue) != self.num_blocks:
             return False
+        if self.on_spill is not None:
+            for key, b in list(self.cached.items()):
+                if self.spill[b]:
+                    self.on_spill(key, b)
+        self.spill = bytearray(self.num_blocks)
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         self.block_meta = [None] * self.num_blocks

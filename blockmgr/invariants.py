@@ -17,7 +17,8 @@ Checked:
 7. with several KV groups: every group's table has group 0's length; the null block
    (one past the pool) fills exactly the first ``num_skipped`` positions of a sliding
    group's table and no other position of any table; a cached block's key names its
-   group, and a table's blocks are cached only under their own group's keys.
+   group, and a table's blocks are cached only under their own group's keys;
+8. only cached blocks are marked to spill into the lower tier.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def _check_cache(mgr: ManagerState) -> None:
         key = pool.block_hash[b]
         meta = pool.block_meta[b]
         assert pool.keyed[b] == (key is not None), f"block {b}: keyed flag {pool.keyed[b]}"
+        assert not pool.spill[b] or key is not None, f"block {b} spills but has no key"
         if key is None:
             assert meta is None, f"block {b} has cache metadata but no key"
             continue

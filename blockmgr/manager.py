@@ -12,6 +12,11 @@ group's table gives back the blocks its window has left behind (the position kee
 :attr:`KVCacheManager.null_block`), and a prefix-cache hit counts only where every group
 still holds what the first computed token reads.
 
+A lower tier (:mod:`pagedserve.blockmgr.lower_tier`, the engine's KV block store) may
+sit below the pool, for models of one KV group: it receives the blocks the pool evicts
+and serves the blocks of a chain past the pool's hit, which the scheduler places back in
+the pool with :meth:`KVCacheManager.import_blocks`.
+
 All hot paths are O(1) per block and group: free-queue operations, dict lookups and one
 blake2b call per full block.
 """
@@ -30,6 +35,7 @@ from pagedserve.blockmgr.hashing import (
     hash_block_tokens,
 )
 from pagedserve.blockmgr.invariants import check_manager
+from pagedserve.blockmgr.lower_tier import LowerTier, chain_from, import_blocks
 from pagedserve.blockmgr.protocol import KVRequest
 from pagedserve.blockmgr.request_state import RequestBlocks
 from pagedserve.blockmgr.stats import KVCacheStats
@@ -47,7 +53,8 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 groups: KVGroups | None = None) -> None:  # fmt: skip
+                 groups: KVGroups | None = None, lower_tier: LowerTier | None = None,
+                 ) -> None:  # fmt: skip
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
@@ -66,6 +73,12 @@ class KVCacheManager:
         self.null_block = num_blocks
         """What a sliding group's table holds below its window: one past the pool."""
         self.pool = BlockPool(num_blocks)
+        if lower_tier is not None and (self.num_groups > 1 or not enable_prefix_caching):
+            raise ValueError("a lower KV tier needs prefix caching and one KV group")
+        self.lower_tier = lower_tier
+        """The cache below the pool, or None (:mod:`pagedserve.blockmgr.lower_tier`)."""
+        if lower_tier is not None:
+            self.pool.on_spill = lower_tier.evicted
         self.requests: dict[str, RequestBlocks] = {}
         # The keys and per-group blocks of the latest lookup, reused by that request's
         # first allocation.
@@ -177,6 +190,32 @@ class KVCacheManager:
         """The first block position a window of ``window`` tokens reads from the query at
         token ``num_blocks * block_size`` (the first token after a hit of that many)."""
         return max(0, num_blocks * self.block_size - window + 1) // self.block_size
+
+    def lower_tier_keys(self, req: KVRequest, num_hit_blocks: int) -> list[BlockHash]:
+        """Right after :meth:`get_computed_blocks` hit ``num_hit_blocks`` blocks: the keys
+        of the blocks after them, in chain order, that the lower tier holds (at most up
+        to the lookup's limit: the last token is always computed). Empty without a lower
+        tier, or for a request with a LoRA adapter (see :mod:`.lower_tier`)."""
+        if self.lower_tier is None or req.lora_key is not None:
+            return []
+        lookup = self._last_lookup
+        known = lookup[1] if lookup is not None and lookup[0] == req.request_id else []
+        max_blocks = max(len(req.all_token_ids) - 1, 0) // self.block_size
+        if num_hit_blocks >= max_blocks:
+            return []
+        keys = chain_from(req, self.block_size, known, max_blocks)[num_hit_blocks:]
+        return keys[:self.lower_tier.longest_prefix(keys)]
+
+    def import_blocks(self, req: KVRequest, first: int, count: int) -> list[tuple[int, int]]:
+        """Place blocks ``first .. first + count - 1`` of the request's chain, read from
+        the lower tier, in the pool as cached free blocks (a lookup then hits them);
+        returns ``(chain position, block id)`` of those placed, whose bytes the caller
+        copies in before the next forward pass (see :func:`.lower_tier.import_blocks`)."""
+        if self.lower_tier is None or count <= 0:
+            return []
+        self._last_lookup = None
+        keys = chain_from(req, self.block_size, (), first + count)
+        return import_blocks(self.pool, req, self.block_size, keys, first, count)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached key. False, and nothing changed, if any block is referenced."""
@@ -414,6 +453,7 @@ class KVCacheManager:
         tables = [st.block_ids for st in state.groups()]
         null = self.null_block
         salt, lora = req.cache_salt, req.lora_key
+        lower = self.lower_tier if lora is None else None
         parent = hashes[first - 1] if first else ROOT_HASH
         for i in range(first, num_full):
             start = i * bs
@@ -428,7 +468,8 @@ class KVCacheManager:
                 b = blocks[i]
                 gkey = group_key(key, g)
                 if b != null and gkey not in cached and block_hash[b] is None:
-                    pool.cache_block(b, gkey, (parent, chunk, extras))
+                    pool.cache_block(b, gkey, (parent, chunk, extras),
+                                     lower is not None and not lower.filled(gkey, b))
             parent = key
         state.num_hashed_blocks = num_full
 
