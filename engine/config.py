@@ -55,6 +55,19 @@ class EngineConfig:
     to it as they are written (the CPU backends; on CUDA the cache is the model's dtype)."""
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # KV block store (below the prefix cache)
+    kv_host_gb: float | None = None
+    """A host-memory tier of this many GiB for KV blocks the pool evicts; a prompt whose
+    prefix is there is read back instead of computed (CPU and CUDA alike)."""
+    kv_store_dir: str | None = None
+    """A folder for a disk tier of KV blocks (with kv_store_gb): kept across restarts and
+    shareable between processes; blocks of another model or configuration are never
+    used."""
+    kv_store_gb: float | None = None
+    """The disk tier's size in GiB (with kv_store_dir)."""
+    kv_store_write_through: bool = False
+    """Store every full block as soon as it is computed, not only when the pool evicts
+    it (more copies; the store holds a prefix even while the pool does)."""
     # Scheduler
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
@@ -98,13 +111,13 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise bad(name, v, "must be an integer")
-        for name in ("gpu_memory_utilization", "kv_cache_memory_gb"):
+        for name in ("gpu_memory_utilization", "kv_cache_memory_gb", "kv_host_gb", "kv_store_gb"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)
                                   or not math.isfinite(v)):
                 raise bad(name, v, "must be a finite number")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
-                     "enable_lora"):
+                     "enable_lora", "kv_store_write_through"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "must be True or False")
         if self.dtype not in DTYPES:
@@ -135,6 +148,7 @@ class EngineConfig:
             raise bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise bad("kv_cache_memory_gb", self.kv_cache_memory_gb, "must be > 0")
+        self._check_kv_store(bad)
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise bad("num_gpu_blocks_override", self.num_gpu_blocks_override, "must be >= 1")
         if self.max_num_seqs < 1:
@@ -159,6 +173,28 @@ class EngineConfig:
             raise bad("tensor_parallel_size", self.tensor_parallel_size,
                       f"quantization={self.quantization!r} runs on one rank (use a float "
                       "checkpoint, or quantization='int8', for tensor parallel)")
+
+    def _check_kv_store(self, bad: Any) -> None:
+        """The KV block store's settings: sizes > 0, a folder and a size together, prefix
+        caching on (the store is keyed by its chain keys), one rank."""
+        for name in ("kv_host_gb", "kv_store_gb"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise bad(name, v, "must be > 0")
+        if self.kv_store_dir is not None and not isinstance(self.kv_store_dir, str):
+            raise bad("kv_store_dir", self.kv_store_dir, "must be a folder path")
+        if (self.kv_store_dir is None) != (self.kv_store_gb is None):
+            given, missing = (("kv_store_dir", "kv_store_gb") if self.kv_store_gb is None
+                              else ("kv_store_gb", "kv_store_dir"))  # fmt: skip
+            raise bad(given, getattr(self, given), f"needs {missing} too")
+        if self.kv_store_dir is None and self.kv_host_gb is None:
+            return
+        if not self.enable_prefix_caching:
+            raise bad("enable_prefix_caching", False, "a KV store (kv_store_dir, kv_host_gb) "
+                      "needs prefix caching")
+        if self.tensor_parallel_size > 1:
+            raise bad("tensor_parallel_size", self.tensor_parallel_size,
+                      "a KV store (kv_store_dir, kv_host_gb) runs on one rank")
 
     @property
     def lora_capacity(self) -> int:

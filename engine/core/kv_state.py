@@ -24,7 +24,8 @@ class KVRequestState:
 
     request_id: str
     status: str
-    """``waiting``, ``running``, ``preempted`` or ``waiting_for_grammar``."""
+    """``waiting``, ``running``, ``preempted``, ``waiting_for_grammar`` or
+    ``waiting_for_kv_load``."""
     num_tokens: int
     num_computed_tokens: int
     num_cached_tokens: int
@@ -67,7 +68,8 @@ class KVStateTaker:
         num_cached_free = encoded.count(1)  # ref count 0, keyed
         cells, per = summarize(encoded, max_cells)
         stats = kv.stats()
-        reqs = [*sched.running, *sched.waiting, *sched.waiting_for_grammar.values()]
+        reqs = [*sched.running, *sched.waiting, *sched.waiting_for_grammar.values(),
+                *sched.waiting_for_kv_load.values()]
         counters: dict[str, float] = {
             "num_running": sched.num_running,
             "num_waiting": sched.num_waiting,

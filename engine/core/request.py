@@ -28,10 +28,13 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
     FINISHED_ERROR = 7
+    WAITING_FOR_KV_LOAD = 8
+    """The KV block store is reading blocks of its prompt: the scheduler skips it until
+    the load is done (:mod:`pagedserve.engine.core.kv_tier`)."""
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ERROR
 
 
 FINISH_REASONS = {

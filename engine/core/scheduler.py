@@ -26,6 +26,11 @@ sampled tokens, the stops that need no text (EOS, stop token ids, length), finis
 and freeing blocks. Stop strings need the detokenized text: the output processor finds
 them and calls :meth:`Scheduler.finish_request`.
 
+With a KV block store (``kv_store``) the pool gets a lower tier
+(:mod:`pagedserve.engine.core.kv_tier`): a request whose prompt goes on in the store past
+its pool hit waits in ``waiting_for_kv_load`` while the blocks are read, and each step's
+output names the blocks to copy between the pool and the store.
+
 Imports no torch.
 """
 
@@ -37,6 +42,7 @@ from collections.abc import Iterable
 
 from pagedserve.blockmgr import KVCacheManager
 from pagedserve.blockmgr.groups import KVGroups
+from pagedserve.engine.core.kv_tier import BlockStore, StoreTier
 from pagedserve.engine.core.lora_slots import LoRAGate, active_loras, lora_gate, lora_victims
 from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.core.scheduler_output import (
@@ -68,8 +74,13 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         max_loras: int = 0,
         kv_groups: KVGroups | None = None,
+        kv_store: BlockStore | None = None,
+        kv_store_write_through: bool = False,
     ) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_groups)
+        self.store_tier = None if kv_store is None else StoreTier(kv_store, kv_store_write_through)
+        """The KV block store below the pool, or None."""
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_groups,
+                                 self.store_tier)  # fmt: skip
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -83,6 +94,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_grammar: dict[str, Request] = {}
         """Requests whose grammar is compiling: skipped until :meth:`grammar_ready`."""
+        self.waiting_for_kv_load: dict[str, Request] = {}
+        """Requests whose blocks the KV store reads: skipped until the load is done."""
         self.num_preemptions = 0
         self.max_loras = max_loras
         """Distinct LoRA adapters a step may hold (0: no limit, no adapters)."""
@@ -111,22 +124,36 @@ class Scheduler:
             req.status = RequestStatus.WAITING
             self.waiting.add(req)
 
+    def _poll_kv_loads(self) -> None:
+        """Requests whose store load is done join the waiting queue again, at the place a
+        preempted request takes (they had reached the head once)."""
+        tier = self.store_tier
+        done = [r for rid, r in self.waiting_for_kv_load.items() if tier.load_done(rid)]
+        for req in reversed(done):
+            del self.waiting_for_kv_load[req.request_id]
+            req.status = RequestStatus.WAITING
+            self.waiting.put_back(req)
+
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.waiting_for_grammar)
+        return len(self.waiting) + len(self.waiting_for_grammar) + len(self.waiting_for_kv_load)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_grammar)
+        return bool(self.waiting or self.running or self.waiting_for_grammar
+                    or self.waiting_for_kv_load)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Mark a request finished (or aborted) and return its blocks to the pool."""
         if req.status.finished:
             return
-        if self.waiting_for_grammar.pop(req.request_id, None) is not None:
+        if self.store_tier is not None:
+            self.store_tier.forget(req.request_id)
+        if self.waiting_for_grammar.pop(req.request_id, None) is not None or \
+                self.waiting_for_kv_load.pop(req.request_id, None) is not None:
             req.status = status
             self.requests.pop(req.request_id, None)
             return
@@ -149,6 +176,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int]] = []
+        if self.waiting_for_kv_load:
+            self._poll_kv_loads()
         self._gate = lora_gate(self.waiting, self.running, self.max_loras) if self.max_loras else None
         if self.waiting.by_priority:
             self.running.sort(key=priority_key)
@@ -163,6 +192,9 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if scheduled:  # an empty step is not run: the finished ids wait for the next one
             out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        if self.store_tier is not None:
+            out.blocks_to_save, out.blocks_to_load, out.blocks_to_write = \
+                self.store_tier.take_transfers(self.kv)
         return out
 
     def _schedule_running(self, scheduled: list[tuple[Request, int]],
@@ -242,7 +274,10 @@ class Scheduler:
             # they are all in (a request preempted after that may hit the cache).
             whole = req.index == 0 and req.group.needs_whole_prompt
             if req.num_computed_tokens == 0 and not whole:
-                computed_blocks, num_cached = kv.get_computed_blocks(req)
+                hit = self._prefix_hit(req)
+                if hit is None:
+                    continue
+                computed_blocks, num_cached = hit
             num_new = req.num_tokens - num_cached
             if not self.enable_chunked_prefill and num_new > budget:
                 break
@@ -269,6 +304,29 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
+
+    def _prefix_hit(self, req: Request) -> tuple[list[int], int] | None:
+        """The request's prefix-cache hit, with the blocks its finished store load read
+        placed in the pool first; None when the store holds more of its chain: the
+        request leaves the queue to wait for those blocks."""
+        tier, kv = self.store_tier, self.kv
+        if tier is not None:
+            tier.place(kv, req)
+        computed_blocks, num_cached = kv.get_computed_blocks(req)
+        if tier is None or not tier.start_load(kv, req, len(computed_blocks)):
+            return computed_blocks, num_cached
+        # Looked up again (and counted then) when the load is done.
+        kv.num_prefix_cache_queries -= len(req.all_token_ids)
+        kv.num_prefix_cache_hits -= num_cached
+        self.waiting.remove(req)
+        req.status = RequestStatus.WAITING_FOR_KV_LOAD
+        self.waiting_for_kv_load[req.request_id] = req
+        return None
+
+    def take_kv_saves(self) -> list[tuple[bytes, int]]:
+        """Blocks evicted outside a step (:meth:`KVCacheManager.reset_prefix_cache`) whose
+        bytes the engine saves now, before any step reuses them."""
+        return [] if self.store_tier is None else self.store_tier.take_saves()
 
     def _fork_from_sibling(self, req: Request, scheduled: list[tuple[Request, int]]) -> int:
         """With prefix caching off, share a running sibling's full prompt blocks."""
@@ -314,6 +372,8 @@ class Scheduler:
         preempted.append(req.request_id)
         self.running.remove(req)
         self.kv.free(req)
+        if self.store_tier is not None:
+            self.store_tier.forget(req.request_id)
         req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

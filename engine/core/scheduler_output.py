@@ -72,10 +72,25 @@ class SchedulerOutput:
     ``new_block_ids`` are the whole new table."""
     finished_req_ids: list[str] = field(default_factory=list)
     """Finished or aborted since the previous step: the runner drops their state."""
+    blocks_to_save: list[tuple[bytes, int]] = field(default_factory=list)
+    """KV block store (:mod:`pagedserve.engine.core.kv_tier`): ``(key, block)`` of blocks
+    the pool evicted with their bytes intact, copied out before anything else of the
+    step (also of a step with nothing scheduled) and put into the store."""
+    blocks_to_load: list[tuple[int, object]] = field(default_factory=list)
+    """``(block, payload)`` of blocks read from the store, copied in after the saves and
+    before the forward pass."""
+    blocks_to_write: list[tuple[bytes, int]] = field(default_factory=list)
+    """Write-through: ``(key, block)`` of blocks this step computes in full, copied out
+    after its forward pass (unless the step failed or the block lost its key)."""
 
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+    @property
+    def moves_blocks(self) -> bool:
+        """Whether KV bytes move between the pool and the store before the forward."""
+        return bool(self.blocks_to_save or self.blocks_to_load)
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ from pagedserve.engine.errors import (
     StructuredOutputsError,
 )
 from pagedserve.engine.loop.engine_info import EngineInfo, InputLimits, generation_defaults
+from pagedserve.engine.loop.store_link import EngineKVStore
 from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.output.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.output.processor import OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor
@@ -76,6 +77,10 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     loras: dict = field(default_factory=dict)
     """The running and waiting adapters (:func:`pagedserve.engine.core.lora_slots.lora_names`)."""
+    kv_store: dict[str, int] = field(default_factory=dict)
+    """The KV block store's counters (empty without one): the scheduler's ``tier_*``
+    (:class:`~pagedserve.engine.core.kv_tier.StoreTierStats`), the store's ``store_*`` and
+    each tier's ``memory_*`` / ``disk_*``."""
 
 
 class LLMEngine:
@@ -87,6 +92,8 @@ class LLMEngine:
         """The settings resolved once, before the worker: what every part reads."""
         self.worker = Worker(settings)
         w = self.worker
+        self.kv_store = EngineKVStore.open(w)
+        """The KV block store below the prefix cache, or None (:mod:`.store_link`)."""
         self.tokenizer = w.tokenizer
         self.token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
         """One token's text decoded alone (cached); logprobs show it."""
@@ -101,6 +108,8 @@ class LLMEngine:
             scheduling_policy=config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else 0,
             kv_groups=w.kv_groups,
+            kv_store=None if self.kv_store is None else self.kv_store.store,
+            kv_store_write_through=config.kv_store_write_through,
         )  # fmt: skip
         self.limits = InputLimits(
             vocab_size=settings.vocab_size, max_model_len=settings.max_model_len,
@@ -285,11 +294,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         failed = self._poll_grammars() if self._compiling else []
         sched = self.scheduler.schedule()
+        if self.kv_store is not None and sched.moves_blocks:
+            self.kv_store.before_forward(sched)
         if sched.is_empty:
-            if self._compiling and not failed:
-                # Only compiling requests: wait a little for one rather than spin.
-                futures.wait([f for _, f in self._compiling.values()], timeout=0.05,
-                             return_when=futures.FIRST_COMPLETED)
+            self._idle(bool(failed))
             return failed
         requests = self.scheduler.requests
         now = time.monotonic()
@@ -324,12 +332,25 @@ class LLMEngine:
             outputs += self._ended_without_tokens()
         if result is not None and result.errors:
             outputs += self._fail_rows(result.errors)
+        if self.kv_store is not None and sched.blocks_to_write:
+            self.kv_store.after_forward(sched, self.kv.pool)
         counts = sched.num_scheduled_tokens.values()
         self.last_step = StepStats(
             sched.total_num_scheduled_tokens, len(counts), sum(1 for n in counts if n == 1),
             0 if result is None else len(result.req_ids), t1 - t0, t2 - t1,
             time.perf_counter() - t2)  # fmt: skip
         return outputs
+
+    def _idle(self, failed: bool) -> None:
+        """Nothing to step: only requests waiting for a grammar or for KV blocks read
+        from the store. Wait a little for one rather than spin."""
+        if self._compiling and not failed:
+            futures.wait([f for _, f in self._compiling.values()], timeout=0.05,
+                         return_when=futures.FIRST_COMPLETED)
+        elif self.scheduler.store_tier is not None and self.scheduler.waiting_for_kv_load:
+            tickets = self.scheduler.store_tier.tickets()
+            if tickets:
+                tickets[0].wait(0.05)
 
     def _finish_ended(self) -> None:
         """Finish the requests the output side ended (stop strings, failures): cut a stop
@@ -402,7 +423,12 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what outlives the engine object: the tensor-parallel ranks (a no-op
-        without them). Unfinished requests are left as they are."""
+        without them) and the KV block store, which first takes the pool's cached blocks
+        (when no request holds any) and writes what it has queued. Unfinished requests
+        are left as they are."""
+        if self.kv_store is not None:
+            self.reset_prefix_cache()
+            self.kv_store.close()
         self.worker.shutdown()
 
     # -- introspection --------------------------------------------------------
@@ -420,7 +446,20 @@ class LLMEngine:
             spec_num_draft_tokens=drafts.num_draft_tokens,
             spec_num_accepted_tokens=drafts.num_accepted_tokens,
             loras=lora_names(self.scheduler),
+            kv_store=self.kv_store_stats(),
         )
 
+    def kv_store_stats(self) -> dict[str, int]:
+        """The KV block store's counters (see :attr:`EngineStats.kv_store`)."""
+        tier = self.scheduler.store_tier
+        if self.kv_store is None or tier is None:
+            return {}
+        return {**{f"tier_{k}": v for k, v in tier.counters().items()}, **self.kv_store.stats()}
+
     def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+        """Forget the pool's cached blocks (refused while a request holds blocks); with a
+        KV block store, they are written to it first."""
+        ok = self.kv.reset_prefix_cache()
+        if self.kv_store is not None:
+            self.kv_store.put(self.scheduler.take_kv_saves(), wait=True)
+        return ok

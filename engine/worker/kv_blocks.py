@@ -1,0 +1,61 @@
+"""Whole KV cache blocks copied between the cache and host bytes (the KV block store's
+payloads).
+
+A payload is one block's K and V across every layer of the cache, in the cache's element
+type, laid out as ``[layers, 2 (K, V), block_size, num_kv_heads, head_dim]`` in C order:
+the logical layout every cache indexes as (:func:`pagedserve.kernels.interface.allocate_kv_cache`),
+whatever the backend's memory layout, so the bytes depend on the values alone. The
+layout string (:attr:`KVBlockCopier.layout`) goes into the store's fingerprint.
+
+Copies are batched: one gather (or scatter) over the block dimension per call, and on
+CUDA one transfer each way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class KVBlockCopier:
+    """Reads and writes whole blocks of ``kv_cache``, indexed ``[layers, 2, blocks,
+    block_size, num_kv_heads, head_dim]``."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+            raise ValueError(f"a KV cache of [layers, 2, blocks, block_size, heads, dim], got "
+                             f"{tuple(kv_cache.shape)}")  # fmt: skip
+        self.kv_cache = kv_cache
+        layers, _, _, block_size, heads, dim = kv_cache.shape
+        self.block_shape = (layers, 2, block_size, heads, dim)
+        self.block_nbytes = math.prod(self.block_shape) * kv_cache.element_size()
+
+    @property
+    def layout(self) -> str:
+        """The payload's layout and element type, for the store's fingerprint."""
+        dtype = str(self.kv_cache.dtype).removeprefix("torch.")
+        return "kv[layer,2,token,head,dim]=" + "x".join(map(str, self.block_shape)) + f":{dtype}"
+
+    def read(self, block_ids: Sequence[int]) -> list[bytes]:
+        """The payloads of ``block_ids`` (host bytes of their own: the store keeps them)."""
+        if not block_ids:
+            return []
+        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=self.kv_cache.device)
+        blocks = self.kv_cache.index_select(2, idx).movedim(2, 0).contiguous()
+        host = blocks.to("cpu").view(torch.uint8).reshape(len(block_ids), -1).numpy()
+        return [host[i].tobytes() for i in range(len(block_ids))]
+
+    def write(self, block_ids: Sequence[int], payloads: Sequence[object]) -> None:
+        """Copy ``payloads`` (bytes-like, :attr:`block_nbytes` each) into ``block_ids``."""
+        if not block_ids:
+            return
+        n = len(block_ids)
+        host = np.empty((n, self.block_nbytes), dtype=np.uint8)
+        for i, payload in enumerate(payloads):
+            host[i] = np.frombuffer(payload, dtype=np.uint8)  # type: ignore[call-overload]
+        values = torch.from_numpy(host).view(self.kv_cache.dtype).reshape(n, *self.block_shape)
+        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=self.kv_cache.device)
+        self.kv_cache[:, :, idx] = values.to(self.kv_cache.device).movedim(0, 2)
