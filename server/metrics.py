@@ -93,6 +93,8 @@ class _EngineCollector(Collector):
             for reason in sorted(seen):
                 done.add_metric([*m, reason], snap.finished_by_reason.get(reason, 0))
         yield done
+        if any(x.kv_store for x in snaps):
+            yield from _kv_store_metrics(snaps, labels, lbl)
         if any(x.max_loras for x in snaps):  # vLLM's lora_requests_info; the value: wall time
             info = GaugeMetricFamily(
                 "pagedserve:lora_requests_info", "Running and waiting LoRA adapters.",
@@ -101,6 +103,54 @@ class _EngineCollector(Collector):
                 info.add_metric([*m, str(snap.max_loras), ",".join(snap.running_loras),
                                  ",".join(snap.waiting_loras)], time.time())  # fmt: skip
             yield info
+
+
+_KV_STORE_COUNTERS = (
+    ("kv_store_hits", "tier_hits", "KV blocks found in the KV store past a prefix-cache miss."),
+    ("kv_store_loads", "tier_loads", "KV store loads started (one per admission with hits)."),
+    ("kv_store_loaded_blocks", "tier_placed", "KV blocks read from the KV store into the cache "
+     "(served instead of computed)."),
+    ("kv_store_saved_blocks", "tier_saved", "KV blocks the cache evicted and handed to the store."),
+    ("kv_store_write_through_blocks", "tier_written_through", "KV blocks handed to the store "
+     "as soon as they were computed (write-through)."),
+    ("kv_store_dropped_writes", "store_dropped_writes", "KV blocks not stored: the store's "
+     "write queue was full."),
+)
+_KV_TIER_COUNTERS = (
+    ("kv_store_writes", "writes", "KV blocks written, by tier."),
+    ("kv_store_reads", "loads", "KV blocks read, by tier."),
+    ("kv_store_evictions", "evictions", "KV blocks evicted, by tier."),
+    ("kv_store_bytes_written", "bytes_written", "Bytes written, by tier."),
+    ("kv_store_bytes_read", "bytes_read", "Bytes read, by tier."),
+    ("kv_store_skips", "skips", "Stored KV blocks that could not be served (damaged, "
+     "foreign, vanished), by tier."),
+)
+_KV_TIERS = ("memory", "disk")
+
+
+def _kv_store_metrics(snaps: list[EngineSnapshot], labels: list[list[str]],
+                      lbl: list[str]) -> Iterator[Metric]:  # fmt: skip
+    """The KV block store's counters (``pagedserve:kv_store_*``), per tier where the
+    store has several."""
+    for name, key, doc in _KV_STORE_COUNTERS:
+        c = CounterMetricFamily(f"pagedserve:{name}", doc, labels=lbl)
+        for m, snap in zip(labels, snaps, strict=True):
+            c.add_metric(m, snap.kv_store.get(key, 0))
+        yield c
+    tiers = [t for t in _KV_TIERS if any(f"{t}_enabled" in x.kv_store for x in snaps)]
+    for name, key, doc in _KV_TIER_COUNTERS:
+        c = CounterMetricFamily(f"pagedserve:{name}", doc, labels=[*lbl, "tier"])
+        for m, snap in zip(labels, snaps, strict=True):
+            for t in tiers:
+                c.add_metric([*m, t], snap.kv_store.get(f"{t}_{key}", 0))
+        yield c
+    for name, key, doc in (("kv_store_bytes_used", "bytes_used", "Bytes held, by tier."),
+                           ("kv_store_blocks", "blocks", "KV blocks held, by tier.")):
+        g = GaugeMetricFamily(f"pagedserve:{name}", doc, labels=[*lbl, "tier"])
+        for m, snap in zip(labels, snaps, strict=True):
+            for t in tiers:
+                g.add_metric([*m, t], snap.kv_store.get(f"{t}_{key}", 0))
+        yield g
 
 
 class ServerMetrics:

@@ -69,6 +69,8 @@ class EngineSnapshot:
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     """Names of the adapters of running and waiting requests."""
+    kv_store: dict[str, int] = field(default_factory=dict)
+    """The KV block store's counters (:attr:`pagedserve.engine.loop.llm_engine.EngineStats.kv_store`)."""
     time: float = 0.0
 
 
@@ -393,6 +395,7 @@ class AsyncEngine:
             spec_num_draft_tokens=s.spec_num_draft_tokens,
             spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             adds_drained=self._adds_drained,
+            kv_store=s.kv_store,
             time=now,
             **s.loras,
         )

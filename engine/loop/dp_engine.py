@@ -211,12 +211,12 @@ def _sum_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
     out = EngineSnapshot()
     for f in fields(EngineSnapshot):
         name = f.name
-        if name == "finished_by_reason":
+        if name in ("finished_by_reason", "kv_store"):
             merged: dict[str, int] = {}
             for s in snaps:
-                for k, v in s.finished_by_reason.items():
+                for k, v in getattr(s, name).items():
                     merged[k] = merged.get(k, 0) + v
-            out.finished_by_reason = merged
+            setattr(out, name, merged)
         elif name == "kv_usage":  # a fraction: the mean over equal pools
             out.kv_usage = sum(s.kv_usage for s in snaps) / len(snaps)
         elif name == "time":

@@ -1,0 +1,151 @@
+"""The pool's lower tier: what it is handed at eviction, at keying and on reset, and how
+blocks read from it are placed back in the pool."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from pagedserve.blockmgr import KVCacheManager
+from pagedserve.blockmgr.groups import KVGroups
+from tests.helpers.blockmgr import BS, FakeRequest, step
+
+
+class FakeTier:
+    """Records what the pool hands over; holds the keys it was handed."""
+
+    def __init__(self, write_through: bool = False) -> None:
+        self.write_through = write_through
+        self.held: set[bytes] = set()
+        self.evicted_log: list[tuple[bytes, int]] = []
+        self.filled_log: list[tuple[bytes, int]] = []
+        self.mgr: KVCacheManager | None = None
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.held:
+            n += 1
+        return n
+
+    def evicted(self, key: bytes, block_id: int) -> None:
+        # Handed over before the block is reused: it still carries its key.
+        assert self.mgr is not None and self.mgr.pool.block_hash[block_id] == key
+        self.evicted_log.append((key, block_id))
+        self.held.add(key)
+
+    def filled(self, key: bytes, block_id: int) -> bool:
+        self.filled_log.append((key, block_id))
+        if self.write_through:
+            self.held.add(key)
+        return self.write_through
+
+
+def manager(num_blocks: int, tier: FakeTier) -> KVCacheManager:
+    mgr = KVCacheManager(num_blocks, BS, lower_tier=tier)
+    tier.mgr = mgr
+    return mgr
+
+
+def run(mgr: KVCacheManager, req: FakeRequest) -> None:
+    """Admit (with the pool's hit), compute the whole prompt, free."""
+    computed, n = mgr.get_computed_blocks(req)
+    req.num_computed_tokens = 0
+    assert mgr.allocate_slots(req, len(req.all_token_ids) - n, computed or None)
+    req.num_computed_tokens = len(req.all_token_ids)
+    mgr.free(req)
+
+
+def test_evicted_blocks_are_handed_over_before_reuse_and_only_once() -> None:
+    tier = FakeTier()
+    mgr = manager(4, tier)
+    run(mgr, FakeRequest("a", list(range(12))))  # 3 full blocks, cached and free
+    assert tier.filled_log and not tier.evicted_log
+    run(mgr, FakeRequest("b", list(range(100, 116))))  # takes all 4: evicts a's 3
+    assert len(tier.evicted_log) == 3
+    mgr.check_invariants()
+    # b's blocks go on reset (their bytes are intact); a's were handed over already
+    assert mgr.reset_prefix_cache()
+    assert len(tier.evicted_log) == 3 + 4
+    assert len({k for k, _ in tier.evicted_log}) == 7
+    mgr.check_invariants()
+
+
+def test_untrusted_blocks_never_reach_the_tier() -> None:
+    tier = FakeTier()
+    mgr = manager(8, tier)
+    req = FakeRequest("a", list(range(12)))
+    assert step(mgr, req, 12)
+    mgr.free(req, keep_cached=False)  # an errored request
+    b = FakeRequest("b", list(range(50, 58)))
+    assert step(mgr, b, 8)
+    mgr.free(b)
+    mgr.drop_unreferenced_cache()  # after a failed step
+    assert mgr.reset_prefix_cache()
+    assert tier.evicted_log == []
+    mgr.check_invariants()
+
+
+def test_write_through_blocks_are_not_handed_over_again() -> None:
+    tier = FakeTier(write_through=True)
+    mgr = manager(4, tier)
+    run(mgr, FakeRequest("a", list(range(12))))
+    run(mgr, FakeRequest("b", list(range(100, 116))))
+    assert len(tier.filled_log) == 3 + 4 and tier.evicted_log == []
+
+
+def test_lora_blocks_stay_in_the_pool() -> None:
+    tier = FakeTier()
+    mgr = manager(4, tier)
+    req = FakeRequest("a", list(range(12)), lora_key="1:ad:/x")
+    run(mgr, req)
+    run(mgr, FakeRequest("b", list(range(100, 116))))
+    assert len(tier.filled_log) == 4  # b's blocks alone
+    assert tier.evicted_log == []  # a's blocks were evicted, and not handed over
+    tier.held = {k for k, _ in tier.evicted_log} | set(mgr.pool.cached)
+    again = FakeRequest("c", list(range(12)), lora_key="1:ad:/x")
+    computed, _ = mgr.get_computed_blocks(again)
+    assert mgr.lower_tier_keys(again, len(computed)) == []
+
+
+def test_keys_past_a_hit_and_placing_them_back() -> None:
+    tier = FakeTier()
+    mgr = manager(8, tier)
+    prompt = list(range(21))  # 5 full blocks; a lookup may hit 5 ((21 - 1) // 4)
+    run(mgr, FakeRequest("a", prompt))
+    held = dict(mgr.pool.cached)
+    assert mgr.reset_prefix_cache()
+    assert {k for k, _ in tier.evicted_log} == set(held)
+    # The pool holds the first block again; the tier all five.
+    run(mgr, FakeRequest("b", prompt[:5]))
+    req = FakeRequest("c", prompt)
+    computed, n = mgr.get_computed_blocks(req)
+    assert (len(computed), n) == (1, BS)
+    keys = mgr.lower_tier_keys(req, 1)
+    assert len(keys) == 4 and all(k in held for k in keys)
+    placed = mgr.import_blocks(req, 1, len(keys))
+    assert [i for i, _ in placed] == [1, 2, 3, 4]
+    assert all(mgr.pool.block_hash[b] == keys[i - 1] for i, b in placed)
+    assert all(mgr.pool.ref_counts[b] == 0 and not mgr.pool.spill[b] for _, b in placed)
+    mgr.check_invariants()
+    computed, n = mgr.get_computed_blocks(req)
+    assert n == 5 * BS and computed[1:] == [b for _, b in placed]
+    assert mgr.allocate_slots(req, 1, computed)
+    mgr.check_invariants()
+
+
+def test_placing_takes_at_most_the_free_blocks() -> None:
+    tier = FakeTier()
+    mgr = manager(3, tier)
+    prompt = list(range(21))
+    req = FakeRequest("c", prompt)
+    placed = mgr.import_blocks(req, 0, 5)
+    assert len(placed) == 3 and len({b for _, b in placed}) == 3
+    mgr.check_invariants()
+
+
+def test_a_lower_tier_needs_one_group_and_caching() -> None:
+    with pytest.raises(ValueError):
+        KVCacheManager(8, BS, enable_prefix_caching=False, lower_tier=FakeTier())
+    with pytest.raises(ValueError):
+        KVCacheManager(8, BS, groups=KVGroups.of_layers([None, 8]), lower_tier=FakeTier())
