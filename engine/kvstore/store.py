@@ -288,6 +288,22 @@ class KVBlockStore:
                                                     or self._loads or self._loading),
                                        timeout)  # fmt: skip
 
+    def write_back(self) -> int:
+        """Copy the blocks of the host-memory tiers into the last tier, where it lacks
+        them (a memory tier does not outlive the process: at shutdown, so that a restart
+        finds them), least recently used first; returns how many. Waits for the queued
+        writes first; the last tier may evict older blocks to take them."""
+        self.flush()
+        last = self.tiers[-1]
+        n = 0
+        for tier in self.tiers[:-1]:
+            blocks = getattr(tier, "blocks", None)
+            for key, payload in blocks() if blocks is not None else ():
+                if not last.contains(key):
+                    last.put(key, payload)
+                    n += 1
+        return n
+
     def close(self) -> None:
         """Finish the queued writes, end the loads (cut short), join the threads, close
         the tiers. Idempotent."""

@@ -143,6 +143,11 @@ class MemoryTier:
             self._stats.bytes_written += size
             return evicted
 
+    def blocks(self) -> list[tuple[bytes, Payload]]:
+        """The blocks held, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._blocks.items())
+
     def _account(self, blocks: int, nbytes: int) -> None:
         self._stats.blocks += blocks
         self._stats.bytes_used += nbytes

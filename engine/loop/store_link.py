@@ -163,5 +163,8 @@ class EngineKVStore:
         return out
 
     def close(self) -> None:
-        """Write what is queued and stop the store's threads."""
+        """Write what is queued, copy the host tier's blocks to the disk tier (if both),
+        and stop the store's threads."""
+        if self._close.alive and len(self.store.tiers) > 1:
+            self.store.write_back()
         self._close()
