@@ -1,0 +1,109 @@
+"""The scheduler over a KV block store: loads as waits, and what each step moves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedserve.engine.core.request import RequestStatus
+from tests.helpers.scheduler import BS, FakeRunner, make_request, make_scheduler, run_step
+
+
+class Ticket:
+    def __init__(self, payloads: list[bytes]) -> None:
+        self.keys = payloads
+        self._payloads = payloads
+        self.finished = False
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.finished
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def payloads(self) -> list[bytes]:
+        return self._payloads
+
+
+class FakeStore:
+    """Blocks by key; every load waits until the test finishes its ticket."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, bytes] = {}
+        self.tickets: list[Ticket] = []
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.blocks:
+            n += 1
+        return n
+
+    def request_load(self, keys: Sequence[bytes]) -> Ticket:
+        self.tickets.append(Ticket([self.blocks[k] for k in keys]))
+        return self.tickets[-1]
+
+
+def save(store: FakeStore, out) -> None:
+    for key, _ in out.blocks_to_save:
+        store.blocks[key] = b"kv-of-" + key
+
+
+def test_a_request_waits_for_its_load_then_hits_the_blocks_read() -> None:
+    store, runner = FakeStore(), FakeRunner()
+    s = make_scheduler(num_blocks=8, kv_store=store)
+    prompt = list(range(10, 23))  # 3 full blocks; a lookup may hit 3
+    s.add_request(make_request("a", prompt, max_tokens=1))
+    while s.has_unfinished():
+        save(store, run_step(s, runner))
+    assert s.kv.reset_prefix_cache()
+    for key, _ in s.take_kv_saves():
+        store.blocks[key] = b"kv-of-" + key
+    assert len(store.blocks) == 3
+    b = make_request("b", prompt, max_tokens=3)
+    s.add_request(b)
+    out = run_step(s, runner)
+    assert out.is_empty and b.status is RequestStatus.WAITING_FOR_KV_LOAD
+    assert s.num_waiting == 1 and s.has_unfinished()
+    assert run_step(s, runner).is_empty  # the load is not done: nothing to step
+    store.tickets[-1].finished = True
+    out = run_step(s, runner)
+    assert out.num_scheduled_tokens == {"b": len(prompt) - 3 * BS}
+    table = s.kv.get_block_table("b")
+    assert [blk for blk, _ in out.blocks_to_load] == table[:3]
+    assert [p for _, p in out.blocks_to_load] == [b"kv-of-" + s.kv.pool.block_hash[x]
+                                                 for x in table[:3]]  # fmt: skip
+    assert b.num_cached_tokens == 3 * BS
+    assert s.store_tier.stats.placed == 3 and s.store_tier.stats.loads == 1
+    while s.has_unfinished():
+        run_step(s, runner)
+    s.kv.check_invariants()
+
+
+def test_aborting_a_waiting_load_cancels_it() -> None:
+    store, runner = FakeStore(), FakeRunner()
+    s = make_scheduler(num_blocks=8, kv_store=store)
+    prompt = list(range(10, 23))
+    s.add_request(make_request("a", prompt, max_tokens=1))
+    while s.has_unfinished():
+        run_step(s, runner)
+    s.kv.reset_prefix_cache()
+    for key, _ in s.take_kv_saves():
+        store.blocks[key] = b"x"
+    b = make_request("b", prompt)
+    s.add_request(b)
+    run_step(s, runner)
+    s.finish_request(b, RequestStatus.FINISHED_ABORTED)
+    assert store.tickets[-1].cancelled and not s.has_unfinished()
+    assert s.kv.stats().num_used_blocks == 0
+
+
+def test_write_through_names_the_blocks_a_step_fills() -> None:
+    store, runner = FakeStore(), FakeRunner()
+    s = make_scheduler(num_blocks=8, kv_store=store, kv_store_write_through=True)
+    s.add_request(make_request("a", list(range(10, 23)), max_tokens=3))
+    out = run_step(s, runner)
+    assert [b for _, b in out.blocks_to_write] == s.kv.get_block_table("a")[:3]
+    assert out.blocks_to_save == [] and out.blocks_to_load == []
