@@ -171,3 +171,28 @@ def test_settings_are_checked():
         with pytest.raises(ValueError):
             EngineConfig(**bad)
 
+
+
+def test_lora_requests_never_reach_the_store(tiny, reference, tmp_path):
+    from pagedserve.engine.lora.request import LoRARequest
+    from tests.helpers.lora import make_adapter
+
+    adapter = LoRARequest("ad", 1, str(make_adapter(tiny, tmp_path / "ad")))
+    with LLM(tiny, **BASE, enable_lora=True, max_lora_rank=8, kv_host_gb=0.05) as llm:
+        def with_adapter() -> list[list[int]]:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
+                                use_tqdm=False, lora_request=adapter)  # fmt: skip
+            return [o.outputs[0].token_ids for o in outs]
+
+        first = with_adapter()
+        assert first != reference["greedy"]  # the adapter changes the outputs
+        assert llm.reset_prefix_cache()
+        stats = llm.engine.kv_store_stats()
+        assert stats["tier_saved"] == 0 and stats["store_puts"] == 0
+        assert with_adapter() == first
+        assert llm.engine.kv_store_stats()["tier_hits"] == 0
+        # The same engine stores the blocks of requests without an adapter.
+        assert run(llm, GREEDY)[0] == reference["greedy"]
+        assert llm.reset_prefix_cache()
+        assert llm.engine.kv_store_stats()["tier_saved"] > 0
+        idle_checks(llm)
