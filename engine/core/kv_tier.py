@@ -36,6 +36,9 @@ from pagedserve.engine.core.request import Request
 class LoadTicket(Protocol):
     """A load in flight (:class:`pagedserve.engine.kvstore.LoadTicket`)."""
 
+    keys: tuple[bytes, ...]
+    """The keys asked for, in chain order."""
+
     def done(self) -> bool: ...
 
     def wait(self, timeout: float | None = None) -> bool: ...
@@ -134,7 +137,7 @@ class StoreTier:
         first, ticket = entry
         payloads = ticket.payloads()
         self.stats.loaded += len(payloads)
-        self.stats.cut_short += max(0, len(getattr(ticket, "keys", payloads)) - len(payloads))
+        self.stats.cut_short += len(ticket.keys) - len(payloads)
         placed = kv.import_blocks(req, first, len(payloads))
         block_hash = kv.pool.block_hash
         for i, b in placed:

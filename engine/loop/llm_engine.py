@@ -427,7 +427,10 @@ class LLMEngine:
         (when no request holds any) and writes what it has queued. Unfinished requests
         are left as they are."""
         if self.kv_store is not None:
-            self.reset_prefix_cache()
+            try:
+                self.reset_prefix_cache()
+            except Exception:
+                logger.exception("KV store: storing the cache's blocks at shutdown failed")
             self.kv_store.close()
         self.worker.shutdown()
 

@@ -9,8 +9,8 @@ from tests.helpers.scheduler import BS, FakeRunner, make_request, make_scheduler
 
 
 class Ticket:
-    def __init__(self, payloads: list[bytes]) -> None:
-        self.keys = payloads
+    def __init__(self, keys: Sequence[bytes], payloads: list[bytes]) -> None:
+        self.keys = tuple(keys)
         self._payloads = payloads
         self.finished = False
         self.cancelled = False
@@ -42,7 +42,7 @@ class FakeStore:
         return n
 
     def request_load(self, keys: Sequence[bytes]) -> Ticket:
-        self.tickets.append(Ticket([self.blocks[k] for k in keys]))
+        self.tickets.append(Ticket(keys, [self.blocks[k] for k in keys]))
         return self.tickets[-1]
 
 
