@@ -145,7 +145,7 @@ class EngineKVStore:
     def put(self, blocks: Sequence[tuple[bytes, int]], wait: bool = False) -> None:
         """Queue the blocks' bytes for the store; never blocks unless ``wait`` (reset and
         shutdown), which writes them in batches that fit the queue rather than drop."""
-        step = self._max_queued if wait else len(blocks)
+        step = self._max_queued if wait else max(1, len(blocks))
         for i in range(0, len(blocks), step):
             batch = blocks[i:i + step]
             for (key, _), payload in zip(batch, self.copier.read([b for _, b in batch]),
