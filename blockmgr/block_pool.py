@@ -143,14 +143,15 @@ class BlockPool:
         return len(free)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every key (spilling blocks go to ``on_spill`` first: their bytes are
-        intact). Refused (False, nothing changed) while any block is referenced."""
+        """Forget every key (spilling blocks go to ``on_spill`` first, least recently
+        freed first: their bytes are intact). Refused (False, nothing changed) while any
+        block is referenced."""
         if len(self.free_queue) != self.num_blocks:
             return False
         if self.on_spill is not None:
-            for key, b in list(self.cached.items()):
+            for b in list(self.free_queue):
                 if self.spill[b]:
-                    self.on_spill(key, b)
+                    self.on_spill(self.block_hash[b], b)
         self.spill = bytearray(self.num_blocks)
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks

@@ -64,8 +64,11 @@ def test_evicted_blocks_are_handed_over_before_reuse_and_only_once() -> None:
     run(mgr, FakeRequest("b", list(range(100, 116))))  # takes all 4: evicts a's 3
     assert len(tier.evicted_log) == 3
     mgr.check_invariants()
-    # b's blocks go on reset (their bytes are intact); a's were handed over already
+    # b's blocks go on reset (their bytes are intact), least recently freed first; a's
+    # were handed over already
+    lru = [b for b in mgr.pool.free_queue if mgr.pool.spill[b]]
     assert mgr.reset_prefix_cache()
+    assert [b for _, b in tier.evicted_log[3:]] == lru
     assert len(tier.evicted_log) == 3 + 4
     assert len({k for k, _ in tier.evicted_log}) == 7
     mgr.check_invariants()
