@@ -150,18 +150,21 @@ class Scheduler:
         """Mark a request finished (or aborted) and return its blocks to the pool."""
         if req.status.finished:
             return
-        if self.store_tier is not None:
-            self.store_tier.forget(req.request_id)
-        if self.waiting_for_grammar.pop(req.request_id, None) is not None or \
-                self.waiting_for_kv_load.pop(req.request_id, None) is not None:
+        if self.waiting_for_grammar.pop(req.request_id, None) is not None:
             req.status = status
             self.requests.pop(req.request_id, None)
             return
+        if self.store_tier is not None:
+            self.store_tier.forget(req.request_id)
+        # A request waiting for a store load holds no blocks, but may have run before a
+        # preemption: the runner is told below.
+        loading = self.waiting_for_kv_load.pop(req.request_id, None) is not None
         queue = self.waiting if req.status in (RequestStatus.WAITING,
                                                RequestStatus.PREEMPTED) else self.running
         req.status = status
         try:
-            queue.remove(req)
+            if not loading:
+                queue.remove(req)
         except ValueError:
             pass
         # An errored request's KV is not trusted (non-finite values, a failed step): its

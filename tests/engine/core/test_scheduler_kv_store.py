@@ -95,9 +95,12 @@ def test_aborting_a_waiting_load_cancels_it() -> None:
     b = make_request("b", prompt)
     s.add_request(b)
     run_step(s, runner)
+    assert b.status is RequestStatus.WAITING_FOR_KV_LOAD
+    b.runner_knows = True  # as after a preemption: the runner holds its state
     s.finish_request(b, RequestStatus.FINISHED_ABORTED)
     assert store.tickets[-1].cancelled and not s.has_unfinished()
     assert s.kv.stats().num_used_blocks == 0
+    assert s._finished_ids == ["b"] and not b.runner_knows
 
 
 def test_write_through_names_the_blocks_a_step_fills() -> None:
