@@ -45,9 +45,9 @@ logger = logging.getLogger("pagedserve.engine.kvstore")
 
 FULL_HASH_BYTES = 2 << 30
 """Model files up to this total are hashed in full; beyond it, each file by its name,
-size, modification time and 16 sampled MiB (hashing a large checkpoint in full would cost
+size, modification time and 4 sampled MiB (hashing a large checkpoint in full would cost
 seconds to minutes at every start)."""
-_SAMPLES = 16
+_SAMPLES = 4
 _SAMPLE_BYTES = 1 << 20
 
 
