@@ -48,3 +48,15 @@ def test_model_digest_follows_contents_names_and_sizes(tmp_path):
     assert second != first
     os.rename(tmp_path / "model.safetensors", tmp_path / "other.safetensors")
     assert model_files_digest([tmp_path]) not in (first, second)
+
+
+def test_a_large_model_is_sampled_with_its_modification_time(tmp_path, monkeypatch):
+    from pagedserve.engine.loop import store_link
+
+    monkeypatch.setattr(store_link, "FULL_HASH_BYTES", 10)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(bytes(range(256)) * 64)
+    first = model_files_digest([tmp_path])
+    assert model_files_digest([tmp_path]) == first
+    os.utime(weights, ns=(1, 1))
+    assert model_files_digest([tmp_path]) != first
