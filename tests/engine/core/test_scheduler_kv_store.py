@@ -110,3 +110,28 @@ def test_write_through_names_the_blocks_a_step_fills() -> None:
     out = run_step(s, runner)
     assert [b for _, b in out.blocks_to_write] == s.kv.get_block_table("a")[:3]
     assert out.blocks_to_save == [] and out.blocks_to_load == []
+
+
+def test_a_load_cut_short_leaves_the_rest_to_compute() -> None:
+    store, runner = FakeStore(), FakeRunner()
+    s = make_scheduler(num_blocks=8, kv_store=store)
+    prompt = list(range(10, 23))
+    s.add_request(make_request("a", prompt, max_tokens=1))
+    while s.has_unfinished():
+        run_step(s, runner)
+    s.kv.reset_prefix_cache()
+    for key, _ in s.take_kv_saves():
+        store.blocks[key] = b"x"
+    b = make_request("b", prompt, max_tokens=3)
+    s.add_request(b)
+    run_step(s, runner)
+    ticket = store.tickets[-1]
+    ticket._payloads = ticket._payloads[:1]  # the second block's file was damaged
+    ticket.finished = True
+    out = run_step(s, runner)
+    assert len(out.blocks_to_load) == 1 and b.num_cached_tokens == BS
+    assert out.num_scheduled_tokens == {"b": len(prompt) - BS}
+    assert s.store_tier.stats.cut_short == 2
+    while s.has_unfinished():
+        run_step(s, runner)
+    s.kv.check_invariants()
