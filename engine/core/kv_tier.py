@@ -17,7 +17,9 @@ the waiting queue for ``waiting_for_kv_load`` while the store's reader thread re
 blocks, and joins the queue again once its ticket is done. At its next admission the
 blocks read are placed in the pool as cached blocks, and the prefix lookup hits them as
 it hits any cached block (a ticket that read fewer blocks than asked, or blocks evicted
-since, leave the rest to be computed). A request loads at most once per admission.
+since, leave the rest to be computed). A request loads at most once per admission, and
+requests whose blocks one load in flight already reads (a shared system prompt after a
+restart) wait for that load rather than read the blocks again.
 
 Torch-free: payloads are opaque here.
 """
@@ -63,7 +65,9 @@ class StoreTierStats:
     hits: int = 0
     """Blocks found in the store past a pool hit (each starts a load)."""
     loads: int = 0
-    """Loads started (one per request admission that found blocks)."""
+    """Loads started."""
+    shared: int = 0
+    """Admissions that found blocks a load in flight already reads, and waited for it."""
     loaded: int = 0
     """Blocks the loads read."""
     placed: int = 0
@@ -77,6 +81,16 @@ class StoreTierStats:
     """Blocks handed to the store as soon as a step computed them (write-through)."""
 
 
+@dataclass(slots=True)
+class _Load:
+    """A load and the requests waiting for it."""
+
+    ticket: LoadTicket
+    first: int
+    """The chain position of its first block."""
+    users: int = 1
+
+
 class StoreTier:
     """The pool's lower tier over ``store`` (see the module)."""
 
@@ -87,8 +101,10 @@ class StoreTier:
         self._saves: list[tuple[BlockHash, int]] = []
         self._writes: list[tuple[BlockHash, int]] = []
         self._loads: list[tuple[BlockHash, int, object]] = []
-        self._tickets: dict[str, tuple[int, LoadTicket]] = {}
-        """Per request: the chain position of the first block asked for, and its ticket."""
+        self._tickets: dict[str, tuple[_Load, int]] = {}
+        """Per request: its load, and how many of the load's blocks are its own."""
+        self._by_key: dict[BlockHash, _Load] = {}
+        """Loads with requests waiting, by their first key (a load to share)."""
         self._tried: set[str] = set()
         """Requests that loaded since their latest admission."""
 
@@ -119,14 +135,29 @@ class StoreTier:
         if not keys:
             return False
         self._tried.add(rid)
-        self._tickets[rid] = (num_hit_blocks, self.store.request_load(keys))
+        load = self._by_key.get(keys[0])
+        if load is not None and load.ticket.keys[:len(keys)] == tuple(keys):
+            load.users += 1
+            self.stats.shared += 1
+        else:  # none, or one that reads fewer blocks: a load of its own, shared from now on
+            load = self._by_key[keys[0]] = _Load(self.store.request_load(keys), num_hit_blocks)
+            self.stats.loads += 1
+        self._tickets[rid] = (load, len(keys))
         self.stats.hits += len(keys)
-        self.stats.loads += 1
+        return True
+
+    def _leave(self, load: _Load) -> bool:
+        """A request stops waiting for ``load``; True when it was the last one."""
+        load.users -= 1
+        if load.users:
+            return False
+        if self._by_key.get(load.ticket.keys[0]) is load:
+            del self._by_key[load.ticket.keys[0]]
         return True
 
     def load_done(self, rid: str) -> bool:
         entry = self._tickets.get(rid)
-        return entry is None or entry[1].done()
+        return entry is None or entry[0].ticket.done()
 
     def place(self, kv: KVCacheManager, req: Request) -> None:
         """Put the blocks the request's finished load read back in the pool (as cached
@@ -134,10 +165,11 @@ class StoreTier:
         entry = self._tickets.pop(req.request_id, None)
         if entry is None:
             return
-        first, ticket = entry
-        payloads = ticket.payloads()
+        load, wanted = entry
+        self._leave(load)
+        first, payloads = load.first, load.ticket.payloads()[:wanted]
         self.stats.loaded += len(payloads)
-        self.stats.cut_short += len(ticket.keys) - len(payloads)
+        self.stats.cut_short += wanted - len(payloads)
         placed = kv.import_blocks(req, first, len(payloads))
         block_hash = kv.pool.block_hash
         for i, b in placed:
@@ -148,12 +180,12 @@ class StoreTier:
         """The request finished or was preempted: cancel its load, and let it load again
         at a later admission."""
         entry = self._tickets.pop(rid, None)
-        if entry is not None:
-            entry[1].cancel()
+        if entry is not None and self._leave(entry[0]):
+            entry[0].ticket.cancel()
         self._tried.discard(rid)
 
     def tickets(self) -> list[LoadTicket]:
-        return [t for _, t in self._tickets.values()]
+        return [load.ticket for load, _ in self._tickets.values()]
 
     # -- per step -----------------------------------------------------------------
     def take_saves(self) -> list[tuple[BlockHash, int]]:

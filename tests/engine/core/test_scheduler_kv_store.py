@@ -135,3 +135,29 @@ def test_a_load_cut_short_leaves_the_rest_to_compute() -> None:
     while s.has_unfinished():
         run_step(s, runner)
     s.kv.check_invariants()
+
+
+def test_requests_of_one_prefix_share_a_load() -> None:
+    store, runner = FakeStore(), FakeRunner()
+    s = make_scheduler(num_blocks=16, kv_store=store)
+    prompt = list(range(10, 23))
+    s.add_request(make_request("a", prompt, max_tokens=1))
+    while s.has_unfinished():
+        run_step(s, runner)
+    s.kv.reset_prefix_cache()
+    for key, _ in s.take_kv_saves():
+        store.blocks[key] = b"x"
+    reqs = [make_request(rid, prompt + [90 + i], max_tokens=2) for i, rid in enumerate("bcd")]
+    for r in reqs:
+        s.add_request(r)
+    run_step(s, runner)
+    assert len(store.tickets) == 1 and s.store_tier.stats.shared == 2
+    s.finish_request(reqs[2], RequestStatus.FINISHED_ABORTED)  # one leaves: the load goes on
+    assert not store.tickets[0].cancelled
+    store.tickets[0].finished = True
+    out = run_step(s, runner)
+    assert len(out.blocks_to_load) == 3  # read once, placed once, hit by both
+    assert [r.num_cached_tokens for r in reqs[:2]] == [3 * BS, 3 * BS]
+    while s.has_unfinished():
+        run_step(s, runner)
+    s.kv.check_invariants()
