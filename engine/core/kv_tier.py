@@ -69,7 +69,7 @@ class StoreTierStats:
     shared: int = 0
     """Admissions that found blocks a load in flight already reads, and waited for it."""
     loaded: int = 0
-    """Blocks the loads read."""
+    """Blocks the loads delivered (a shared load's, to each of its requests)."""
     placed: int = 0
     """Blocks read that went back into the pool (the rest were cached meanwhile, or
     found no free block)."""
@@ -161,7 +161,7 @@ class StoreTier:
 
     def place(self, kv: KVCacheManager, req: Request) -> None:
         """Put the blocks the request's finished load read back in the pool (as cached
-        free blocks, their bytes queued for the next step's ``blocks_to_load``)."""
+        free blocks, their bytes queued for this step's ``blocks_to_load``)."""
         entry = self._tickets.pop(req.request_id, None)
         if entry is None:
             return
