@@ -80,6 +80,10 @@ class StoreTierStats:
     written_through: int = 0
     """Blocks handed to the store as soon as a step computed them (write-through)."""
 
+    def mark(self) -> tuple[int, ...]:
+        """The counters as a tuple: a cheap test of whether any moved."""
+        return tuple(getattr(self, name) for name in self.__slots__)
+
 
 @dataclass(slots=True)
 class _Load:

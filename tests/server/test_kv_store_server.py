@@ -3,6 +3,8 @@ the usage's ``cached_tokens``."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import requests
 
@@ -39,8 +41,17 @@ def test_store_hits_are_cached_tokens_and_counted_in_metrics(server):
     again = _complete(server, prompt)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
-    text = requests.get(server.url + "/metrics").text
     model = models[0]["id"]
+    # The store writes on its own thread, and the engine reads its counters again within
+    # half a second: wait for the writes to show.
+    deadline = time.monotonic() + 10
+    while True:
+        text = requests.get(server.url + "/metrics").text
+        written = metric_value(text, "pagedserve:kv_store_writes_total", model_name=model,
+                               tier="memory")  # fmt: skip
+        if written and written >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert metric_value(text, "pagedserve:kv_store_saved_blocks_total", model_name=model) >= 2
     assert metric_value(text, "pagedserve:kv_store_hits_total", model_name=model) == 2
     assert metric_value(text, "pagedserve:kv_store_loaded_blocks_total", model_name=model) == 2
