@@ -13,7 +13,7 @@ group's table gives back the blocks its window has left behind (the position kee
 still holds what the first computed token reads.
 
 A lower tier (:mod:`pagedserve.blockmgr.lower_tier`, the engine's KV block store) may
-sit below the pool, for models of one KV group: it receives the blocks the pool evicts
+sit below the pool, for models of one KV group of full attention: it receives the blocks the pool evicts
 and serves the blocks of a chain past the pool's hit, which the scheduler places back in
 the pool with :meth:`KVCacheManager.import_blocks`.
 
@@ -73,8 +73,10 @@ class KVCacheManager:
         self.null_block = num_blocks
         """What a sliding group's table holds below its window: one past the pool."""
         self.pool = BlockPool(num_blocks)
-        if lower_tier is not None and (self.num_groups > 1 or not enable_prefix_caching):
-            raise ValueError("a lower KV tier needs prefix caching and one KV group")
+        if lower_tier is not None and (self.num_groups > 1 or self._sliding
+                                       or not enable_prefix_caching):  # fmt: skip
+            raise ValueError("a lower KV tier needs prefix caching and one KV group of "
+                             "full attention")
         self.lower_tier = lower_tier
         """The cache below the pool, or None (:mod:`pagedserve.blockmgr.lower_tier`)."""
         if lower_tier is not None:

@@ -15,8 +15,8 @@ never waits on the disk, and a load is read by the store's reader thread while t
 loop goes on.
 
 What is not stored: blocks of LoRA requests (their chain keys name an adapter by id,
-name and path, which may mean other weights after a restart), models of several KV
-groups (sliding-window layers; the store is off, with a warning), tensor-parallel
+name and path, which may mean other weights after a restart), models with
+sliding-window layers (their KV groups; the store is off, with a warning), tensor-parallel
 engines (refused by the configuration). The store's fingerprint
 (:func:`store_fingerprint`) covers the model's files, the dtypes, the block size, the
 tensor-parallel shard, the kernel path, the maximum length (rope scaling may depend on
@@ -103,16 +103,15 @@ class EngineKVStore:
     @classmethod
     def open(cls, worker: Worker) -> EngineKVStore | None:
         """The store the configuration asks for, or None (none asked for, or a model
-        the store does not serve: several KV groups)."""
+        the store does not serve: sliding-window layers)."""
         config = worker.config
         host = int((config.kv_host_gb or 0) * 2**30)
         disk = int((config.kv_store_gb or 0) * 2**30) if config.kv_store_dir else 0
         if not host and not disk:
             return None
-        if worker.kv_groups.num_groups > 1:
-            logger.warning("KV store off: the model's layers form %d KV groups (sliding "
-                           "windows); the store serves models of one group",
-                           worker.kv_groups.num_groups)  # fmt: skip
+        if worker.kv_groups.sliding:
+            logger.warning("KV store off: the model has sliding-window layers; the store "
+                           "serves models whose layers all attend to the whole context")
             return None
         copier = KVBlockCopier(worker.kv_cache)
         fingerprint = store_fingerprint(worker, copier)

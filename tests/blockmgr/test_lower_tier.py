@@ -150,5 +150,6 @@ def test_placing_takes_at_most_the_free_blocks() -> None:
 def test_a_lower_tier_needs_one_group_and_caching() -> None:
     with pytest.raises(ValueError):
         KVCacheManager(8, BS, enable_prefix_caching=False, lower_tier=FakeTier())
-    with pytest.raises(ValueError):
-        KVCacheManager(8, BS, groups=KVGroups.of_layers([None, 8]), lower_tier=FakeTier())
+    for windows in ([None, 8], [8, 8]):  # several groups; one sliding group
+        with pytest.raises(ValueError):
+            KVCacheManager(8, BS, groups=KVGroups.of_layers(windows), lower_tier=FakeTier())
