@@ -196,3 +196,14 @@ def test_lora_requests_never_reach_the_store(tiny, reference, tmp_path):
         assert llm.reset_prefix_cache()
         assert llm.engine.kv_store_stats()["tier_saved"] > 0
         idle_checks(llm)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mistral_window"])
+def test_models_with_sliding_windows_run_without_a_store(tiny_model_factory, arch, caplog):
+    path = str(tiny_model_factory(arch))
+    with LLM(path, **BASE) as llm:
+        want = run(llm, GREEDY)[0]
+    with caplog.at_level("WARNING"), LLM(path, **BASE, kv_host_gb=0.05) as llm:
+        assert llm.engine.kv_store is None and llm.engine.kv_store_stats() == {}
+        assert run(llm, GREEDY)[0] == want
+    assert "KV store off" in caplog.text
