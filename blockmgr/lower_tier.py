@@ -17,6 +17,8 @@ What the pool promises the tier:
 * Only blocks of requests without a LoRA adapter reach the tier: an adapter enters the
   chain as its ``cache_key`` (id, name, path), which names no content and may mean other
   weights after a restart, so such blocks stay in the pool alone.
+* Blocks read from the tier and placed back in the pool (:func:`import_blocks`) are not
+  handed over again: the tier holds them.
 """
 
 from __future__ import annotations
