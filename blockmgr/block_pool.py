@@ -14,7 +14,9 @@ Invariants (checked by :mod:`pagedserve.blockmgr.invariants`):
   in one pass of C);
 * ``spill[b]`` is 1 only for cached blocks: those handed to ``on_spill`` (the lower tier,
   :mod:`pagedserve.blockmgr.lower_tier`) when they are evicted for reuse or by
-  :meth:`BlockPool.reset_prefix_cache`, never when their keys are dropped as untrusted.
+  :meth:`BlockPool.reset_prefix_cache`, never when their keys are dropped as untrusted;
+* ``loaded[b]`` is 1 only for cached blocks: those whose bytes were read back from the
+  lower tier rather than computed (the block map marks them); it goes with the key.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class BlockPool:
     """Owns every block's ref count and cache key. Knows nothing about requests."""
 
     __slots__ = ("num_blocks", "ref_counts", "block_hash", "block_meta", "keyed", "cached",
-                 "free_queue", "num_evictions", "spill", "on_spill")
+                 "free_queue", "num_evictions", "spill", "on_spill", "loaded")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -45,6 +47,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(num_blocks)
         self.num_evictions = 0
         self.spill = bytearray(num_blocks)
+        self.loaded = bytearray(num_blocks)
         self.on_spill: Callable[[BlockHash, int], None] | None = None
         """Called with ``(key, block)`` as a spilling block is evicted, before the block
         is reused (the lower tier's :meth:`~pagedserve.blockmgr.lower_tier.LowerTier.evicted`)."""
@@ -95,9 +98,9 @@ class BlockPool:
                 append(b)
 
     def cache_block(self, block_id: int, key: BlockHash, meta: BlockMeta,
-                    spill: bool = False) -> bool:  # fmt: skip
+                    spill: bool = False, loaded: bool = False) -> bool:  # fmt: skip
         """Register ``block_id`` under ``key``; with ``spill`` the block goes to the lower
-        tier when it is evicted. Returns False (no change) if the key is already taken by
+        tier when it is evicted; ``loaded`` says its bytes come from the lower tier. Returns False (no change) if the key is already taken by
         another block (a duplicate) or the block already has a key."""
         if key in self.cached or self.block_hash[block_id] is not None:
             return False
@@ -106,6 +109,7 @@ class BlockPool:
         self.block_meta[block_id] = meta
         self.keyed[block_id] = 1
         self.spill[block_id] = spill
+        self.loaded[block_id] = loaded
         return True
 
     def lookup(self, key: BlockHash) -> int | None:
@@ -119,6 +123,7 @@ class BlockPool:
         if spill and self.spill[block_id] and self.on_spill is not None:
             self.on_spill(key, block_id)
         self.spill[block_id] = 0
+        self.loaded[block_id] = 0
         del self.cached[key]
         self.block_hash[block_id] = None
         self.block_meta[block_id] = None
@@ -153,6 +158,7 @@ class BlockPool:
                 if self.spill[b]:
                     self.on_spill(self.block_hash[b], b)
         self.spill = bytearray(self.num_blocks)
+        self.loaded = bytearray(self.num_blocks)
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         self.block_meta = [None] * self.num_blocks

@@ -96,6 +96,8 @@ def _check_cache(mgr: ManagerState) -> None:
         meta = pool.block_meta[b]
         assert pool.keyed[b] == (key is not None), f"block {b}: keyed flag {pool.keyed[b]}"
         assert not pool.spill[b] or key is not None, f"block {b} spills but has no key"
+        assert not pool.loaded[b] or key is not None, f"block {b} is marked loaded but has no key"
+        assert not (pool.loaded[b] and pool.spill[b]), f"block {b} was loaded and spills"
         if key is None:
             assert meta is None, f"block {b} has cache metadata but no key"
             continue

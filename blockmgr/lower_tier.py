@@ -85,7 +85,7 @@ def import_blocks(pool: BlockPool, req: KVRequest, block_size: int,
         start = i * block_size
         parent = keys[i - 1] if i else ROOT_HASH
         pool.cache_block(b, key, (parent, tokens[start:start + block_size],
-                                  block_extra_keys(salt, i, lora)))  # fmt: skip
+                                  block_extra_keys(salt, i, lora)), loaded=True)  # fmt: skip
         pool.release((b,))
         placed.append((i, b))
     return placed

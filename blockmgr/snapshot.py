@@ -68,6 +68,15 @@ def summarize(cells: bytearray, max_cells: int) -> tuple[bytes, int]:
     return acc.translate(_CELL), per
 
 
+def summarize_marks(marks: bytes | bytearray, blocks_per_cell: int) -> bytes:
+    """A per-block 0/1 mark (such as :attr:`BlockPool.loaded`) per cell: 1 where any of the
+    cell's ``blocks_per_cell`` blocks is marked."""
+    if blocks_per_cell == 1:
+        return bytes(marks)
+    return bytes(int(any(marks[i:i + blocks_per_cell]))
+                 for i in range(0, len(marks), blocks_per_cell))  # fmt: skip
+
+
 def _or_all(chunk: bytes) -> int:
     """The OR of a chunk's state bits (over its few distinct values)."""
     m = 0

@@ -72,6 +72,7 @@ def encode_state(st: KVState) -> dict:
         "block_size": st.block_size, "prefix_caching": st.prefix_caching,
         "blocks_per_cell": st.blocks_per_cell, "cell_encoding": CELL_ENCODING,
         "cells": base64.b64encode(st.cells).decode("ascii"),
+        "loaded_cells": base64.b64encode(st.loaded_cells).decode("ascii"),
         "counters": st.counters,
         "requests": [{
             "id": r.request_id, "status": r.status, "num_tokens": r.num_tokens,

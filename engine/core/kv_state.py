@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.blockmgr.snapshot import Run, encode_blocks, summarize, table_runs
+from pagedserve.blockmgr.snapshot import Run, encode_blocks, summarize, summarize_marks, table_runs
 from pagedserve.engine.core.request import Request
 from pagedserve.engine.core.scheduler import Scheduler
 
@@ -45,6 +45,9 @@ class KVState:
     prefix_caching: bool
     cells: bytes
     blocks_per_cell: int
+    loaded_cells: bytes
+    """One byte per cell: 1 where a block of the cell holds bytes read back from the KV
+    store (:mod:`pagedserve.engine.kvstore`) instead of computed."""
     requests: list[KVRequestState]
     counters: dict[str, float]
 
@@ -67,6 +70,7 @@ class KVStateTaker:
         encoded = encode_blocks(kv.pool)
         num_cached_free = encoded.count(1)  # ref count 0, keyed
         cells, per = summarize(encoded, max_cells)
+        loaded = kv.pool.loaded
         stats = kv.stats()
         reqs = [*sched.running, *sched.waiting, *sched.waiting_for_grammar.values(),
                 *sched.waiting_for_kv_load.values()]
@@ -83,6 +87,7 @@ class KVStateTaker:
             "prefix_hit_rate": stats.hit_rate,
             "num_preemptions": sched.num_preemptions,
             "num_kv_groups": kv.num_groups,
+            "num_loaded_blocks": loaded.count(1),
             **(totals or {}),
         }
         states = [self._request_state(sched, r, tables) for r in reqs]
@@ -92,7 +97,7 @@ class KVStateTaker:
         return KVState(
             time=now, num_blocks=kv.num_blocks, block_size=kv.block_size,
             prefix_caching=kv.enable_prefix_caching, cells=cells, blocks_per_cell=per,
-            requests=states, counters=counters)
+            loaded_cells=summarize_marks(loaded, per), requests=states, counters=counters)
 
     def _request_state(self, sched: Scheduler, req: Request, tables: bool) -> KVRequestState:
         rid = req.request_id

@@ -200,6 +200,7 @@ let pollTimer = null;
 let lastState = null;
 let cellEls = [];
 let lastCells = new Uint8Array(0);
+let lastLoaded = new Uint8Array(0);
 let blockInfo = [];  // per cell: {owners: [request ids], fill}
 
 // Each live request gets the next hue of a golden-angle walk, so requests that run
@@ -230,7 +231,9 @@ function decodeCells(b64) {
 
 function renderMap(st) {
   const cells = decodeCells(st.cells);
+  const loaded = st.loaded_cells ? decodeCells(st.loaded_cells) : new Uint8Array(cells.length);
   lastCells = cells;
+  lastLoaded = loaded;
   const grid = $("block-map");
   if (cellEls.length !== cells.length) {
     grid.textContent = "";
@@ -256,7 +259,7 @@ function renderMap(st) {
   cells.forEach((v, i) => {
     const el = cellEls[i], refs = v >> 1, owners = blockInfo[i].owners;
     const state = refs > 0 ? "used" : (v & 1 ? "cached" : "free");
-    el.className = "blk " + state + (refs > 1 ? " shared" : "");
+    el.className = "blk " + state + (refs > 1 ? " shared" : "") + (loaded[i] ? " stored" : "");
     el.dataset.refs = String(refs);
     el.style.background = refs > 0 && owners.length ? tint(owners[0]) : "";
   });
@@ -348,7 +351,7 @@ $("block-map").addEventListener("mousemove", (ev) => {
   const lines = [per > 1 ? "blocks " + cell * per + "\u2013" + last : "block " + cell,
     "ref count " + refs, "owners " + (info.owners.join(", ") || "none"),
     "fill " + (refs > 0 ? info.fill : (cached ? lastState.block_size : 0)) + "/" + lastState.block_size + " tokens",
-    "prefix-cached " + (cached ? "yes" : "no")];
+    "prefix-cached " + (cached ? "yes" : "no") + (lastLoaded[cell] ? ", read back from the KV store" : "")];
   tip.textContent = lines.join("\n");
   tip.hidden = false;
   tip.style.left = ev.clientX + 12 + "px";

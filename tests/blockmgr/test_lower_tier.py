@@ -130,10 +130,20 @@ def test_keys_past_a_hit_and_placing_them_back() -> None:
     assert [i for i, _ in placed] == [1, 2, 3, 4]
     assert all(mgr.pool.block_hash[b] == keys[i - 1] for i, b in placed)
     assert all(mgr.pool.ref_counts[b] == 0 and not mgr.pool.spill[b] for _, b in placed)
+    # Marked as read back (the block map shows it); the computed first block is not.
+    assert [b for b in range(8) if mgr.pool.loaded[b]] == sorted(b for _, b in placed)
     mgr.check_invariants()
     computed, n = mgr.get_computed_blocks(req)
     assert n == 5 * BS and computed[1:] == [b for _, b in placed]
     assert mgr.allocate_slots(req, 1, computed)
+    mgr.check_invariants()
+    # The mark goes with the key: a reset clears it, and so does reuse.
+    req.num_computed_tokens = len(prompt)
+    mgr.free(req)
+    assert mgr.reset_prefix_cache() and not any(mgr.pool.loaded)
+    assert len(mgr.import_blocks(req, 0, 5)) == 5 and mgr.pool.loaded.count(1) == 5
+    run(mgr, FakeRequest("d", [100 + i for i in range(8 * BS)]))  # takes every block
+    assert not any(mgr.pool.loaded)
     mgr.check_invariants()
 
 

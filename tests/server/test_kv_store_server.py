@@ -3,6 +3,7 @@ the usage's ``cached_tokens``."""
 
 from __future__ import annotations
 
+import base64
 import time
 
 import pytest
@@ -60,3 +61,10 @@ def test_store_hits_are_cached_tokens_and_counted_in_metrics(server):
     assert metric_value(text, "pagedserve:kv_store_bytes_used", model_name=model,
                         tier="memory") > 0
     assert metric_value(text, "pagedserve:prefix_cache_hits_total", model_name=model) >= 32
+    # The block map marks the two blocks read back, free and cached now.
+    state = requests.get(server.url + "/v1/kv_cache/state").json()
+    cells = base64.b64decode(state["cells"])
+    loaded = base64.b64decode(state["loaded_cells"])
+    assert len(loaded) == len(cells) == 8 and loaded.count(1) == 2
+    assert all(cells[i] == 1 for i in range(8) if loaded[i])
+    assert state["counters"]["num_loaded_blocks"] == 2
