@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 from pagedserve.engine.kvstore.files import (
@@ -225,6 +226,14 @@ class DiskTier:
             if size is not None:
                 self._stats.blocks -= 1
                 self._stats.bytes_used -= size
+
+    def discard(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            held = [k for k in keys if k in self._index]
+        for key in held:
+            self._forget(key)
+        self._remove(held)
+        return len(held)
 
     def _skip(self, key: bytes, path: Path, reason: SkipReason) -> None:
         """Count, log and remove a file that cannot be used."""

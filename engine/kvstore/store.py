@@ -56,6 +56,9 @@ class StoreStats:
     blocks_loaded: int = 0
     loads_cut_short: int = 0
     """Loads that ended before their last key (a block that could not be served)."""
+    discarded: int = 0
+    """Copies of blocks dropped from the tiers because their chain broke before them in a load
+    (computed again by the request and stored afresh)."""
     queued_hits: int = 0
     """Blocks loaded from the write queue, before they reached a tier."""
     errors: int = 0
@@ -247,15 +250,25 @@ class KVBlockStore:
                     self._cond.notify_all()
 
     def _load(self, ticket: LoadTicket) -> None:
+        broken = False
         for key in ticket.keys:
             if ticket.cancelled or self._closing:
                 break
             payload = self._fetch(key)
             if payload is None:
+                broken = True
                 break
             ticket._payloads.append(payload)
+        discarded = 0
+        if broken:
+            # The request computes the rest of the chain and hands it over again; the
+            # copies held past the broken block would only be touched, not replaced, by
+            # that (a damaged file among them would be met again), so they go now.
+            rest = ticket.keys[len(ticket._payloads) + 1:]
+            discarded = sum(tier.discard(rest) for tier in self.tiers)
         with self._cond:
             self._stats.blocks_loaded += len(ticket._payloads)
+            self._stats.discarded += discarded
             if len(ticket._payloads) < len(ticket.keys):
                 self._stats.loads_cut_short += 1
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -76,6 +77,11 @@ class Tier(Protocol):
         """Store a block (the tier keeps ``payload``: the caller must not change it) and
         return the blocks evicted to make room. A block already held is only marked
         used."""
+        ...
+
+    def discard(self, keys: Sequence[bytes]) -> int:
+        """Forget those of ``keys`` the tier holds (a disk tier removes their files);
+        returns how many it held."""
         ...
 
     def stats(self) -> dict[str, int | dict[str, int]]:
@@ -142,6 +148,16 @@ class MemoryTier:
             self._stats.writes += 1
             self._stats.bytes_written += size
             return evicted
+
+    def discard(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        with self._lock:
+            for key in keys:
+                payload = self._blocks.pop(key, None)
+                if payload is not None:
+                    self._account(-1, -payload_nbytes(payload))
+                    n += 1
+        return n
 
     def blocks(self) -> list[tuple[bytes, Payload]]:
         """The blocks held, least recently used first (a snapshot)."""

@@ -67,6 +67,10 @@ def test_a_bad_block_cuts_the_load_short(tmp_path: Path) -> None:
     stats = store.stats()
     assert stats["store"]["loads_cut_short"] == 1 and stats["store"]["blocks_loaded"] == 2
     assert stats["disk"]["skips"]["corrupt"] == 1
+    # The block past the broken one is dropped too (its request computes it again), so
+    # storing it again writes a fresh file instead of touching the old one.
+    assert stats["store"]["discarded"] == 1 and stats["disk"]["blocks"] == 2
+    assert not block_path(store.tiers[0].root, chain[3]).exists()
     store.close()
 
 
