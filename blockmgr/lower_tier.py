@@ -66,16 +66,22 @@ def chain_from(req: KVRequest, block_size: int, known: Sequence[BlockHash],
 def import_blocks(pool: BlockPool, req: KVRequest, block_size: int,
                   keys: Sequence[BlockHash], first: int, count: int) -> list[tuple[int, int]]:  # fmt: skip
     """Place blocks ``first .. first + count - 1`` of the request's chain (``keys`` holds
-    at least that many) in the pool as cached free blocks, at the free queue's tail, so a
-    prefix lookup finds them; their bytes come from the lower tier and the caller copies
-    them in before the next forward pass. Keys the pool holds already are skipped; at
-    most as many blocks as are free are taken, so none placed here is taken again for the
-    next. Returns ``(chain position, block id)`` of each block placed. The placed blocks
-    do not spill (the lower tier holds them)."""
+    at least that many) in the pool as cached free blocks, so a prefix lookup finds them;
+    their bytes come from the lower tier and the caller copies them in before the next
+    forward pass. Keys the pool holds already are skipped; at most as many blocks as are
+    free are taken, and never a block of the chain itself (the pool hit the placed blocks
+    extend). The chain's free blocks, placed or held, then go to the free queue's tail
+    last block first, so the chain is evicted from its end. Returns ``(chain position,
+    block id)`` of each block placed. The placed blocks do not spill (the lower tier
+    holds them)."""
     tokens, salt, lora = req.all_token_ids, req.cache_salt, req.lora_key
+    end = first + count
+    chain = [(i, b) for i, k in enumerate(keys[:end])
+             if (b := pool.cached.get(k)) is not None and pool.ref_counts[b] == 0]  # fmt: skip
+    pool.touch(b for _, b in chain)  # out of the free queue while blocks are taken
     placed: list[tuple[int, int]] = []
     budget = pool.num_free_blocks
-    for i in range(first, first + count):
+    for i in range(first, end):
         key = keys[i]
         if key in pool.cached:
             continue
@@ -86,6 +92,6 @@ def import_blocks(pool: BlockPool, req: KVRequest, block_size: int,
         parent = keys[i - 1] if i else ROOT_HASH
         pool.cache_block(b, key, (parent, tokens[start:start + block_size],
                                   block_extra_keys(salt, i, lora)), loaded=True)  # fmt: skip
-        pool.release((b,))
         placed.append((i, b))
+    pool.release(b for _, b in sorted(chain + placed, reverse=True))
     return placed

@@ -8,6 +8,11 @@ Two workloads, each run with prefix caching on and off on a fresh engine:
   full block, cache lookups). Repeated ``--repeats`` times alternating on/off to beat
   timing noise.
 
+With ``--restart``, the KV block store's scenario runs instead
+(:mod:`pagedserve.loadtest.prefix_restart`): a long document's TTFT cold, as a pool hit,
+after a restart and after competing traffic evicted it, and a zero-reuse workload with
+and without the store.
+
 Reports total time, prefill tokens computed (prompt tokens minus those served from the
 cache, from ``RequestOutput.num_cached_tokens``), hit rate and peak blocks used, and the
 ratios off/on. ``--profile-hashing`` runs the zero-reuse workload with caching on under
@@ -29,6 +34,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pagedserve.loadtest import prefix_restart
 from pagedserve.loadtest.bench_common import (
     EngineRun,
     add_engine_args,
@@ -68,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--profile-hashing", action="store_true",
                    help="cProfile the zero-reuse run with caching on")
     r.add_argument("--save-result", metavar="FILE.json", default=None)
+    prefix_restart.add_arguments(parser)
 
 
 def _fresh_llm(args: argparse.Namespace, caching: bool):
@@ -136,6 +143,21 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     dtype = str(worker.settings.dtype).removeprefix("torch.")
     del probe, worker
     gc.collect()
+    if args.restart:
+        print_header("pagedserve bench prefix --restart", env, {
+            "model": model_desc, "dtype": dtype, "seed": args.seed,
+            "document": (f"{args.doc_len} tokens + {args.restart_question_len}-token "
+                         f"question, {args.restart_output_len} output tokens"),
+            "zero":     (f"{args.num_requests} requests x {args.zero_reuse_input_len} random "
+                         f"tokens, {args.zero_reuse_output_len} output tokens, "
+                         f"{args.repeats} pairs with and without the store"),
+        })
+        report = {"benchmark": "prefix-restart", "command": command_line(),
+                  "environment": env, "model": model_desc, "dtype": dtype,
+                  "seed": args.seed, **prefix_restart.run_restart(args, token_ids)}
+        if save_report(args.save_result, report):
+            print(f"saved {args.save_result}")
+        return report
     shared = shared_prefix_workload(token_ids, args.num_requests, args.prefix_len,
                                     args.question_len, args.output_len, args.seed)
     zero = fixed_workload(token_ids, args.num_requests, args.zero_reuse_input_len,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -61,6 +62,8 @@ class StoreStats:
     (computed again by the request and stored afresh)."""
     queued_hits: int = 0
     """Blocks loaded from the write queue, before they reached a tier."""
+    load_ns: int = 0
+    """Time the reader thread spent on loads (reading and verifying their blocks)."""
     errors: int = 0
     """Unexpected failures of the threads' work (logged with their traceback)."""
     queued: int = 0
@@ -250,6 +253,7 @@ class KVBlockStore:
                     self._cond.notify_all()
 
     def _load(self, ticket: LoadTicket) -> None:
+        t0 = time.perf_counter_ns()
         broken = False
         for key in ticket.keys:
             if ticket.cancelled or self._closing:
@@ -269,6 +273,7 @@ class KVBlockStore:
         with self._cond:
             self._stats.blocks_loaded += len(ticket._payloads)
             self._stats.discarded += discarded
+            self._stats.load_ns += time.perf_counter_ns() - t0
             if len(ticket._payloads) < len(ticket.keys):
                 self._stats.loads_cut_short += 1
 

@@ -157,6 +157,36 @@ def test_placing_takes_at_most_the_free_blocks() -> None:
     mgr.check_invariants()
 
 
+def test_placing_never_takes_the_blocks_it_extends() -> None:
+    """Placed blocks are taken from the free queue's head, where the pool hit they extend
+    may be (a chain's blocks are freed last block first): those are kept out of reach,
+    and the chain goes back to the tail with its first block last."""
+    tier = FakeTier()
+    mgr = manager(8, tier)
+    prompt = list(range(21))  # 5 full blocks and one partial
+    run(mgr, FakeRequest("a", prompt))
+    pool = mgr.pool
+    keys = [pool.block_hash[b] for b in range(5)]  # a fresh pool: blocks 0-4 in order
+    assert len(keys) == 5
+    # Other traffic takes the three uncached blocks and the chain's last three.
+    taken = pool.get_new_blocks(6)
+    assert len(pool.cached) == 2 and len(tier.held) == 3
+    pool.release(taken)
+    req = FakeRequest("b", prompt)
+    computed, n = mgr.get_computed_blocks(req)
+    assert n == 2 * BS
+    held = list(computed)
+    assert list(pool.free_queue)[:2] == held[::-1]  # the hit is at the head
+    placed = mgr.import_blocks(req, 2, 3)
+    assert [i for i, _ in placed] == [2, 3, 4]
+    assert all(pool.cached.get(k) is not None for k in keys)
+    chain = held + [b for _, b in placed]
+    assert list(pool.free_queue)[-5:] == chain[::-1]  # the first block evicted last
+    mgr.check_invariants()
+    computed, n = mgr.get_computed_blocks(req)
+    assert n == 5 * BS and computed == chain
+
+
 def test_a_lower_tier_needs_one_group_and_caching() -> None:
     with pytest.raises(ValueError):
         KVCacheManager(8, BS, enable_prefix_caching=False, lower_tier=FakeTier())

@@ -294,6 +294,33 @@ def test_prefix_bench(tiny_llama, tmp_path, capsys):
     assert rep["hashing_profile"]["functions"]
 
 
+def test_prefix_bench_restart_scenario(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    prefix_bench.cli([
+        "--model", tiny_llama, "--restart", "--doc-len", "200", "--restart-question-len",
+        "6", "--restart-output-len", "4", "--competing-requests", "3", "--competing-len",
+        "64", "--spare-blocks", "8", "--num-requests", "6", "--zero-reuse-input-len", "40",
+        "--zero-reuse-output-len", "3", "--zero-reuse-max-num-seqs", "2", "--repeats", "1",
+        "--kv-store-dir", str(tmp_path / "store"), *ENGINE, "--save-result", str(out)])
+    text = capsys.readouterr().out
+    for field in ("cold prefill TTFT", "pool hit TTFT", "after restart", "% of cold",
+                  "plain read", "competing requests", "the pool hit",
+                  "zero-reuse cost of the store"):
+        assert field in text, field
+    rep = json.loads(out.read_text())
+    rs = rep["restart"]
+    assert rs["identical_answer"] and rs["cold"]["cached_tokens"] == 0
+    assert rs["pool_hit"]["cached_tokens"] == rs["after_restart"]["cached_tokens"] == 192
+    assert rs["store_read"]["blocks"] == 12 and rs["store_read"]["bytes"] > 0
+    assert rs["plain_read"]["files"] >= 12
+    ev = rep["evicted"]
+    assert ev["identical_answer"] and ev["blocks_handed_to_store"] > 0
+    assert ev["blocks_read_back"] > 0 and ev["again"]["cached_tokens"] == 192
+    (pair,) = rep["zero_reuse"]["runs"]
+    assert pair["store"]["store_saved"] > 0 and pair["store"]["store_hits"] == 0
+    assert pair["store"]["hit_rate"] == pair["no_store"]["hit_rate"] == 0
+
+
 def test_bench_cli_registers_benchmarks():
     from pagedserve.server import bench_cli
 
