@@ -1,4 +1,6 @@
-"""The KV block store: tiers behind a writer thread and a reader thread.
+"""The KV block store: tiers behind a writer thread and a reader thread (which reads a
+load's blocks with a few helper threads: file reads and checksums leave the GIL, so they
+overlap one another and keep several reads in flight on the disk).
 
 What the engine supplies. A :class:`~.fingerprint.StoreFingerprint` of everything that
 shapes the KV bytes, the payload size of one block (``block_nbytes``: one block's K and V
@@ -27,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 
 from pagedserve.engine.kvstore.files import MAX_KEY_BYTES, Payload, payload_nbytes
@@ -116,7 +119,7 @@ class KVBlockStore:
     """
 
     def __init__(self, tiers: Sequence[Tier], block_nbytes: int, *,
-                 max_queued_writes: int = 64) -> None:  # fmt: skip
+                 max_queued_writes: int = 64, read_threads: int = 4) -> None:  # fmt: skip
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"KV store tiers need distinct names, got {names}")
@@ -135,6 +138,8 @@ class KVBlockStore:
                                           daemon=True),
                          threading.Thread(target=self._read_loop, name="kvstore-reader",
                                           daemon=True)]  # fmt: skip
+        self._readers = ThreadPoolExecutor(read_threads, "kvstore-read") \
+            if read_threads > 1 else None  # fmt: skip
         for t in self._threads:
             t.start()
 
@@ -254,28 +259,43 @@ class KVBlockStore:
 
     def _load(self, ticket: LoadTicket) -> None:
         t0 = time.perf_counter_ns()
+        keys = ticket.keys
+        futures = [self._readers.submit(self._fetch_for, ticket, k) for k in keys] \
+            if self._readers is not None and len(keys) > 1 else None  # fmt: skip
         broken = False
-        for key in ticket.keys:
-            if ticket.cancelled or self._closing:
-                break
-            payload = self._fetch(key)
-            if payload is None:
-                broken = True
-                break
-            ticket._payloads.append(payload)
+        try:
+            for i, key in enumerate(keys):
+                if ticket.cancelled or self._closing:
+                    break
+                payload = futures[i].result() if futures is not None else self._fetch(key)
+                if payload is None:
+                    broken = not (ticket.cancelled or self._closing)
+                    break
+                ticket._payloads.append(payload)
+        finally:
+            if futures is not None:  # none left running once the ticket is finished
+                for f in futures:
+                    f.cancel()
+                wait(futures)
         discarded = 0
         if broken:
             # The request computes the rest of the chain and hands it over again; the
             # copies held past the broken block would only be touched, not replaced, by
             # that (a damaged file among them would be met again), so they go now.
-            rest = ticket.keys[len(ticket._payloads) + 1:]
+            rest = keys[len(ticket._payloads) + 1:]
             discarded = sum(tier.discard(rest) for tier in self.tiers)
         with self._cond:
             self._stats.blocks_loaded += len(ticket._payloads)
             self._stats.discarded += discarded
             self._stats.load_ns += time.perf_counter_ns() - t0
-            if len(ticket._payloads) < len(ticket.keys):
+            if len(ticket._payloads) < len(keys):
                 self._stats.loads_cut_short += 1
+
+    def _fetch_for(self, ticket: LoadTicket, key: bytes) -> Payload | None:
+        """:meth:`_fetch` on a helper thread, unless the load was given up meanwhile."""
+        if ticket.cancelled or self._closing:
+            return None
+        return self._fetch(key)
 
     def _fetch(self, key: bytes) -> Payload | None:
         """One block from the write queue or the first tier that serves it; a block from a
@@ -332,6 +352,8 @@ class KVBlockStore:
             self._cond.notify_all()
         for t in self._threads:
             t.join()
+        if self._readers is not None:
+            self._readers.shutdown()
         for ticket in self._loads:
             ticket._finish()
         for tier in self.tiers:

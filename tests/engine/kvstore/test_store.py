@@ -23,13 +23,14 @@ def _load(store: KVBlockStore, keys: list[bytes]) -> list:
     return ticket.payloads()
 
 
-def test_roundtrip_through_the_disk_and_a_restart(tmp_path: Path) -> None:
+@pytest.mark.parametrize("read_threads", [1, 4])
+def test_roundtrip_through_the_disk_and_a_restart(tmp_path: Path, read_threads: int) -> None:
     store = KVBlockStore([_disk(tmp_path)], NBYTES)
     chain = [key(i) for i in range(4)]
     for k in chain[:3]:
         assert store.put(k, payload(k))
     store.close()
-    store = KVBlockStore([_disk(tmp_path)], NBYTES)
+    store = KVBlockStore([_disk(tmp_path)], NBYTES, read_threads=read_threads)
     assert store.longest_prefix(chain) == 3
     assert _load(store, chain[:3]) == [payload(k) for k in chain[:3]]
     stats = store.stats()
@@ -51,8 +52,9 @@ def test_longest_prefix_stops_at_the_first_gap(tmp_path: Path) -> None:
     store.close()
 
 
-def test_a_bad_block_cuts_the_load_short(tmp_path: Path) -> None:
-    store = KVBlockStore([_disk(tmp_path)], NBYTES)
+@pytest.mark.parametrize("read_threads", [1, 4])
+def test_a_bad_block_cuts_the_load_short(tmp_path: Path, read_threads: int) -> None:
+    store = KVBlockStore([_disk(tmp_path)], NBYTES, read_threads=read_threads)
     chain = [key(i) for i in range(4)]
     for k in chain:
         store.put(k, payload(k))
