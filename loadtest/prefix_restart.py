@@ -5,8 +5,8 @@ Three parts, on one long shared document (``--doc-len`` tokens) and a store dire
 (``--kv-store-dir``, a temporary one by default):
 
 * **restart**: a fresh engine with the store computes the document and a question (the
-  cold TTFT), then the same document with another question (a pool hit), and shuts
-  down (its pool's blocks go to the store). The page cache is dropped for the store's
+  cold TTFT), then the same document with three other questions (pool hits: the
+  median is kept), and shuts down (its pool's blocks go to the store). The page cache is dropped for the store's
   files (``posix_fadvise(DONTNEED)``), as after a reboot or on a new host with the same
   volume, and a new engine asks the first question again: its TTFT, its answer against
   the cold answer, and the store's read rate against a plain read of the same files.
@@ -193,7 +193,8 @@ def run_restart(args, token_ids: list[int]) -> dict[str, Any]:
         if args.warmup:
             warm_up(llm, token_ids, args.seed)
         cold = _Clock.ask(llm, doc + q1, out_len)
-        hit = _Clock.ask(llm, doc + q2, out_len)
+        hits = [_Clock.ask(llm, doc + q, out_len) for q in (q2, q2[::-1], q1[::-1])]
+        hit = sorted(hits, key=lambda h: h["ttft_s"])[1]  # the median of three questions
         _close(llm)  # the pool's blocks are written to the store
         on_disk = _drop_page_cache(store_dir)
         llm = _llm(args, **store)
@@ -211,7 +212,9 @@ def run_restart(args, token_ids: list[int]) -> dict[str, Any]:
             "ttft_restart_over_cold": again["ttft_s"] / cold["ttft_s"],
             "store_bytes_on_disk": on_disk, "store_read": read, "plain_read": plain}
         print(f"cold prefill TTFT {cold['ttft_s']:8.3f} s  ({len(doc) + len(q1)} tokens)")
-        print(f"pool hit TTFT     {hit['ttft_s']:8.3f} s  (cached {hit['cached_tokens']})")
+        print(f"pool hit TTFT     {hit['ttft_s']:8.3f} s  (cached {hit['cached_tokens']}; "
+              f"median of {len(hits)} questions: "
+              + ", ".join(f"{h['ttft_s']:.3f}" for h in hits) + ")")
         print(f"after restart     {again['ttft_s']:8.3f} s  (cached {again['cached_tokens']}) = "
               f"{100 * again['ttft_s'] / cold['ttft_s']:.2f}% of cold; answer "
               f"{'identical' if same else 'DIFFERENT'}")

@@ -162,6 +162,17 @@ class KVBlockStore:
             self._stats.puts += 1
             return True
 
+    def room(self) -> int:
+        """Puts the write queue takes now before it drops."""
+        with self._cond:
+            return 0 if self._closing else max(0, self._max_queued - len(self._writes))
+
+    def drop(self, n: int) -> None:
+        """Count ``n`` blocks the caller did not put because the queue had no room (read
+        :meth:`room` first: their bytes need not be copied out at all)."""
+        with self._cond:
+            self._stats.dropped_writes += n
+
     def _enqueue(self, key: bytes, payload: Payload, first_tier: int) -> bool:
         """Queue a write (the caller holds the condition)."""
         if self._closing or len(self._writes) >= self._max_queued:

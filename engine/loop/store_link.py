@@ -144,10 +144,19 @@ class EngineKVStore:
     def put(self, blocks: Sequence[tuple[bytes, int]], wait: bool = False) -> None:
         """Queue the blocks' bytes for the store; never blocks unless ``wait`` (reset and
         shutdown), which writes them in batches that fit the queue rather than drop, and
-        only the last ones (the most recently used) that the store's tiers can hold."""
+        only the last ones (the most recently used) that the store's tiers can hold.
+        Without ``wait``, only the last ones the queue has room for are copied out; the
+        rest count as dropped writes."""
         if wait:
             room = sum(t.capacity_bytes for t in self.store.tiers) // self.copier.block_nbytes
             blocks = blocks[max(0, len(blocks) - room):]
+        else:  # what the queue would drop is not copied out (blocks come oldest first)
+            room = self.store.room()
+            if len(blocks) > room:
+                self.store.drop(len(blocks) - room)
+                blocks = blocks[len(blocks) - room:]
+            if not blocks:
+                return
         step = self._max_queued if wait else max(1, len(blocks))
         for i in range(0, len(blocks), step):
             batch = blocks[i:i + step]

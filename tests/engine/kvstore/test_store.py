@@ -105,10 +105,17 @@ def test_put_never_blocks_and_drops_when_the_queue_is_full() -> None:
     stats = store.stats()["store"]
     assert (stats["puts"], stats["dropped_writes"], stats["duplicate_puts"]) == (3, 7, 1)
     assert stats["queued"] == 2 and stats["queued_hits"] == 2
+    # The room left is what a caller reads before copying blocks out; what it leaves
+    # out for want of room it counts.
+    assert store.room() == 0
+    store.drop(5)
+    assert store.stats()["store"]["dropped_writes"] == 12
     tier.gate.set()
     assert store.flush(5)
     assert store.stats()["memory"]["writes"] == 3 and store.stats()["store"]["queued"] == 0
+    assert store.room() == 2
     store.close()
+    assert store.room() == 0
 
 
 def test_memory_demotes_to_disk_and_a_disk_hit_is_promoted(tmp_path: Path) -> None:
@@ -167,3 +174,34 @@ def test_open_store(tmp_path: Path) -> None:
     store.close()
     with pytest.raises(ValueError):
         KVBlockStore([MemoryTier(1), MemoryTier(2)], NBYTES)
+
+
+def test_the_engine_copies_out_only_what_the_queue_takes() -> None:
+    """Evicted blocks past the write queue's room are counted as dropped without their
+    bytes being copied out of the cache; the most recently used (the last) are kept."""
+    from pagedserve.engine.loop.store_link import EngineKVStore
+
+    class Copier:
+        block_nbytes = NBYTES
+
+        def __init__(self) -> None:
+            self.read_ids: list[int] = []
+
+        def read(self, ids: list[int]) -> list[bytes]:
+            self.read_ids += ids
+            return [payload(key(b)) for b in ids]
+
+    tier = SlowTier()
+    store = KVBlockStore([tier], NBYTES, max_queued_writes=3)
+    link = EngineKVStore(store, Copier(), 3)  # type: ignore[arg-type]
+    link.put([(key(0), 0)])
+    assert tier.entered.wait(5)  # the writer holds block 0: 3 places left
+    link.put([(key(i), i) for i in range(1, 8)])
+    assert link.copier.read_ids == [0, 5, 6, 7]
+    assert store.stats()["store"]["dropped_writes"] == 4
+    link.put([(key(9), 9)])  # no room: nothing read
+    assert link.copier.read_ids == [0, 5, 6, 7]
+    tier.gate.set()
+    assert store.flush(5)
+    assert store.longest_prefix([key(5), key(6), key(7)]) == 3
+    store.close()
