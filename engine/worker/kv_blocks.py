@@ -40,12 +40,24 @@ class KVBlockCopier:
         dtype = str(self.kv_cache.dtype).removeprefix("torch.")
         return "kv[layer,2,token,head,dim]=" + "x".join(map(str, self.block_shape)) + f":{dtype}"
 
-    def read(self, block_ids: Sequence[int]) -> list[bytes]:
-        """The payloads of ``block_ids`` (host bytes of their own: the store keeps them)."""
+    def read(self, block_ids: Sequence[int]) -> list[bytes | memoryview]:
+        """The payloads of ``block_ids``, host bytes of their own (the store keeps them).
+
+        On the CPU each block is copied once, into a buffer of its own (a memoryview of
+        bytes); on a GPU the blocks are gathered and moved in one transfer."""
         if not block_ids:
             return []
-        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=self.kv_cache.device)
-        blocks = self.kv_cache.index_select(2, idx).movedim(2, 0).contiguous()
+        cache = self.kv_cache
+        if cache.device.type == "cpu":
+            out: list[bytes | memoryview] = []
+            for b in block_ids:
+                host = np.empty(self.block_nbytes, dtype=np.uint8)
+                torch.from_numpy(host).view(cache.dtype).view(self.block_shape).copy_(
+                    cache[:, :, b])
+                out.append(memoryview(host))
+            return out
+        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+        blocks = cache.index_select(2, idx).movedim(2, 0).contiguous()
         host = blocks.to("cpu").view(torch.uint8).reshape(len(block_ids), -1).numpy()
         return [host[i].tobytes() for i in range(len(block_ids))]
 
