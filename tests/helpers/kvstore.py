@@ -112,3 +112,20 @@ if __name__ == "__main__":
         _share(args[0], int(args[1]), int(args[2]), int(args[3]))
     else:
         raise SystemExit(f"unknown mode {mode}")
+
+
+def engine_prompts() -> list[list[int]]:
+    """The engine tests' prompts: three sharing 40 tokens (two full blocks of 16) with
+    tails of their own, and one of its own."""
+    shared = [(i * 37) % 4000 + 5 for i in range(40)]
+    return [shared + [900 + i, 901, 902 + i] for i in range(3)] + \
+        [[(i * 11) % 3000 + 7 for i in range(53)]]  # fmt: skip
+
+
+def settled(llm) -> None:
+    """An idle engine with a store: the paging core's invariants hold, no block is in
+    use and no request waits for a load."""
+    kv = llm.engine.kv
+    kv.check_invariants()
+    assert kv.stats().num_used_blocks == 0
+    assert not llm.engine.scheduler.waiting_for_kv_load

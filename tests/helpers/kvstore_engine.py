@@ -1,8 +1,8 @@
 """A child process that serves from an engine with a write-through disk KV store, to be
 killed mid-write (run as a script: ``python kvstore_engine.py MODEL STORE_DIR``).
 
-It first runs the KV store engine tests' prompts (:func:`tests.engine.kvstore.
-test_engine_faults.prompts`), whose blocks are written through to the disk, prints
+It first runs the KV store engine tests' prompts
+(:func:`tests.helpers.kvstore.engine_prompts`), whose blocks are written through to the disk, prints
 ``READY`` once the store has written them, then generates from new prompts without end,
 so the store's writer is busy when the test kills it.
 """
@@ -29,6 +29,6 @@ def main(model: str, store: str, prompts: list[list[int]]) -> None:
 
 
 if __name__ == "__main__":
-    from tests.engine.kvstore.test_engine_faults import prompts
+    from tests.helpers.kvstore import engine_prompts
 
-    main(sys.argv[1], sys.argv[2], prompts())
+    main(sys.argv[1], sys.argv[2], engine_prompts())

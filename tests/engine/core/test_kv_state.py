@@ -10,7 +10,13 @@ import threading
 import pytest
 
 from pagedserve.blockmgr import KVCacheManager
-from pagedserve.blockmgr.snapshot import encode_blocks, expand_runs, summarize, table_runs
+from pagedserve.blockmgr.snapshot import (
+    encode_blocks,
+    expand_runs,
+    summarize,
+    summarize_marks,
+    table_runs,
+)
 from pagedserve.engine.core.kv_state import KVState, KVStateTaker, take_kv_state
 from pagedserve.engine.core.request import Request, RequestGroup
 from pagedserve.engine.core.sampling_params import SamplingParams
@@ -139,6 +145,16 @@ def test_summary_cell_is_the_strongest_state() -> None:
     assert summarize(blocks, 1) == (bytes([5]), 11)
     with pytest.raises(ValueError, match="max_cells must be positive, got 0"):
         summarize(bytearray(4), 0)
+
+
+def test_loaded_marks_per_cell() -> None:
+    """A cell is marked where any of its blocks holds bytes read back from the store; the
+    last cell may cover fewer blocks."""
+    marks = bytearray([0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0])
+    assert summarize_marks(marks, 1) == bytes(marks)
+    assert summarize_marks(marks, 3) == bytes([1, 0, 1, 0])
+    assert summarize_marks(marks, 11) == bytes([1])
+    assert summarize_marks(bytearray(5), 2) == bytes(3)
 
 
 def test_table_runs_round_trip() -> None:

@@ -46,21 +46,32 @@ class FakeStore:
         return self.tickets[-1]
 
 
+PROMPT = list(range(10, 23))
+"""3 full blocks; a lookup may hit 3."""
+
+
 def save(store: FakeStore, out) -> None:
     for key, _ in out.blocks_to_save:
         store.blocks[key] = b"kv-of-" + key
 
 
-def test_a_request_waits_for_its_load_then_hits_the_blocks_read() -> None:
+def stored_prompt(num_blocks: int, **kw):
+    """A scheduler over a fake store that holds the blocks of ``PROMPT`` (computed by a
+    first request, then handed over by a reset of the pool): ``(store, runner, s)``."""
     store, runner = FakeStore(), FakeRunner()
-    s = make_scheduler(num_blocks=8, kv_store=store)
-    prompt = list(range(10, 23))  # 3 full blocks; a lookup may hit 3
-    s.add_request(make_request("a", prompt, max_tokens=1))
+    s = make_scheduler(num_blocks=num_blocks, kv_store=store, **kw)
+    s.add_request(make_request("a", PROMPT, max_tokens=1))
     while s.has_unfinished():
         save(store, run_step(s, runner))
     assert s.kv.reset_prefix_cache()
     for key, _ in s.take_kv_saves():
         store.blocks[key] = b"kv-of-" + key
+    return store, runner, s
+
+
+def test_a_request_waits_for_its_load_then_hits_the_blocks_read() -> None:
+    store, runner, s = stored_prompt(8)
+    prompt = PROMPT
     assert len(store.blocks) == 3
     b = make_request("b", prompt, max_tokens=3)
     s.add_request(b)
@@ -83,15 +94,8 @@ def test_a_request_waits_for_its_load_then_hits_the_blocks_read() -> None:
 
 
 def test_aborting_a_waiting_load_cancels_it() -> None:
-    store, runner = FakeStore(), FakeRunner()
-    s = make_scheduler(num_blocks=8, kv_store=store)
-    prompt = list(range(10, 23))
-    s.add_request(make_request("a", prompt, max_tokens=1))
-    while s.has_unfinished():
-        run_step(s, runner)
-    s.kv.reset_prefix_cache()
-    for key, _ in s.take_kv_saves():
-        store.blocks[key] = b"x"
+    store, runner, s = stored_prompt(8)
+    prompt = PROMPT
     b = make_request("b", prompt)
     s.add_request(b)
     run_step(s, runner)
@@ -113,15 +117,8 @@ def test_write_through_names_the_blocks_a_step_fills() -> None:
 
 
 def test_a_load_cut_short_leaves_the_rest_to_compute() -> None:
-    store, runner = FakeStore(), FakeRunner()
-    s = make_scheduler(num_blocks=8, kv_store=store)
-    prompt = list(range(10, 23))
-    s.add_request(make_request("a", prompt, max_tokens=1))
-    while s.has_unfinished():
-        run_step(s, runner)
-    s.kv.reset_prefix_cache()
-    for key, _ in s.take_kv_saves():
-        store.blocks[key] = b"x"
+    store, runner, s = stored_prompt(8)
+    prompt = PROMPT
     b = make_request("b", prompt, max_tokens=3)
     s.add_request(b)
     run_step(s, runner)
@@ -138,15 +135,8 @@ def test_a_load_cut_short_leaves_the_rest_to_compute() -> None:
 
 
 def test_requests_of_one_prefix_share_a_load() -> None:
-    store, runner = FakeStore(), FakeRunner()
-    s = make_scheduler(num_blocks=16, kv_store=store)
-    prompt = list(range(10, 23))
-    s.add_request(make_request("a", prompt, max_tokens=1))
-    while s.has_unfinished():
-        run_step(s, runner)
-    s.kv.reset_prefix_cache()
-    for key, _ in s.take_kv_saves():
-        store.blocks[key] = b"x"
+    store, runner, s = stored_prompt(16)
+    prompt = PROMPT
     reqs = [make_request(rid, prompt + [90 + i], max_tokens=2) for i, rid in enumerate("bcd")]
     for r in reqs:
         s.add_request(r)

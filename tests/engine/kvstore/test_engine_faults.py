@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from tests.helpers.kvstore import engine_prompts as prompts
+from tests.helpers.kvstore import settled
 from tests.helpers.subprocess import run_as_script
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -23,24 +25,9 @@ BASE = dict(dtype="float32", max_num_batched_tokens=64, max_model_len=512)
 CHILD = Path(__file__).resolve().parents[2] / "helpers" / "kvstore_engine.py"
 
 
-def prompts() -> list[list[int]]:
-    """Three prompts sharing 40 tokens (two full blocks of 16), and one of their own."""
-    shared = [(i * 37) % 4000 + 5 for i in range(40)]
-    return [shared + [900 + i, 901, 902 + i] for i in range(3)] + \
-        [[(i * 11) % 3000 + 7 for i in range(53)]]  # fmt: skip
-
-
 def run(llm: LLM) -> tuple[list[list[int]], list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
-
-
-def settled(llm: LLM) -> None:
-    """Idle: the paging core's invariants hold and nothing is held or waiting."""
-    kv = llm.engine.kv
-    kv.check_invariants()
-    assert kv.stats().num_used_blocks == 0
-    assert not llm.engine.scheduler.waiting_for_kv_load
 
 
 def block_files(root: Path) -> list[Path]:

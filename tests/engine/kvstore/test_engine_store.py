@@ -11,29 +11,17 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.core.request import RequestStatus
 from pagedserve.engine.kvstore.files import FORMAT_VERSION
+from tests.helpers.kvstore import engine_prompts as prompts
+from tests.helpers.kvstore import settled
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=8, ignore_eos=True)
 BASE = dict(dtype="float32", max_num_batched_tokens=64, max_model_len=512)
 
 
-def prompts() -> list[list[int]]:
-    """A shared prefix of 40 tokens with three tails, and one prompt of its own."""
-    shared = [(i * 37) % 4000 + 5 for i in range(40)]
-    return [shared + [900 + i, 901, 902 + i] for i in range(3)] + \
-        [[(i * 11) % 3000 + 7 for i in range(53)]]  # fmt: skip
-
-
 def run(llm: LLM, params: SamplingParams) -> tuple[list[list[int]], list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
-
-
-def idle_checks(llm: LLM) -> None:
-    kv = llm.engine.kv
-    kv.check_invariants()
-    assert kv.stats().num_used_blocks == 0
-    assert not llm.engine.scheduler.waiting_for_kv_load
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +51,7 @@ def test_hits_after_a_reset_and_a_restart_equal_outputs_without_a_store(tiny, re
         stats = llm.engine.kv_store_stats()
         assert stats["tier_placed"] > 0 and stats["tier_loads"] > 0
         assert stats["store_errors"] == 0
-        idle_checks(llm)
+        settled(llm)
     if tiers == "host":
         return
     with LLM(tiny, **kw) as llm:  # a restart: the disk tier alone has the blocks
@@ -71,7 +59,7 @@ def test_hits_after_a_reset_and_a_restart_equal_outputs_without_a_store(tiny, re
         assert tokens == reference["seeded"]
         assert all(c >= 32 for c in cached)
         assert llm.engine.kv_store_stats()["disk_loads"] > 0
-        idle_checks(llm)
+        settled(llm)
 
 
 def test_the_default_model_reads_its_blocks_back_after_a_restart(tmp_path):
@@ -84,7 +72,7 @@ def test_the_default_model_reads_its_blocks_back_after_a_restart(tmp_path):
         greedy, cached = run(llm, GREEDY)
         assert (greedy, run(llm, SEEDED)[0]) == want
         assert all(c >= 32 for c in cached)
-        idle_checks(llm)
+        settled(llm)
 
 
 def test_write_through_stores_blocks_while_the_pool_holds_them(tiny, reference, tmp_path):
@@ -98,7 +86,7 @@ def test_write_through_stores_blocks_while_the_pool_holds_them(tiny, reference, 
         assert llm.engine.kv_store_stats()["tier_saved"] == 0  # not handed over twice
         tokens, cached = run(llm, GREEDY)
         assert tokens == reference["greedy"] and all(c >= 32 for c in cached)
-        idle_checks(llm)
+        settled(llm)
 
 
 def test_a_workload_without_reuse_writes_but_never_loads(tiny, tmp_path):
@@ -116,7 +104,7 @@ def test_a_workload_without_reuse_writes_but_never_loads(tiny, tmp_path):
         stats = llm.engine.kv_store_stats()
         assert stats["tier_saved"] > 0 and stats["disk_writes"] > 0
         assert stats["tier_loads"] == 0 and stats["store_blocks_loaded"] == 0
-        idle_checks(llm)
+        settled(llm)
 
 
 def test_a_store_of_another_configuration_is_never_used(tiny, reference, tmp_path):
@@ -144,7 +132,7 @@ def test_a_store_of_another_configuration_is_never_used(tiny, reference, tmp_pat
         stats = llm.engine.kv_store_stats()
         assert stats["tier_hits"] > 0 and stats["disk_skips"] > 0
         assert stats["tier_placed"] == 0 and stats["disk_loads"] == 0
-        idle_checks(llm)
+        settled(llm)
 
 
 def test_an_aborted_load_leaves_nothing_behind(tiny, tmp_path):
@@ -158,7 +146,7 @@ def test_an_aborted_load_leaves_nothing_behind(tiny, tmp_path):
         assert req.status is RequestStatus.WAITING_FOR_KV_LOAD
         eng.abort_request(group.request_id)
         assert not eng.has_unfinished_requests()
-        idle_checks(llm)
+        settled(llm)
 
 
 def test_settings_are_checked():
@@ -195,7 +183,7 @@ def test_lora_requests_never_reach_the_store(tiny, reference, tmp_path):
         assert run(llm, GREEDY)[0] == reference["greedy"]
         assert llm.reset_prefix_cache()
         assert llm.engine.kv_store_stats()["tier_saved"] > 0
-        idle_checks(llm)
+        settled(llm)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "mistral_window"])
