@@ -53,30 +53,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--zero-reuse-max-num-seqs", type=int, default=8)
 
 
-class _Clock:
-    """TTFT of one request stepped alone on an engine."""
+def _ask(llm, prompt: list[int], output_len: int) -> dict[str, Any]:
+    """One greedy request stepped alone on the engine: its TTFT (the engine's own
+    ``metrics.time_to_first_token``), its tokens and its cached prompt tokens."""
+    from pagedserve.engine.core.sampling_params import SamplingParams
 
-    @staticmethod
-    def ask(llm, prompt: list[int], output_len: int) -> dict[str, Any]:
-        from pagedserve.engine.core.sampling_params import SamplingParams
-
-        eng = llm.engine
-        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
-        t0 = time.perf_counter()
-        rid = eng.add_request(None, prompt, sp).request_id
-        ttft = None
-        final = None
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.request_id != rid:
-                    continue
-                if ttft is None and out.outputs and out.outputs[0].token_ids:
-                    ttft = time.perf_counter() - t0
-                if out.finished:
-                    final = out
-        assert final is not None and ttft is not None
-        return {"ttft_s": ttft, "tokens": list(final.outputs[0].token_ids),
-                "cached_tokens": final.num_cached_tokens}
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    rid = eng.add_request(None, prompt, sp).request_id
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    assert final is not None and final.metrics.time_to_first_token is not None
+    return {"ttft_s": final.metrics.time_to_first_token,
+            "tokens": list(final.outputs[0].token_ids),
+            "cached_tokens": final.num_cached_tokens}
 
 
 def _drop_page_cache(root: Path) -> int:
@@ -200,8 +193,8 @@ def run_restart(args, token_ids: list[int]) -> dict[str, Any]:
         llm = _llm(args, **store)
         if args.warmup:
             warm_up(llm, token_ids, args.seed)
-        cold = _Clock.ask(llm, doc + q1, out_len)
-        hits = [_Clock.ask(llm, doc + q, out_len) for q in (q2, q2[::-1], q1[::-1])]
+        cold = _ask(llm, doc + q1, out_len)
+        hits = [_ask(llm, doc + q, out_len) for q in (q2, q2[::-1], q1[::-1])]
         hit = sorted(hits, key=lambda h: h["ttft_s"])[1]  # the median of three questions
         _close(llm)  # the pool's blocks are written to the store
         on_disk = _drop_page_cache(store_dir)
@@ -210,7 +203,7 @@ def run_restart(args, token_ids: list[int]) -> dict[str, Any]:
             warm_up(llm, token_ids, args.seed)
         _drop_page_cache(store_dir)
         before = llm.engine.kv_store_stats()  # the warm-up may read blocks of its own
-        again = _Clock.ask(llm, doc + q1, out_len)
+        again = _ask(llm, doc + q1, out_len)
         read = _store_read(llm.engine.kv_store_stats(), before)
         _close(llm)
         plain = _plain_read_rate(store_dir)
@@ -237,14 +230,14 @@ def run_restart(args, token_ids: list[int]) -> dict[str, Any]:
         pool = doc_blocks + args.spare_blocks
         fresh = {**store, "kv_store_dir": str(base / "evicted")}  # the pool hands them over
         llm = _llm(args, **fresh, num_gpu_blocks_override=pool)
-        first = _Clock.ask(llm, doc + q2, out_len)
+        first = _ask(llm, doc + q2, out_len)
         competing = [[rng.choice(token_ids) for _ in range(args.competing_len)]
                      for _ in range(args.competing_requests)]  # fmt: skip
         before = llm.engine.kv_store_stats()
         for p in competing:
-            _Clock.ask(llm, p, out_len)
+            _ask(llm, p, out_len)
         evicted = llm.engine.kv_store_stats()["tier_saved"] - before["tier_saved"]
-        back = _Clock.ask(llm, doc + q1, out_len)
+        back = _ask(llm, doc + q1, out_len)
         stats = llm.engine.kv_store_stats()
         _close(llm)
         placed = stats["tier_placed"] - before["tier_placed"]

@@ -7,8 +7,9 @@ the logical layout every cache indexes as (:func:`pagedserve.kernels.interface.a
 whatever the backend's memory layout, so the bytes depend on the values alone. The
 layout string (:attr:`KVBlockCopier.layout`) goes into the store's fingerprint.
 
-Copies are batched: one gather (or scatter) over the block dimension per call, and on
-CUDA one transfer each way.
+On the CPU each block is one strided copy straight between its place in the cache and
+its own host buffer; on CUDA a call's blocks are gathered (or scattered) together and
+moved in one transfer each way.
 """
 
 from __future__ import annotations
