@@ -339,4 +339,76 @@ static inline vf vf_exp(vf x) {
 #define prefetch_l1(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #endif
 
+
+/* ------------------------------------------------------------------------- */
+/* Integer dot products of bytes, eight output columns at a time (qgemm_i8.h). */
+/* ------------------------------------------------------------------------- */
+/* ``vq``: 32 bytes, four consecutive bytes of each of eight columns; ``vq8f``: those
+ * columns' eight float32 sums. AVX2's 256-bit integer instructions, on AVX-512 builds
+ * too (the same instructions, the same results). */
+#if defined(__AVX2__)
+#define SIMD_I8 1
+typedef __m256i vq;
+typedef __m256 vq8f;
+static inline vq vq_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vq vq_zero(void) { return _mm256_setzero_si256(); }
+/* The four bytes at ``p`` in every column. */
+static inline vq vq_bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+static inline vq vq_lo_nibbles(vq w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
+static inline vq vq_hi_nibbles(vq w) {
+    return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F));
+}
+/* Unsigned bytes ``u`` times signed bytes ``s``, neighbouring pairs summed to int16
+ * (each pair's sum must fit: |sum| < 32768). */
+static inline vq vq_dot_pairs(vq u, vq s) { return _mm256_maddubs_epi16(u, s); }
+static inline vq vq_add16(vq a, vq b) { return _mm256_add_epi16(a, b); }
+static inline vq vq_add32(vq a, vq b) { return _mm256_add_epi32(a, b); }
+static inline vq vq_sub32(vq a, vq b) { return _mm256_sub_epi32(a, b); }
+static inline vq vq_set32(int32_t v) { return _mm256_set1_epi32(v); }
+/* Neighbouring int16 pairs summed to int32: a column's four bytes, one lane. */
+static inline vq vq_sum16(vq a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+static inline vq vq_abs8(vq a) { return _mm256_abs_epi8(a); }
+/* ``a``'s bytes with the signs of ``b``'s (zero where b's byte is zero). */
+static inline vq vq_sign8(vq a, vq b) { return _mm256_sign_epi8(a, b); }
+static inline vq8f vq_to_f32(vq a) { return _mm256_cvtepi32_ps(a); }
+static inline vq8f vq8f_zero(void) { return _mm256_setzero_ps(); }
+static inline vq8f vq8f_set1(float v) { return _mm256_set1_ps(v); }
+static inline vq8f vq8f_mul(vq8f a, vq8f b) { return _mm256_mul_ps(a, b); }
+static inline vq8f vq8f_fmadd(vq8f a, vq8f b, vq8f c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vq8f vq8f_load_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vq8f vq8f_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vq8f_store(float *p, vq8f v) { _mm256_storeu_ps(p, v); }
+/* The largest |x| of 32 floats, and those floats times ``id`` rounded to the nearest
+ * integer (ties to even) as bytes. */
+static inline float vq_absmax32(const float *x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+    for (int i = 8; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+static inline void vq_quantize32(const float *x, float id, int8_t *q) {
+    const __m256 s = _mm256_set1_ps(id);
+    __m256i v[4];
+    for (int i = 0; i < 4; ++i)
+        v[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), s),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    /* packs interleave 128-bit halves: undo with one permute */
+    const __m256i a = _mm256_packs_epi32(v[0], v[1]), b = _mm256_packs_epi32(v[2], v[3]);
+    const __m256i c = _mm256_packs_epi16(a, b);
+    _mm256_storeu_si256((__m256i *)q,
+                        _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#else
+#define SIMD_I8 0
+#endif
+
 #endif
