@@ -22,6 +22,7 @@ DEVICES = ("auto", "cpu", "cuda")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "llguidance")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("gguf", "int8", "gptq", "awq")
+QUANTIZED_ACTIVATIONS = ("auto", "int8", "float")
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,13 @@ class EngineConfig:
     when no model is given) or
     int8 (per-output-row int8 made at load from a float checkpoint), gptq or awq (a GPTQ
     or AWQ checkpoint's 4- or 8-bit weights; None serves such a checkpoint so too, as its
-    config.json says). Activations stay float32."""
+    config.json says)."""
+    quantized_activations: str = "auto"
+    """How the CPU's quantized linears take their activations: int8 (each row quantized
+    to 8 bits per 32 elements, integer dot products; Q8_0, Q4_0 and Q4_1 weights, the
+    other formats keep float32), float (float32 products, greedy output as the
+    dequantized weights give it) or auto (int8 on the AVX2 and AVX-512 builds, where it
+    measured faster; float on the portable one). The start-up paths line says which."""
     max_model_len: int | None = None
     seed: int = 0
     # KV cache
@@ -132,6 +139,9 @@ class EngineConfig:
         if self.quantization is not None and self.dtype in ("float16", "bfloat16"):
             raise bad("dtype", self.dtype,
                       f"quantization={self.quantization!r} computes in float32 (dtype auto or float32)")
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise bad("quantized_activations", self.quantized_activations,
+                      f"must be one of {QUANTIZED_ACTIVATIONS}")
         if self.device not in DEVICES:
             raise bad("device", self.device, f"must be one of {DEVICES}")
         if self.attention_backend not in ATTENTION_BACKENDS:

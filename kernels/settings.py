@@ -36,6 +36,10 @@ class KernelSettings:
     fuse_layers: bool = True
     """Whether the CPU backend runs a step's decoder layers in one native call where the
     step allows it (``PAGEDSERVE_FUSE_LAYERS``)."""
+    quantized_activations: str = "auto"
+    """How the CPU's quantized linears take activations: ``"int8"`` (8-bit, integer dot
+    products, for the formats that have such a product), ``"float"`` or ``"auto"`` (int8
+    on the vector builds); the engine's ``quantized_activations``."""
     triton_interpret: bool = False
     """Whether Triton runs in its interpreter (``TRITON_INTERPRET``), which the triton
     backend needs off CUDA."""

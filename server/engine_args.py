@@ -46,6 +46,7 @@ HELP: dict[str, str] = {
                          "(the reference) or triton.",
     "quantization": "Weight-only quantized linears: gguf, int8, gptq or awq (default: none; a GPTQ/AWQ "
                     "checkpoint is served quantized either way).",
+    "quantized_activations": "auto, int8 or float.",
     "enforce_eager": "Disable CUDA graphs.",
     "tensor_parallel_size": "Tensor-parallel ranks: each holds its share of the heads, the MLP and the vocabulary (processes spawned by the engine, or started by torchrun).",
     "speculative_config": "Speculative decoding as a JSON object, e.g. '{\"method\": "

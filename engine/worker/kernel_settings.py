@@ -7,10 +7,12 @@ from pagedserve.engine import envs
 from pagedserve.kernels.settings import KernelSettings
 
 
-def kernel_settings() -> KernelSettings:
+def kernel_settings(quantized_activations: str = "auto") -> KernelSettings:
     """``PAGEDSERVE_ATTENTION_BACKEND``, ``PAGEDSERVE_CPU_ISA``, ``$PAGEDSERVE_CACHE/kernels``,
-    ``CC``, ``PAGEDSERVE_PACK_WEIGHTS``, ``PAGEDSERVE_FUSE_LAYERS`` and ``TRITON_INTERPRET`` as they are now."""
+    ``CC``, ``PAGEDSERVE_PACK_WEIGHTS``, ``PAGEDSERVE_FUSE_LAYERS`` and ``TRITON_INTERPRET`` as they are now,
+    with the engine's ``quantized_activations``."""
     return KernelSettings(
+        quantized_activations=quantized_activations,
         auto_backend=envs.attention_backend(),
         cpu_isa=envs.cpu_isa(),
         cache_dir=envs.cache_root() / "kernels",

@@ -93,7 +93,9 @@ class Worker:
         """The decoder this process holds (a tensor-parallel rank's: its heads)."""
         self.eos_token_ids = eos_token_ids(settings.model_path, self.tokenizer)
 
-        self.attn = get_attention_backend(config.attention_backend, settings.device, kernel_settings())
+        self.attn = get_attention_backend(
+            config.attention_backend, settings.device,
+            kernel_settings(quantized_activations=config.quantized_activations))
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, settings.dtype, self.attn.name)
         if settings.device.type == "cpu":
             self.cpu_paths = cpu_paths.describe(self.attn, settings.dtype)

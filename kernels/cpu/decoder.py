@@ -28,7 +28,6 @@ import torch
 from pagedserve.kernels.cpu import abi
 from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
 from pagedserve.kernels.cpu.native import DTYPE_CODES, kv_layout
-from pagedserve.kernels.cpu.quant import format_code
 from pagedserve.kernels.interface import DecoderStack, ExpertWeights, LayerWeights, Weight
 from pagedserve.kernels.quant import QuantizedWeight, StackedWeight
 
@@ -242,7 +241,7 @@ class FusedLayers:
                 return None
             packed = self._ops.quant_packed(weight)
             keep.append(packed)
-            lin[C["LIN_FMT"]], lin[C["LIN_W"]] = format_code(weight), packed.data_ptr()
+            lin[C["LIN_FMT"]], lin[C["LIN_W"]] = self._ops.quant_code(weight), packed.data_ptr()
             return lin, self._ops.quant_max_rows
         if isinstance(weight, StackedWeight):
             parts = self._stacked_parts(weight, bias, n, k, keep)
@@ -269,7 +268,7 @@ class FusedLayers:
             packed = self._ops.quant_packed(part)
             keep.append(packed)
             at = 1 + i * size
-            table[at + C["LIN_FMT"]], table[at + C["LIN_W"]] = format_code(part), packed.data_ptr()
+            table[at + C["LIN_FMT"]], table[at + C["LIN_W"]] = self._ops.quant_code(part), packed.data_ptr()
             table[at + C["LIN_N"]], table[at + C["LIN_K"]] = part.n, k
             if bias is not None:  # float32: 4 bytes a row
                 table[at + C["LIN_BIAS"]] = bias.data_ptr() + 4 * row

@@ -27,7 +27,12 @@ builds without a vector path (2 to 1024 rows). The packed copy lives beside the 
 weights are multiplied by ``csrc/qgemm_cpu.c`` (:mod:`pagedserve.kernels.cpu.quant`) from a copy
 packed at load in groups of output columns, which then replaces the planes: prefill-sized
 products and embedding lookups dequantize the packed copy (the same bits), and the planes'
-memory is freed, so a quantized model is held once.
+memory is freed, so a quantized model is held once. With 8-bit activations
+(``quantized_activations``: ``"int8"``, or ``"auto"`` on the AVX2 and AVX-512 builds),
+Q8_0, Q4_0 and Q4_1 weights are packed for the integer-dot product instead
+(``csrc/qgemm_i8.h``: 2.2-2.8x faster than float activations at 1-32 rows on an AVX2 Zen 3,
+0.1-0.3% relative error against the float product); the other formats keep float
+activations.
 """
 
 from __future__ import annotations
@@ -41,7 +46,14 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.cpu.abi import MAX_HEAD_DIM
 from pagedserve.kernels.cpu.native import isa as build_isa
-from pagedserve.kernels.cpu.quant import cached_pack, native_dequantize, native_linear, packed_size
+from pagedserve.kernels.cpu.quant import (
+    INT8_ACTIVATION_FORMATS,
+    cached_pack,
+    format_code,
+    native_dequantize,
+    native_linear,
+    packed_size,
+)
 from pagedserve.kernels.layer_ops import TorchLayerOps, rms_norm
 from pagedserve.kernels.quant import QuantizedWeight, StackedWeight
 
@@ -56,6 +68,8 @@ QUANT_DIRECT_ROWS = {"avx512": 1024, "avx2": 64, "portable": 32}
 """Quantized weights: row counts up to which the native kernel multiplies in registers, by
 build level; larger batches dequantize the weight once and take a float product (where
 that measured faster: BENCHMARKS.md)."""
+QUANTIZED_ACTIVATIONS = ("auto", "int8", "float")
+"""How quantized linears take their activations (:class:`NativeLayerOps`)."""
 
 
 _NATIVE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -84,9 +98,18 @@ class NativeLayerOps(TorchLayerOps):
 
     name = "native"
 
-    def __init__(self, lib: ctypes.CDLL, pack_weights: bool = True) -> None:
+    def __init__(self, lib: ctypes.CDLL, pack_weights: bool = True,
+                 quantized_activations: str = "auto") -> None:
         self._lib = lib
         self.isa = build_isa(lib)
+        if quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(f"quantized_activations={quantized_activations!r}: expected one "
+                             f"of {QUANTIZED_ACTIVATIONS}")  # fmt: skip
+        self.int8_activations = quantized_activations == "int8" or (
+            quantized_activations == "auto" and self.isa != "portable")
+        """Whether quantized weights of :data:`INT8_ACTIVATION_FORMATS` take 8-bit
+        activations (``auto``: on the vector builds, where the integer dot products
+        measured faster; the portable build's are scalar loops)."""
         self.quant_max_rows = QUANT_DIRECT_ROWS.get(self.isa, QUANT_DIRECT_ROWS["portable"])
         """Row counts up to which quantized weights take the native kernel."""
         # Reused float32 copy of a quantized weight for prefill-sized products.
@@ -111,10 +134,13 @@ class NativeLayerOps(TorchLayerOps):
             f32 = f"onednn-packed ({PACKED_F32_ROWS[0]}-{PACKED_F32_ROWS[1]} rows), torch else"
         else:
             f32 = "torch"
+        acts = (f"int8 activations for {'/'.join(INT8_ACTIVATION_FORMATS)}, float for the rest"
+                if self.int8_activations else "float activations")
         return {"layer_ops": self.isa, "linear_f32": f32,
                 "linear_bf16": "onednn-packed" if self._packing_bf16 else "torch",
-                "linear_quant": f"native-{self.isa} (1-{self.quant_max_rows} rows), "
-                                "dequantize + torch above"}
+                "linear_quant": f"native-{self.isa} ({acts}; 1-{self.quant_max_rows} rows), "
+                                "dequantize + torch above",
+                "quant_activations": "int8" if self.int8_activations else "float"}
 
     def fma_peak_gflops(self, num_threads: int | None = None) -> float | None:
         """This CPU's float32 multiply-add peak at the library's vector width, GFLOP/s
@@ -180,24 +206,25 @@ class NativeLayerOps(TorchLayerOps):
             if not weight.released:
                 return super().linear(x, weight, bias)
             w = native_dequantize(self._lib, weight, torch.get_num_threads(),
-                                  packed=self.quant_packed(weight))  # fmt: skip
+                                  packed=self.quant_packed(weight), code=self.quant_code(weight))
             return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
         if x.shape[0] <= self.quant_max_rows:
             return native_linear(self._lib, x, weight, bias, torch.get_num_threads(),
-                                 self.quant_packed(weight))
+                                 self.quant_packed(weight), self.quant_code(weight))
         need = weight.n * weight.k
         if self._dequant_scratch.numel() < need:
             self._dequant_scratch = torch.empty(need, dtype=torch.float32)
         w = self._dequant_scratch[:need].view(weight.n, weight.k)
         return F.linear(x, native_dequantize(self._lib, weight, torch.get_num_threads(), out=w,
-                                             packed=self.quant_packed(weight)), bias)  # fmt: skip
+                                             packed=self.quant_packed(weight),
+                                             code=self.quant_code(weight)), bias)  # fmt: skip
 
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight) and weight.device.type == "cpu" and ids.is_cpu:
             # A tied embedding is the logits' weight: its planes go once it is packed.
             packed = self.quant_packed(weight) if weight.released else None
             return native_dequantize(self._lib, weight, torch.get_num_threads(), rows=ids,
-                                     packed=packed)  # fmt: skip
+                                     packed=packed, code=self.quant_code(weight))  # fmt: skip
         return super().embedding(ids, weight)
 
     def _use_native(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -228,10 +255,15 @@ class NativeLayerOps(TorchLayerOps):
             return None
         return self._native_packed(weight)
 
+    def quant_code(self, weight: QuantizedWeight) -> int:
+        """The native product a CPU quantized weight takes here: its format's code, with
+        ``QFLAG_I8A`` where activations go in as 8 bits (:attr:`int8_activations`)."""
+        return format_code(weight, self.int8_activations)
+
     def quant_packed(self, weight: QuantizedWeight) -> torch.Tensor:
-        """A CPU quantized weight packed for the native kernel (cached on the weight,
-        packed again if its planes change)."""
-        return cached_pack(self._lib, weight)
+        """A CPU quantized weight packed for the native kernel's product
+        (:meth:`quant_code`; cached on the weight, packed again if its planes change)."""
+        return cached_pack(self._lib, weight, code=self.quant_code(weight))
 
     def _pack_quantized(self, weights: list[QuantizedWeight],
                         allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
@@ -239,12 +271,12 @@ class NativeLayerOps(TorchLayerOps):
         ``allocate``, each starting on a cache line, then release their planes: every
         product, dequantization and embedding lookup through these ops reads the packed
         copy, so the weights are held once, not twice."""
-        sizes = [-(-packed_size(self._lib, w) // 64) * 64 for w in weights]
+        sizes = [-(-packed_size(self._lib, w, self.quant_code(w)) // 64) * 64 for w in weights]
         if not sizes:
             return
         arena = allocate((sum(sizes),), torch.uint8)
         for w, dst in zip(weights, arena.split(sizes), strict=True):
-            cached_pack(self._lib, w, dst)
+            cached_pack(self._lib, w, dst, self.quant_code(w))
             w.release_planes()
 
     def _pack_native(self, weights: list[torch.Tensor],

@@ -50,10 +50,25 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
     return w
 
 
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[rows, k]`` as the 8-bit-activation products see it: each 32 elements of a
+    row quantized as GGML's Q8_0 does (d = max |x| / 127, x / d rounded half to even),
+    then multiplied back, in float64."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    return (q.double() * d.double()).reshape(rows, k)
+
+
 def assert_product_close(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight,
-                         bias: torch.Tensor | None) -> None:
-    """Equal to the dequantize-then-matmul reference up to float32 summation order."""
-    ref = F.linear(x.double(), w.dequantize().double(), None if bias is None else bias.double())
+                         bias: torch.Tensor | None, int8: bool = False) -> None:
+    """Equal to the dequantize-then-matmul reference up to float32 summation order; with
+    ``int8``, the reference's x is :func:`int8_activations` of x (the integer products
+    are exact, so only the float steps' rounding remains)."""
+    xr = int8_activations(x) if int8 else x.double()
+    ref = F.linear(xr, w.dequantize().double(), None if bias is None else bias.double())
     scale = F.linear(x.abs().double(), w.dequantize().abs().double()) + 1.0
     err = ((out.double() - ref).abs() / scale).max().item()
     assert err < 1e-5, err

@@ -138,20 +138,31 @@ def test_dequantizing_the_packed_copy_gives_the_planes_bits(native_lib, fmt) -> 
     assert torch.equal(got, big.dequantize())
 
 
+@pytest.mark.parametrize("activations", ["float", "int8", "auto"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_layer_ops_route_quantized_weights(native_lib, fmt) -> None:
-    ops, ref_ops = NativeLayerOps(native_lib), TorchLayerOps()
+def test_layer_ops_route_quantized_weights(native_lib, fmt, activations) -> None:
+    """Up to the row limit the native product (8-bit activations for the formats that
+    have them, where asked: ``auto`` on the vector builds), above it the dequantized
+    weight's float product; embedding lookups dequantize; the paths say which."""
+    ops, ref_ops = NativeLayerOps(native_lib, quantized_activations=activations), TorchLayerOps()
+    int8 = activations == "int8" or activations == "auto" and ops.isa != "portable"
+    assert ops.int8_activations == int8
+    direct_int8 = int8 and fmt in quant.INT8_ACTIVATION_FORMATS
     k = block_k(fmt, 64)
     w = random_weight(fmt, 96, k, seed=5)
     bias = torch.randn(96)
     for rows in (1, ops.quant_max_rows, ops.quant_max_rows + 1, 100):
         x = torch.randn(rows, k)
-        assert_product_close(ops.linear(x, w, bias), x, w, bias)
+        assert_product_close(ops.linear(x, w, bias), x, w, bias,
+                             int8=direct_int8 and rows <= ops.quant_max_rows)
         assert_product_close(ref_ops.linear(x, w, bias), x, w, bias)
     ids = torch.tensor([3, 95, 3])
     assert torch.equal(ops.embedding(ids, w), w.dequantize(ids))
     assert torch.equal(ref_ops.embedding(ids, w), w.dequantize(ids))
-    assert ops.paths()["linear_quant"].startswith(f"native-{ops.isa}")
+    paths = ops.paths()
+    assert paths["linear_quant"].startswith(f"native-{ops.isa}")
+    assert paths["quant_activations"] == ("int8" if int8 else "float")
+    assert ("int8 activations for q8_0/q4_0/q4_1" in paths["linear_quant"]) == int8
 
 
 def test_gguf_tensors_equal_the_hf_conversion(default_model_path) -> None:
@@ -237,18 +248,25 @@ def test_the_packed_copy_gives_the_planes_bits(native_lib, fmt) -> None:
                        quant.native_linear(native_lib, x, w, None, 1))
 
 
-def test_prepare_weights_packs_quantized_weights_into_one_allocation(native_lib) -> None:
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_prepare_weights_packs_quantized_weights_into_one_allocation(native_lib, activations) -> None:
     """The engine's huge-page allocator gets one request for every quantized weight's
-    packed copy, each on a cache line and a tied weight once; the linear then reads it,
-    and the planes are freed: the products (in registers and dequantized), embedding
-    lookups and the ops' fallback give the planes' results, and what reads planes
-    refuses by name."""
+    packed copy (for the product the ops chose: float or 8-bit activations), each on a
+    cache line and a tied weight once; the linear then reads it, and the planes are
+    freed: the products (in registers and dequantized), embedding lookups and the ops'
+    fallback give the planes' results, and what reads planes refuses by name."""
     ws = [random_weight("q4_1", 40, 64, seed=1), random_weight("q8_0", 17, 96, seed=2)]
     threads = torch.get_num_threads()
     g = torch.Generator().manual_seed(3)
-    big = NativeLayerOps(native_lib).quant_max_rows + 1  # dequantized from the copy
+    ops = NativeLayerOps(native_lib, quantized_activations=activations)
+    assert ops.int8_activations == (activations == "int8")
+    codes = [ops.quant_code(w) for w in ws]
+    assert [c != quant.format_code(w) for c, w in zip(codes, ws, strict=True)] == [
+        activations == "int8"] * 2
+    big = ops.quant_max_rows + 1  # dequantized from the copy: float activations
     xs = [torch.randn(5, 64, generator=g), torch.randn(big, 96, generator=g)]
-    before = [quant.native_linear(native_lib, x, w, None, threads) for x, w in zip(xs, ws, strict=True)]
+    direct = quant.native_linear(native_lib, xs[0], ws[0], None, threads, code=codes[0])
+    floats = [quant.native_linear(native_lib, x, w, None, threads) for x, w in zip(xs, ws, strict=True)]
     ids = torch.tensor([16, 0, 3])
     emb, nbytes = ws[1].dequantize(ids), [w.nbytes for w in ws]
     calls = []
@@ -257,19 +275,18 @@ def test_prepare_weights_packs_quantized_weights_into_one_allocation(native_lib)
         calls.append((shape, dtype))
         return torch.full(shape, 0xAB, dtype=dtype)
 
-    ops = NativeLayerOps(native_lib)
     ops.prepare_weights([ws[0], ws[1], ws[0]], allocate)
-    sizes = [-(-quant.packed_size(native_lib, w) // 64) * 64 for w in ws]
+    sizes = [-(-quant.packed_size(native_lib, w, c) // 64) * 64 for w, c in zip(ws, codes, strict=True)]
     assert calls == [((sum(sizes),), torch.uint8)]
     first, second = (ops.quant_packed(w) for w in ws)
     assert second.data_ptr() - first.data_ptr() == sizes[0]
     assert all(w.released and w.qs.numel() == 0 for w in ws)
     assert [w.nbytes for w in ws] == nbytes
-    assert torch.equal(ops.linear(xs[0], ws[0]), before[0])
-    torch.testing.assert_close(ops.linear(xs[1], ws[1]), before[1], rtol=1e-5, atol=1e-4)
+    assert torch.equal(ops.linear(xs[0], ws[0]), direct)
+    torch.testing.assert_close(ops.linear(xs[1], ws[1]), floats[1], rtol=1e-5, atol=1e-4)
     assert torch.equal(ops.embedding(ids, ws[1]), emb)
     strided = xs[0].t().contiguous().t()  # not unit-stride rows: the ops' fallback
-    torch.testing.assert_close(ops.linear(strided, ws[0]), before[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.linear(strided, ws[0]), floats[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="dequantize needs the planes"):
         ws[0].dequantize()
     with pytest.raises(RuntimeError, match="a product, dequantization or packing"):

@@ -38,7 +38,7 @@
 /* Set in a format code (QF_Q8_0, QF_Q4_0, QF_Q4_1): its products quantize the
  * activations to 8 bits and take integer dot products (qgemm_i8.h), over a packed
  * layout of their own (qgemm_pack, qgemm_packed, qdequant_packed with the same code). */
-#define QF_I8A 64
+#define QFLAG_I8A 64
 #define QK 32
 #define QK_K 256
 /* Bytes of one GGML block of the formats kept as the file's blocks (Q5_0 .. Q6_K: one

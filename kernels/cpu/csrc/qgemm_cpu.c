@@ -139,13 +139,13 @@ static int valid(int fmt, int64_t n, int64_t k) {
 #include "qgemm_i8.h"
 
 int64_t qgemm_packed_size(int fmt, int64_t n, int64_t k) {
-    if (fmt & QF_I8A) return i8_packed_size(fmt, n, k);
+    if (fmt & QFLAG_I8A) return i8_packed_size(fmt, n, k);
     return valid(fmt, n, k) ? (n + QG - 1) / QG * group_bytes(fmt, k) : -1;
 }
 
 int qgemm_pack(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
                const float *scale, int64_t n, int64_t k, void *packed) {
-    if (fmt & QF_I8A) return i8_pack(fmt, qs, d, mn, n, k, packed);
+    if (fmt & QFLAG_I8A) return i8_pack(fmt, qs, d, mn, n, k, packed);
     if (!valid(fmt, n, k)) return -1;
     const int64_t rb = row_bytes(fmt, k), nb = k_blocks(fmt, k), nbq = k / QK;
     const int64_t bb = group_block_bytes(fmt), gb = group_bytes(fmt, k);
@@ -284,7 +284,7 @@ static void qgemm_groups(void *ctx, int64_t g0, int64_t g1, int worker) {
 int qgemm_packed(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k,
                  const void *packed, int64_t n, const float *bias, float *y, int64_t ldy,
                  int num_threads) {
-    if (fmt & QF_I8A) return i8_gemm(fmt, x, ldx, m, k, packed, n, bias, y, ldy, num_threads);
+    if (fmt & QFLAG_I8A) return i8_gemm(fmt, x, ldx, m, k, packed, n, bias, y, ldy, num_threads);
     if (!valid(fmt, n, k)) return -1;
     if (m < 1) return 0;
     float *sx = 0;

@@ -84,7 +84,7 @@ static void qdequant_rows(void *ctx, int64_t i0, int64_t i1, int worker) {
 int qdequant(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
              const float *scale, int64_t k, const int64_t *rows, int64_t count, float *out,
              int num_threads) {
-    if ((fmt & QF_I8A) && i8_valid_fmt(fmt)) fmt = i8_base(fmt); /* the planes are the format's */
+    if ((fmt & QFLAG_I8A) && i8_valid_fmt(fmt)) fmt = i8_base(fmt); /* the planes are the format's */
     if (!valid(fmt, 1, k)) return -1;
     const int nt = count * k >= (1 << 18) && num_threads > 1 ? num_threads : 1;
     qdequant_task_t task = {fmt, qs, d, mn, scale, k, rows, out};
@@ -219,13 +219,13 @@ static void qdequant_i8_rows(void *ctx, int64_t i0, int64_t i1, int worker) {
 
 int qdequant_packed(int fmt, const void *packed, int64_t n, int64_t k, const int64_t *rows,
                     int64_t count, float *out, int num_threads) {
-    if (fmt & QF_I8A ? !i8_valid(fmt, n, k) : !valid(fmt, n, k)) return -1;
+    if (fmt & QFLAG_I8A ? !i8_valid(fmt, n, k) : !valid(fmt, n, k)) return -1;
     if (rows == NULL && count != n) return -3;
     for (int64_t i = 0; rows != NULL && i < count; ++i)
         if (rows[i] < 0 || rows[i] >= n) return -3;
     const int nt = count * k >= (1 << 18) && num_threads > 1 ? num_threads : 1;
     qdequant_packed_task_t task = {fmt, packed, n, k, rows, out};
-    if (fmt & QF_I8A) {
+    if (fmt & QFLAG_I8A) {
         pool_run(qdequant_i8_rows, &task, count, (count + 4 * nt - 1) / (4 * nt), nt);
     } else if (rows == NULL) {
         const int64_t groups = (n + QG - 1) / QG;

@@ -1,6 +1,6 @@
 /*
- * qgemm_cpu.c's products with 8-bit activations: the format codes with QF_I8A set
- * (``QF_Q8_0 | QF_I8A``, ...). Kept in its own file for length only: included once by
+ * qgemm_cpu.c's products with 8-bit activations: the format codes with QFLAG_I8A set
+ * (``QF_Q8_0 | QFLAG_I8A``, ...). Kept in its own file for length only: included once by
  * that source after its helpers (f16_bits_to_f32, pool_run), so the two form one
  * translation unit.
  *
@@ -37,12 +37,12 @@
 /* Rows of x a tile takes (each decoded quad serves all of them). */
 #define I8RT 4
 
-static inline int i8_base(int fmt) { return fmt & ~QF_I8A; }
+static inline int i8_base(int fmt) { return fmt & ~QFLAG_I8A; }
 
-/* Whether ``fmt`` (QF_I8A set) has an 8-bit-activation product. */
+/* Whether ``fmt`` (QFLAG_I8A set) has an 8-bit-activation product. */
 static inline int i8_valid_fmt(int fmt) {
     const int b = i8_base(fmt);
-    return (fmt & QF_I8A) && (b == QF_Q8_0 || b == QF_Q4_0 || b == QF_Q4_1);
+    return (fmt & QFLAG_I8A) && (b == QF_Q8_0 || b == QF_Q4_0 || b == QF_Q4_1);
 }
 
 /* Code bytes of one column's block. */

@@ -54,7 +54,7 @@ def test_gemma3_q8_0_gguf_kept_quantized_equals_hf_on_the_file(gemma3, tmp_path)
     path = write_gemma3_gguf(gemma3, tmp_path / "gemma3-q8_0.gguf", default_gguf_path(),
                              quantized="Q8_0")  # fmt: skip
     want = hf_greedy(convert_gguf_model(path), PROMPTS, NEW)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02, quantization="gguf")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02, quantization="gguf", quantized_activations="float")
     layer = llm.engine.worker.model.layers[5]
     assert layer.qkv_proj.weight.fmt == "q8_0" and layer.down_proj.weight.fmt == "q8_0"
     assert greedy(llm) == want
@@ -84,7 +84,7 @@ def test_k_quant_gguf_kept_quantized_equals_its_float_expansion(tmp_path, caplog
     assert path.stat().st_size < 16 << 20
     try:
         with caplog.at_level(logging.WARNING, logger="pagedserve.engine.loader.gguf_weights"):
-            llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02, quantization="gguf")
+            llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02, quantization="gguf", quantized_activations="float")
         # served in its own blocks: only the header was converted, no tensor expanded
         served = llm.engine.settings.model_path
         assert served.name == gguf_model_dir(path).name + "-header"
@@ -122,7 +122,7 @@ def test_qwen2_gguf_equals_hf_on_the_file():
     path = cached_random_gguf("qwen2", default_gguf_path(), QWEN2_TYPES, "Q4_0", tied=False)
     want = hf_greedy(convert_gguf_model(path), PROMPTS, NEW)
     assert len({t for row in want for t in row}) > 5  # not one repeated token
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02, quantization="gguf")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02, quantization="gguf", quantized_activations="float")
     assert llm.engine.settings.hf_config.model_type == "qwen2"
     assert llm.engine.worker.quant_desc == "gguf (q4_0, q8_0)"
     model = llm.engine.worker.model

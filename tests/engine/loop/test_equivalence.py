@@ -75,7 +75,7 @@ def test_gguf_quantized_default_model_matches_hf_on_the_gguf(backend, default_pr
     """The default model served from its GGUF's own Q4_1/Q8_0 weights (never expanded)
     equals HF transformers on the same GGUF (which dequantizes it to float32: the
     converted folder) token for token, chunked and batched."""
-    llm = LLM(quantization="gguf", max_num_batched_tokens=24, enable_prefix_caching=False,
+    llm = LLM(quantization="gguf", quantized_activations="float", max_num_batched_tokens=24, enable_prefix_caching=False,
               attention_backend=backend)
     assert llm.engine.worker.quant_desc == "gguf (q4_1, q8_0)"
     assert run(llm, default_prompts) == default_reference

@@ -58,7 +58,7 @@ def test_a_gguf_file_served_in_its_own_format_matches_hf_on_that_file(
     assert requantize(default_gguf_path(), path, fmt) > 0
     file_type = gguf.GGUFReader(str(path)).fields["general.file_type"].contents()
     assert file_type == FILE_TYPES[fmt.upper()]
-    llm = LLM(model=str(path), quantization="gguf", max_num_batched_tokens=24)
+    llm = LLM(model=str(path), quantization="gguf", quantized_activations="float", max_num_batched_tokens=24)
     assert llm.engine.worker.quant_desc == GGUF_FILES[fmt]
     want = hf_greedy(resolve_model_path(str(path)), default_prompts[:4], 32)
     assert greedy_tokens(llm, default_prompts[:4], 32) == want
@@ -73,7 +73,7 @@ def test_gguf_prefill_chunks_of_hundreds_of_rows_match_hf(default_model_path, de
     ids = default_tokenizer.encode(" ".join([text] * 40))
     prompts = [ids[:n] for n in (300, 700, 1000)]
     assert all(len(p) == n for p, n in zip(prompts, (300, 700, 1000), strict=True))
-    llm = LLM(quantization="gguf", enable_prefix_caching=False)
+    llm = LLM(quantization="gguf", quantized_activations="float", enable_prefix_caching=False)
     got = [greedy_tokens(llm, [p], 16)[0] for p in prompts]
     assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
     del llm

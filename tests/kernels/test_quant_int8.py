@@ -1,0 +1,104 @@
+"""Quantized products with 8-bit activations (``csrc/qgemm_i8.h``) at every build level:
+against the reference that quantizes x as GGML's Q8_0 does, row by row independent of
+the batch, their own packed layout dequantized bit for bit, refusals by format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.cpu import quant
+from pagedserve.kernels.quant import FORMATS
+from tests.helpers.quant import assert_product_close, block_k, int8_activations, random_weight
+
+INT8 = quant.INT8_ACTIVATION_FORMATS
+
+
+def _code(w) -> int:
+    return quant.format_code(w, int8_activations=True)
+
+
+@pytest.mark.parametrize("fmt", INT8)
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (70, 96), (33, 320), (130, 1536)])
+def test_int8_product_matches_the_quantized_activation_reference(native_lib, fmt, n, k) -> None:
+    w = random_weight(fmt, n, k, seed=n + k)
+    g = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=g)
+    packed = quant.native_pack(native_lib, w, code=_code(w))
+    for rows in (1, 2, 3, 4, 5, 9, 40):
+        x = torch.randn(rows, k, generator=g) * 3
+        for b in (None, bias):
+            got = quant.native_linear(native_lib, x, w, b, 2, packed, _code(w))
+            assert_product_close(got, x, w, b, int8=True)
+            # From the planes (packed for the call): the same values.
+            assert torch.equal(quant.native_linear(native_lib, x, w, b, 2, code=_code(w)), got)
+    wide = torch.randn(6, k + 16, generator=g)  # strided rows
+    got = quant.native_linear(native_lib, wide[:, :k], w, None, 2, packed, _code(w))
+    assert_product_close(got, wide[:, :k], w, None, int8=True)
+
+
+@pytest.mark.parametrize("fmt", INT8)
+def test_int8_error_against_float_activations_is_the_quantization_step(native_lib, fmt) -> None:
+    """The 8-bit product differs from the float one by what rounding x to 8 bits a block
+    costs (about 0.2% of the products' scale here), not more: the scales are applied."""
+    w = random_weight(fmt, 256, 1536, seed=3)
+    x = torch.randn(8, 1536, generator=torch.Generator().manual_seed(4))
+    got = quant.native_linear(native_lib, x, w, None, 2, code=_code(w)).double()
+    ref = F.linear(x.double(), w.dequantize().double())
+    scale = F.linear(x.abs().double(), w.dequantize().abs().double())
+    err = ((got - ref).abs() / scale).max().item()
+    assert 1e-5 < err < 1e-2, err
+    assert ((int8_activations(x) - x.double()).abs().max() > 0).item()
+
+
+@pytest.mark.parametrize("fmt", INT8)
+def test_int8_rows_do_not_depend_on_their_batch(native_lib, fmt) -> None:
+    w = random_weight(fmt, 45, 128, seed=7)
+    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(8))
+    packed = quant.native_pack(native_lib, w, code=_code(w))
+    whole = quant.native_linear(native_lib, x, w, None, 2, packed, _code(w))
+    for i in range(x.shape[0]):
+        one = quant.native_linear(native_lib, x[i:i + 1], w, None, 1, packed, _code(w))
+        assert torch.equal(one[0], whole[i]), i
+
+
+@pytest.mark.parametrize("fmt", INT8)
+def test_int8_packed_copy_dequantizes_to_the_planes_bits(native_lib, fmt) -> None:
+    w = random_weight(fmt, 37, 96, seed=9)
+    packed = quant.native_pack(native_lib, w, code=_code(w))
+    assert packed.numel() == -(-37 // 8) * 8 * w.nbytes // 37  # the file's bytes a column
+    whole = quant.native_dequantize(native_lib, w, 2, packed=packed, code=_code(w))
+    assert torch.equal(whole, w.dequantize())
+    rows = torch.tensor([36, 0, 8, 8])
+    got = quant.native_dequantize(native_lib, w, 1, rows=rows, packed=packed, code=_code(w))
+    assert torch.equal(got, w.dequantize(rows))
+    # From the planes the flag is only the format's product: the planes' values.
+    assert torch.equal(quant.native_dequantize(native_lib, w, 1, code=_code(w)), w.dequantize())
+
+
+def test_int8_blocks_of_zeros_and_of_huge_values(native_lib) -> None:
+    """A block of zeros quantizes to zeros (its scale 0, no division by it): the bias
+    alone; a block with an infinity gives a non-finite sum, never a crash."""
+    w = random_weight("q8_0", 16, 64, seed=10)
+    bias = torch.randn(16)
+    zeros = torch.zeros(2, 64)
+    got = quant.native_linear(native_lib, zeros, w, bias, 1, code=_code(w))
+    assert torch.equal(got, bias.expand(2, 16))
+    half = torch.randn(1, 64)
+    half[0, :32] = 0.0
+    got = quant.native_linear(native_lib, half, w, None, 1, code=_code(w))
+    assert_product_close(got, half, w, None, int8=True)
+    inf = torch.randn(1, 64)
+    inf[0, 3] = float("inf")
+    assert not torch.isfinite(quant.native_linear(native_lib, inf, w, None, 1, code=_code(w))).all()
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f not in INT8])
+def test_formats_without_an_int8_product_keep_float_activations(native_lib, fmt) -> None:
+    w = random_weight(fmt, 8, block_k(fmt, 64), seed=11)
+    assert quant.format_code(w, int8_activations=True) == quant.format_code(w)
+    flagged = quant.format_code(w) | quant.I8A
+    assert native_lib.qgemm_packed_size(flagged, 8, w.k) == -1
+    with pytest.raises(ValueError, match=f"qgemm_pack refused a {fmt}"):
+        quant.packed_size(native_lib, w, flagged)
