@@ -29,9 +29,9 @@ packed at load in groups of output columns, which then replaces the planes: pref
 products and embedding lookups dequantize the packed copy (the same bits), and the planes'
 memory is freed, so a quantized model is held once. With 8-bit activations
 (``quantized_activations``: ``"int8"``, or ``"auto"`` on the AVX2 and AVX-512 builds),
-Q8_0, Q4_0 and Q4_1 weights are packed for the integer-dot product instead
+the GGUF formats' weights are packed for the integer-dot product instead
 (``csrc/qgemm_i8.h``: 2.2-2.8x faster than float activations at 1-32 rows on an AVX2 Zen 3,
-0.1-0.3% relative error against the float product); the other formats keep float
+0.1-0.3% relative error against the float product); per-row int8 weights keep float
 activations.
 """
 
@@ -47,7 +47,6 @@ import torch.nn.functional as F
 from pagedserve.kernels.cpu.abi import MAX_HEAD_DIM
 from pagedserve.kernels.cpu.native import isa as build_isa
 from pagedserve.kernels.cpu.quant import (
-    INT8_ACTIVATION_FORMATS,
     cached_pack,
     format_code,
     native_dequantize,
@@ -134,8 +133,8 @@ class NativeLayerOps(TorchLayerOps):
             f32 = f"onednn-packed ({PACKED_F32_ROWS[0]}-{PACKED_F32_ROWS[1]} rows), torch else"
         else:
             f32 = "torch"
-        acts = (f"int8 activations for {'/'.join(INT8_ACTIVATION_FORMATS)}, float for the rest"
-                if self.int8_activations else "float activations")
+        acts = ("int8 activations (float for int8-format weights)" if self.int8_activations
+                else "float activations")
         return {"layer_ops": self.isa, "linear_f32": f32,
                 "linear_bf16": "onednn-packed" if self._packing_bf16 else "torch",
                 "linear_quant": f"native-{self.isa} ({acts}; 1-{self.quant_max_rows} rows), "

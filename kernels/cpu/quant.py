@@ -18,7 +18,7 @@ import torch
 from pagedserve.kernels.cpu.abi import CONSTANTS, QUANT_FORMATS
 from pagedserve.kernels.quant import QuantizedWeight
 
-INT8_ACTIVATION_FORMATS = ("q8_0", "q4_0", "q4_1")
+INT8_ACTIVATION_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 """Formats whose products can take 8-bit activations (integer dot products)."""
 I8A = CONSTANTS["QFLAG_I8A"]
 

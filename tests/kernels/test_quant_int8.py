@@ -22,6 +22,7 @@ def _code(w) -> int:
 @pytest.mark.parametrize("fmt", INT8)
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (70, 96), (33, 320), (130, 1536)])
 def test_int8_product_matches_the_quantized_activation_reference(native_lib, fmt, n, k) -> None:
+    k = block_k(fmt, k)
     w = random_weight(fmt, n, k, seed=n + k)
     g = torch.Generator().manual_seed(k)
     bias = torch.randn(n, generator=g)
@@ -42,8 +43,9 @@ def test_int8_product_matches_the_quantized_activation_reference(native_lib, fmt
 def test_int8_error_against_float_activations_is_the_quantization_step(native_lib, fmt) -> None:
     """The 8-bit product differs from the float one by what rounding x to 8 bits a block
     costs (about 0.2% of the products' scale here), not more: the scales are applied."""
-    w = random_weight(fmt, 256, 1536, seed=3)
-    x = torch.randn(8, 1536, generator=torch.Generator().manual_seed(4))
+    k = 1536 if fmt in ("q4_k", "q5_k", "q6_k") else 1024
+    w = random_weight(fmt, 256, k, seed=3)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(4))
     got = quant.native_linear(native_lib, x, w, None, 2, code=_code(w)).double()
     ref = F.linear(x.double(), w.dequantize().double())
     scale = F.linear(x.abs().double(), w.dequantize().abs().double())
@@ -54,8 +56,9 @@ def test_int8_error_against_float_activations_is_the_quantization_step(native_li
 
 @pytest.mark.parametrize("fmt", INT8)
 def test_int8_rows_do_not_depend_on_their_batch(native_lib, fmt) -> None:
-    w = random_weight(fmt, 45, 128, seed=7)
-    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(8))
+    k = block_k(fmt, 128)
+    w = random_weight(fmt, 45, k, seed=7)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(8))
     packed = quant.native_pack(native_lib, w, code=_code(w))
     whole = quant.native_linear(native_lib, x, w, None, 2, packed, _code(w))
     for i in range(x.shape[0]):
@@ -65,9 +68,11 @@ def test_int8_rows_do_not_depend_on_their_batch(native_lib, fmt) -> None:
 
 @pytest.mark.parametrize("fmt", INT8)
 def test_int8_packed_copy_dequantizes_to_the_planes_bits(native_lib, fmt) -> None:
-    w = random_weight(fmt, 37, 96, seed=9)
+    w = random_weight(fmt, 37, block_k(fmt, 96), seed=9)
     packed = quant.native_pack(native_lib, w, code=_code(w))
-    assert packed.numel() == -(-37 // 8) * 8 * w.nbytes // 37  # the file's bytes a column
+    # The file's bytes a column (Q4_K/Q5_K: 4 more a block, their unpacked scales).
+    extra = 4 * w.k // 256 if fmt in ("q4_k", "q5_k") else 0
+    assert packed.numel() == -(-37 // 8) * 8 * (w.nbytes // 37 + extra)
     whole = quant.native_dequantize(native_lib, w, 2, packed=packed, code=_code(w))
     assert torch.equal(whole, w.dequantize())
     rows = torch.tensor([36, 0, 8, 8])

@@ -1,35 +1,44 @@
 /*
  * qgemm_cpu.c's products with 8-bit activations: the format codes with QFLAG_I8A set
- * (``QF_Q8_0 | QFLAG_I8A``, ...). Kept in its own file for length only: included once by
- * that source after its helpers (f16_bits_to_f32, pool_run), so the two form one
- * translation unit.
+ * (``QF_Q8_0 | QFLAG_I8A``, ...), for every format but INT8. Kept in its own file for
+ * length only: included once by that source after its helpers (f16_bits_to_f32,
+ * qgemm_blocks.h's scale_min_k4, pack_scale_min_k4 and blk_dequant_raw, pool_run), so the
+ * files form one translation unit.
  *
- * Each row of x is quantized per block of 32 elements as GGML's Q8_0 does: d = max|x| /
- * 127, q = x / d rounded to the nearest integer (ties to even), kept with d as float32
- * and, for the formats with an offset, the block's sum of q. A block's product with a
- * column is then one integer dot product of its codes with q, exact, and the block adds
+ * Each row of x is quantized per block of 32 elements as GGML's Q8_0 does: dx = max|x| /
+ * 127, q = x / dx rounded to the nearest integer (ties to even), kept with dx as float32
+ * and the sums of q over each 16 elements. A weight block's product with a column then
+ * splits into sub-blocks s (32 weights; Q6_K's 16) of integer codes c (Q8_0: -128..127;
+ * Q4: 0..15; Q5: 0..31; Q6_K: 0..63), each an exact integer dot product with q:
  *
- *   Q8_0  dw dx sum(w q)                       (w the column's int8 codes)
- *   Q4_0  dw dx (sum(w q) - 8 sum(q))          (w its 4-bit codes 0-15)
- *   Q4_1  dw dx sum(w q) + mw (dx sum(q))
+ *   acc += (sum(c q) - o sum(q)) * (A_s dx) + B_s (dx sum(q))
  *
- * to the column's float32 sum (dw, mw: the block's float16 scale and offset).
+ * with the integer offset o (Q4_0 8, Q5_0 16, Q6_K 32, else 0), the multiplier A_s (d, or
+ * the K-quants' d * sc_s rounded as the reference rounds it) and the float offset B_s
+ * (Q4_1/Q5_1: m; Q4_K/Q5_K: -(dmin * mn_s); else none).
  *
  * The packed layout (independent of the build's vector width: the same bytes at every
- * level): groups of eight output columns; in a group, block by block, the codes as
- * quads: quad t holds four consecutive code bytes of each of the eight columns, column
- * after column (32 bytes), so one 32-byte load is four codes of eight columns and a
- * broadcast of four bytes of q multiplies them all (AVX2's maddubs: unsigned bytes times
- * signed bytes, pairs summed; Q8_0's signed codes go in as |w| with q given w's signs).
- * Q4 quads are code bytes 4t .. 4t + 3 of the 16 (low nibbles: elements 4t .. 4t + 3,
- * high: 16 + 4t ..). After the codes: the eight columns' float16 scales, then (Q4_1)
- * offsets. A column's block takes the file's bytes (34, 18, 20).
+ * level): groups of eight output columns; in a group, block by block, each of the block's
+ * byte arrays as rows of the eight columns' bytes:
  *
- * The integer sums cannot overflow: a Q4 pair is at most 2 * 15 * 127 = 3810, and a
- * block's eight pairs per lane 30480 < 32768 (summed as int16); a Q8_0 pair at most
- * 2 * 128 * 127 = 32512, widened to int32 at once. The portable build computes the same
- * integers one column at a time, so every level gives the same sums; the float steps
- * differ only in their rounding (fused multiply-adds on AVX2).
+ *   Q    the code bytes (Q6_K: ql) as quads: quad t is bytes 4t .. 4t + 3 of each of the
+ *        eight columns, column after column (32 bytes), so one 32-byte load is four
+ *        codes of eight columns and a broadcast of four bytes of q multiplies them all
+ *        (AVX2's maddubs: unsigned bytes times signed bytes, pairs summed; Q8_0's signed
+ *        codes go in as |c| with q given c's signs)
+ *   QH   the high bits (Q5_0/Q5_1: a uint32 a column; Q5_K: 32 bytes; Q6_K: 64), as quads
+ *   D    the columns' float16 d, side by side; M their m or dmin
+ *   SC   the K-quants' sub-block scales (Q4_K/Q5_K: unpacked to a byte each; Q6_K's int8),
+ *        row s the eight columns' scale of sub-block s; MN the mins likewise
+ *
+ * so a column's block takes the file's bytes (Q4_K and Q5_K: 4 more, their unpacked
+ * scales: 148 and 180).
+ *
+ * The integer sums cannot overflow: a pair of Q4 products is at most 2 * 15 * 127 = 3810
+ * and eight are summed as int16 (30480 < 32768); Q5's pairs (7874) four at a time; Q6's
+ * (16002) two; Q8_0's (2 * 128 * 127 = 32512) one. The portable build computes the same
+ * integers one column at a time from the file's block, so every level gives the same
+ * sums; the float steps differ only in rounding (fused multiply-adds on AVX2).
  */
 
 /* Columns of a group. */
@@ -42,49 +51,131 @@ static inline int i8_base(int fmt) { return fmt & ~QFLAG_I8A; }
 /* Whether ``fmt`` (QFLAG_I8A set) has an 8-bit-activation product. */
 static inline int i8_valid_fmt(int fmt) {
     const int b = i8_base(fmt);
-    return (fmt & QFLAG_I8A) && (b == QF_Q8_0 || b == QF_Q4_0 || b == QF_Q4_1);
+    return (fmt & QFLAG_I8A) && b >= QF_Q8_0 && b <= QF_Q6_K && b != QF_INT8;
 }
 
-/* Code bytes of one column's block. */
-static inline int i8_codes(int base) { return base == QF_Q8_0 ? QK : QK / 2; }
+static inline int i8_is_k(int base) { return base >= QF_Q4_K; }
 
-/* Bytes of one group's block: codes, scales, offsets. */
+/* Weights of one block along k. */
+static inline int i8_weights(int base) { return i8_is_k(base) ? QK_K : QK; }
+
+/* Bytes a column has in each of its block's arrays (see the layout above). */
+static inline int i8_q_bytes(int base) {
+    return base == QF_Q8_0 ? QK : i8_is_k(base) ? 128 : QK / 2;
+}
+static inline int i8_qh_bytes(int base) {
+    return base == QF_Q5_0 || base == QF_Q5_1 ? 4 : base == QF_Q5_K ? 32 : base == QF_Q6_K ? 64 : 0;
+}
+static inline int i8_has_m(int base) {
+    return base == QF_Q4_1 || base == QF_Q5_1 || base == QF_Q4_K || base == QF_Q5_K;
+}
+static inline int i8_sc_bytes(int base) {
+    return base == QF_Q6_K ? 16 : base == QF_Q4_K || base == QF_Q5_K ? 8 : 0;
+}
+static inline int i8_mn_bytes(int base) { return base == QF_Q4_K || base == QF_Q5_K ? 8 : 0; }
+
+/* Offsets of the arrays in a group's block. */
+static inline int64_t i8_off_qh(int base) { return (int64_t)I8G * i8_q_bytes(base); }
+static inline int64_t i8_off_d(int base) { return i8_off_qh(base) + (int64_t)I8G * i8_qh_bytes(base); }
+static inline int64_t i8_off_m(int base) { return i8_off_d(base) + 2 * I8G; }
+static inline int64_t i8_off_sc(int base) { return i8_off_m(base) + (i8_has_m(base) ? 2 * I8G : 0); }
+static inline int64_t i8_off_mn(int base) {
+    return i8_off_sc(base) + (int64_t)I8G * i8_sc_bytes(base);
+}
 static inline int64_t i8_group_block_bytes(int base) {
-    return (int64_t)I8G * (i8_codes(base) + 2 + (base == QF_Q4_1 ? 2 : 0));
+    return i8_off_mn(base) + (int64_t)I8G * i8_mn_bytes(base);
 }
 
 static inline int64_t i8_group_bytes(int base, int64_t k) {
-    return k / QK * i8_group_block_bytes(base);
+    return k / i8_weights(base) * i8_group_block_bytes(base);
 }
 
 static int i8_valid(int fmt, int64_t n, int64_t k) {
-    return i8_valid_fmt(fmt) && n >= 1 && k >= QK && !(k % QK);
+    return i8_valid_fmt(fmt) && n >= 1 && k >= 1 && !(k % i8_weights(i8_base(fmt)));
 }
 
 static int64_t i8_packed_size(int fmt, int64_t n, int64_t k) {
     return i8_valid(fmt, n, k) ? (n + I8G - 1) / I8G * i8_group_bytes(i8_base(fmt), k) : -1;
 }
 
-/* Offset of code byte ``i`` of column ``c`` in a group's block. */
+/* Offset of byte ``i`` of column ``c`` in an array of quads. */
 static inline int i8_code_at(int c, int i) { return (i / 4) * 4 * I8G + c * 4 + (i % 4); }
+
+/* Where a block format's arrays lie in the file's block (-1: absent). */
+typedef struct {
+    int q, qh, d, m, scales;
+} i8_raw_t;
+
+static i8_raw_t i8_raw(int base) {
+    switch (base) {
+    case QF_Q5_0: return (i8_raw_t){6, 2, 0, -1, -1};
+    case QF_Q5_1: return (i8_raw_t){8, 4, 0, 2, -1};
+    case QF_Q4_K: return (i8_raw_t){16, -1, 0, 2, 4};
+    case QF_Q5_K: return (i8_raw_t){48, 16, 0, 2, 4};
+    default: return (i8_raw_t){0, 128, 208, -1, 192}; /* Q6_K */
+    }
+}
+
+/* Column ``c``'s block ``r`` (the file's bytes) into the group's block ``bo``. */
+static void i8_pack_raw(int base, const uint8_t *r, int c, uint8_t *bo) {
+    const i8_raw_t a = i8_raw(base);
+    for (int i = 0; i < i8_q_bytes(base); ++i) bo[i8_code_at(c, i)] = r[a.q + i];
+    for (int i = 0; i < i8_qh_bytes(base); ++i) bo[i8_off_qh(base) + i8_code_at(c, i)] = r[a.qh + i];
+    memcpy(bo + i8_off_d(base) + 2 * c, r + a.d, 2);
+    if (a.m >= 0) memcpy(bo + i8_off_m(base) + 2 * c, r + a.m, 2);
+    if (base == QF_Q6_K) {
+        for (int s = 0; s < 16; ++s) bo[i8_off_sc(base) + s * I8G + c] = r[a.scales + s];
+    } else if (a.scales >= 0) {
+        uint8_t sc[8], mn[8];
+        scale_min_k4(r + a.scales, sc, mn);
+        for (int s = 0; s < 8; ++s) {
+            bo[i8_off_sc(base) + s * I8G + c] = sc[s];
+            bo[i8_off_mn(base) + s * I8G + c] = mn[s];
+        }
+    }
+}
+
+/* i8_pack_raw undone: column ``c``'s block as the file's bytes, into ``r``. */
+static void i8_unpack_raw(int base, const uint8_t *bo, int c, uint8_t *r) {
+    const i8_raw_t a = i8_raw(base);
+    for (int i = 0; i < i8_q_bytes(base); ++i) r[a.q + i] = bo[i8_code_at(c, i)];
+    for (int i = 0; i < i8_qh_bytes(base); ++i) r[a.qh + i] = bo[i8_off_qh(base) + i8_code_at(c, i)];
+    memcpy(r + a.d, bo + i8_off_d(base) + 2 * c, 2);
+    if (a.m >= 0) memcpy(r + a.m, bo + i8_off_m(base) + 2 * c, 2);
+    if (base == QF_Q6_K) {
+        for (int s = 0; s < 16; ++s) r[a.scales + s] = bo[i8_off_sc(base) + s * I8G + c];
+    } else if (a.scales >= 0) {
+        uint8_t sc[8], mn[8];
+        for (int s = 0; s < 8; ++s) {
+            sc[s] = bo[i8_off_sc(base) + s * I8G + c];
+            mn[s] = bo[i8_off_mn(base) + s * I8G + c];
+        }
+        pack_scale_min_k4(sc, mn, r + a.scales);
+    }
+}
 
 static int i8_pack(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn, int64_t n,
                    int64_t k, uint8_t *out) {
     if (!i8_valid(fmt, n, k)) return -1;
-    const int base = i8_base(fmt), nc = i8_codes(base);
-    const int64_t nb = k / QK, bb = i8_group_block_bytes(base), gb = i8_group_bytes(base, k);
-    const int64_t rb = base == QF_Q8_0 ? k : k / 2;
+    const int base = i8_base(fmt), wb = i8_weights(base);
+    const int64_t nb = k / wb, bb = i8_group_block_bytes(base), gb = i8_group_bytes(base, k);
+    const int blk = base >= QF_Q5_0;
+    const int64_t rb = blk ? nb * blk_bytes(base) : (int64_t)nb * i8_q_bytes(base);
     memset(out, 0, (size_t)((n + I8G - 1) / I8G * gb)); /* padding columns: all zero */
     for (int64_t j = 0; j < n; ++j) {
         const int c = (int)(j % I8G);
         uint8_t *go = out + j / I8G * gb;
         for (int64_t b = 0; b < nb; ++b) {
             uint8_t *bo = go + b * bb;
+            if (blk) {
+                i8_pack_raw(base, (const uint8_t *)qs + j * rb + b * blk_bytes(base), c, bo);
+                continue;
+            }
+            const int nc = i8_q_bytes(base);
             const uint8_t *src = (const uint8_t *)qs + j * rb + b * nc;
             for (int i = 0; i < nc; ++i) bo[i8_code_at(c, i)] = src[i];
-            uint16_t *dd = (uint16_t *)(bo + (int64_t)nc * I8G);
-            dd[c] = d[j * nb + b];
-            if (base == QF_Q4_1) dd[I8G + c] = mn[j * nb + b];
+            memcpy(bo + i8_off_d(base) + 2 * c, d + j * nb + b, 2);
+            if (base == QF_Q4_1) memcpy(bo + i8_off_m(base) + 2 * c, mn + j * nb + b, 2);
         }
     }
     return 0;
@@ -92,14 +183,18 @@ static int i8_pack(int fmt, const void *qs, const uint16_t *d, const uint16_t *m
 
 /* Column ``c`` of a group's block ``bo`` as float32 weights (the reference's values). */
 static void i8_dequant_block(int base, const uint8_t *bo, int c, float *w) {
-    const int nc = i8_codes(base);
-    const uint16_t *dd = (const uint16_t *)(bo + (int64_t)nc * I8G);
-    const float dv = f16_bits_to_f32(dd[c]);
+    if (base >= QF_Q5_0) {
+        uint8_t raw[QB_Q5_K > QB_Q6_K ? QB_Q5_K : QB_Q6_K];
+        i8_unpack_raw(base, bo, c, raw);
+        blk_dequant_raw(base, raw, w);
+        return;
+    }
+    const float dv = f16_bits_to_f32(((const uint16_t *)(bo + i8_off_d(base)))[c]);
     if (base == QF_Q8_0) {
         for (int i = 0; i < QK; ++i) w[i] = dv * (float)(int8_t)bo[i8_code_at(c, i)];
         return;
     }
-    const float mv = base == QF_Q4_1 ? f16_bits_to_f32(dd[I8G + c]) : 0.0f;
+    const float mv = base == QF_Q4_1 ? f16_bits_to_f32(((const uint16_t *)(bo + i8_off_m(base)))[c]) : 0.0f;
     for (int i = 0; i < QK / 2; ++i) {
         const uint8_t byte = bo[i8_code_at(c, i)];
         const int lo = byte & 0x0F, hi = byte >> 4;
@@ -115,14 +210,15 @@ static void i8_dequant_block(int base, const uint8_t *bo, int c, float *w) {
 
 /* Row ``j`` of W from the packed copy. */
 static void i8_dequant_row(int fmt, const uint8_t *packed, int64_t k, int64_t j, float *out) {
-    const int base = i8_base(fmt);
+    const int base = i8_base(fmt), wb = i8_weights(base);
     const int64_t bb = i8_group_block_bytes(base);
     const uint8_t *grp = packed + j / I8G * i8_group_bytes(base, k);
-    for (int64_t b = 0; b < k / QK; ++b) i8_dequant_block(base, grp + b * bb, (int)(j % I8G), out + b * QK);
+    for (int64_t b = 0; b < k / wb; ++b)
+        i8_dequant_block(base, grp + b * bb, (int)(j % I8G), out + b * wb);
 }
 
 /* Rows of x quantized: ``xq`` int8 ``[m, k]``, ``dx`` float32 ``[m, k/32]``, ``sq`` int32
- * ``[m, k/32]`` (the blocks' sums of q). */
+ * ``[m, k/16]`` (the sums of q over each 16 elements). */
 static void i8_quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int8_t *xq,
                              float *dx, int32_t *sq) {
     const int64_t nb = k / QK;
@@ -130,6 +226,7 @@ static void i8_quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, 
         for (int64_t b = 0; b < nb; ++b) {
             const float *xb = x + r * ldx + b * QK;
             int8_t *q = xq + r * k + b * QK;
+            int32_t *s = sq + r * 2 * nb + 2 * b;
 #if SIMD_I8
             const float amax = vq_absmax32(xb);
 #else
@@ -141,9 +238,9 @@ static void i8_quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, 
 #endif
             const float dv = amax / 127.0f, id = dv > 0.0f ? 1.0f / dv : 0.0f;
             dx[r * nb + b] = dv;
-            if (!(amax <= 3.0e38f)) { /* inf (or NaN): no codes; d carries it to the sums */
+            if (!(amax <= 3.0e38f)) { /* inf (or NaN): no codes; dx carries it to the sums */
                 memset(q, 0, QK);
-                sq[r * nb + b] = 0;
+                s[0] = s[1] = 0;
                 continue;
             }
 #if SIMD_I8
@@ -155,66 +252,179 @@ static void i8_quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, 
                 q[i] = (int8_t)v;
             }
 #endif
-            int32_t s = 0;
-            for (int i = 0; i < QK; ++i) s += q[i];
-            sq[r * nb + b] = s;
+            s[0] = s[1] = 0;
+            for (int i = 0; i < QK; ++i) s[i / 16] += q[i];
         }
 }
 
+/* Integer offset of the codes (subtracted times the sum of q). */
+static inline int i8_int_offset(int base) {
+    return base == QF_Q4_0 ? 8 : base == QF_Q5_0 ? 16 : base == QF_Q6_K ? 32 : 0;
+}
+
+/* Rows a tile's x pointers step by. */
+typedef struct {
+    const int8_t *xq; /* the tile's first row's q at the block */
+    const float *dx;  /* its first row's dx at the block's first 32 */
+    const int32_t *sq; /* its first row's sums at the block's first 16 */
+    int64_t k;        /* q's row stride; dx's is k / 32, sq's k / 16 */
+} i8_rows_t;
+
 #if SIMD_I8
-/* One block of a group for ``rt`` rows (their q at ``xq``, rows ``k`` apart): each row's
- * eight integer sums. */
-static inline __attribute__((always_inline)) void i8_block_sums(int base, int rt, const uint8_t *cb,
-                                                                const int8_t *xq, int64_t k,
-                                                                vq isum[I8RT]) {
+/* One sub-block's finished sums for ``rt`` rows into their accumulators: ``isum`` (the
+ * integer dots), A (the columns' multipliers) and, with ``fb``, the float offsets B. ``xb``:
+ * the sub-block's 32-element x block; ``s16``/``n16``: its first sum of 16 and how many. */
+static inline __attribute__((always_inline)) void i8_finish(int base, int rt, const i8_rows_t *x,
+                                                            const vq isum[I8RT], vq8f a, int fb,
+                                                            vq8f b, int xb, int s16, int n16,
+                                                            vq8f acc[I8RT]) {
+    const int64_t ldd = x->k / QK, lds = x->k / 16;
+    const int off = i8_int_offset(base);
+    for (int r = 0; r < rt; ++r) {
+        const float d = x->dx[r * ldd + xb];
+        int32_t sqv = x->sq[r * lds + s16];
+        if (n16 == 2) sqv += x->sq[r * lds + s16 + 1];
+        vq s = isum[r];
+        if (off) s = vq_sub32(s, vq_set32(off * sqv));
+        acc[r] = vq8f_fmadd(vq_to_f32(s), vq8f_mul(a, vq8f_set1(d)), acc[r]);
+        if (fb) acc[r] = vq8f_fmadd(b, vq8f_set1(d * (float)sqv), acc[r]);
+    }
+}
+
+/* Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: one 32-weight block. */
+static inline __attribute__((always_inline)) void i8_block32(int base, int rt, const uint8_t *cb,
+                                                             const i8_rows_t *x, int xb,
+                                                             vq8f acc[I8RT]) {
+    vq isum[I8RT];
+    for (int r = 0; r < rt; ++r) isum[r] = vq_zero();
     if (base == QF_Q8_0) {
-        for (int r = 0; r < rt; ++r) isum[r] = vq_zero();
         for (int t = 0; t < QK / 4; ++t) {
             const vq w = vq_load(cb + t * 4 * I8G), aw = vq_abs8(w);
             for (int r = 0; r < rt; ++r) {
-                const vq xs = vq_sign8(vq_bcast4(xq + r * k + 4 * t), w);
+                const vq xs = vq_sign8(vq_bcast4(x->xq + r * x->k + 4 * t), w);
                 isum[r] = vq_add32(isum[r], vq_sum16(vq_dot_pairs(aw, xs)));
             }
         }
-        return;
-    }
-    vq a[I8RT];
-    for (int r = 0; r < rt; ++r) a[r] = vq_zero();
-    for (int t = 0; t < QK / 8; ++t) {
-        const vq w = vq_load(cb + t * 4 * I8G), lo = vq_lo_nibbles(w), hi = vq_hi_nibbles(w);
-        for (int r = 0; r < rt; ++r) {
-            const int8_t *xr = xq + r * k;
-            a[r] = vq_add16(a[r], vq_add16(vq_dot_pairs(lo, vq_bcast4(xr + 4 * t)),
-                                           vq_dot_pairs(hi, vq_bcast4(xr + 16 + 4 * t))));
+    } else if (base == QF_Q4_0 || base == QF_Q4_1) {
+        vq a16[I8RT];
+        for (int r = 0; r < rt; ++r) a16[r] = vq_zero();
+        for (int t = 0; t < QK / 8; ++t) {
+            const vq w = vq_load(cb + t * 4 * I8G), lo = vq_lo_nibbles(w), hi = vq_hi_nibbles(w);
+            for (int r = 0; r < rt; ++r) {
+                const int8_t *xr = x->xq + r * x->k;
+                a16[r] = vq_add16(a16[r], vq_add16(vq_dot_pairs(lo, vq_bcast4(xr + 4 * t)),
+                                                   vq_dot_pairs(hi, vq_bcast4(xr + 16 + 4 * t))));
+            }
+        }
+        for (int r = 0; r < rt; ++r) isum[r] = vq_sum16(a16[r]);
+    } else { /* Q5_0, Q5_1: the fifth bits from each column's uint32 */
+        const vq qh = vq_load(cb + i8_off_qh(base));
+        for (int t = 0; t < QK / 8; ++t) {
+            const vq w = vq_load(cb + t * 4 * I8G), v = vq_srli32(qh, 4 * t);
+            const vq lo = vq_or(vq_lo_nibbles(w), vq_bits4_x10(v, 0));
+            const vq hi = vq_or(vq_hi_nibbles(w), vq_bits4_x10(v, 2));
+            for (int r = 0; r < rt; ++r) {
+                const int8_t *xr = x->xq + r * x->k;
+                isum[r] = vq_add32(isum[r], vq_sum16(vq_add16(
+                    vq_dot_pairs(lo, vq_bcast4(xr + 4 * t)), vq_dot_pairs(hi, vq_bcast4(xr + 16 + 4 * t)))));
+            }
         }
     }
-    for (int r = 0; r < rt; ++r) isum[r] = vq_sum16(a[r]);
+    const vq8f dw = vq8f_load_f16((const uint16_t *)(cb + i8_off_d(base)));
+    const int fb = i8_has_m(base);
+    const vq8f mw = fb ? vq8f_load_f16((const uint16_t *)(cb + i8_off_m(base))) : vq8f_zero();
+    i8_finish(base, rt, x, isum, dw, fb, mw, xb, 2 * xb, 2, acc);
+}
+
+/* Q4_K, Q5_K: sub-block s (32 weights: the low nibbles of code bytes 32 (s/2) .. for even
+ * s, the high for odd; Q5_K's fifth bit is bit s of qh byte l). */
+static inline __attribute__((always_inline)) void i8_k45_sub(int base, int rt, const uint8_t *cb,
+                                                             const i8_rows_t *x, int xb0, int s,
+                                                             vq8f dv, vq8f dmv, vq8f acc[I8RT]) {
+    vq isum[I8RT], a16[I8RT];
+    for (int r = 0; r < rt; ++r) isum[r] = a16[r] = vq_zero();
+    const int j = s / 2, sh = s & 1;
+    for (int v = 0; v < 8; ++v) {
+        const vq w = vq_load(cb + (8 * j + v) * 4 * I8G);
+        vq c = sh ? vq_hi_nibbles(w) : vq_lo_nibbles(w);
+        if (base == QF_Q5_K) {
+            const vq h = vq_load(cb + i8_off_qh(base) + v * 4 * I8G);
+            c = vq_or(c, vq_and(s <= 4 ? vq_slli16(h, 4 - s) : vq_srli16(h, s - 4), vq_set8(0x10)));
+        }
+        for (int r = 0; r < rt; ++r)
+            a16[r] = vq_add16(a16[r], vq_dot_pairs(c, vq_bcast4(x->xq + r * x->k + 32 * s + 4 * v)));
+        if (base == QF_Q5_K && (v & 3) == 3) { /* four 5-bit pairs at most in int16 */
+            for (int r = 0; r < rt; ++r) {
+                isum[r] = vq_add32(isum[r], vq_sum16(a16[r]));
+                a16[r] = vq_zero();
+            }
+        }
+    }
+    if (base == QF_Q4_K)
+        for (int r = 0; r < rt; ++r) isum[r] = vq_sum16(a16[r]);
+    const vq8f a = vq8f_mul(dv, vq8f_load_u8(cb + i8_off_sc(base) + s * I8G));
+    const vq8f b = vq8f_mul(dmv, vq8f_load_u8(cb + i8_off_mn(base) + s * I8G));
+    /* B = -(dmin mn): fnmadd in i8_finish's place */
+    const int64_t ldd = x->k / QK, lds = x->k / 16;
+    for (int r = 0; r < rt; ++r) {
+        const float d = x->dx[r * ldd + xb0 + s];
+        const int32_t sqv = x->sq[r * lds + 2 * (xb0 + s)] + x->sq[r * lds + 2 * (xb0 + s) + 1];
+        acc[r] = vq8f_fmadd(vq_to_f32(isum[r]), vq8f_mul(a, vq8f_set1(d)), acc[r]);
+        acc[r] = vq8f_fnmadd(b, vq8f_set1(d * (float)sqv), acc[r]);
+    }
+}
+
+/* Q6_K: sub-block s = 8 h + 2 t + u (16 weights: elements 128 h + 32 t + 16 u ..; their
+ * low 4 bits in ql byte 64 h + 32 (t & 1) + l, low or high nibble as t < 2, their top
+ * two bits 2t .. 2t + 1 of qh byte 32 h + l, l = 16 u ..). */
+static inline __attribute__((always_inline)) void i8_q6k_sub(int rt, const uint8_t *cb,
+                                                             const i8_rows_t *x, int xb0, int s,
+                                                             vq8f dv, vq8f acc[I8RT]) {
+    const int h = s / 8, t = (s % 8) / 2, u = s & 1;
+    vq isum[I8RT];
+    for (int r = 0; r < rt; ++r) isum[r] = vq_zero();
+    for (int v = 4 * u; v < 4 * u + 4; v += 2) {
+        vq a16[I8RT];
+        for (int r = 0; r < rt; ++r) a16[r] = vq_zero();
+        for (int e = v; e < v + 2; ++e) { /* two 6-bit pairs at most in int16 */
+            const vq w = vq_load(cb + (16 * h + 8 * (t & 1) + e) * 4 * I8G);
+            const vq qh = vq_load(cb + i8_off_qh(QF_Q6_K) + (8 * h + e) * 4 * I8G);
+            const vq lo = t < 2 ? vq_lo_nibbles(w) : vq_hi_nibbles(w);
+            const vq hb = 2 * t <= 4 ? vq_slli16(qh, 4 - 2 * t) : vq_srli16(qh, 2 * t - 4);
+            const vq c = vq_or(lo, vq_and(hb, vq_set8(0x30)));
+            for (int r = 0; r < rt; ++r)
+                a16[r] = vq_add16(a16[r], vq_dot_pairs(c, vq_bcast4(x->xq + r * x->k + 128 * h +
+                                                                      32 * t + 4 * e)));
+        }
+        for (int r = 0; r < rt; ++r) isum[r] = vq_add32(isum[r], vq_sum16(a16[r]));
+    }
+    const vq8f a = vq8f_mul(dv, vq8f_load_i8((const int8_t *)cb + i8_off_sc(QF_Q6_K) + s * I8G));
+    i8_finish(QF_Q6_K, rt, x, isum, a, 0, vq8f_zero(), xb0 + (128 * h + 32 * t) / QK,
+              2 * xb0 + s, 1, acc);
 }
 
 /* Rows ``0 .. rt`` against one group of ``cols`` columns. */
-static inline __attribute__((always_inline)) void i8_group_tile(int base, int rt, const int8_t *xq,
-                                                                const float *dx, const int32_t *sq,
-                                                                int64_t k, const uint8_t *grp,
-                                                                const float *bias, float *y,
-                                                                int64_t ldy, int cols) {
-    const int64_t nb = k / QK, bb = i8_group_block_bytes(base);
-    const int nc = i8_codes(base);
+static inline __attribute__((always_inline)) void i8_group_tile(int base, int rt, const i8_rows_t *x0,
+                                                                const uint8_t *grp, const float *bias,
+                                                                float *y, int64_t ldy, int cols) {
+    const int wb = i8_weights(base);
+    const int64_t nb = x0->k / wb, bb = i8_group_block_bytes(base);
     vq8f acc[I8RT];
     for (int r = 0; r < rt; ++r) acc[r] = vq8f_zero();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *cb = grp + b * bb;
-        vq isum[I8RT];
-        i8_block_sums(base, rt, cb, xq + b * QK, k, isum);
-        const uint16_t *dd = (const uint16_t *)(cb + (int64_t)nc * I8G);
-        const vq8f dw = vq8f_load_f16(dd);
-        for (int r = 0; r < rt; ++r) {
-            const float d = dx[r * nb + b];
-            vq s = isum[r];
-            if (base == QF_Q4_0) s = vq_sub32(s, vq_set32(8 * sq[r * nb + b]));
-            acc[r] = vq8f_fmadd(vq_to_f32(s), vq8f_mul(dw, vq8f_set1(d)), acc[r]);
-            if (base == QF_Q4_1)
-                acc[r] = vq8f_fmadd(vq8f_load_f16(dd + I8G), vq8f_set1(d * (float)sq[r * nb + b]),
-                                    acc[r]);
+        const int xb0 = (int)(b * wb / QK);
+        const i8_rows_t xk = {x0->xq + b * wb, x0->dx, x0->sq, x0->k};
+        if (wb == QK) {
+            i8_block32(base, rt, cb, &xk, xb0, acc);
+            continue;
+        }
+        const vq8f dv = vq8f_load_f16((const uint16_t *)(cb + i8_off_d(base)));
+        if (base == QF_Q6_K) {
+            for (int s = 0; s < 16; ++s) i8_q6k_sub(rt, cb, &xk, xb0, s, dv, acc);
+        } else {
+            const vq8f dmv = vq8f_load_f16((const uint16_t *)(cb + i8_off_m(base)));
+            for (int s = 0; s < 8; ++s) i8_k45_sub(base, rt, cb, &xk, xb0, s, dv, dmv, acc);
         }
     }
     for (int r = 0; r < rt; ++r) {
@@ -224,34 +434,95 @@ static inline __attribute__((always_inline)) void i8_group_tile(int base, int rt
     }
 }
 #else
-/* The same sums, one column at a time. */
-static void i8_group_tile(int base, int rt, const int8_t *xq, const float *dx, const int32_t *sq,
-                          int64_t k, const uint8_t *grp, const float *bias, float *y, int64_t ldy,
-                          int cols) {
-    const int64_t nb = k / QK, bb = i8_group_block_bytes(base);
-    const int nc = i8_codes(base);
-    for (int r = 0; r < rt; ++r) {
-        const int8_t *xr = xq + r * k;
-        float acc[I8G] = {0};
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *cb = grp + b * bb;
-            const uint16_t *dd = (const uint16_t *)(cb + (int64_t)nc * I8G);
-            const float d = dx[r * nb + b];
-            for (int c = 0; c < I8G; ++c) {
-                int32_t s = 0;
-                if (base == QF_Q8_0) {
-                    for (int i = 0; i < QK; ++i) s += (int8_t)cb[i8_code_at(c, i)] * xr[b * QK + i];
-                } else {
-                    for (int i = 0; i < QK / 2; ++i) {
-                        const uint8_t byte = cb[i8_code_at(c, i)];
-                        s += (byte & 0x0F) * xr[b * QK + i] + (byte >> 4) * xr[b * QK + 16 + i];
-                    }
-                    if (base == QF_Q4_0) s -= 8 * sq[r * nb + b];
-                }
-                acc[c] += (float)s * (f16_bits_to_f32(dd[c]) * d);
-                if (base == QF_Q4_1) acc[c] += f16_bits_to_f32(dd[I8G + c]) * (d * (float)sq[r * nb + b]);
+/* Column ``c``'s block ``bo`` as integer codes in element order, with each sub-block's
+ * multiplier A and float offset B (see the top); returns the sub-block width. */
+static int i8_column_codes(int base, const uint8_t *bo, int c, int q[QK_K], float a[16], float b[16]) {
+    if (base < QF_Q5_0) {
+        const float dv = f16_bits_to_f32(((const uint16_t *)(bo + i8_off_d(base)))[c]);
+        a[0] = dv;
+        b[0] = base == QF_Q4_1 ? f16_bits_to_f32(((const uint16_t *)(bo + i8_off_m(base)))[c]) : 0.0f;
+        for (int i = 0; i < i8_q_bytes(base); ++i) {
+            const uint8_t byte = bo[i8_code_at(c, i)];
+            if (base == QF_Q8_0) {
+                q[i] = (int8_t)byte;
+            } else {
+                q[i] = byte & 0x0F;
+                q[i + 16] = byte >> 4;
             }
         }
+        return QK;
+    }
+    uint8_t r[QB_Q5_K > QB_Q6_K ? QB_Q5_K : QB_Q6_K];
+    i8_unpack_raw(base, bo, c, r);
+    if (base == QF_Q5_0 || base == QF_Q5_1) {
+        const i8_raw_t at = i8_raw(base);
+        uint32_t qh;
+        memcpy(&qh, r + at.qh, 4);
+        for (int j = 0; j < 16; ++j) {
+            q[j] = (r[at.q + j] & 0x0F) | (int)((qh >> j) & 1u) << 4;
+            q[j + 16] = (r[at.q + j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4;
+        }
+        a[0] = blk_f16(r);
+        b[0] = base == QF_Q5_1 ? blk_f16(r + 2) : 0.0f;
+        return QK;
+    }
+    if (base == QF_Q4_K || base == QF_Q5_K) {
+        const float d = blk_f16(r), dmin = blk_f16(r + 2);
+        uint8_t sc[8], mn[8];
+        scale_min_k4(r + 4, sc, mn);
+        const uint8_t *qh = r + 16, *qs = r + (base == QF_Q5_K ? 48 : 16);
+        for (int s = 0; s < 8; ++s) {
+            a[s] = d * (float)sc[s];
+            b[s] = -(dmin * (float)mn[s]);
+            for (int l = 0; l < 32; ++l) {
+                int v = s & 1 ? qs[32 * (s / 2) + l] >> 4 : qs[32 * (s / 2) + l] & 0x0F;
+                if (base == QF_Q5_K) v |= ((qh[l] >> s) & 1) << 4;
+                q[32 * s + l] = v;
+            }
+        }
+        return QK;
+    }
+    const float d = blk_f16(r + 208);
+    for (int h = 0; h < 2; ++h)
+        for (int t = 0; t < 4; ++t)
+            for (int l = 0; l < 32; ++l) {
+                const int lo = (r[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 0x0F;
+                const int hi = (r[128 + 32 * h + l] >> (2 * t)) & 3;
+                q[128 * h + 32 * t + l] = lo | hi << 4;
+            }
+    for (int s = 0; s < 16; ++s) {
+        a[s] = d * (float)(int8_t)r[192 + s];
+        b[s] = 0.0f;
+    }
+    return 16;
+}
+
+/* The same sums, one column at a time. */
+static void i8_group_tile(int base, int rt, const i8_rows_t *x0, const uint8_t *grp,
+                          const float *bias, float *y, int64_t ldy, int cols) {
+    const int wb = i8_weights(base), off = i8_int_offset(base), fb = i8_has_m(base);
+    const int64_t k = x0->k, nb = k / wb, bb = i8_group_block_bytes(base);
+    for (int r = 0; r < rt; ++r) {
+        const int8_t *xr = x0->xq + r * k;
+        const float *dxr = x0->dx + r * (k / QK);
+        const int32_t *sqr = x0->sq + r * (k / 16);
+        float acc[I8G] = {0};
+        for (int64_t b = 0; b < nb; ++b)
+            for (int c = 0; c < I8G; ++c) {
+                int q[QK_K];
+                float a[16], bo[16];
+                const int w = i8_column_codes(base, grp + b * bb, c, q, a, bo);
+                for (int s = 0; s < wb / w; ++s) {
+                    const int64_t e0 = b * wb + (int64_t)s * w;
+                    int32_t isum = 0, sqv = sqr[e0 / 16];
+                    if (w == QK) sqv += sqr[e0 / 16 + 1];
+                    for (int i = 0; i < w; ++i) isum += q[s * w + i] * xr[e0 + i];
+                    isum -= off * sqv;
+                    const float d = dxr[e0 / QK];
+                    acc[c] += (float)isum * (a[s] * d);
+                    if (fb) acc[c] += bo[s] * (d * (float)sqv);
+                }
+            }
         for (int c = 0; c < cols; ++c) y[r * ldy + c] = acc[c] + (bias ? bias[c] : 0.0f);
     }
 }
@@ -272,45 +543,50 @@ typedef struct {
 
 /* Every row of x against one group, in tiles of I8RT rows (one function per format, so
  * the format's branches fold away). */
-#define I8_GROUP_ROWS_FOR(F)                                                                \
-    static void i8_group_rows_##F(const i8_task_t *t, int64_t g) {                          \
-        const int64_t j = g * I8G, nbk = t->k / QK;                                          \
-        const int cols = t->n - j < I8G ? (int)(t->n - j) : I8G;                            \
-        const uint8_t *grp = t->packed + g * i8_group_bytes(QF_##F, t->k);                  \
-        const float *bias = t->bias ? t->bias + j : 0;                                       \
-        int64_t r = 0;                                                                       \
-        for (; r + I8RT <= t->m; r += I8RT)                                                  \
-            i8_group_tile(QF_##F, I8RT, t->xq + r * t->k, t->dx + r * nbk, t->sq + r * nbk,  \
-                          t->k, grp, bias, t->y + r * t->ldy + j, t->ldy, cols);             \
-        switch (t->m - r) {                                                                  \
-        case 3:                                                                              \
-            i8_group_tile(QF_##F, 3, t->xq + r * t->k, t->dx + r * nbk, t->sq + r * nbk,     \
-                          t->k, grp, bias, t->y + r * t->ldy + j, t->ldy, cols);             \
-            break;                                                                           \
-        case 2:                                                                              \
-            i8_group_tile(QF_##F, 2, t->xq + r * t->k, t->dx + r * nbk, t->sq + r * nbk,     \
-                          t->k, grp, bias, t->y + r * t->ldy + j, t->ldy, cols);             \
-            break;                                                                           \
-        case 1:                                                                              \
-            i8_group_tile(QF_##F, 1, t->xq + r * t->k, t->dx + r * nbk, t->sq + r * nbk,     \
-                          t->k, grp, bias, t->y + r * t->ldy + j, t->ldy, cols);             \
-            break;                                                                           \
-        default: break;                                                                      \
-        }                                                                                    \
+static inline __attribute__((always_inline)) void i8_group_rows(int base, const i8_task_t *t,
+                                                                int64_t g) {
+    const int64_t j = g * I8G;
+    const int cols = t->n - j < I8G ? (int)(t->n - j) : I8G;
+    const uint8_t *grp = t->packed + g * i8_group_bytes(base, t->k);
+    const float *bias = t->bias ? t->bias + j : 0;
+    int64_t r = 0;
+#define I8_TILE(RTN)                                                                        \
+    do {                                                                                    \
+        const i8_rows_t x = {t->xq + r * t->k, t->dx + r * (t->k / QK), t->sq + r * (t->k / 16), \
+                             t->k};                                                         \
+        i8_group_tile(base, RTN, &x, grp, bias, t->y + r * t->ldy + j, t->ldy, cols);      \
+    } while (0)
+    for (; r + I8RT <= t->m; r += I8RT) I8_TILE(I8RT);
+    switch (t->m - r) {
+    case 3: I8_TILE(3); break;
+    case 2: I8_TILE(2); break;
+    case 1: I8_TILE(1); break;
+    default: break;
     }
+#undef I8_TILE
+}
+
+#define I8_GROUP_ROWS_FOR(F) \
+    static void i8_group_rows_##F(const i8_task_t *t, int64_t g) { i8_group_rows(QF_##F, t, g); }
 I8_GROUP_ROWS_FOR(Q8_0)
 I8_GROUP_ROWS_FOR(Q4_0)
 I8_GROUP_ROWS_FOR(Q4_1)
+I8_GROUP_ROWS_FOR(Q5_0)
+I8_GROUP_ROWS_FOR(Q5_1)
+I8_GROUP_ROWS_FOR(Q4_K)
+I8_GROUP_ROWS_FOR(Q5_K)
+I8_GROUP_ROWS_FOR(Q6_K)
 #undef I8_GROUP_ROWS_FOR
 
 static void i8_groups(void *ctx, int64_t g0, int64_t g1, int worker) {
     (void)worker;
     const i8_task_t *t = ctx;
-    for (int64_t g = g0; g < g1; ++g) {
-        if (t->base == QF_Q8_0) i8_group_rows_Q8_0(t, g);
-        else if (t->base == QF_Q4_0) i8_group_rows_Q4_0(t, g);
-        else i8_group_rows_Q4_1(t, g);
-    }
+    typedef void (*fn)(const i8_task_t *, int64_t);
+    static const fn fns[] = {[QF_Q8_0] = i8_group_rows_Q8_0, [QF_Q4_0] = i8_group_rows_Q4_0,
+                             [QF_Q4_1] = i8_group_rows_Q4_1, [QF_Q5_0] = i8_group_rows_Q5_0,
+                             [QF_Q5_1] = i8_group_rows_Q5_1, [QF_Q4_K] = i8_group_rows_Q4_K,
+                             [QF_Q5_K] = i8_group_rows_Q5_K, [QF_Q6_K] = i8_group_rows_Q6_K};
+    for (int64_t g = g0; g < g1; ++g) fns[t->base](t, g);
 }
 
 static int i8_gemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, const void *packed,
@@ -320,7 +596,7 @@ static int i8_gemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, c
     const int64_t nb = k / QK;
     int8_t *xq = malloc((size_t)(m * k));
     float *dx = malloc(sizeof(float) * (size_t)(m * nb));
-    int32_t *sq = malloc(sizeof(int32_t) * (size_t)(m * nb));
+    int32_t *sq = malloc(sizeof(int32_t) * (size_t)(m * 2 * nb));
     if (!xq || !dx || !sq) {
         free(xq);
         free(dx);

@@ -384,6 +384,33 @@ static inline vq8f vq8f_load_f16(const uint16_t *p) {
 }
 static inline vq8f vq8f_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vq8f_store(float *p, vq8f v) { _mm256_storeu_ps(p, v); }
+static inline vq vq_and(vq a, vq b) { return _mm256_and_si256(a, b); }
+static inline vq vq_or(vq a, vq b) { return _mm256_or_si256(a, b); }
+static inline vq vq_set8(int8_t v) { return _mm256_set1_epi8(v); }
+/* Shifts of 16-bit lanes (a byte's bits move within it as long as the caller masks the
+ * bits that cross into the neighbouring byte). */
+static inline vq vq_slli16(vq a, int n) { return _mm256_slli_epi16(a, n); }
+static inline vq vq_srli16(vq a, int n) { return _mm256_srli_epi16(a, n); }
+static inline vq vq_srli32(vq a, int n) { return _mm256_srli_epi32(a, n); }
+/* Bits 0-3 of byte ``j`` of each 32-bit lane as that lane's four bytes: 0x10 where the
+ * bit is set, 0 where not (the fifth bit of four 5-bit codes). */
+static inline vq vq_bits4_x10(vq v, int j) {
+    const __m256i idx = _mm256_add_epi8(
+        _mm256_set1_epi8((char)j),
+        _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4,
+                         4, 8, 8, 8, 8, 12, 12, 12, 12));
+    const __m256i bits = _mm256_set1_epi32(0x08040201);
+    const __m256i s = _mm256_and_si256(_mm256_shuffle_epi8(v, idx), bits);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(s, bits), _mm256_set1_epi8(0x10));
+}
+static inline vq8f vq8f_fnmadd(vq8f a, vq8f b, vq8f c) { return _mm256_fnmadd_ps(a, b, c); }
+/* Eight unsigned / signed bytes as float32. */
+static inline vq8f vq8f_load_u8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vq8f vq8f_load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 /* The largest |x| of 32 floats, and those floats times ``id`` rounded to the nearest
  * integer (ties to even) as bytes. */
 static inline float vq_absmax32(const float *x) {
