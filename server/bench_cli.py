@@ -20,6 +20,9 @@ BENCHMARKS: list[tuple[str, str, str]] = [
     ("score", "pagedserve.loadtest.score_bench",
      "scoring and embedding prompts: prompt tokens/s with prompt logprobs and as "
      "embeddings, against plain prefill"),
+    ("perplexity", "pagedserve.loadtest.perplexity_bench",
+     "perplexity of a text in chunks, int8 against float activations (and KV cache "
+     "types), beside llama.cpp's llama-perplexity"),
     ("priority", "pagedserve.loadtest.priority_bench",
      "a batch job and interactive requests under fcfs and priority scheduling"),
     ("lora", "pagedserve.loadtest.lora_bench",

@@ -13,9 +13,12 @@
  *
  *   acc += (sum(c q) - o sum(q)) * (A_s dx) + B_s (dx sum(q))
  *
- * with the integer offset o (Q4_0 8, Q5_0 16, Q6_K 32, else 0), the multiplier A_s (d, or
- * the K-quants' d * sc_s rounded as the reference rounds it) and the float offset B_s
- * (Q4_1/Q5_1: m; Q4_K/Q5_K: -(dmin * mn_s); else none).
+ * with the integer offset o (Q4_0 8, Q5_0 16, else 0), the multiplier A_s (d, or Q4_K's
+ * and Q5_K's d * sc_s rounded as the reference rounds it) and the float offset B_s
+ * (Q4_1/Q5_1: m; Q4_K/Q5_K: -(dmin * mn_s); else none). Q6_K's two 16-weight sub-blocks
+ * of a 32-element x block take their int8 scales in int32:
+ *
+ *   acc += (sc_0 (sum(c q) - 32 sum(q)) + sc_1 (...)) * (d dx)
  *
  * The packed layout (independent of the build's vector width: the same bytes at every
  * level): groups of eight output columns; in a group, block by block, each of the block's
@@ -374,33 +377,44 @@ static inline __attribute__((always_inline)) void i8_k45_sub(int base, int rt, c
     }
 }
 
-/* Q6_K: sub-block s = 8 h + 2 t + u (16 weights: elements 128 h + 32 t + 16 u ..; their
- * low 4 bits in ql byte 64 h + 32 (t & 1) + l, low or high nibble as t < 2, their top
- * two bits 2t .. 2t + 1 of qh byte 32 h + l, l = 16 u ..). */
-static inline __attribute__((always_inline)) void i8_q6k_sub(int rt, const uint8_t *cb,
-                                                             const i8_rows_t *x, int xb0, int s,
-                                                             vq8f dv, vq8f acc[I8RT]) {
-    const int h = s / 8, t = (s % 8) / 2, u = s & 1;
-    vq isum[I8RT];
+/* Q6_K: x block 4 h + t of the weight block (elements 128 h + 32 t ..): its sub-blocks
+ * s = 8 h + 2 t + u, u = 0, 1 (16 weights each: their low 4 bits in ql byte 64 h +
+ * 32 (t & 1) + l, low or high nibble as t < 2, their top two bits 2t .. 2t + 1 of qh byte
+ * 32 h + l, l = 16 u ..). Each sub-block's dots times its scale in int32 (madd with the
+ * scales as int16 pairs), less 32 sc_s sum(q), then one float step for the x block. */
+static inline __attribute__((always_inline)) void i8_q6k_block(int rt, const uint8_t *cb,
+                                                               const i8_rows_t *x, int xb0, int h,
+                                                               int t, vq8f dv, vq8f acc[I8RT]) {
+    vq isum[I8RT], sc32[2];
     for (int r = 0; r < rt; ++r) isum[r] = vq_zero();
-    for (int v = 4 * u; v < 4 * u + 4; v += 2) {
-        vq a16[I8RT];
-        for (int r = 0; r < rt; ++r) a16[r] = vq_zero();
-        for (int e = v; e < v + 2; ++e) { /* two 6-bit pairs at most in int16 */
-            const vq w = vq_load(cb + (16 * h + 8 * (t & 1) + e) * 4 * I8G);
-            const vq qh = vq_load(cb + i8_off_qh(QF_Q6_K) + (8 * h + e) * 4 * I8G);
-            const vq lo = t < 2 ? vq_lo_nibbles(w) : vq_hi_nibbles(w);
-            const vq hb = 2 * t <= 4 ? vq_slli16(qh, 4 - 2 * t) : vq_srli16(qh, 2 * t - 4);
-            const vq c = vq_or(lo, vq_and(hb, vq_set8(0x30)));
-            for (int r = 0; r < rt; ++r)
-                a16[r] = vq_add16(a16[r], vq_dot_pairs(c, vq_bcast4(x->xq + r * x->k + 128 * h +
-                                                                      32 * t + 4 * e)));
+    for (int u = 0; u < 2; ++u) {
+        sc32[u] = vq_load_i8x8((const int8_t *)cb + i8_off_sc(QF_Q6_K) + (8 * h + 2 * t + u) * I8G);
+        const vq sc16 = vq_pair16(sc32[u]);
+        for (int v = 4 * u; v < 4 * u + 4; v += 2) {
+            vq a16[I8RT];
+            for (int r = 0; r < rt; ++r) a16[r] = vq_zero();
+            for (int e = v; e < v + 2; ++e) { /* two 6-bit pairs at most in int16 */
+                const vq w = vq_load(cb + (16 * h + 8 * (t & 1) + e) * 4 * I8G);
+                const vq qh = vq_load(cb + i8_off_qh(QF_Q6_K) + (8 * h + e) * 4 * I8G);
+                const vq lo = t < 2 ? vq_lo_nibbles(w) : vq_hi_nibbles(w);
+                const vq hb = 2 * t <= 4 ? vq_slli16(qh, 4 - 2 * t) : vq_srli16(qh, 2 * t - 4);
+                const vq c = vq_or(lo, vq_and(hb, vq_set8(0x30)));
+                for (int r = 0; r < rt; ++r)
+                    a16[r] = vq_add16(a16[r], vq_dot_pairs(c, vq_bcast4(x->xq + r * x->k + 128 * h +
+                                                                          32 * t + 4 * e)));
+            }
+            for (int r = 0; r < rt; ++r) isum[r] = vq_add32(isum[r], vq_madd16(a16[r], sc16));
         }
-        for (int r = 0; r < rt; ++r) isum[r] = vq_add32(isum[r], vq_sum16(a16[r]));
     }
-    const vq8f a = vq8f_mul(dv, vq8f_load_i8((const int8_t *)cb + i8_off_sc(QF_Q6_K) + s * I8G));
-    i8_finish(QF_Q6_K, rt, x, isum, a, 0, vq8f_zero(), xb0 + (128 * h + 32 * t) / QK,
-              2 * xb0 + s, 1, acc);
+    const int64_t ldd = x->k / QK, lds = x->k / 16;
+    const int xb = xb0 + 4 * h + t;
+    for (int r = 0; r < rt; ++r) {
+        const int32_t *sq = x->sq + r * lds + 2 * xb;
+        const vq off = vq_add32(vq_mul32(sc32[0], vq_set32(32 * sq[0])),
+                                vq_mul32(sc32[1], vq_set32(32 * sq[1])));
+        acc[r] = vq8f_fmadd(vq_to_f32(vq_sub32(isum[r], off)),
+                            vq8f_mul(dv, vq8f_set1(x->dx[r * ldd + xb])), acc[r]);
+    }
 }
 
 /* Rows ``0 .. rt`` against one group of ``cols`` columns. */
@@ -421,7 +435,8 @@ static inline __attribute__((always_inline)) void i8_group_tile(int base, int rt
         }
         const vq8f dv = vq8f_load_f16((const uint16_t *)(cb + i8_off_d(base)));
         if (base == QF_Q6_K) {
-            for (int s = 0; s < 16; ++s) i8_q6k_sub(rt, cb, &xk, xb0, s, dv, acc);
+            for (int h = 0; h < 2; ++h)
+                for (int t = 0; t < 4; ++t) i8_q6k_block(rt, cb, &xk, xb0, h, t, dv, acc);
         } else {
             const vq8f dmv = vq8f_load_f16((const uint16_t *)(cb + i8_off_m(base)));
             for (int s = 0; s < 8; ++s) i8_k45_sub(base, rt, cb, &xk, xb0, s, dv, dmv, acc);
@@ -434,9 +449,13 @@ static inline __attribute__((always_inline)) void i8_group_tile(int base, int rt
     }
 }
 #else
-/* Column ``c``'s block ``bo`` as integer codes in element order, with each sub-block's
- * multiplier A and float offset B (see the top); returns the sub-block width. */
-static int i8_column_codes(int base, const uint8_t *bo, int c, int q[QK_K], float a[16], float b[16]) {
+/* Column ``c``'s block ``bo`` as integer codes in element order, each sub-block's integer
+ * scale ``isc`` (Q6_K's; 1 for the others), and each 32-element x block's multiplier A
+ * and float offset B (see the top; Q6_K's A is d, its scales applied in int32); returns
+ * the sub-block width. */
+static int i8_column_codes(int base, const uint8_t *bo, int c, int q[QK_K], int isc[16],
+                           float a[8], float b[8]) {
+    for (int s = 0; s < 16; ++s) isc[s] = 1;
     if (base < QF_Q5_0) {
         const float dv = f16_bits_to_f32(((const uint16_t *)(bo + i8_off_d(base)))[c]);
         a[0] = dv;
@@ -490,9 +509,10 @@ static int i8_column_codes(int base, const uint8_t *bo, int c, int q[QK_K], floa
                 const int hi = (r[128 + 32 * h + l] >> (2 * t)) & 3;
                 q[128 * h + 32 * t + l] = lo | hi << 4;
             }
-    for (int s = 0; s < 16; ++s) {
-        a[s] = d * (float)(int8_t)r[192 + s];
-        b[s] = 0.0f;
+    for (int s = 0; s < 16; ++s) isc[s] = (int8_t)r[192 + s];
+    for (int xb = 0; xb < 8; ++xb) {
+        a[xb] = d;
+        b[xb] = 0.0f;
     }
     return 16;
 }
@@ -509,18 +529,23 @@ static void i8_group_tile(int base, int rt, const i8_rows_t *x0, const uint8_t *
         float acc[I8G] = {0};
         for (int64_t b = 0; b < nb; ++b)
             for (int c = 0; c < I8G; ++c) {
-                int q[QK_K];
-                float a[16], bo[16];
-                const int w = i8_column_codes(base, grp + b * bb, c, q, a, bo);
-                for (int s = 0; s < wb / w; ++s) {
-                    const int64_t e0 = b * wb + (int64_t)s * w;
-                    int32_t isum = 0, sqv = sqr[e0 / 16];
-                    if (w == QK) sqv += sqr[e0 / 16 + 1];
-                    for (int i = 0; i < w; ++i) isum += q[s * w + i] * xr[e0 + i];
-                    isum -= off * sqv;
+                int q[QK_K], isc[16];
+                float a[8], bo[8];
+                const int w = i8_column_codes(base, grp + b * bb, c, q, isc, a, bo);
+                for (int xb = 0; xb < wb / QK; ++xb) { /* the 32-element x blocks */
+                    const int64_t e0 = b * wb + (int64_t)xb * QK;
+                    int32_t isum = 0;
+                    for (int s = 0; s < QK / w; ++s) { /* the sub-blocks in it */
+                        const int64_t e = e0 + (int64_t)s * w;
+                        int32_t dot = 0, sqv = sqr[e / 16];
+                        if (w == QK) sqv += sqr[e / 16 + 1];
+                        for (int i = 0; i < w; ++i) dot += q[e - b * wb + i] * xr[e + i];
+                        isum += isc[(e - b * wb) / w] * (dot - off * sqv);
+                    }
+                    const int32_t sqv = sqr[e0 / 16] + sqr[e0 / 16 + 1];
                     const float d = dxr[e0 / QK];
-                    acc[c] += (float)isum * (a[s] * d);
-                    if (fb) acc[c] += bo[s] * (d * (float)sqv);
+                    acc[c] += (float)isum * (a[xb] * d);
+                    if (fb) acc[c] += bo[xb] * (d * (float)sqv);
                 }
             }
         for (int c = 0; c < cols; ++c) y[r * ldy + c] = acc[c] + (bias ? bias[c] : 0.0f);

@@ -404,6 +404,16 @@ static inline vq vq_bits4_x10(vq v, int j) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(s, bits), _mm256_set1_epi8(0x10));
 }
 static inline vq8f vq8f_fnmadd(vq8f a, vq8f b, vq8f c) { return _mm256_fnmadd_ps(a, b, c); }
+/* Eight signed bytes as int32 lanes; such lanes as int16 pairs (both halves the value,
+ * for |v| < 32768); int16 pairs times int16 pairs, summed to int32; int32 products. */
+static inline vq vq_load_i8x8(const int8_t *p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline vq vq_pair16(vq v) {
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+static inline vq vq_madd16(vq a, vq b) { return _mm256_madd_epi16(a, b); }
+static inline vq vq_mul32(vq a, vq b) { return _mm256_mullo_epi32(a, b); }
 /* Eight unsigned / signed bytes as float32. */
 static inline vq8f vq8f_load_u8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
