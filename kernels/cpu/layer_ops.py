@@ -67,6 +67,10 @@ QUANT_DIRECT_ROWS = {"avx512": 1024, "avx2": 64, "portable": 32}
 """Quantized weights: row counts up to which the native kernel multiplies in registers, by
 build level; larger batches dequantize the weight once and take a float product (where
 that measured faster: BENCHMARKS.md)."""
+QUANT_DIRECT_ROWS_INT8 = {"avx512": 1024, "avx2": 512, "portable": 32}
+"""The same with 8-bit activations: on an AVX2 Zen 3 the integer-dot product took
+0.50-0.94x the time of the float path (its native kernel up to 64 rows, the dequantized
+weight's float product above) at 64-512 rows, and 1.0-1.6x at 2,048."""
 QUANTIZED_ACTIVATIONS = ("auto", "int8", "float")
 """How quantized linears take their activations (:class:`NativeLayerOps`)."""
 
@@ -106,10 +110,11 @@ class NativeLayerOps(TorchLayerOps):
                              f"of {QUANTIZED_ACTIVATIONS}")  # fmt: skip
         self.int8_activations = quantized_activations == "int8" or (
             quantized_activations == "auto" and self.isa != "portable")
-        """Whether quantized weights of :data:`INT8_ACTIVATION_FORMATS` take 8-bit
-        activations (``auto``: on the vector builds, where the integer dot products
-        measured faster; the portable build's are scalar loops)."""
-        self.quant_max_rows = QUANT_DIRECT_ROWS.get(self.isa, QUANT_DIRECT_ROWS["portable"])
+        """Whether quantized weights (but the per-row int8 format) take 8-bit activations
+        (``auto``: on the vector builds, where the integer dot products measured faster;
+        the portable build's are scalar loops)."""
+        rows = QUANT_DIRECT_ROWS_INT8 if self.int8_activations else QUANT_DIRECT_ROWS
+        self.quant_max_rows = rows.get(self.isa, rows["portable"])
         """Row counts up to which quantized weights take the native kernel."""
         # Reused float32 copy of a quantized weight for prefill-sized products.
         self._dequant_scratch = torch.empty(0, dtype=torch.float32)
