@@ -21,6 +21,7 @@ from pagedserve.engine.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
+    QUANTIZED_ACTIVATIONS,
 )
 from pagedserve.loadtest.workloads import Workload, allowed_token_ids
 
@@ -47,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=DTYPES)
     g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="weight-only quantized linears (default: none)")
+    g.add_argument("--quantized-activations", default="auto", choices=QUANTIZED_ACTIVATIONS,
+                   help="the quantized linears' activations on the CPU: int8, float, or auto "
+                        "(int8 on the AVX2 and AVX-512 builds; default)")
     g.add_argument("--seed", type=int, default=0, help="workload and engine seed")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -74,6 +78,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     kw: dict[str, Any] = {
         "dtype": args.dtype,
         "quantization": args.quantization,
+        "quantized_activations": getattr(args, "quantized_activations", "auto"),
         "seed": args.seed,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,

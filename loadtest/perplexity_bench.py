@@ -16,7 +16,9 @@ most likely token is the same. ``--kv-cache-dtypes`` crosses the runs with KV ca
 element types in the same way. With ``--llama-perplexity PATH`` the same text goes
 through llama.cpp's tool on the same file (``-c ctx``, the host's cores) and its final
 estimate is printed beside them: the anchor (the two tokenizers may cut the text a few
-tokens apart).
+tokens apart). A step takes one chunk (``--max-num-batched-tokens``, default ``--ctx``):
+the quantized products take 8-bit activations up to their row limit only (512 rows on
+AVX2 builds), above which the dequantized weights multiply float32 activations.
 """
 
 from __future__ import annotations
@@ -144,10 +146,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     base_ppl: float | None = None
     chunks: list[list[int]] = []
     for i, (act, kv) in enumerate(runs):
+        # One chunk a step by default: a step's rows stay within the quantized product's
+        # row limit (512 on AVX2), above which the weights are dequantized and the
+        # activations stay float32 whatever the setting.
+        budget = args.max_num_batched_tokens or args.ctx
         llm = LLM(**engine_kwargs(args, quantized_activations=act, kv_cache_dtype=kv,
-                                  enable_prefix_caching=False,
-                                  max_model_len=max(args.ctx, args.max_model_len or 0)))
+                                  enable_prefix_caching=False, max_num_batched_tokens=budget))
         worker = llm.engine.worker
+        limit = getattr(getattr(worker.attn, "ops", None), "quant_max_rows", None)
         if i == 0:
             ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
             count = len(ids) // args.ctx
@@ -178,6 +184,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         ppl = math.exp(-sum(logprobs) / len(logprobs))
         entry: dict[str, Any] = {"activations": act, "kv_cache_dtype": kv,
                                  "quant_activations": paths.get("quant_activations"),
+                                 "rows_per_step": budget, "quant_max_rows": limit,
                                  "ppl": ppl, "seconds": seconds,
                                  "kv_dtype": str(worker.kv_dtype).removeprefix("torch.")}
         if base_top is None:
@@ -192,6 +199,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             line += (f"  vs the first run: PPL x{entry['ppl_vs_first']:.4f} "
                      f"({100 * (entry['ppl_vs_first'] - 1):+.2f}%), top-1 agreement "
                      f"{100 * entry['agreement_vs_first']:.2f}%")
+        if limit is not None and budget > limit and worker.settings.quantization:
+            line += f"  (steps over {limit} rows took float activations)"
         print(line)
         del llm
     if args.llama_perplexity:

@@ -9,6 +9,8 @@
 # llama-server with one slot for the single-stream runs and 32 for the concurrent one,
 # both with the host's cores. Each run's JSON (bench serve --save-result) and log go to
 # OUT_DIR (default /tmp/vs_llama); the last lines print the figures side by side.
+# PAGEDSERVE_ARGS: more flags for pagedserve serve (e.g. --quantized-activations float);
+# ONLY=pagedserve or ONLY=llamacpp runs one server's part.
 set -uo pipefail
 GGUF=${1:?usage: $0 FILE.gguf [OUT_DIR]}
 OUT=${2:-/tmp/vs_llama}
@@ -32,18 +34,24 @@ single() {  # single SERVER
     bench "${1}_4096" 4096 64 2 1
 }
 
-start_server llamacpp_1 "$LLAMA" -m "$GGUF" -c 8192 -np 1 -t "$THREADS" --port "$PORT" &&
-    single llamacpp
-stop_server
-start_server llamacpp_32 "$LLAMA" -m "$GGUF" -c 16384 -np 32 -t "$THREADS" --port "$PORT" &&
-    bench llamacpp_c32 128 128 64 32
-stop_server
-start_server pagedserve "$PS" serve --model "$GGUF" --quantization gguf --port "$PORT" \
-    --max-num-seqs 64 --max-model-len 8192 && {
-    single pagedserve
-    bench pagedserve_c32 128 128 64 32
-}
-stop_server
+ONLY=${ONLY:-}
+if [ "$ONLY" != pagedserve ]; then
+    start_server llamacpp_1 "$LLAMA" -m "$GGUF" -c 8192 -np 1 -t "$THREADS" --port "$PORT" &&
+        single llamacpp
+    stop_server
+    start_server llamacpp_32 "$LLAMA" -m "$GGUF" -c 16384 -np 32 -t "$THREADS" --port "$PORT" &&
+        bench llamacpp_c32 128 128 64 32
+    stop_server
+fi
+if [ "$ONLY" != llamacpp ]; then
+    # shellcheck disable=SC2086
+    start_server pagedserve "$PS" serve --model "$GGUF" --quantization gguf --port "$PORT" \
+        --max-num-seqs 64 --max-model-len 8192 ${PAGEDSERVE_ARGS:-} && {
+        single pagedserve
+        bench pagedserve_c32 128 128 64 32
+    }
+    stop_server
+fi
 
 python3 - "$OUT" <<'EOF'
 import json, sys, pathlib
