@@ -104,7 +104,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
 
 
-def _quantized(fmt: str, raw: np.ndarray, k: int) -> QuantizedWeight:
+def quantized_from_blocks(fmt: str, raw: np.ndarray, k: int) -> QuantizedWeight:
     """Split GGML blocks ``raw`` (uint8 ``[n, k / block weights * block bytes]``) into
     planes (the block formats: one plane, the blocks as they are)."""
     n = raw.shape[0]
@@ -215,7 +215,7 @@ def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
         k = int(t.shape[0])
         keep = fmt is not None and layout_key(name) in quantized_keys
         if keep:
-            value: torch.Tensor | QuantizedWeight = _quantized(fmt, t.data, k)
+            value: torch.Tensor | QuantizedWeight = quantized_from_blocks(fmt, t.data, k)
         elif type_name in ("F32", "F16"):  # BF16: through the gguf package
             value = torch.from_numpy(np.array(t.data)).float()
         else:
