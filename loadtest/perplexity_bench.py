@@ -16,9 +16,10 @@ most likely token is the same. ``--kv-cache-dtypes`` crosses the runs with KV ca
 element types in the same way. With ``--llama-perplexity PATH`` the same text goes
 through llama.cpp's tool on the same file (``-c ctx``, the host's cores) and its final
 estimate is printed beside them: the anchor (the two tokenizers may cut the text a few
-tokens apart). A step takes one chunk (``--max-num-batched-tokens``, default ``--ctx``):
-the quantized products take 8-bit activations up to their row limit only (512 rows on
-AVX2 builds), above which the dequantized weights multiply float32 activations.
+tokens apart). A step takes 128 tokens (``--max-num-batched-tokens``): the quantized
+products take 8-bit activations up to their row limit only (128 rows on AVX2 builds),
+above which the dequantized weights multiply float32 activations; the report says when
+a run's steps went over it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ TEXT_MODULES = ("argparse", "asyncio.events", "asyncio.streams", "collections", 
 code in the model's own tokenizer)."""
 
 _LLAMA_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+_LLAMA_CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks")
 
 
 def stdlib_text() -> str:
@@ -117,12 +119,14 @@ def run_llama_perplexity(binary: str, model: str, text_path: Path, ctx: int,
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - t0
-    found = _LLAMA_PPL.search(done.stdout + done.stderr)
+    output = done.stdout + done.stderr
+    found = _LLAMA_PPL.search(output)
     if found is None:
-        tail = (done.stdout + done.stderr)[-2000:]
-        raise RuntimeError(f"llama-perplexity gave no final estimate (exit {done.returncode}): {tail}")
+        raise RuntimeError(f"llama-perplexity gave no final estimate (exit {done.returncode}): "
+                           f"{output[-2000:]}")
+    chunks = _LLAMA_CHUNKS.search(output)
     return {"ppl": float(found[1]), "ppl_error": float(found[2]), "seconds": seconds,
-            "command": " ".join(cmd)}
+            "chunks": int(chunks[1]) if chunks else None, "command": " ".join(cmd)}
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,27 +150,37 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     base_ppl: float | None = None
     chunks: list[list[int]] = []
     for i, (act, kv) in enumerate(runs):
-        # One chunk a step by default: a step's rows stay within the quantized product's
-        # row limit (512 on AVX2), above which the weights are dequantized and the
-        # activations stay float32 whatever the setting.
-        budget = args.max_num_batched_tokens or args.ctx
-        llm = LLM(**engine_kwargs(args, quantized_activations=act, kv_cache_dtype=kv,
+        # 128 rows a step by default: within the quantized products' row limit with 8-bit
+        # activations (128 on AVX2 builds), above which the weights are dequantized and
+        # the activations stay float32 whatever the setting.
+        budget = args.max_num_batched_tokens or min(args.ctx, 128)
+        llm = LLM(model=args.model, **engine_kwargs(args, quantized_activations=act, kv_cache_dtype=kv,
                                   enable_prefix_caching=False, max_num_batched_tokens=budget))
         worker = llm.engine.worker
         limit = getattr(getattr(worker.attn, "ops", None), "quant_max_rows", None)
         if i == 0:
-            ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+            tokenizer = llm.get_tokenizer()
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            # As llama-perplexity: a tokenizer that adds a BOS has it first, and in
+            # place of each chunk's first token.
+            bos = tokenizer.bos_token_id
+            add_bos = bos is not None and tokenizer.encode("a")[:1] == [bos]
+            if add_bos:
+                ids = [bos, *ids]
             count = len(ids) // args.ctx
             if args.max_chunks:
                 count = min(count, args.max_chunks)
             if count < 1:
                 raise SystemExit(f"the text has {len(ids)} tokens: fewer than one chunk of {args.ctx}")
             chunks = [ids[c * args.ctx:(c + 1) * args.ctx] for c in range(count)]
-            report.update(tokens=len(ids), chunks=count, scored=count * (args.ctx - 1 - first))
+            if add_bos:
+                chunks = [[bos, *c[1:]] for c in chunks]
+            report.update(tokens=len(ids), chunks=count, scored=count * (args.ctx - 1 - first),
+                          bos=add_bos)
             print_header("pagedserve bench perplexity", env, {
-                "model": f"{worker.settings.model_name} ({worker.settings.model_path})",
+                "model": f"{args.model or worker.settings.model_name} ({worker.quant_desc or 'float'})",
                 "text": f"{args.text or 'standard library docstrings'} ({len(text)} chars, "
-                        f"sha256 {digest}..., {len(ids)} tokens)",
+                        f"sha256 {digest}..., {len(ids)} tokens{', BOS first' if add_bos else ''})",
                 "chunks": f"{count} x {args.ctx} tokens, the last {args.ctx - 1 - first} of "
                           f"each scored ({report['scored']} tokens)",
             })
@@ -199,7 +213,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             line += (f"  vs the first run: PPL x{entry['ppl_vs_first']:.4f} "
                      f"({100 * (entry['ppl_vs_first'] - 1):+.2f}%), top-1 agreement "
                      f"{100 * entry['agreement_vs_first']:.2f}%")
-        if limit is not None and budget > limit and worker.settings.quantization:
+        if entry["quant_activations"] == "int8" and limit is not None and budget > limit:
             line += f"  (steps over {limit} rows took float activations)"
         print(line)
         del llm
@@ -212,7 +226,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             os.unlink(f.name)
         report["llama_perplexity"] = lp
-        print(f"llama-perplexity (same file, text and ctx): PPL {lp['ppl']:.4f} +/- "
+        print(f"llama-perplexity (same file, text and ctx; {lp['chunks']} chunks): PPL {lp['ppl']:.4f} +/- "
               f"{lp['ppl_error']:.4f} in {lp['seconds']:.1f} s; the first run at "
               f"{100 * (report['runs'][0]['ppl'] / lp['ppl'] - 1):+.2f}% of it")
     if args.save_result:

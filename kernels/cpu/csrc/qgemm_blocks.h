@@ -185,56 +185,64 @@ static inline float blk_f16(const uint8_t *p) {
     return f16_bits_to_f32(h);
 }
 
+/* The integer codes of one block ``r`` (the file's bytes) in element order: Q5_0/Q5_1
+ * and the K-quants 0-31 (Q4_K 0-15), Q6_K 0-63, before any offset. */
+static void blk_codes_raw(int fmt, const uint8_t *r, int *q) {
+    if (fmt == QF_Q5_0 || fmt == QF_Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, r + (fmt == QF_Q5_1 ? 4 : 2), 4);
+        const uint8_t *qs = r + (fmt == QF_Q5_1 ? 8 : 6);
+        for (int j = 0; j < 16; ++j) {
+            q[j] = (qs[j] & 0x0F) | (int)((qh >> j) & 1u) << 4;
+            q[j + 16] = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4;
+        }
+        return;
+    }
+    if (fmt == QF_Q4_K || fmt == QF_Q5_K) {
+        const uint8_t *qh = r + 16, *qs = r + (fmt == QF_Q5_K ? 48 : 16);
+        for (int s = 0; s < 8; ++s)
+            for (int l = 0; l < 32; ++l) {
+                const uint8_t byte = qs[32 * (s / 2) + l];
+                int v = s & 1 ? byte >> 4 : byte & 0x0F;
+                if (fmt == QF_Q5_K) v |= ((qh[l] >> s) & 1) << 4;
+                q[32 * s + l] = v;
+            }
+        return;
+    }
+    const uint8_t *ql = r, *qh = r + 128;
+    for (int h = 0; h < 2; ++h)
+        for (int t = 0; t < 4; ++t)
+            for (int l = 0; l < 32; ++l) {
+                const int lo = (ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 0x0F;
+                const int hi = (qh[32 * h + l] >> (2 * t)) & 3;
+                q[128 * h + 32 * t + l] = lo | hi << 4;
+            }
+}
+
 /* One block ``r`` (the file's bytes) dequantized into ``o`` (blk_weights floats), as
  * GGML's reference does it: the products rounded, then the offsets subtracted or added
  * (C11: no contraction into FMAs). */
 static void blk_dequant_raw(int fmt, const uint8_t *r, float *o) {
+    int q[QK_K];
+    blk_codes_raw(fmt, r, q);
     if (fmt == QF_Q5_0 || fmt == QF_Q5_1) {
-        const int q5_1 = fmt == QF_Q5_1;
-        const float d = blk_f16(r), m = q5_1 ? blk_f16(r + 2) : 0.0f;
-        uint32_t qh;
-        memcpy(&qh, r + (q5_1 ? 4 : 2), 4);
-        const uint8_t *qs = r + (q5_1 ? 8 : 6);
-        for (int j = 0; j < 16; ++j) {
-            const int q0 = (qs[j] & 0x0F) | (int)((qh >> j) & 1u) << 4;
-            const int q1 = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4;
-            if (q5_1) {
-                o[j] = d * (float)q0 + m;
-                o[j + 16] = d * (float)q1 + m;
-            } else {
-                o[j] = d * (float)(q0 - 16);
-                o[j + 16] = d * (float)(q1 - 16);
-            }
-        }
+        const float d = blk_f16(r), m = fmt == QF_Q5_1 ? blk_f16(r + 2) : 0.0f;
+        for (int i = 0; i < QK; ++i) o[i] = fmt == QF_Q5_1 ? d * (float)q[i] + m : d * (float)(q[i] - 16);
         return;
     }
     if (fmt == QF_Q4_K || fmt == QF_Q5_K) {
         const float d = blk_f16(r), dmin = blk_f16(r + 2);
         uint8_t sc[8], mn[8];
         scale_min_k4(r + 4, sc, mn);
-        const uint8_t *qh = r + 16, *qs = r + (fmt == QF_Q5_K ? 48 : 16);
         for (int s = 0; s < 8; ++s) {
             const float a = d * (float)sc[s], b = dmin * (float)mn[s];
-            const uint8_t *q = qs + 32 * (s / 2);
-            for (int l = 0; l < 32; ++l) {
-                int v = s & 1 ? q[l] >> 4 : q[l] & 0x0F;
-                if (fmt == QF_Q5_K) v |= ((qh[l] >> s) & 1) << 4;
-                o[32 * s + l] = a * (float)v - b;
-            }
+            for (int l = 0; l < 32; ++l) o[32 * s + l] = a * (float)q[32 * s + l] - b;
         }
         return;
     }
     const float d = blk_f16(r + 208);
-    const uint8_t *ql = r, *qh = r + 128;
     const int8_t *scales = (const int8_t *)(r + 192);
-    for (int h = 0; h < 2; ++h)
-        for (int t = 0; t < 4; ++t)
-            for (int l = 0; l < 32; ++l) {
-                const int lo = (ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 0x0F;
-                const int hi = (qh[32 * h + l] >> (2 * t)) & 3;
-                const float a = d * (float)scales[8 * h + 2 * t + l / 16];
-                o[128 * h + 32 * t + l] = a * (float)((lo | hi << 4) - 32);
-            }
+    for (int i = 0; i < QK_K; ++i) o[i] = d * (float)scales[i / 16] * (float)(q[i] - 32);
 }
 
 /* qgemm_pack of a block format: ``raw`` the plane (rows of blocks). */

@@ -473,14 +473,8 @@ static int i8_column_codes(int base, const uint8_t *bo, int c, int q[QK_K], int 
     }
     uint8_t r[QB_Q5_K > QB_Q6_K ? QB_Q5_K : QB_Q6_K];
     i8_unpack_raw(base, bo, c, r);
+    blk_codes_raw(base, r, q);
     if (base == QF_Q5_0 || base == QF_Q5_1) {
-        const i8_raw_t at = i8_raw(base);
-        uint32_t qh;
-        memcpy(&qh, r + at.qh, 4);
-        for (int j = 0; j < 16; ++j) {
-            q[j] = (r[at.q + j] & 0x0F) | (int)((qh >> j) & 1u) << 4;
-            q[j + 16] = (r[at.q + j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4;
-        }
         a[0] = blk_f16(r);
         b[0] = base == QF_Q5_1 ? blk_f16(r + 2) : 0.0f;
         return QK;
@@ -489,26 +483,13 @@ static int i8_column_codes(int base, const uint8_t *bo, int c, int q[QK_K], int 
         const float d = blk_f16(r), dmin = blk_f16(r + 2);
         uint8_t sc[8], mn[8];
         scale_min_k4(r + 4, sc, mn);
-        const uint8_t *qh = r + 16, *qs = r + (base == QF_Q5_K ? 48 : 16);
         for (int s = 0; s < 8; ++s) {
             a[s] = d * (float)sc[s];
             b[s] = -(dmin * (float)mn[s]);
-            for (int l = 0; l < 32; ++l) {
-                int v = s & 1 ? qs[32 * (s / 2) + l] >> 4 : qs[32 * (s / 2) + l] & 0x0F;
-                if (base == QF_Q5_K) v |= ((qh[l] >> s) & 1) << 4;
-                q[32 * s + l] = v;
-            }
         }
         return QK;
     }
     const float d = blk_f16(r + 208);
-    for (int h = 0; h < 2; ++h)
-        for (int t = 0; t < 4; ++t)
-            for (int l = 0; l < 32; ++l) {
-                const int lo = (r[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 0x0F;
-                const int hi = (r[128 + 32 * h + l] >> (2 * t)) & 3;
-                q[128 * h + 32 * t + l] = lo | hi << 4;
-            }
     for (int s = 0; s < 16; ++s) isc[s] = (int8_t)r[192 + s];
     for (int xb = 0; xb < 8; ++xb) {
         a[xb] = d;
