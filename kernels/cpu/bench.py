@@ -230,7 +230,8 @@ def _random_quantized(fmt: str, n: int, k: int, g: torch.Generator):
     return quantized_from_blocks(fmt, raw, k)
 
 
-def bench_qgemm(level: str, iters: int, rows: Sequence[int] = QGEMM_ROWS) -> None:
+def bench_qgemm(level: str, iters: int, rows: Sequence[int] = QGEMM_ROWS,
+                shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES) -> None:
     """The quantized linears with float and 8-bit activations (see the module)."""
     from pagedserve.kernels.cpu import native as cpu_native
     from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
@@ -242,7 +243,7 @@ def bench_qgemm(level: str, iters: int, rows: Sequence[int] = QGEMM_ROWS) -> Non
              level, torch.get_num_threads(), _omp_wait(), iters)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     for fmt in (f for f in FORMATS if f != "int8"):
-        for n, k in QGEMM_SHAPES:
+        for n, k in shapes:
             if k % BLOCK_WEIGHTS.get(fmt, 32):
                 continue  # the K-quants' 256-weight blocks: not a row of 576
             w = _random_quantized(fmt, n, k, g)

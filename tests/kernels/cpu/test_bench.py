@@ -92,3 +92,23 @@ def test_the_bench_runs_again_with_the_engine_spin_unless_the_wait_is_set(monkey
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     bench._run_with_engine_spin()
     assert len(calls) == 1
+
+
+def test_qgemm_bench_times_every_kept_format_both_ways(caplog) -> None:
+    """``--qgemm``: one line per format and shape, each row count timed with float and
+    with 8-bit activations and their ratio."""
+    from pagedserve.kernels.cpu import native as cpu_native
+    from pagedserve.kernels.cpu.bench import bench_qgemm
+    from pagedserve.kernels.quant import FORMATS
+
+    with caplog.at_level(logging.INFO, logger="pagedserve.kernels.cpu.bench"):
+        bench_qgemm(cpu_native.runnable_levels()[-1], 1, rows=(1, 3), shapes=((16, 256),))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("quantized linears, build level ")
+    timed = lines[1:]
+    assert [line.split()[0] for line in timed] == [f for f in FORMATS if f != "int8"]
+    for line in timed:
+        assert "[  16,  256]" in line
+        cells = re.findall(r"(\d+): ([0-9.]+)/([0-9.]+) \(([0-9.]+)\)", line)
+        assert [c[0] for c in cells] == ["1", "3"]
+        assert all(float(f) > 0 and float(i) > 0 for _, f, i, _ in cells)
