@@ -150,3 +150,10 @@ def test_the_abi_header_is_the_one_declaration(lib) -> None:
         assert '#include "abi.h"' in text, source.name
         for name in abi.CONSTANTS:
             assert f"#define {name} " not in text and f"{name} =" not in text, (source.name, name)
+
+
+def test_every_source_file_keys_the_built_library() -> None:
+    """The library's cache key reads every file of ``csrc/``: a header missing from the
+    list would leave a stale build in the cache after it changes."""
+    listed = {p.name for p in (*cpu_native.SOURCES, *cpu_native.HEADERS)}
+    assert listed == {p.name for p in cpu_native.CSRC.iterdir() if p.suffix in (".c", ".h")}
