@@ -250,7 +250,7 @@ def bench_qgemm(level: str, iters: int, rows: Sequence[int] = QGEMM_ROWS,
             cells = []
             for m in rows:
                 x = torch.randn(m, k, generator=g)
-                t = {a: _time_ms(lambda o=o, x=x: o.linear(x, w), iters) for a, o in ops.items()}
+                t = {a: _time_ms(lambda o=o, x=x, w=w: o.linear(x, w), iters) for a, o in ops.items()}
                 cells.append(f"{m}: {t['float']:.3f}/{t['int8']:.3f} ({t['int8'] / t['float']:.2f})")
             log.info("%-5s [%4d, %4d]  rows: float/int8 ms (ratio)  %s", fmt, n, k, "  ".join(cells))
 
