@@ -44,8 +44,8 @@ class EngineConfig:
     config.json says)."""
     quantized_activations: str = "auto"
     """How the CPU's quantized linears take their activations: int8 (each row quantized
-    to 8 bits per 32 elements, integer dot products; the GGUF formats' weights, while
-    per-row int8 weights keep float32), float (float32 products, greedy output as the
+    to 8 bits per 32 elements, integer dot products; weights in the GGUF block formats:
+    GGUF files, GPTQ and AWQ checkpoints; per-row int8 weights keep float32), float (float32 products, greedy output as the
     dequantized weights give it) or auto (int8 on the AVX2 and AVX-512 builds, where it
     measured faster; float on the portable one). The start-up paths line says which."""
     max_model_len: int | None = None

@@ -114,7 +114,8 @@ def test_weights_load_in_their_format(checkpoints, name):
 def test_greedy_equals_hf_on_the_dequantized_weights(checkpoints, prompts, name, backend):
     quantized, ref, _ = checkpoints(name)
     expected = hf_greedy(ref, prompts, NEW)
-    llm = LLM(str(quantized), attention_backend=backend, kv_cache_memory_gb=0.05)
+    llm = LLM(str(quantized), attention_backend=backend, kv_cache_memory_gb=0.05,
+              quantized_activations="float")
     worker = llm.engine.worker
     _, scheme, fmt, floats = SCHEMES[name]
     assert worker.settings.quantization == scheme.method and worker.settings.dtype == torch.float32

@@ -156,7 +156,8 @@ def test_gptq_and_awq_experts_stay_quantized_and_equal_hf(name, tiny_model_facto
         save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
     expected = hf_greedy(ref, prompts, 24)
     for backend in ("auto", "torch"):
-        llm = LLM(str(quantized), attention_backend=backend, kv_cache_memory_gb=0.02)
+        llm = LLM(str(quantized), attention_backend=backend, kv_cache_memory_gb=0.02,
+                  quantized_activations="float")
         model = llm.engine.worker.model
         for layer in model.layers:
             projections = dict(layer.linears())
