@@ -9,7 +9,7 @@
 # llama-server with one slot for the single-stream runs and 32 for the concurrent one,
 # both with the host's cores. Each run's JSON (bench serve --save-result) and log go to
 # OUT_DIR (default /tmp/vs_llama); the last lines print the figures side by side.
-# PAGEDSERVE_ARGS: more flags for pagedserve serve (e.g. --quantized-activations float);
+# SERVE_ARGS: more flags for pagedserve serve (e.g. --quantized-activations float);
 # ONLY=pagedserve or ONLY=llamacpp runs one server's part.
 set -uo pipefail
 GGUF=${1:?usage: $0 FILE.gguf [OUT_DIR]}
@@ -46,7 +46,7 @@ fi
 if [ "$ONLY" != llamacpp ]; then
     # shellcheck disable=SC2086
     start_server pagedserve "$PS" serve --model "$GGUF" --quantization gguf --port "$PORT" \
-        --max-num-seqs 64 --max-model-len 8192 ${PAGEDSERVE_ARGS:-} && {
+        --max-num-seqs 64 --max-model-len 8192 ${SERVE_ARGS:-} && {
         single pagedserve
         bench pagedserve_c32 128 128 64 32
     }

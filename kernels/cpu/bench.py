@@ -8,11 +8,6 @@ chunks of 512 tokens at the end of 512-8192-token contexts (GFLOP/s of the causa
 products), decodes of long contexts (GB/s of K/V read), and one 7,864-token decode
 through 30 layers laid out as the engine's KV cache (huge pages, blocks in order), then a
 64-request decode batch at contexts of 100-400 the same way.
-``--qgemm`` times the quantized linears instead, as the layer ops run them (the native
-product up to the row limit, the dequantized weight's float product above), with float
-and with 8-bit activations in turn: every GGUF format kept quantized, on the default
-model's three shapes of linear, at 1-512 rows; the best of ``--iters`` in milliseconds
-and the ratio int8 / float.
 ``--threads 1 --cpu-time`` measures one core by its thread CPU time, which holds on a
 machine shared with other work. ``--against LIB.so`` times another build of the library
 (an earlier commit's) on the 30-layer decodes in turn with this tree's, and prints the ratio.
@@ -209,52 +204,6 @@ def _batch_contexts() -> list[int]:
     return torch.randint(100, 401, (64,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-QGEMM_SHAPES = ((1536, 576), (576, 1536), (576, 576))
-"""(n, k) of the default model's linears: gate/up, down, q/o."""
-QGEMM_ROWS = (1, 8, 32, 64, 128, 512)
-
-
-def _random_quantized(fmt: str, n: int, k: int, g: torch.Generator):
-    """A normal random ``[n, k]`` matrix encoded in ``fmt`` as a GGUF file stores it
-    (``gguf``'s encoders; the K-quants' from :mod:`pagedserve.loadtest.kquants`)."""
-    import gguf
-
-    from pagedserve.engine.loader.gguf_weights import quantized_from_blocks
-    from pagedserve.loadtest import kquants
-
-    x = (torch.randn(n, k, generator=g) * 0.02).numpy()
-    if fmt.upper() in kquants.BLOCK_BYTES:
-        raw = kquants.quantize(x, fmt)
-    else:
-        raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType[fmt.upper()])
-    return quantized_from_blocks(fmt, raw, k)
-
-
-def bench_qgemm(level: str, iters: int, rows: Sequence[int] = QGEMM_ROWS,
-                shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES) -> None:
-    """The quantized linears with float and 8-bit activations (see the module)."""
-    from pagedserve.kernels.cpu import native as cpu_native
-    from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
-    from pagedserve.kernels.quant import BLOCK_WEIGHTS, FORMATS
-
-    lib = cpu_native.build_library(level)
-    ops = {a: NativeLayerOps(lib, quantized_activations=a) for a in ("float", "int8")}
-    log.info("quantized linears, build level %s, %d threads, %s; ms, best of %d",
-             level, torch.get_num_threads(), _omp_wait(), iters)  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    for fmt in (f for f in FORMATS if f != "int8"):
-        for n, k in shapes:
-            if k % BLOCK_WEIGHTS.get(fmt, 32):
-                continue  # the K-quants' 256-weight blocks: not a row of 576
-            w = _random_quantized(fmt, n, k, g)
-            cells = []
-            for m in rows:
-                x = torch.randn(m, k, generator=g)
-                t = {a: _time_ms(lambda o=o, x=x, w=w: o.linear(x, w), iters) for a, o in ops.items()}
-                cells.append(f"{m}: {t['float']:.3f}/{t['int8']:.3f} ({t['int8'] / t['float']:.2f})")
-            log.info("%-5s [%4d, %4d]  rows: float/int8 ms (ratio)  %s", fmt, n, k, "  ".join(cells))
-
-
 def _omp_wait() -> str:
     return " ".join(f"{k}={os.environ[k]}" for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
                     if k in os.environ)
@@ -280,8 +229,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--long", action="store_true", help="the native kernel at long contexts")
-    parser.add_argument("--qgemm", action="store_true",
-                        help="the quantized linears, float against 8-bit activations")
     parser.add_argument("--level", default=None, help="native build level (--long; default: "
                         "the best this CPU runs)")
     parser.add_argument("--against", default=None, metavar="LIB.so",
@@ -294,11 +241,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dtype = getattr(torch, args.dtype)
-    if args.qgemm:
-        from pagedserve.kernels.cpu import native as cpu_native
-
-        bench_qgemm(args.level or cpu_native.runnable_levels()[-1], args.iters)
-        return
     if args.long:
         from pagedserve.kernels.cpu import native as cpu_native
 

@@ -69,7 +69,7 @@ build level; larger batches dequantize the weight once and take a float product 
 that measured faster: BENCHMARKS.md)."""
 QUANT_DIRECT_ROWS_INT8 = {"avx512": 1024, "avx2": 128, "portable": 32}
 """The same with 8-bit activations. On an AVX2 Zen 3 (``python -m
-pagedserve.kernels.cpu.bench --qgemm``) the integer-dot product took 0.46-1.08x the time
+pagedserve.loadtest.qgemm_bench``) the integer-dot product took 0.46-1.08x the time
 of the float path (the float-activation kernel up to 64 rows, the dequantized weight's
 float product above) at 128 rows (one shape of 18 at 1.30x), and 0.78-1.41x at 512.
 AVX-512 builds run the same 256-bit integer code; their limit is the float kernel's

@@ -53,7 +53,8 @@ SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "
 HEADERS = tuple(CSRC / f for f in ("abi.h", "convert.h", "paged_attention_portable.h",
                                    "paged_attention_vec.h", "paged_attention_tiled.h",
                                    "paged_attention_write.h", "pool.h",
-                                   "qgemm_blocks.h", "qgemm_dequant.h", "qgemm_i8.h", "qgemm_vec.h",
+                                   "qgemm_blocks.h", "qgemm_dequant.h", "qgemm_i8.h", "qgemm_i8_portable.h",
+                                   "qgemm_vec.h",
                                    "simd.h"))
 # -std=c11 keeps floating-point contraction off: a * b + c rounds twice, as in torch.
 BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")

@@ -98,10 +98,10 @@ def test_qgemm_bench_times_every_kept_format_both_ways(caplog) -> None:
     """``--qgemm``: one line per format and shape, each row count timed with float and
     with 8-bit activations and their ratio."""
     from pagedserve.kernels.cpu import native as cpu_native
-    from pagedserve.kernels.cpu.bench import bench_qgemm
     from pagedserve.kernels.quant import FORMATS
+    from pagedserve.loadtest.qgemm_bench import bench_qgemm
 
-    with caplog.at_level(logging.INFO, logger="pagedserve.kernels.cpu.bench"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.loadtest.qgemm_bench"):
         bench_qgemm(cpu_native.runnable_levels()[-1], 1, rows=(1, 3), shapes=((16, 256),))
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0].startswith("quantized linears, build level ")

@@ -1,0 +1,85 @@
+"""The quantized linears with float and 8-bit activations: ``python -m
+pagedserve.loadtest.qgemm_bench``.
+
+Each linear runs as the layer ops run it (the native product up to the row limit, the
+dequantized weight's float product above), with float and with 8-bit activations in turn:
+every GGUF format kept quantized (random weights encoded by gguf's encoders and
+:mod:`pagedserve.loadtest.kquants`), on the default model's three shapes of linear, at 1-512
+rows; the best of ``--iters`` in milliseconds and the ratio int8 / float. Run it with
+``GOMP_SPINCOUNT=1000`` (as the engine runs) so torch's idle OpenMP thread does not hold
+the second core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from pagedserve.kernels.cpu.bench import _omp_wait, _time_ms
+
+log = logging.getLogger("pagedserve.loadtest.qgemm_bench")
+
+QGEMM_SHAPES = ((1536, 576), (576, 1536), (576, 576))
+"""(n, k) of the default model's linears: gate/up, down, q/o."""
+QGEMM_ROWS = (1, 8, 32, 64, 128, 512)
+
+
+def _random_quantized(fmt: str, n: int, k: int, g: torch.Generator):
+    """A normal random ``[n, k]`` matrix encoded in ``fmt`` as a GGUF file stores it
+    (``gguf``'s encoders; the K-quants' from :mod:`pagedserve.loadtest.kquants`)."""
+    import gguf
+
+    from pagedserve.engine.loader.gguf_weights import quantized_from_blocks
+    from pagedserve.loadtest import kquants
+
+    x = (torch.randn(n, k, generator=g) * 0.02).numpy()
+    if fmt.upper() in kquants.BLOCK_BYTES:
+        raw = kquants.quantize(x, fmt)
+    else:
+        raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType[fmt.upper()])
+    return quantized_from_blocks(fmt, raw, k)
+
+
+def bench_qgemm(level: str, iters: int, rows: Sequence[int] = QGEMM_ROWS,
+                shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES) -> None:
+    """The quantized linears with float and 8-bit activations (see the module)."""
+    from pagedserve.kernels.cpu import native as cpu_native
+    from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
+    from pagedserve.kernels.quant import BLOCK_WEIGHTS, FORMATS
+
+    lib = cpu_native.build_library(level)
+    ops = {a: NativeLayerOps(lib, quantized_activations=a) for a in ("float", "int8")}
+    log.info("quantized linears, build level %s, %d threads, %s; ms, best of %d",
+             level, torch.get_num_threads(), _omp_wait(), iters)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for fmt in (f for f in FORMATS if f != "int8"):
+        for n, k in shapes:
+            if k % BLOCK_WEIGHTS.get(fmt, 32):
+                continue  # the K-quants' 256-weight blocks: not a row of 576
+            w = _random_quantized(fmt, n, k, g)
+            cells = []
+            for m in rows:
+                x = torch.randn(m, k, generator=g)
+                t = {a: _time_ms(lambda o=o, x=x, w=w: o.linear(x, w), iters) for a, o in ops.items()}
+                cells.append(f"{m}: {t['float']:.3f}/{t['int8']:.3f} ({t['int8'] / t['float']:.2f})")
+            log.info("%-5s [%4d, %4d]  rows: float/int8 ms (ratio)  %s", fmt, n, k, "  ".join(cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedserve.kernels.cpu import native as cpu_native
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--level", default=None, help="native build level (default: the best "
+                        "this CPU runs)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    bench_qgemm(args.level or cpu_native.runnable_levels()[-1], args.iters)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
