@@ -366,15 +366,10 @@ static inline __attribute__((always_inline)) void i8_k45_sub(int base, int rt, c
     if (base == QF_Q4_K)
         for (int r = 0; r < rt; ++r) isum[r] = vq_sum16(a16[r]);
     const vq8f a = vq8f_mul(dv, vq8f_load_u8(cb + i8_off_sc(base) + s * I8G));
-    const vq8f b = vq8f_mul(dmv, vq8f_load_u8(cb + i8_off_mn(base) + s * I8G));
-    /* B = -(dmin mn): fnmadd in i8_finish's place */
-    const int64_t ldd = x->k / QK, lds = x->k / 16;
-    for (int r = 0; r < rt; ++r) {
-        const float d = x->dx[r * ldd + xb0 + s];
-        const int32_t sqv = x->sq[r * lds + 2 * (xb0 + s)] + x->sq[r * lds + 2 * (xb0 + s) + 1];
-        acc[r] = vq8f_fmadd(vq_to_f32(isum[r]), vq8f_mul(a, vq8f_set1(d)), acc[r]);
-        acc[r] = vq8f_fnmadd(b, vq8f_set1(d * (float)sqv), acc[r]);
-    }
+    /* B = -(dmin mn): the negation is exact, so its multiply-add rounds as fnmadd would */
+    const vq8f b = vq8f_mul(vq8f_mul(dmv, vq8f_load_u8(cb + i8_off_mn(base) + s * I8G)),
+                            vq8f_set1(-1.0f));
+    i8_finish(base, rt, x, isum, a, 1, b, xb0 + s, 2 * (xb0 + s), 2, acc);
 }
 
 /* Q6_K: x block 4 h + t of the weight block (elements 128 h + 32 t ..): its sub-blocks

@@ -403,7 +403,6 @@ static inline vq vq_bits4_x10(vq v, int j) {
     const __m256i s = _mm256_and_si256(_mm256_shuffle_epi8(v, idx), bits);
     return _mm256_and_si256(_mm256_cmpeq_epi8(s, bits), _mm256_set1_epi8(0x10));
 }
-static inline vq8f vq8f_fnmadd(vq8f a, vq8f b, vq8f c) { return _mm256_fnmadd_ps(a, b, c); }
 /* Eight signed bytes as int32 lanes; such lanes as int16 pairs (both halves the value,
  * for |v| < 32768); int16 pairs times int16 pairs, summed to int32; int32 products. */
 static inline vq vq_load_i8x8(const int8_t *p) {
