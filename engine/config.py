@@ -17,7 +17,7 @@ from pagedserve.engine.speculative import SpeculativeConfig
 from pagedserve.kernels.registry import BACKENDS as ATTENTION_BACKENDS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "llguidance")
 SCHEDULING_POLICIES = ("fcfs", "priority")

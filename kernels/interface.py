@@ -9,6 +9,10 @@ indexed so by every backend. A backend whose ``kv_heads_first`` is true gets a
 head_dim]`` memory instead (each KV head's rows of a block one run); the others get
 contiguous tensors.
 
+An int8 cache (``kv_cache_dtype="int8"``, the CPU backend's) holds each KV head's row
+as its ``head_dim`` codes followed by their float32 scale, ``KV_INT8_SCALE_BYTES`` more
+bytes: its last dimension is :func:`kv_row_width` (see :func:`pagedserve.kernels.torch_ref.quantize_kv_rows`).
+
 A *slot* is ``block_id * block_size + offset``; ``slot_mapping[t] == -1`` marks a
 padding token whose K/V is not written.
 
@@ -39,6 +43,17 @@ from pagedserve.kernels.quant import QuantizedWeight, StackedWeight
 Weight = torch.Tensor | QuantizedWeight | StackedWeight
 
 PlanT = TypeVar("PlanT")
+
+
+KV_INT8_SCALE_BYTES = 4
+"""Bytes after an int8 cache row's codes: its float32 scale (``csrc/abi.h``'s
+``KV_I8_SCALE_BYTES``)."""
+
+
+def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """The last dimension of a cache of ``dtype`` for heads of ``head_dim``: the head dim,
+    and for an int8 cache the scale's bytes after it."""
+    return head_dim + KV_INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
 def allocate_kv_cache(shape: tuple[int, ...], heads_first: bool,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from pagedserve.kernels.interface import AttentionMetadata
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
 from pagedserve.kernels.paged_index import context_slots, padded_rows
+from pagedserve.kernels.torch_ref import dequantize_kv_rows, quantize_kv_rows
 
 
 @dataclass(slots=True)
@@ -195,9 +196,12 @@ def write_planned_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     write_slots: torch.Tensor, write_tokens: torch.Tensor | None,
 ) -> None:
-    """Write this step's K/V rows into the slots chosen by :func:`write_plan`."""
+    """Write this step's K/V rows into the slots chosen by :func:`write_plan` (quantized
+    into an int8 cache)."""
     # Rows of the flattened cache are whole slots: 2-D index ops copy them as one run.
     width = k_cache.shape[2] * k_cache.shape[3]
+    if k_cache.dtype == torch.int8:
+        key, value = quantize_kv_rows(key), quantize_kv_rows(value)
     k_flat, v_flat = k_cache.view(-1, width), v_cache.view(-1, width)
     key, value = key.reshape(-1, width), value.reshape(-1, width)
     if write_tokens is not None:
@@ -217,10 +221,11 @@ class TorchBackend:
 
     def _gather_kv(
         self, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
-        compute_dtype: torch.dtype,
+        compute_dtype: torch.dtype, num_kv_heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather rows ``slots`` of both flat caches into a reused workspace, in
-        ``compute_dtype`` (the query's).
+        ``compute_dtype`` (the query's; an int8 cache's rows dequantized, ``[n, Hkv *
+        head_dim]``).
 
         Reusing one buffer across groups, layers and steps avoids allocating (and
         page-faulting) tens of MB per layer; the gathered K/V are consumed by SDPA
@@ -234,7 +239,10 @@ class TorchBackend:
             self._workspace = ws
         k = torch.index_select(k_flat, 0, slots, out=ws[: n * width].view(n, width))
         v = torch.index_select(v_flat, 0, slots, out=ws[n * width : 2 * n * width].view(n, width))
-        if compute_dtype != k.dtype:  # a cache narrower than the model: widen what it holds
+        if k.dtype == torch.int8:
+            k, v = (dequantize_kv_rows(t.view(n, num_kv_heads, -1)).view(n, -1).to(compute_dtype)
+                    for t in (k, v))  # fmt: skip
+        elif compute_dtype != k.dtype:  # a cache narrower than the model: widen what it holds
             k, v = k.to(compute_dtype), v.to(compute_dtype)
         return k, v
 
@@ -335,8 +343,8 @@ class TorchBackend:
         total, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         write_planned_kv(key, value, k_cache, v_cache, st.write_slots, st.write_tokens)
-        k_flat = k_cache.view(-1, num_kv_heads * head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads * head_dim)
+        k_flat = k_cache.view(-1, num_kv_heads * k_cache.shape[3])
+        v_flat = v_cache.view(-1, num_kv_heads * v_cache.shape[3])
 
         pre = st.prefill
         if pre is None and not st.causal and total == st.num_tokens and meta.num_decodes:
@@ -351,8 +359,11 @@ class TorchBackend:
             self._attend_decodes(query, k_cache, v_cache, meta, scale, out[: meta.num_decodes],
                                  window, softcap)  # fmt: skip
 
-        if st.causal and k_cache.dtype != query.dtype:
+        if st.causal and k_cache.dtype == torch.int8:
             # Whole prompts attend to their K/V as the cache holds them, as later steps do.
+            key = dequantize_kv_rows(quantize_kv_rows(key)).to(query.dtype)
+            value = dequantize_kv_rows(quantize_kv_rows(value)).to(query.dtype)
+        elif st.causal and k_cache.dtype != query.dtype:
             key = key.to(k_cache.dtype).to(query.dtype)
             value = value.to(v_cache.dtype).to(query.dtype)
         for a, b in st.causal:
@@ -366,7 +377,7 @@ class TorchBackend:
             out[a:b] = o[0].transpose(0, 1)
         if pre is not None:
             p, ql, length = pre.num_reqs, pre.max_q_len, pre.max_len
-            k, v = self._gather_kv(k_flat, v_flat, pre.slots, query.dtype)
+            k, v = self._gather_kv(k_flat, v_flat, pre.slots, query.dtype, num_kv_heads)
             k = k.view(p, length, num_kv_heads, head_dim)
             v = v.view(p, length, num_kv_heads, head_dim)
             q = query.index_select(0, pre.token_index).view(p, ql, num_heads, head_dim)
@@ -396,12 +407,12 @@ class TorchBackend:
         _, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        k_flat = k_cache.view(-1, num_kv_heads * head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads * head_dim)
+        k_flat = k_cache.view(-1, num_kv_heads * k_cache.shape[3])
+        v_flat = v_cache.view(-1, num_kv_heads * v_cache.shape[3])
         groups = meta.plan(TorchStepPlan).decode
         for g in groups:
             n, length = g.num_reqs, g.max_len
-            k, v = self._gather_kv(k_flat, v_flat, g.slots, query.dtype)
+            k, v = self._gather_kv(k_flat, v_flat, g.slots, query.dtype, num_kv_heads)
             k = k.view(n, length, num_kv_heads, head_dim)
             v = v.view(n, length, num_kv_heads, head_dim)
             q = query[:n] if g.rows is None else query.index_select(0, g.rows)

@@ -12,13 +12,37 @@ Two per-layer options, as HF transformers computes them (``window``: its
   p`` only (its last ``window`` positions, itself included); 0 = its whole context;
 * ``softcap`` > 0: every scaled score ``s`` becomes ``softcap * tanh(s / softcap)``
   before the mask and the softmax; 0 = unchanged.
+
+An int8 cache's rows are written by :func:`quantize_kv_rows` and read back through
+:func:`dequantize_kv_rows`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.interface import KV_INT8_SCALE_BYTES
 from pagedserve.kernels.paged_index import context_slots, flat_to_padded_index, padded_query_rows
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``[..., D]`` as an int8 cache's rows ``[..., D + KV_INT8_SCALE_BYTES]``: per
+    row, scale ``d = max |x| / 127`` and codes ``round-half-even(x * (1 / d))`` (0 for a
+    zero row, and for NaN values), then ``d``'s float32 bytes. The native kernels'
+    KV write gives the same bits."""
+    x = x.float()
+    amax = x.abs().nan_to_num(nan=0.0).amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    codes = torch.round(x * inv).clamp(-127, 127).nan_to_num(nan=0.0).to(torch.int8)
+    return torch.cat([codes, d.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """An int8 cache's rows ``[..., D + KV_INT8_SCALE_BYTES]`` as float32 ``[..., D]``:
+    each code times its row's scale."""
+    scale = rows[..., -KV_INT8_SCALE_BYTES:].contiguous().view(torch.float32)
+    return rows[..., :-KV_INT8_SCALE_BYTES].float() * scale
 
 
 def write_kv(
@@ -28,12 +52,21 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write ``key``/``value`` ``[T, Hkv, D]`` into their slots; slot -1 is skipped."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into their slots (quantized into an int8
+    cache); slot -1 is skipped."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid].to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid].to(v_cache.dtype))
+    block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        rows = src[valid]
+        cache[block, offset] = (quantize_kv_rows(rows) if cache.dtype == torch.int8
+                                else rows.to(cache.dtype))  # fmt: skip
+
+
+def _context_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cache rows at ``slots`` ``[B, L]`` as float32 ``[B, L, Hkv, D]``."""
+    rows = cache.reshape(-1, cache.shape[2], cache.shape[3])[slots]
+    return dequantize_kv_rows(rows) if cache.dtype == torch.int8 else rows.float()
 
 
 def _attend_fp32(
@@ -52,8 +85,7 @@ def _attend_fp32(
     b, q_len, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].float()
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].float()
+    k, v = _context_rows(k_cache, slots), _context_rows(v_cache, slots)
     q = query.float().view(b, q_len, num_kv_heads, group, head_dim)
     scores = torch.einsum("bqhgd,blhd->bhgql", q, k) * scale
     if softcap > 0:

@@ -20,8 +20,9 @@ from pagedserve import EngineConfig
 
 HELP: dict[str, str] = {
     "dtype": "Weights and activations dtype: auto, float32, float16 or bfloat16.",
-    "kv_cache_dtype": "KV cache element type: auto (the model's dtype), float32, bfloat16 or "
-                      "float16 (CPU backends; on CUDA the model's dtype).",
+    "kv_cache_dtype": "KV cache element type: auto (the model's dtype), float32, bfloat16, "
+                      "float16 (CPU backends; on CUDA the model's dtype) or int8 (8-bit "
+                      "codes and a scale per row; the native CPU backend).",
     "tokenizer": "Tokenizer folder or hub id (default: the model's).",
     "revision": "Hub revision (branch, tag or commit) of the model.",
     "max_model_len": "Context length (default: the model's max_position_embeddings, or "

@@ -137,9 +137,16 @@ def resolve_dtype(name: str, hf_config, device: torch.device,
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: str) -> torch.dtype:
     """The KV cache's element type: ``auto`` is the model's dtype. The triton kernels
-    take their cache in the model's dtype only."""
+    take their cache in the model's dtype only; an int8 cache (codes and a scale per
+    row, ``pagedserve.kernels.interface``) is the CPU backends' (native and torch)."""
     if name == "auto":
         return model_dtype
+    if name == "int8":
+        if backend == "triton":
+            raise ValueError(
+                "kv_cache_dtype='int8' is a CPU cache: the triton attention backend takes "
+                "its KV cache in the model's dtype (use kv_cache_dtype='auto')")
+        return torch.int8
     dtype = DTYPES[name]
     if dtype != model_dtype and backend == "triton":
         raise ValueError(

@@ -39,7 +39,7 @@ from pagedserve.engine.worker.kernel_settings import kernel_settings
 from pagedserve.engine.worker.model_runner import ModelRunner
 from pagedserve.engine.worker.settings import EngineSettings, resolve_kv_cache_dtype
 from pagedserve.kernels.cpu import paths as cpu_paths
-from pagedserve.kernels.interface import allocate_kv_cache
+from pagedserve.kernels.interface import allocate_kv_cache, kv_row_width
 from pagedserve.kernels.registry import get_attention_backend
 
 logger = logging.getLogger("pagedserve.engine")
@@ -116,7 +116,8 @@ class Worker:
         # A block id addresses one block of each of group_size per-position tensors; with
         # sliding groups one more block (the null block, never written) follows the pool.
         shape = (groups.group_size, 2, num_blocks + (1 if groups.sliding else 0),
-                 config.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+                 config.block_size, self.spec.num_kv_heads,
+                 kv_row_width(self.spec.head_dim, self.kv_dtype))
         # The backend's layout in memory; every cache indexes as [blocks, block_size, Hkv,
         # D] (pagedserve.kernels.interface).
         def empty(dims: tuple[int, ...]) -> torch.Tensor:
@@ -260,7 +261,7 @@ class Worker:
         s = self.spec
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return (self.kv_groups.group_size * 2 * self.config.block_size * s.num_kv_heads
-                * s.head_dim * elem)
+                * kv_row_width(s.head_dim, self.kv_dtype) * elem)
 
     def _num_blocks(self) -> int:
         cfg = self.config

@@ -67,9 +67,11 @@ def parse(text: str) -> tuple[dict[str, int], dict[str, str], dict[str, tuple]]:
 CONSTANTS, _MESSAGES, SIGNATURES = parse(HEADER.read_text(encoding="utf-8"))
 """The header's ``#define`` constants; the ctypes signature of each exported function."""
 
-DTYPE_F32, DTYPE_BF16, DTYPE_F16 = (CONSTANTS[n] for n in ("DTYPE_F32", "DTYPE_BF16",
-                                                           "DTYPE_F16"))  # fmt: skip
+DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_I8 = (
+    CONSTANTS[n] for n in ("DTYPE_F32", "DTYPE_BF16", "DTYPE_F16", "DTYPE_I8"))
 """KV cache element type codes."""
+KV_I8_SCALE_BYTES = CONSTANTS["KV_I8_SCALE_BYTES"]
+"""Bytes after an int8 cache row's codes: its float32 scale."""
 KV_ROWS_FIRST, KV_HEADS_FIRST = CONSTANTS["KV_ROWS_FIRST"], CONSTANTS["KV_HEADS_FIRST"]
 """KV cache layout codes: a block's rows, then heads; or its heads, then rows."""
 QK = CONSTANTS["QK"]

@@ -28,7 +28,13 @@ import torch
 from pagedserve.kernels.cpu import abi
 from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
 from pagedserve.kernels.cpu.native import DTYPE_CODES, kv_layout
-from pagedserve.kernels.interface import DecoderStack, ExpertWeights, LayerWeights, Weight
+from pagedserve.kernels.interface import (
+    DecoderStack,
+    ExpertWeights,
+    LayerWeights,
+    Weight,
+    kv_row_width,
+)
 from pagedserve.kernels.quant import QuantizedWeight, StackedWeight
 
 C = abi.CONSTANTS
@@ -104,8 +110,9 @@ class FusedLayers:
             return None
         k0 = kv_caches[0][0]
         layout = kv_layout(k0)
-        if layout is None or k0.dtype not in DTYPE_CODES or tuple(k0.shape[2:]) != (
-                stack.num_kv_heads, stack.head_dim) or stack.head_dim > abi.MAX_HEAD_DIM:
+        width = (stack.num_kv_heads, kv_row_width(stack.head_dim, k0.dtype))
+        if layout is None or k0.dtype not in DTYPE_CODES or tuple(k0.shape[2:]) != width or (
+                stack.head_dim > abi.MAX_HEAD_DIM):
             return None
         for cos in (stack.rope_cos, stack.rope_sin):
             if not (cos.dtype == torch.float32 and cos.is_cpu and cos.is_contiguous()

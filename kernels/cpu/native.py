@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.kernels.cpu import abi
+from pagedserve.kernels.interface import KV_INT8_SCALE_BYTES, kv_row_width
 from pagedserve.kernels.settings import KernelSettings
 
 log = logging.getLogger("pagedserve.kernels.cpu.native")
@@ -71,7 +72,7 @@ _LEVEL_FEATURES = {
     "avx512": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
 }
 DTYPE_CODES = {torch.float32: abi.DTYPE_F32, torch.bfloat16: abi.DTYPE_BF16,
-               torch.float16: abi.DTYPE_F16}  # fmt: skip
+               torch.float16: abi.DTYPE_F16, torch.int8: abi.DTYPE_I8}  # fmt: skip
 """KV cache dtypes the attention kernel takes, and their codes (``csrc/abi.h``)."""
 
 _lock = threading.Lock()
@@ -265,24 +266,26 @@ def _kv_rows(
     k_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``key``/``value`` in the cache dtype or float32 (the kernel rounds float32 rows
-    into a 16-bit cache) with dense heads and one row stride for both (views of a fused
-    QKV output qualify as they are), and int64 ``slots``; None when there is nothing to
-    write."""
+    into a 16-bit cache, and quantizes them into an int8 one, which takes float32 only)
+    with dense heads and one row stride for both (views of a fused QKV output qualify as
+    they are), and int64 ``slots``; None when there is nothing to write."""
     if slots is None:
         return None
     if key is None or value is None:
         raise ValueError("slot_mapping needs key and value")
-    width = k_cache.shape[2:]
+    heads, cache_width = k_cache.shape[2:]
+    width = (heads, cache_width - (KV_INT8_SCALE_BYTES if k_cache.dtype == torch.int8 else 0))
     if key.shape[1:] != width or value.shape != key.shape or slots.shape != key.shape[:1]:
         raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
-                         f"{tuple(slots.shape)} do not fit the cache rows {tuple(width)}")
+                         f"{tuple(slots.shape)} do not fit the cache rows {width}")
 
     def dense(t: torch.Tensor) -> bool:
         return t.dtype == key.dtype and t.stride(2) == 1 and t.stride(1) == width[1]
 
-    if not (key.dtype in (k_cache.dtype, torch.float32) and dense(key) and dense(value)
+    sources = (torch.float32,) if k_cache.dtype == torch.int8 else (k_cache.dtype, torch.float32)
+    if not (key.dtype in sources and dense(key) and dense(value)
             and key.stride(0) == value.stride(0)):  # fmt: skip
-        key, value = (t.to(k_cache.dtype).contiguous() for t in (key, value))
+        key, value = (t.to(sources[0]).contiguous() for t in (key, value))
     return key, value, slots.to(torch.int64).contiguous()
 
 
@@ -334,7 +337,9 @@ def paged_attention(
     (-1: not written): they are written first, in the same call.
 
     query ``[T, Hq, D]`` (rows may be strided); caches ``[num_blocks, block_size, Hkv,
-    D]`` in float32, bfloat16 or float16, in either layout :func:`kv_layout` names;
+    D]`` in float32, bfloat16 or float16, or ``[..., D + 4]`` int8 (each row its codes
+    and its float32 scale, :func:`pagedserve.kernels.torch_ref.quantize_kv_rows`), in
+    either layout :func:`kv_layout` names;
     block_tables ``[B, M]``, seq_lens ``[B]`` and
     query_start_loc ``[B + 1]`` int32 on the CPU: request ``i`` owns query tokens
     ``query_start_loc[i]:query_start_loc[i+1]``, the last positions of its context of
@@ -352,7 +357,7 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    if cache_dim != head_dim or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+    if cache_dim != kv_row_width(head_dim, k_cache.dtype) or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not "
                          f"match query {tuple(query.shape)}")  # fmt: skip
     if k_cache.dtype not in DTYPE_CODES:

@@ -17,6 +17,13 @@
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 #define DTYPE_F16 2
+/* An 8-bit cache: each KV head's row of a cache block is its head_dim int8 codes, then
+ * their float32 scale (KV_I8_SCALE_BYTES more bytes), each value code * scale; the
+ * cache's elements are bytes, head_dim + KV_I8_SCALE_BYTES a row. The step's K/V rows
+ * come in float32 and are quantized on the way in: scale = max |x| / 127, code =
+ * round-half-even(x * (1 / scale)), 0 for a zero row. */
+#define DTYPE_I8 3
+#define KV_I8_SCALE_BYTES 4
 
 /* KV cache layouts (``kv_layout`` of paged_attention): the order of a cache block's
  * rows and KV heads, each head's head_dim elements contiguous. */

@@ -13,11 +13,14 @@
  *                 (NULL: one token per request, token s)
  *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (KV_ROWS_FIRST) or
  *                 [num_blocks, num_kv_heads, block_size, head_dim] (KV_HEADS_FIRST: a
- *                 KV head's rows of a block are one contiguous run); float32 | bf16 | f16
+ *                 KV head's rows of a block are one contiguous run); float32 | bf16 | f16,
+ *                 or int8 (DTYPE_I8: bytes, head_dim + KV_I8_SCALE_BYTES a row, each
+ *                 row its codes then its float32 scale)
  *   block_tables  [num_seqs, max_blocks_per_seq]                   int32
  *   seq_lens      [num_seqs]                                       int32
  *   key, value    [num_rows, num_kv_heads, head_dim] in ``key_dtype`` (the cache dtype,
- *                 or float32 rounded to it on the way in), this step's K/V (rows
+ *                 or float32 rounded or quantized to it on the way in; float32 only for
+ *                 an int8 cache), this step's K/V (rows
  *                 ``kv_stride`` elements apart), written to cache slots
  *   slots         [num_rows] int64 (-1: not written) before anything is attended
  *
@@ -87,6 +90,9 @@ typedef struct {
     /* The sliding window (0: none) and the scores' soft cap (0: none). */
     int window;
     float softcap;
+    /* Cache elements of one KV head's row: head_dim, and its scale's bytes after the
+     * codes in an int8 cache. */
+    int row_elems;
 } shape_t;
 
 /* The first context row a token that sees ``seen`` rows attends to under ``window``. */
@@ -97,6 +103,19 @@ static inline int window_lo(int seen, int window) {
 /* ``n`` scaled scores at ``s`` soft-capped in place: softcap * tanh(s / softcap). */
 static inline void softcap_scores(float *s, int n, float softcap) {
     for (int i = 0; i < n; ++i) s[i] = softcap * tanhf(s[i] / softcap);
+}
+
+/* Bytes of one cache element. */
+static inline int elem_bytes(int dtype) {
+    return dtype == DTYPE_F32 ? 4 : dtype == DTYPE_I8 ? 1 : 2;
+}
+
+/* The scale of the int8 cache row at element (byte) offset ``row``: after its
+ * ``head_dim`` codes. */
+static inline float row_scale(const void *cache, int64_t row, int head_dim) {
+    float s;
+    memcpy(&s, (const char *)cache + row + head_dim, sizeof s);
+    return s;
 }
 
 /* Element offset of row ``r`` of cache block ``block``, KV head ``h``. */
@@ -257,6 +276,8 @@ static void attend_items(void *ctx, int64_t i0, int64_t i1, int worker) {
                 attend_tiled_f32(&it, sh, a->tiled[worker]);
             else if (a->dtype == DTYPE_BF16)
                 attend_tiled_bf16(&it, sh, a->tiled[worker]);
+            else if (a->dtype == DTYPE_I8)
+                attend_tiled_i8(&it, sh, a->tiled[worker]);
             else
                 attend_tiled_f16(&it, sh, a->tiled[worker]);
             continue;
@@ -266,6 +287,8 @@ static void attend_items(void *ctx, int64_t i0, int64_t i1, int worker) {
                 attend_vec_f32(&it, sh, acc);
             else if (a->dtype == DTYPE_BF16)
                 attend_vec_bf16(&it, sh, acc);
+            else if (a->dtype == DTYPE_I8)
+                attend_vec_i8(&it, sh, acc);
             else
                 attend_vec_f16(&it, sh, acc);
             continue;
@@ -288,7 +311,8 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
                     int64_t kv_stride, const int64_t *slots, int num_rows, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return PA_ERR_GQA;
     if (head_dim <= 0 || head_dim > MAX_HEAD_DIM) return PA_ERR_HEAD_DIM;
-    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16) return PA_ERR_DTYPE;
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16 && dtype != DTYPE_I8)
+        return PA_ERR_DTYPE;
     if (kv_layout != KV_ROWS_FIRST && kv_layout != KV_HEADS_FIRST) return PA_ERR_LAYOUT;
     if (block_size <= 0) return PA_ERR_BLOCK_SIZE;
     if (window < 0 || !(softcap >= 0.0f) || isinf(softcap)) return PA_ERR_WINDOW;
@@ -297,15 +321,18 @@ int paged_attention(const float *query, void *k_cache, void *v_cache, int dtype,
 #endif
     if (num_threads < 1) num_threads = 1;
     if (slots == NULL) num_rows = 0;
-    /* This step's rows come in the cache dtype or in float32. */
-    if (num_rows > 0 && key_dtype != dtype && key_dtype != DTYPE_F32) return PA_ERR_DTYPE;
+    /* This step's rows come in the cache dtype or in float32 (an int8 cache's always in
+     * float32). */
+    if (num_rows > 0 && key_dtype != DTYPE_F32 && (key_dtype != dtype || dtype == DTYPE_I8))
+        return PA_ERR_DTYPE;
     for (int t = 0; t < num_rows; ++t)
         if (slots[t] < -1 || slots[t] >= (int64_t)num_blocks * block_size) return PA_ERR_SLOT;
-    const int64_t D = head_dim, rows_first = kv_layout == KV_ROWS_FIRST;
+    const int64_t D = head_dim + (dtype == DTYPE_I8 ? KV_I8_SCALE_BYTES : 0);
+    const int64_t rows_first = kv_layout == KV_ROWS_FIRST;
     const shape_t sh = {k_cache, v_cache, num_kv_heads, num_heads / num_kv_heads, head_dim,
                         block_size, scale, (int64_t)block_size * num_kv_heads * D,
                         rows_first ? num_kv_heads * D : D, rows_first ? D : block_size * D,
-                        window, softcap};
+                        window, softcap, (int)D};
 #if SIMD_VW
     const int vector_path = head_dim % VW == 0 && head_dim <= VW * MAX_NV;
 #else

@@ -8,11 +8,19 @@
 /* Portable path (any head_dim, any x86/ARM compiler).                        */
 /* ------------------------------------------------------------------------- */
 
-/* Element offset ``idx`` of a cache as ``n`` float32 values: a pointer into the cache
- * itself for float32, else a conversion into ``tmp``. */
+/* The cache row at element offset ``idx`` as ``n`` (head_dim) float32 values: a pointer
+ * into the cache itself for float32, else a conversion into ``tmp`` (an int8 row's codes
+ * times its scale). */
 static inline const float *load_row(const void *cache, int dtype, int64_t idx, int n,
                                     float *tmp) {
     if (dtype == DTYPE_F32) return (const float *)cache + idx;
+    if (dtype == DTYPE_I8) {
+        const int8_t *src = (const int8_t *)cache + idx;
+        const float s = row_scale(cache, idx, n);
+#pragma omp simd
+        for (int d = 0; d < n; ++d) tmp[d] = s * (float)src[d];
+        return tmp;
+    }
     if (dtype == DTYPE_BF16) {
         const uint16_t *src = (const uint16_t *)cache + idx;
 #pragma omp simd

@@ -168,8 +168,10 @@ static inline __attribute__((always_inline)) void tiled_pv(const void *v_cache, 
         vf v[2];
         for (int j = 0; j < nc; ++j)
             v[j] = load_vec(v_cache, vrow + k * stride + VW * (v0 + j), dtype);
+        const float vs = dtype == DTYPE_I8 ? row_scale(v_cache, vrow + k * stride, D) : 1.0f;
         for (int i = 0; i < mr; ++i) {
-            const vf w = vf_set1(p[(r0 + i) * TK + k]);
+            const vf w = vf_set1(dtype == DTYPE_I8 ? p[(r0 + i) * TK + k] * vs
+                                                   : p[(r0 + i) * TK + k]);
             for (int j = 0; j < nc; ++j) acc[i][j] = vf_fmadd(w, v[j], acc[i][j]);
         }
     }
@@ -275,7 +277,12 @@ static inline __attribute__((always_inline)) void tiled_transpose(const void *k_
                                                                   float *kt) {
     float row[MAX_HEAD_DIM] __attribute__((aligned(64)));
     for (int k = 0; k < TK; ++k) {
-        if (k < n)
+        if (k < n && dtype == DTYPE_I8) { /* codes times the row's scale */
+            const vf ks = vf_set1(row_scale(k_cache, krow + k * stride, D));
+            for (int d = 0; d < D; d += VW)
+                vf_store_aligned(row + d,
+                                 vf_mul(ks, load_vec(k_cache, krow + k * stride + d, dtype)));
+        } else if (k < n)
             for (int d = 0; d < D; d += VW)
                 vf_store_aligned(row + d, load_vec(k_cache, krow + k * stride + d, dtype));
         else
@@ -323,12 +330,12 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
             if (t + n < L) {
                 /* The next run's K and V rows into L2 while this one is computed: its
                  * block is anywhere in the pool, out of the hardware prefetcher's reach. */
-                const int tn = t + n, elem = dtype == DTYPE_F32 ? 4 : 2;
+                const int tn = t + n, elem = elem_bytes(dtype), rb = sh->row_elems * elem;
                 const int64_t next = cache_at(sh, it->table[tn / bs], tn % bs, h);
                 const int nn = bs - tn % bs < TK ? bs - tn % bs : TK;
                 for (int k = 0; k < nn && tn + k < L; ++k) {
-                    prefetch_bytes((const char *)sh->k_cache + (next + k * stride) * elem, D * elem);
-                    prefetch_bytes((const char *)sh->v_cache + (next + k * stride) * elem, D * elem);
+                    prefetch_bytes((const char *)sh->k_cache + (next + k * stride) * elem, rb);
+                    prefetch_bytes((const char *)sh->v_cache + (next + k * stride) * elem, rb);
                 }
             }
             tiled_transpose(sh->k_cache, dtype, first, stride, n, D, kt);
@@ -384,4 +391,5 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
 ATTEND_TILED_FOR(attend_tiled_f32, DTYPE_F32)
 ATTEND_TILED_FOR(attend_tiled_bf16, DTYPE_BF16)
 ATTEND_TILED_FOR(attend_tiled_f16, DTYPE_F16)
+ATTEND_TILED_FOR(attend_tiled_i8, DTYPE_I8)
 #endif

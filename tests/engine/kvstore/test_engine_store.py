@@ -107,6 +107,22 @@ def test_a_workload_without_reuse_writes_but_never_loads(tiny, tmp_path):
         settled(llm)
 
 
+def test_an_int8_cache_stores_and_reads_back_its_codes_and_scales(tiny, tmp_path):
+    int8 = {**BASE, "kv_cache_dtype": "int8"}
+    with LLM(tiny, **int8) as llm:
+        want = run(llm, GREEDY)[0]
+    kw = {**int8, "kv_store_dir": str(tmp_path), "kv_store_gb": 0.1}
+    with LLM(tiny, **kw) as llm:
+        assert run(llm, GREEDY)[0] == want
+        assert str(llm.engine.worker.kv_cache.dtype) == "torch.int8"
+        settled(llm)
+    with LLM(tiny, **kw) as llm:  # a restart: every prompt's prefix from the disk tier
+        tokens, cached = run(llm, GREEDY)
+        assert tokens == want and all(c >= 32 for c in cached)
+        assert llm.engine.kv_store_stats()["disk_loads"] > 0
+        settled(llm)
+
+
 def test_a_store_of_another_configuration_is_never_used(tiny, reference, tmp_path):
     kw = {**BASE, "kv_store_dir": str(tmp_path), "kv_store_gb": 0.1}
     with LLM(tiny, **kw) as llm:

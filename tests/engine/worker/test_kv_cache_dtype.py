@@ -1,6 +1,8 @@
 """``kv_cache_dtype``: a 16-bit KV cache under a float32 model holds twice the tokens in
-the same memory, the native kernels and the torch reference read the same rounded
-K/V (the same greedy tokens), and bad values are refused by name."""
+the same memory, an 8-bit one (codes and a float32 scale a row) 256/68 times as many
+with the default model's 64-wide heads; the native kernels and the torch reference read
+the same rounded or quantized K/V (the same greedy tokens), and bad values are refused
+by name."""
 
 from __future__ import annotations
 
@@ -35,7 +37,17 @@ def test_a_16bit_cache_holds_twice_the_tokens():
     assert narrow.engine.worker.kv_cache.nbytes == wide.engine.worker.kv_cache.nbytes
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_an_int8_cache_holds_256_68ths_the_tokens():
+    wide = LLM(dtype="float32", kv_cache_memory_gb=0.125)
+    narrow = LLM(dtype="float32", kv_cache_dtype="int8", kv_cache_memory_gb=0.125)
+    cache = narrow.engine.worker.kv_cache
+    assert cache.dtype == torch.int8 and cache.shape[-1] == 64 + 4
+    assert narrow.engine.worker.block_bytes() * 256 == wide.engine.worker.block_bytes() * 68
+    assert narrow.engine.kv.num_blocks == wide.engine.kv.num_blocks * 256 // 68
+    assert cache.nbytes <= wide.engine.worker.kv_cache.nbytes
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16", "int8"])
 def test_native_and_reference_backends_agree(kv_dtype, prompts):
     # A small token budget chunks the long prompts and mixes decodes with prefill
     # chunks; whole prompts in one step take the reference's causal path, which must
@@ -55,8 +67,11 @@ def test_bad_values_name_the_parameter():
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is invalid: .*'bfloat16'.*"
                                          r"fp8 KV caches are not supported"):
         EngineConfig(kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' is invalid: must be one of"):
-        LLM(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int4' is invalid: must be one of"):
+        LLM(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' is a CPU cache: the triton"):
+        resolve_kv_cache_dtype("int8", torch.float16, "triton")
+    assert resolve_kv_cache_dtype("int8", torch.float32, "torch") == torch.int8
     with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16' differs from the model "
                                          r"dtype float32: the triton attention backend"):
         resolve_kv_cache_dtype("bfloat16", torch.float32, "triton")

@@ -12,6 +12,7 @@ from pagedserve.kernels.cpu.backend import CpuBackend
 from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
 from pagedserve.kernels.interface import AttentionMetadata
 from pagedserve.kernels.quant import StackedWeight
+from pagedserve.kernels.torch_ref import quantize_kv_rows
 from tests.helpers.quant import random_weight
 
 BLOCK = 16
@@ -114,8 +115,12 @@ def _caches(model, num_blocks: int, dtype: torch.dtype = torch.float32):
     g = torch.Generator().manual_seed(2)
     s = model.spec
     shape = (num_blocks, BLOCK, s.num_kv_heads, s.head_dim)
-    return [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
-            for _ in range(s.num_layers)]  # fmt: skip
+
+    def cache():
+        values = torch.randn(shape, generator=g)
+        return quantize_kv_rows(values) if dtype == torch.int8 else values.to(dtype)
+
+    return [(cache(), cache()) for _ in range(s.num_layers)]
 
 
 def _compare(native_lib, model, q_lens, ctx, expect_fused: bool,
@@ -191,12 +196,12 @@ def test_reordered_inputs_fused_equal_loop(native_lib, quant, q_lens, ctx):
                            with_orders)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("quant", [None, "q4_1"])
 @pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 70, 16]), ([1, 1, 9, 3], [20, 33, 0, 40])])
-def test_16bit_cache_fused_equals_loop(native_lib, kv_dtype, quant, q_lens, ctx):
-    # kv_cache_dtype under a float32 model: the fused call rounds its float32 K/V into
-    # the cache as the per-op loop's kernel call does.
+def test_narrow_cache_fused_equals_loop(native_lib, kv_dtype, quant, q_lens, ctx):
+    # kv_cache_dtype under a float32 model: the fused call rounds (or quantizes) its
+    # float32 K/V into the cache as the per-op loop's kernel call does.
     _compare(native_lib, _model("llama", quant), q_lens, ctx,
              quant is not None or bool(native_lib.gemm_f32_available()), kv_dtype)
 

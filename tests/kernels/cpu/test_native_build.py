@@ -143,7 +143,7 @@ def test_the_abi_header_is_the_one_declaration(lib) -> None:
 
     assert abi.SIGNATURES and all(hasattr(lib, name) for name in abi.SIGNATURES)
     assert list(cpu_native.DTYPE_CODES.values()) == [abi.DTYPE_F32, abi.DTYPE_BF16,
-                                                     abi.DTYPE_F16]  # fmt: skip
+                                                     abi.DTYPE_F16, abi.DTYPE_I8]  # fmt: skip
     assert abi.ATTENTION_ERRORS[abi.CONSTANTS["PA_ERR_HEAD_DIM"]] == "head_dim outside 1..512"
     for source in cpu_native.SOURCES:
         text = source.read_text()
