@@ -105,8 +105,13 @@ def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool) -> No
 
     lib = cpu_native.build_library(level)
     clock = time.thread_time if cpu_time else time.perf_counter
-    shapes = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
-    elem = torch.finfo(dtype).bits // 8
+    from pagedserve.kernels.interface import kv_row_width
+    from pagedserve.kernels.torch_ref import quantize_kv_rows
+
+    # An int8 cache is the float32 step's values quantized (codes and a scale a row).
+    shapes = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                  dtype=torch.float32 if dtype == torch.int8 else dtype)  # fmt: skip
+    row_bytes = kv_row_width(64, dtype) * torch.empty((), dtype=dtype).element_size()
     # Decodes: a context in the L3 (8192 tokens: 12.6 MB of K/V here) and one past it
     # (32768: 50 MB, read from memory as a long request's layers are).
     cases = [([512], [512]), ([2048], [512]), ([8192], [512]), ([8192], [1]), ([32768], [1]),
@@ -114,9 +119,11 @@ def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool) -> No
     for seq, q in cases:
         st = make_step(seq, q, **shapes)
         m = st.meta
+        caches = (st.k_cache, st.v_cache) if dtype != torch.int8 else (
+            quantize_kv_rows(st.k_cache), quantize_kv_rows(st.v_cache))
 
-        def call(st=st, m=m, seq=seq) -> None:
-            cpu_native.paged_attention(lib, st.query, st.k_cache, st.v_cache, m.block_tables,
+        def call(st=st, m=m, seq=seq, caches=caches) -> None:
+            cpu_native.paged_attention(lib, st.query, *caches, m.block_tables,
                                        m.seq_lens, max(seq), st.scale,
                                        query_start_loc=m.query_start_loc)  # fmt: skip
 
@@ -129,7 +136,7 @@ def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool) -> No
             best = min(best, clock() - start)
         # Causal products: token j of a chunk sees (context - q_len + 1 + j) rows.
         flops = sum(4 * 9 * 64 * sum(n - k + 1 + j for j in range(k)) for n, k in zip(seq, q, strict=True))
-        kv = sum(2 * 3 * 64 * elem * n for n in seq)
+        kv = sum(2 * 3 * row_bytes * n for n in seq)
         log.info("%-6s ctx %5d%-4s q %4d: %8.2f ms  %6.1f GFLOP/s  %6.2f GB/s", level, seq[0],
                  f"+{len(seq) - 1}" if len(seq) > 1 else "", q[0], best * 1e3,
                  flops / best / 1e9, kv / best / 1e9)  # fmt: skip
@@ -150,7 +157,8 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
     from pagedserve.kernels.cpu import native as cpu_native
     from pagedserve.kernels.cpu.backend import CpuBackend
     from pagedserve.kernels.cpu.memory import huge_empty
-    from pagedserve.kernels.interface import allocate_kv_cache
+    from pagedserve.kernels.interface import allocate_kv_cache, kv_row_width
+    from pagedserve.kernels.torch_ref import quantize_kv_rows
 
     libs = {level: cpu_native.build_library(level)}
     if against is not None:
@@ -159,9 +167,15 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
     block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
     per_request = [-(-n // block_size) for n in contexts]
     num_blocks = sum(per_request) + 1  # block 0 unused, as the engine's padding
-    cache = allocate_kv_cache((layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+    width = kv_row_width(head_dim, dtype)
+    cache = allocate_kv_cache((layers, 2, num_blocks, block_size, num_kv_heads, width),
                               CpuBackend.kv_heads_first, lambda dims: huge_empty(dims, dtype))  # fmt: skip
-    cache.normal_(generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    if dtype == torch.int8:  # normal values quantized, a layer at a time
+        for layer in cache:
+            layer.copy_(quantize_kv_rows(torch.randn(*layer.shape[:-1], head_dim, generator=gen)))
+    else:
+        cache.normal_(generator=gen)
     table = block_table(per_request)
     lens = torch.tensor(contexts, dtype=torch.int32)
     query = torch.randn(len(contexts), num_heads, head_dim)
@@ -179,7 +193,7 @@ def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
             start = time.perf_counter()
             step(lib)
             best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
-    kv = 2 * layers * sum(contexts) * num_kv_heads * head_dim * cache.element_size()
+    kv = 2 * layers * sum(contexts) * num_kv_heads * width * cache.element_size()
     what = (f"ctx {contexts[0]}" if len(contexts) == 1
             else f"{len(contexts)} requests, ctx {min(contexts)}-{max(contexts)},")
     for name, ms in best.items():
@@ -226,7 +240,9 @@ def main() -> None:
     _run_with_engine_spin()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32",
+                        choices=["float32", "bfloat16", "float16", "int8"],
+                        help="KV cache element type (int8: --long only)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--long", action="store_true", help="the native kernel at long contexts")
     parser.add_argument("--level", default=None, help="native build level (--long; default: "
@@ -237,6 +253,8 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="time by the calling thread's CPU time (--long, with --threads 1)")
     args = parser.parse_args()
+    if args.dtype == "int8" and not args.long:
+        parser.error("--dtype int8 is timed with --long only")
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
