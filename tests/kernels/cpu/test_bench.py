@@ -35,6 +35,18 @@ def test_layers_bench_reads_the_engine_layout(caplog) -> None:
     assert m and all(float(x) > 0 for x in m.groups()), line
 
 
+def test_layers_bench_counts_an_int8_caches_codes_and_scales(caplog) -> None:
+    """An int8 cache's GB/s counts 68 bytes a 64-wide row (codes and scale): at the same
+    time it would report 68/256 of a float32 cache's rate."""
+    level = cpu_native.runnable_levels()[-1]
+    with caplog.at_level(logging.INFO, logger="pagedserve.kernels.cpu.bench"):
+        bench.bench_layers(level, torch.int8, iters=1, layers=2, contexts=[100])
+    (record,) = caplog.records
+    line = record.getMessage()
+    assert re.match(rf"{level}\s+2 layers x ctx 100 decode: +([\d.]+) ms +([\d.]+) GB/s", line)
+    assert record.args[4] == pytest.approx(2 * 2 * 100 * 3 * 68 / record.args[3] / 1e6)
+
+
 def test_layers_bench_takes_a_batch_of_requests(caplog) -> None:
     """A batch's line names its requests and contexts; its GB/s counts every request's
     K/V (a bench reading one request's would report a third of this rate)."""
