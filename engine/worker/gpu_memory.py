@@ -39,7 +39,7 @@ import torch
 
 from pagedserve.blockmgr import cdiv
 from pagedserve.engine.errors import KVBudgetError
-from pagedserve.kernels.interface import AttentionBackend, AttentionMetadata
+from pagedserve.kernels.interface import AttentionBackend, AttentionMetadata, kv_row_width
 
 logger = logging.getLogger("pagedserve.engine.worker.gpu_memory")
 
@@ -180,8 +180,9 @@ def dummy_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One small K/V cache pair shared by every layer."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    """One small K/V cache pair shared by every layer (an int8 cache's rows with room for
+    their scales)."""
+    shape = (num_blocks, block_size, num_kv_heads, kv_row_width(head_dim, dtype))
     k = torch.zeros(shape, dtype=dtype, device=device)
     v = torch.zeros(shape, dtype=dtype, device=device)
     return [(k, v)] * num_layers
