@@ -63,6 +63,22 @@ def test_native_and_reference_backends_agree(kv_dtype, prompts):
     assert outs["cpu", 24] == outs["torch", 24] == outs["cpu", 2048] == outs["torch", 2048]
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "mistral_window", "gemma3_6"])
+def test_an_int8_cache_under_windows_and_soft_caps(tiny_model_factory, arch, prompts):
+    # Sliding windows (Gemma 3's windowed KV groups too) and soft caps over an int8
+    # cache: the native kernels and the torch reference, chunked and whole, agree.
+    path = str(tiny_model_factory(arch))
+    outs = {}
+    for backend in ("cpu", "torch"):
+        for budget in (24, 2048):
+            with LLM(path, dtype="float32", kv_cache_dtype="int8", attention_backend=backend,
+                     max_num_batched_tokens=budget, enable_prefix_caching=False) as llm:
+                assert llm.engine.worker.kv_cache.dtype == torch.int8
+                outs[backend, budget] = _greedy(llm, prompts)
+                assert llm.engine.kv.stats().num_free_blocks == llm.engine.kv.num_blocks
+    assert outs["cpu", 24] == outs["torch", 24] == outs["cpu", 2048] == outs["torch", 2048]
+
+
 def test_bad_values_name_the_parameter():
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is invalid: .*'bfloat16'.*"
                                          r"fp8 KV caches are not supported"):
