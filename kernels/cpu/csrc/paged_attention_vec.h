@@ -62,21 +62,17 @@ static inline __attribute__((always_inline)) void score_run(
         if (next_k != NULL) prefetch_bytes(next_k + r * next_stride, pf_bytes);
         vf k[MAX_NV];
         for (int j = 0; j < nv; ++j) k[j] = load_vec(sh->k_cache, row + VW * j, dtype);
+        /* An int8 row's products times its K scale (one broadcast a row). */
+        const vf ks = dtype == DTYPE_I8 ? vf_set1(row_scale(sh->k_cache, row, D)) : vf_zero();
         for (int g = 0; g < GN; ++g) {
             vf d = vf_mul(qv[g][0], k[0]);
             for (int j = 1; j < nv; ++j) d = vf_fmadd(qv[g][j], k[j], d);
-            part[g][VF_SUM_SLOT(r)] = d;
+            part[g][VF_SUM_SLOT(r)] = dtype == DTYPE_I8 ? vf_mul(d, ks) : d;
         }
     }
     for (int r = m; r < VW; ++r)
         for (int g = 0; g < GN; ++g) part[g][VF_SUM_SLOT(r)] = vf_zero();
-    vf scale = vf_set1(sh->scale);
-    if (dtype == DTYPE_I8) { /* each row's score times its K scale */
-        float ks[VW] __attribute__((aligned(64)));
-        for (int r = 0; r < VW; ++r)
-            ks[r] = r < m ? row_scale(sh->k_cache, base + r * stride, sh->head_dim) : 0.0f;
-        scale = vf_mul(scale, vf_load_aligned(ks));
-    }
+    const vf scale = vf_set1(sh->scale);
     for (int g = 0; g < GN; ++g)
         vf_store_aligned(s + g * VW, vf_select(mask, vf_mul(vf_sum_lanes(part[g]), scale),
                                                vf_set1(-INFINITY)));
@@ -152,6 +148,14 @@ static inline __attribute__((always_inline)) void value_run(
         int pf_bytes) {
     const int D = VW * nv;
     const int64_t stride = sh->row_stride;
+    float pw[GCHUNK * VW] __attribute__((aligned(64)));
+    if (dtype == DTYPE_I8) { /* the run's weights times their rows' V scales, once */
+        for (int r = 0; r < m; ++r) {
+            const float vs = row_scale(sh->v_cache, base + r * stride, D);
+            for (int g = 0; g < GN; ++g) pw[g * VW + r] = p[g * VW + r] * vs;
+        }
+        p = pw;
+    }
     if (V_IN_REGISTERS(GN, nv)) {
         /* Row by row: each V row is loaded once and serves every head's accumulators. */
         vf a[GCHUNK][MAX_NV];
@@ -165,9 +169,8 @@ static inline __attribute__((always_inline)) void value_run(
             if (next_v != NULL) prefetch_bytes(next_v + r * next_stride, pf_bytes);
             vf v[MAX_NV];
             for (int j = 0; j < nv; ++j) v[j] = load_vec(sh->v_cache, row + VW * j, dtype);
-            const float vs = dtype == DTYPE_I8 ? row_scale(sh->v_cache, row, D) : 1.0f;
             for (int g = 0; g < GN; ++g) {
-                const vf w = vf_set1(dtype == DTYPE_I8 ? p[g * VW + r] * vs : p[g * VW + r]);
+                const vf w = vf_set1(p[g * VW + r]);
                 for (int j = 0; j < nv; ++j) a[g][j] = vf_fmadd(w, v[j], a[g][j]);
             }
         }
@@ -192,10 +195,7 @@ static inline __attribute__((always_inline)) void value_run(
             const int64_t row = base + r * stride + VW * j0;
             if (j0 == 0 && next_v != NULL) prefetch_bytes(next_v + r * next_stride, pf_bytes);
             vf w[GCHUNK];
-            const float vs =
-                dtype == DTYPE_I8 ? row_scale(sh->v_cache, base + r * stride, D) : 1.0f;
-            for (int g = 0; g < GN; ++g)
-                w[g] = vf_set1(dtype == DTYPE_I8 ? p[g * VW + r] * vs : p[g * VW + r]);
+            for (int g = 0; g < GN; ++g) w[g] = vf_set1(p[g * VW + r]);
             for (int j = 0; j < JB; ++j) {
                 if (j >= jn) continue;
                 const vf v = load_vec(sh->v_cache, row + VW * j, dtype);
