@@ -14,6 +14,7 @@ file's size. The cache root is
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -22,8 +23,10 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +111,46 @@ def _conversion_version(path: Path) -> int:
         return 0
 
 
+_READER_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _one_reader_per_file() -> Iterator[None]:
+    """Within the block, the ``gguf`` package's reader is built once per file.
+
+    transformers opens the file with that reader for the tokenizer (twice), the config and
+    the weights, and the reader decodes every vocabulary string each time (about 4 s for
+    a 49k-token vocabulary on a 2-core host, several times that for Gemma's 262k). The
+    readers are read-only, so the opens share one. The lock keeps two conversions in one
+    process from swapping the name under each other."""
+    import gguf as gguf_package
+
+    with _READER_LOCK:
+        original = gguf_package.GGUFReader
+        readers: dict[tuple[str, str], Any] = {}
+
+        def shared(path: str | os.PathLike, mode: str = "r") -> Any:
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                readers[key] = original(path, mode)
+            return readers[key]
+
+        gguf_package.GGUFReader = shared
+        try:
+            yield
+        finally:
+            gguf_package.GGUFReader = original
+
+
 def _write_converted(gguf: Path, out: Path, weights: bool = True) -> None:
     """Dequantize ``gguf`` into an HF-style folder ``out`` (which must exist and be empty);
     without ``weights`` only its config, tokenizer and generation config (read from the
     header: what serving the file in its own blocks needs)."""
+    with _one_reader_per_file():
+        _write_converted_files(gguf, out, weights)
+
+
+def _write_converted_files(gguf: Path, out: Path, weights: bool) -> None:
     folder, fname = str(gguf.parent), gguf.name
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)
     if not weights:

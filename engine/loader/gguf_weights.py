@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedserve.engine.loader.gguf_file import read_header
+from pagedserve.engine.loader.gguf_file import TensorInfo, read_header
 from pagedserve.engine.lora.request import FUSED
 from pagedserve.engine.models.checkpoint_names import layout_key, projection
 from pagedserve.kernels.quant import BLOCK_BYTES, BLOCK_WEIGHTS, QK, QuantizedWeight
@@ -76,20 +76,13 @@ _GLOBAL_NAMES = {
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def _reader(path: Path):
-    """The ``gguf`` package's reader of the file, once its header has been read with
-    bounds (a malformed file is refused before the package reads it)."""
-    import gguf
-
-    read_header(path)
-    return gguf.GGUFReader(str(path))
-
-
-def _field_str(reader, key: str) -> str | None:
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    return bytes(field.parts[field.data[0]]).decode()
+def _tensor_blocks(data: np.ndarray, t: TensorInfo) -> np.ndarray:
+    """Tensor ``t``'s bytes in the file's memory map ``data``: ``[rows, bytes a row]``
+    (GGML order: a row is the first dimension's weights)."""
+    rows = 1
+    for d in t.shape[1:]:
+        rows *= int(d)
+    return data[t.offset:t.offset + t.nbytes].reshape(rows, -1)
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -170,15 +163,15 @@ def tensor_formats(path: Path) -> dict[str, str | tuple[str, ...]]:
     return formats
 
 
-def _log_expanded(reader, arch: str, quantized_keys: set[str]) -> None:
+def _log_expanded(tensors: list[TensorInfo], arch: str, quantized_keys: set[str]) -> None:
     """One log line per quantized GGML type whose tensors (model weights) load expanded
     to float32: types the kernels do not take, and kept types that are a part of a fused
     projection with a part of such a type."""
     other: dict[str, list[str]] = {}
     mixed: dict[str, list[str]] = {}
-    for t in reader.tensors:
+    for t in tensors:
         name = hf_name(t.name, arch)
-        type_name = t.tensor_type.name
+        type_name = t.type_name
         if name is None or type_name in FLOAT_TYPES:
             continue
         if type_name not in NATIVE_TYPES:
@@ -199,27 +192,30 @@ def iter_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
     whose key is in ``formats`` (see :func:`tensor_formats`) come quantized."""
     import gguf
 
-    reader = _reader(path)
-    arch = _field_str(reader, "general.architecture")
+    header = read_header(path)  # every count and offset checked against the file's size
+    arch = header.fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF general.architecture={arch!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")  # fmt: skip
     quantized_keys = set(formats)
-    _log_expanded(reader, arch, quantized_keys)
-    for t in reader.tensors:
+    _log_expanded(header.tensors, arch, quantized_keys)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in header.tensors:
         name = hf_name(t.name, arch)
         if name is None:
             continue
-        type_name = t.tensor_type.name
+        type_name = t.type_name
         fmt = NATIVE_TYPES.get(type_name)
         k = int(t.shape[0])
         keep = fmt is not None and layout_key(name) in quantized_keys
+        raw = _tensor_blocks(data, t)
         if keep:
-            value: torch.Tensor | QuantizedWeight = quantized_from_blocks(fmt, t.data, k)
+            value: torch.Tensor | QuantizedWeight = quantized_from_blocks(fmt, raw, k)
         elif type_name in ("F32", "F16"):  # BF16: through the gguf package
-            value = torch.from_numpy(np.array(t.data)).float()
+            value = torch.from_numpy(np.array(raw.view(np.float32 if type_name == "F32" else np.float16))).float()
         else:
-            value = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+            qtype = gguf.GGMLQuantizationType[type_name]
+            value = torch.from_numpy(gguf.quants.dequantize(raw, qtype).copy()).float()
         if isinstance(value, torch.Tensor):
             value = value.reshape([int(s) for s in reversed(t.shape)]) if value.dim() else value
         if arch in GEMMA and name.endswith("norm.weight"):

@@ -15,6 +15,7 @@ others.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -44,6 +45,21 @@ def _gguf_name(hf: str) -> str:
         return "output_norm.weight"
     _, i, module = name.split(".", 2)
     return f"blk.{i}.{GEMMA_TENSORS[module]}.weight"
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_fields(tokenizer_gguf: Path) -> tuple[tuple[str, object, object, object], ...]:
+    """The ``tokenizer.`` fields of a GGUF file as ``(name, value, type, item type)``, read
+    once a process (the ``gguf`` package takes seconds over a 49k-token vocabulary)."""
+    import gguf
+
+    out = []
+    for field in gguf.GGUFReader(str(tokenizer_gguf)).fields.values():
+        if field.name.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            out.append((field.name, field.contents(), kind, sub))
+    return tuple(out)
 
 
 GEMMA3_CHAT_TEMPLATE = (
@@ -84,14 +100,11 @@ def write_gemma3_gguf(hf_dir: Path, out: Path, tokenizer_gguf: Path,
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(full["factor"])
     writer.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
-    reader = gguf.GGUFReader(str(tokenizer_gguf))
-    for field in reader.fields.values():
-        if field.name == "tokenizer.chat_template" and chat_template is not None:
+    for name, value, kind, sub in tokenizer_fields(Path(tokenizer_gguf)):
+        if name == "tokenizer.chat_template" and chat_template is not None:
             writer.add_chat_template(chat_template)
-        elif field.name.startswith("tokenizer."):
-            kind = field.types[0]
-            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+        else:
+            writer.add_key_value(name, value, kind, sub_type=sub)
     for hf, tensor in weights.items():
         data = tensor.to(torch.float32)
         if hf.endswith("norm.weight"):
@@ -176,8 +189,8 @@ def write_random_gguf(arch: str, out: Path, tokenizer_gguf: Path,
 
     pick = (lambda _name: types) if isinstance(types, str) else types
     g = torch.Generator().manual_seed(seed)
-    reader = gguf.GGUFReader(str(tokenizer_gguf))
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    fields = tokenizer_fields(Path(tokenizer_gguf))
+    vocab = next(len(value) for name, value, *_ in fields if name == "tokenizer.ggml.tokens")
     writer = gguf.GGUFWriter(str(out), arch=arch)
     writer.add_name(f"tiny-random-{arch}")
     writer.add_context_length(1024)
@@ -196,11 +209,8 @@ def write_random_gguf(arch: str, out: Path, tokenizer_gguf: Path,
     else:
         writer.add_rope_dimension_count(head_dim)
         writer.add_vocab_size(vocab)
-    for field in reader.fields.values():
-        if field.name.startswith("tokenizer."):
-            kind = field.types[0]
-            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for name, value, kind, sub in fields:
+        writer.add_key_value(name, value, kind, sub_type=sub)
 
     def matrix(name: str, n: int, k: int) -> None:
         type_name = pick(name)
