@@ -98,9 +98,10 @@ def default_model_available() -> bool:
     return pkg is not None and (pkg / DEFAULT_GGUF_FILE).is_file()
 
 
-CONVERSION_VERSION = 3
+CONVERSION_VERSION = 4
 """Bumped when the converted folder's contents change; older folders are re-converted
-(3: Gemma settings from the GGUF header, :func:`pagedserve.engine.loader.gguf_header.config_overrides`)."""
+(3: Gemma settings from the GGUF header, :func:`pagedserve.engine.loader.gguf_header.config_overrides`;
+4: the digit split of SmolLM-type tokenizers, :func:`pagedserve.engine.loader.gguf_header.fix_pre_tokenizer`)."""
 _CONVERSION_MARKER = "pagedserve_conversion.json"
 
 
@@ -153,6 +154,7 @@ def _write_converted(gguf: Path, out: Path, weights: bool = True) -> None:
 def _write_converted_files(gguf: Path, out: Path, weights: bool) -> None:
     folder, fname = str(gguf.parent), gguf.name
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    gguf_header.fix_pre_tokenizer(gguf, tokenizer)
     if not weights:
         config = transformers.AutoConfig.from_pretrained(folder, gguf_file=fname)
         arch = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[

@@ -147,3 +147,27 @@ def config_overrides(path: Path) -> dict:
         local = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 1e4))}
         out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
     return out
+
+
+DIGIT_SPLIT_PRE_TOKENIZERS = ("smollm", "codeshell", "exaone", "minerva", "mellum2")
+"""``tokenizer.ggml.pre`` values whose text llama.cpp splits into single digits before the
+GPT-2 pattern (its ``LLAMA_VOCAB_PRE_TYPE_SMOLLM`` group; the models' own tokenizers do
+the same with a ``Digits`` pre-tokenizer). transformers' GGUF reader builds the GPT-2
+pattern alone for them, so a run of spaces before a digit is split differently: in
+SmolLM2, ``":  2"`` became `` ``, `` ``, ``2`` instead of ``  ``, ``2``."""
+
+
+def fix_pre_tokenizer(path: Path, tokenizer) -> bool:
+    """Give ``tokenizer`` (a fast tokenizer converted from the GGUF file at ``path``) the
+    digit split its file's pre-tokenizer type asks for, where transformers left the plain
+    byte-level pattern; True when it changed."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if read_header(path).fields.get("tokenizer.ggml.pre") not in DIGIT_SPLIT_PRE_TOKENIZERS:
+        return False
+    backend = tokenizer.backend_tokenizer
+    if type(backend.pre_tokenizer).__name__ != "ByteLevel":
+        return False  # transformers built a split of its own
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), backend.pre_tokenizer])
+    return True

@@ -88,6 +88,60 @@ def test_converted_folder_matches_gguf(converted_dir: Path) -> None:
     assert out.tolist() == out_ref.tolist()
 
 
+# The default model's file as llama.cpp tokenizes it (``llama-server``'s ``/tokenize``):
+# its ``smollm`` pre-tokenizer splits single digits out first, so a run of spaces before a
+# digit stays one token, as in the model's own tokenizer.
+LLAMA_CPP_TOKENS = {
+    "1836:  2**2": [33, 40, 35, 38, 42, 256, 34, 828, 34],
+    "x =   42": [104, 446, 333, 36, 34],
+    "  12345 ": [256, 33, 34, 35, 36, 37, 216],
+    "a\n\n  3.14": [81, 39892, 35, 30, 33, 36],
+}
+
+
+def test_converted_tokenizer_splits_text_as_llama_cpp_does(converted_dir: Path) -> None:
+    """The converted tokenizer has the digit split the file's ``tokenizer.ggml.pre``
+    (``smollm``) asks for, which transformers' GGUF reader leaves out."""
+    tok = loader.load_tokenizer(converted_dir)
+    for text, ids in LLAMA_CPP_TOKENS.items():
+        assert tok.encode(text, add_special_tokens=False) == ids, text
+    plain = transformers.AutoTokenizer.from_pretrained(
+        loader.default_gguf_path().parent, gguf_file=loader.default_gguf_path().name)
+    assert plain.encode("1836:  2**2", add_special_tokens=False) != LLAMA_CPP_TOKENS["1836:  2**2"], \
+        "transformers now splits digits itself: the fix is no longer needed"
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", None])
+def test_pre_tokenizer_fix_leaves_other_files_alone(tmp_path: Path, pre) -> None:
+    """A file whose pre-tokenizer type is not of the digit-split group (or that has none)
+    keeps the tokenizer transformers built; one of the group gets the split."""
+    import gguf
+    import numpy as np
+
+    from pagedserve.engine.loader import gguf_header
+
+    def header(pre_type):
+        path = tmp_path / f"{pre_type}.gguf"
+        writer = gguf.GGUFWriter(str(path), arch="llama")
+        if pre_type is not None:
+            writer.add_string("tokenizer.ggml.pre", pre_type)
+        writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    tok = transformers.AutoTokenizer.from_pretrained(
+        loader.default_gguf_path().parent, gguf_file=loader.default_gguf_path().name)
+    before = tok.encode("1836:  2**2", add_special_tokens=False)
+    assert gguf_header.fix_pre_tokenizer(header(pre), tok) is False
+    assert tok.encode("1836:  2**2", add_special_tokens=False) == before
+    assert gguf_header.fix_pre_tokenizer(header("smollm"), tok) is True
+    assert tok.encode("1836:  2**2", add_special_tokens=False) == LLAMA_CPP_TOKENS["1836:  2**2"]
+    assert gguf_header.fix_pre_tokenizer(header("smollm"), tok) is False, "applied twice"
+
+
 def test_sharded_iter_weights(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(
         vocab_size=128,
