@@ -123,12 +123,15 @@ def write_gemma3_gguf(hf_dir: Path, out: Path, tokenizer_gguf: Path,
     return out
 
 
-def write_header_only(arch: str, fields: dict, out: Path) -> Path:
+def write_header_only(arch: str, fields: dict, out: Path, strings: dict | None = None) -> Path:
     """A GGUF file ``out`` of architecture ``arch`` with ``fields`` (``{arch}.`` keys, ints
-    as uint32, floats as float32) and one small tensor: a header to read."""
+    as uint32, floats as float32), ``strings`` (whole keys) and one small tensor: a header
+    to read."""
     import gguf
 
     writer = gguf.GGUFWriter(str(out), arch=arch)
+    for key, value in (strings or {}).items():
+        writer.add_string(key, value)
     for key, value in fields.items():
         if isinstance(value, float):
             writer.add_float32(f"{arch}.{key}", value)

@@ -115,22 +115,12 @@ def test_converted_tokenizer_splits_text_as_llama_cpp_does(converted_dir: Path) 
 def test_pre_tokenizer_fix_leaves_other_files_alone(tmp_path: Path, pre) -> None:
     """A file whose pre-tokenizer type is not of the digit-split group (or that has none)
     keeps the tokenizer transformers built; one of the group gets the split."""
-    import gguf
-    import numpy as np
-
     from pagedserve.engine.loader import gguf_header
+    from tests.helpers.gguf_files import write_header_only
 
     def header(pre_type):
-        path = tmp_path / f"{pre_type}.gguf"
-        writer = gguf.GGUFWriter(str(path), arch="llama")
-        if pre_type is not None:
-            writer.add_string("tokenizer.ggml.pre", pre_type)
-        writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        return path
+        strings = {} if pre_type is None else {"tokenizer.ggml.pre": pre_type}
+        return write_header_only("llama", {}, tmp_path / f"{pre_type}.gguf", strings)
 
     tok = transformers.AutoTokenizer.from_pretrained(
         loader.default_gguf_path().parent, gguf_file=loader.default_gguf_path().name)
