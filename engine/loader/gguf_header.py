@@ -149,7 +149,7 @@ def config_overrides(path: Path) -> dict:
     return out
 
 
-DIGIT_SPLIT_PRE_TOKENIZERS = ("smollm", "codeshell", "exaone", "minerva", "mellum2")
+DIGIT_SPLIT_PRE_TOKENIZERS = ("smollm", "codeshell", "exaone", "minerva-7b", "mellum2")
 """``tokenizer.ggml.pre`` values whose text llama.cpp splits into single digits before the
 GPT-2 pattern (its ``LLAMA_VOCAB_PRE_TYPE_SMOLLM`` group; the models' own tokenizers do
 the same with a ``Digits`` pre-tokenizer). transformers' GGUF reader builds the GPT-2
