@@ -119,10 +119,11 @@ _READER_LOCK = threading.Lock()
 def _one_reader_per_file() -> Iterator[None]:
     """Within the block, the ``gguf`` package's reader is built once per file.
 
-    transformers opens the file with that reader for the tokenizer (twice), the config and
-    the weights, and the reader decodes every vocabulary string each time (about 4 s for
-    a 49k-token vocabulary on a 2-core host, several times that for Gemma's 262k). The
-    readers are read-only, so the opens share one. The lock keeps two conversions in one
+    transformers opens the file with that reader for the config (once as the tokenizer
+    loads, once for the config, once more as the model loads) and for the weights, and the
+    reader decodes every vocabulary string each time (about 4 s for a 49k-token vocabulary
+    on a 2-core host, several times that for Gemma's 262k). The readers are read-only, so
+    the opens share one. The lock keeps two conversions in one
     process from swapping the name under each other."""
     import gguf as gguf_package
 

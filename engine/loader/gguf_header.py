@@ -166,7 +166,7 @@ def fix_pre_tokenizer(path: Path, tokenizer) -> bool:
     if read_header(path).fields.get("tokenizer.ggml.pre") not in DIGIT_SPLIT_PRE_TOKENIZERS:
         return False
     backend = tokenizer.backend_tokenizer
-    if type(backend.pre_tokenizer).__name__ != "ByteLevel":
+    if not isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
         return False  # transformers built a split of its own
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), backend.pre_tokenizer])

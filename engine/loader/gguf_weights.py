@@ -19,6 +19,7 @@ exactly as it loads a safetensors checkpoint.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,10 +80,7 @@ _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 def _tensor_blocks(data: np.ndarray, t: TensorInfo) -> np.ndarray:
     """Tensor ``t``'s bytes in the file's memory map ``data``: ``[rows, bytes a row]``
     (GGML order: a row is the first dimension's weights)."""
-    rows = 1
-    for d in t.shape[1:]:
-        rows *= int(d)
-    return data[t.offset:t.offset + t.nbytes].reshape(rows, -1)
+    return data[t.offset:t.offset + t.nbytes].reshape(math.prod(t.shape[1:]), -1)
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
