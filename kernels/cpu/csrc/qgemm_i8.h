@@ -48,6 +48,10 @@
 #define I8G 8
 /* Rows of x a tile takes (each decoded quad serves all of them). */
 #define I8RT 4
+/* How far ahead of the block multiplied its group's bytes are fetched. */
+#ifndef I8_PREFETCH
+#define I8_PREFETCH 1024
+#endif
 
 static inline int i8_base(int fmt) { return fmt & ~QFLAG_I8A; }
 
@@ -422,6 +426,9 @@ static inline __attribute__((always_inline)) void i8_group_tile(int base, int rt
     for (int r = 0; r < rt; ++r) acc[r] = vq8f_zero();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *cb = grp + b * bb;
+        /* The bytes I8_PREFETCH ahead (on into the next group, which follows) into L2:
+         * at one row the loads would wait on memory otherwise. */
+        for (int64_t p = 0; p < bb; p += 64) prefetch_l2(cb + I8_PREFETCH + p);
         const int xb0 = (int)(b * wb / QK);
         const i8_rows_t xk = {x0->xq + b * wb, x0->dx, x0->sq, x0->k};
         if (wb == QK) {
@@ -429,9 +436,20 @@ static inline __attribute__((always_inline)) void i8_group_tile(int base, int rt
             continue;
         }
         const vq8f dv = vq8f_load_f16((const uint16_t *)(cb + i8_off_d(base)));
-        if (base == QF_Q6_K) {
+        /* One row: the sub-block loops unrolled, so their shifts and nibble choices are
+         * constants. More rows: rolled, as unrolled they spill the rows' sums. */
+        if (base == QF_Q6_K && rt == 1) {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; ++t) i8_q6k_block(rt, cb, &xk, xb0, h, t, dv, acc);
+        } else if (base == QF_Q6_K) {
             for (int h = 0; h < 2; ++h)
                 for (int t = 0; t < 4; ++t) i8_q6k_block(rt, cb, &xk, xb0, h, t, dv, acc);
+        } else if (rt == 1) {
+            const vq8f dmv = vq8f_load_f16((const uint16_t *)(cb + i8_off_m(base)));
+#pragma GCC unroll 8
+            for (int s = 0; s < 8; ++s) i8_k45_sub(base, rt, cb, &xk, xb0, s, dv, dmv, acc);
         } else {
             const vq8f dmv = vq8f_load_f16((const uint16_t *)(cb + i8_off_m(base)));
             for (int s = 0; s < 8; ++s) i8_k45_sub(base, rt, cb, &xk, xb0, s, dv, dmv, acc);
