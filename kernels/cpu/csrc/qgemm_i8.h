@@ -259,8 +259,13 @@ static void i8_quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, 
                 q[i] = (int8_t)v;
             }
 #endif
-            s[0] = s[1] = 0;
-            for (int i = 0; i < QK; ++i) s[i / 16] += q[i];
+            int32_t s0 = 0, s1 = 0; /* in locals: s may alias q (a byte pointer) */
+            for (int i = 0; i < 16; ++i) {
+                s0 += q[i];
+                s1 += q[16 + i];
+            }
+            s[0] = s0;
+            s[1] = s1;
         }
 }
 
