@@ -29,7 +29,10 @@
  *        codes of eight columns and a broadcast of four bytes of q multiplies them all
  *        (AVX2's maddubs: unsigned bytes times signed bytes, pairs summed; Q8_0's signed
  *        codes go in as |c| with q given c's signs)
- *   QH   the high bits (Q5_0/Q5_1: a uint32 a column; Q5_K: 32 bytes; Q6_K: 64), as quads
+ *   QH   the high bits (Q5_K: 32 bytes; Q6_K: 64), as quads; Q5_0/Q5_1's 32 fifth bits
+ *        (the file's uint32) as one quad in bit planes: bit t of byte j is the fifth bit
+ *        of weight 4t + j, bit 4 + t that of weight 16 + 4t + j (the weights of byte j of
+ *        quad t's low and high nibbles), so a shift and a mask give each its 0x10
  *   D    the columns' float16 d, side by side; M their m or dmin
  *   SC   the K-quants' sub-block scales (Q4_K/Q5_K: unpacked to a byte each; Q6_K's int8),
  *        row s the eight columns' scale of sub-block s; MN the mins likewise
@@ -123,11 +126,35 @@ static i8_raw_t i8_raw(int base) {
     }
 }
 
+/* Q5_0/Q5_1: byte ``j`` of the bit planes of the file's fifth bits ``qh`` (see the
+ * layout), and the fifth bits from the four bytes ``p``. */
+static uint8_t i8_q5_plane(uint32_t qh, int j) {
+    uint8_t b = 0;
+    for (int t = 0; t < 4; ++t)
+        b |= (uint8_t)(((qh >> (4 * t + j)) & 1u) << t | ((qh >> (16 + 4 * t + j)) & 1u) << (4 + t));
+    return b;
+}
+static uint32_t i8_q5_unplane(const uint8_t p[4]) {
+    uint32_t qh = 0;
+    for (int j = 0; j < 4; ++j)
+        for (int t = 0; t < 4; ++t)
+            qh |= (uint32_t)((p[j] >> t) & 1u) << (4 * t + j) |
+                  (uint32_t)((p[j] >> (4 + t)) & 1u) << (16 + 4 * t + j);
+    return qh;
+}
+
 /* Column ``c``'s block ``r`` (the file's bytes) into the group's block ``bo``. */
 static void i8_pack_raw(int base, const uint8_t *r, int c, uint8_t *bo) {
     const i8_raw_t a = i8_raw(base);
     for (int i = 0; i < i8_q_bytes(base); ++i) bo[i8_code_at(c, i)] = r[a.q + i];
-    for (int i = 0; i < i8_qh_bytes(base); ++i) bo[i8_off_qh(base) + i8_code_at(c, i)] = r[a.qh + i];
+    if (base == QF_Q5_0 || base == QF_Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, r + a.qh, 4);
+        for (int j = 0; j < 4; ++j) bo[i8_off_qh(base) + i8_code_at(c, j)] = i8_q5_plane(qh, j);
+    } else {
+        for (int i = 0; i < i8_qh_bytes(base); ++i)
+            bo[i8_off_qh(base) + i8_code_at(c, i)] = r[a.qh + i];
+    }
     memcpy(bo + i8_off_d(base) + 2 * c, r + a.d, 2);
     if (a.m >= 0) memcpy(bo + i8_off_m(base) + 2 * c, r + a.m, 2);
     if (base == QF_Q6_K) {
@@ -146,7 +173,15 @@ static void i8_pack_raw(int base, const uint8_t *r, int c, uint8_t *bo) {
 static void i8_unpack_raw(int base, const uint8_t *bo, int c, uint8_t *r) {
     const i8_raw_t a = i8_raw(base);
     for (int i = 0; i < i8_q_bytes(base); ++i) r[a.q + i] = bo[i8_code_at(c, i)];
-    for (int i = 0; i < i8_qh_bytes(base); ++i) r[a.qh + i] = bo[i8_off_qh(base) + i8_code_at(c, i)];
+    if (base == QF_Q5_0 || base == QF_Q5_1) {
+        uint8_t p[4];
+        for (int j = 0; j < 4; ++j) p[j] = bo[i8_off_qh(base) + i8_code_at(c, j)];
+        const uint32_t qh = i8_q5_unplane(p);
+        memcpy(r + a.qh, &qh, 4);
+    } else {
+        for (int i = 0; i < i8_qh_bytes(base); ++i)
+            r[a.qh + i] = bo[i8_off_qh(base) + i8_code_at(c, i)];
+    }
     memcpy(r + a.d, bo + i8_off_d(base) + 2 * c, 2);
     if (a.m >= 0) memcpy(r + a.m, bo + i8_off_m(base) + 2 * c, 2);
     if (base == QF_Q6_K) {
@@ -329,16 +364,24 @@ static inline __attribute__((always_inline)) void i8_block32(int base, int rt, c
             }
         }
         for (int r = 0; r < rt; ++r) isum[r] = vq_sum16(a16[r]);
-    } else { /* Q5_0, Q5_1: the fifth bits from each column's uint32 */
-        const vq qh = vq_load(cb + i8_off_qh(base));
+    } else { /* Q5_0, Q5_1: the fifth bits from their planes (bits t and 4 + t) */
+        const vq qh = vq_load(cb + i8_off_qh(base)), x10 = vq_set8(0x10);
+        vq a16[I8RT];
+        for (int r = 0; r < rt; ++r) a16[r] = vq_zero();
         for (int t = 0; t < QK / 8; ++t) {
-            const vq w = vq_load(cb + t * 4 * I8G), v = vq_srli32(qh, 4 * t);
-            const vq lo = vq_or(vq_lo_nibbles(w), vq_bits4_x10(v, 0));
-            const vq hi = vq_or(vq_hi_nibbles(w), vq_bits4_x10(v, 2));
+            const vq w = vq_load(cb + t * 4 * I8G);
+            const vq lo = vq_or(vq_lo_nibbles(w), vq_and(vq_slli16(qh, 4 - t), x10));
+            const vq hi = vq_or(vq_hi_nibbles(w), vq_and(t ? vq_srli16(qh, t) : qh, x10));
             for (int r = 0; r < rt; ++r) {
                 const int8_t *xr = x->xq + r * x->k;
-                isum[r] = vq_add32(isum[r], vq_sum16(vq_add16(
-                    vq_dot_pairs(lo, vq_bcast4(xr + 4 * t)), vq_dot_pairs(hi, vq_bcast4(xr + 16 + 4 * t)))));
+                a16[r] = vq_add16(a16[r], vq_add16(vq_dot_pairs(lo, vq_bcast4(xr + 4 * t)),
+                                                   vq_dot_pairs(hi, vq_bcast4(xr + 16 + 4 * t))));
+            }
+            if (t & 1) { /* four 5-bit pairs at most in int16 */
+                for (int r = 0; r < rt; ++r) {
+                    isum[r] = vq_add32(isum[r], vq_sum16(a16[r]));
+                    a16[r] = vq_zero();
+                }
             }
         }
     }

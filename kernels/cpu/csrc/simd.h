@@ -391,18 +391,6 @@ static inline vq vq_set8(int8_t v) { return _mm256_set1_epi8(v); }
  * bits that cross into the neighbouring byte). */
 static inline vq vq_slli16(vq a, int n) { return _mm256_slli_epi16(a, n); }
 static inline vq vq_srli16(vq a, int n) { return _mm256_srli_epi16(a, n); }
-static inline vq vq_srli32(vq a, int n) { return _mm256_srli_epi32(a, n); }
-/* Bits 0-3 of byte ``j`` of each 32-bit lane as that lane's four bytes: 0x10 where the
- * bit is set, 0 where not (the fifth bit of four 5-bit codes). */
-static inline vq vq_bits4_x10(vq v, int j) {
-    const __m256i idx = _mm256_add_epi8(
-        _mm256_set1_epi8((char)j),
-        _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4,
-                         4, 8, 8, 8, 8, 12, 12, 12, 12));
-    const __m256i bits = _mm256_set1_epi32(0x08040201);
-    const __m256i s = _mm256_and_si256(_mm256_shuffle_epi8(v, idx), bits);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(s, bits), _mm256_set1_epi8(0x10));
-}
 /* Eight signed bytes as int32 lanes; such lanes as int16 pairs (both halves the value,
  * for |v| < 32768); int16 pairs times int16 pairs, summed to int32; int32 products. */
 static inline vq vq_load_i8x8(const int8_t *p) {
