@@ -12,6 +12,7 @@ measured on the device once the model is loaded).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -67,24 +68,46 @@ class EngineSettings:
 def resolve_settings(config: EngineConfig) -> EngineSettings:
     """``config`` resolved against its model's files and the device; a setting the model
     or the device cannot meet is a ``ValueError`` that names it."""
+    device = resolve_device(config.device)
+    as_given = config
+    if gguf_by_default(config, device):
+        config = dataclasses.replace(config, quantization="gguf")
     # A GGUF file served in its own blocks is read by the loader itself: its folder holds
     # only the header's config and tokenizer.
     model_path = resolve_model_path(config.model, config.revision,
                                     weights=config.quantization != "gguf")  # fmt: skip
     hf_config = load_config(model_path)
-    device = resolve_device(config.device)
+    decoder = DecoderSpec.from_hf(hf_config)
+    if config is not as_given and decoder.moe is not None:  # experts: expanded, as before
+        config = as_given
+        model_path = resolve_model_path(config.model, config.revision)
+        hf_config = load_config(model_path)
+        decoder = DecoderSpec.from_hf(hf_config)
+    elif config is not as_given:
+        logger.info("serving the GGUF file's weights in their own blocks (quantization='gguf', "
+                    "the default for a GGUF file on the CPU; a dtype expands them)")
     quant_config = read_quantization_config(hf_config, model_path)
     model_name = config.model or model_path.name
     quantization = resolve_quantization(config, quant_config, model_name)
-    decoder = DecoderSpec.from_hf(hf_config)
     check_moe(decoder, quantization, gguf_file=config.model is not None and is_gguf_file(config.model))
     dtype = torch.float32 if quantization else resolve_dtype(config.dtype, hf_config, device)
     max_model_len = resolve_max_model_len(config, hf_config)
     return EngineSettings(
-        config=config, model_path=model_path, model_name=model_name, hf_config=hf_config,
+        config=as_given, model_path=model_path, model_name=model_name, hf_config=hf_config,
         decoder=decoder, device=device, quant_config=quant_config, quantization=quantization,
         dtype=dtype, max_model_len=max_model_len,
         max_num_batched_tokens=resolve_max_num_batched_tokens(config, max_model_len))  # fmt: skip
+
+
+def gguf_by_default(config: EngineConfig, device: torch.device) -> bool:
+    """Whether a GGUF file is served in its own blocks without asking: a ``.gguf`` path
+    with no ``quantization`` and no ``dtype`` given, on the CPU, on one rank (the quantized
+    linears are faster than float32 ones there at every batch size, ``BENCHMARKS.md``
+    B14, and take a quarter to a half of the memory). A ``dtype`` asks for the weights
+    expanded to it; a model with experts is expanded too (``check_moe``)."""
+    return (config.quantization is None and config.model is not None
+            and is_gguf_file(config.model) and config.dtype == "auto" and device.type == "cpu"
+            and config.tensor_parallel_size == 1)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,0 +1,52 @@
+"""A GGUF file named by path is served in its own blocks on the CPU unless the user asks
+for something else (``resolve_settings``' ``gguf_by_default``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.loader import default_gguf_path
+from pagedserve.engine.worker.settings import gguf_by_default
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(("kwargs", "device", "want"), [
+    ({}, CPU, True),
+    ({"dtype": "float32"}, CPU, False),  # a dtype asks for the weights expanded to it
+    ({"dtype": "bfloat16"}, CPU, False),
+    ({"quantization": "gguf"}, CPU, False),  # given: nothing to default
+    ({"tensor_parallel_size": 2}, CPU, False),  # gguf runs on one rank
+    ({}, torch.device("cuda"), False),
+])  # fmt: skip
+def test_when_a_gguf_file_defaults_to_its_own_blocks(kwargs, device, want):
+    config = EngineConfig(model="/models/x.Q4_K_M.gguf", **kwargs)
+    assert gguf_by_default(config, device) is want
+
+
+def test_a_folder_and_the_embedded_default_keep_float():
+    assert not gguf_by_default(EngineConfig(model="/models/llama"), CPU)
+    assert not gguf_by_default(EngineConfig(), CPU)
+
+
+def test_a_gguf_path_without_quantization_serves_its_blocks():
+    """What a user passing only a file gets: its own blocks (the paths line says so), the
+    same greedy tokens as quantization='gguf', and a dtype expands it as before."""
+    from pagedserve import LLM, SamplingParams
+
+    path = default_gguf_path()
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    llm = LLM(str(path), kv_cache_memory_gb=0.05)
+    assert llm.engine.worker.settings.quantization == "gguf"
+    assert llm.engine.worker.quant_desc == "gguf (q4_1, q8_0)"
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    del llm
+    given = LLM(str(path), quantization="gguf", kv_cache_memory_gb=0.05)
+    assert [o.outputs[0].token_ids for o in given.generate(prompts, sp)] == got
+    del given
+    expanded = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05)
+    assert expanded.engine.worker.settings.quantization is None
+    assert expanded.engine.worker.quant_desc is None
