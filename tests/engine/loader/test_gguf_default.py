@@ -50,3 +50,23 @@ def test_a_gguf_path_without_quantization_serves_its_blocks():
     expanded = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05)
     assert expanded.engine.worker.settings.quantization is None
     assert expanded.engine.worker.quant_desc is None
+
+
+def test_a_gguf_file_with_experts_is_expanded(tiny_model_factory, monkeypatch):
+    """The default looks at the header's model first: one with experts (which the GGUF
+    blocks do not serve) is converted whole and served in float, as before."""
+    from pagedserve.engine.worker import settings as settings_mod
+
+    folder = tiny_model_factory("qwen2_moe")
+    asked = []
+
+    def resolve(model, revision=None, weights=True):
+        asked.append(weights)
+        return folder
+
+    monkeypatch.setattr(settings_mod, "resolve_model_path", resolve)
+    got = settings_mod.resolve_settings(EngineConfig(model="/models/moe.gguf", device="cpu"))
+    assert asked == [False, True]  # the header first, then the whole file
+    assert got.quantization is None  # and the float dtype this CPU computes in
+    assert got.dtype == settings_mod.resolve_dtype("auto", got.hf_config, CPU)
+    assert got.config.quantization is None  # the settings as given
