@@ -11,7 +11,7 @@ A step is fused when its activations are float32, every linear of the model runs
 native library at the step's row count (float32 weights through the native linear, up to
 :data:`~pagedserve.kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, where this build has one;
 weight-only quantized ones in registers, up to
-:attr:`~pagedserve.kernels.cpu.layer_ops.NativeLayerOps.quant_max_rows`; never more than
+:meth:`~pagedserve.kernels.cpu.layer_ops.NativeLayerOps.quant_rows`; never more than
 :data:`~pagedserve.kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, since the call's scratch grows
 with its rows), and the caches are the contiguous CPU tensors the attention kernel takes. Weights must not change once a fused step has
 run (the tables hold their addresses; a rebuilt :class:`~pagedserve.kernels.interface.DecoderStack`
@@ -249,13 +249,13 @@ class FusedLayers:
             packed = self._ops.quant_packed(weight)
             keep.append(packed)
             lin[C["LIN_FMT"]], lin[C["LIN_W"]] = self._ops.quant_code(weight), packed.data_ptr()
-            return lin, self._ops.quant_max_rows
+            return lin, self._ops.quant_rows(weight)
         if isinstance(weight, StackedWeight):
             parts = self._stacked_parts(weight, bias, n, k, keep)
             if parts is None:
                 return None
             lin[C["LIN_FMT"]], lin[C["LIN_W"]] = C["LIN_STACK"], parts.data_ptr()
-            return lin, self._ops.quant_max_rows
+            return lin, self._ops.quant_rows(weight)
         packed = self._ops.native_packed(weight)
         if packed is None or tuple(weight.shape) != (n, k):
             return None

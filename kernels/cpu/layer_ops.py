@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from pagedserve.kernels.cpu.abi import MAX_HEAD_DIM
 from pagedserve.kernels.cpu.native import isa as build_isa
 from pagedserve.kernels.cpu.quant import (
+    INT8_ACTIVATION_FORMATS,
     cached_pack,
     format_code,
     native_dequantize,
@@ -67,13 +68,18 @@ QUANT_DIRECT_ROWS = {"avx512": 1024, "avx2": 64, "portable": 32}
 """Quantized weights: row counts up to which the native kernel multiplies in registers, by
 build level; larger batches dequantize the weight once and take a float product (where
 that measured faster: BENCHMARKS.md)."""
-QUANT_DIRECT_ROWS_INT8 = {"avx512": 1024, "avx2": 128, "portable": 32}
-"""The same with 8-bit activations. On an AVX2 Zen 3 (``python -m
-pagedserve.loadtest.qgemm_bench``) the integer-dot product took 0.46-1.08x the time
-of the float path (the float-activation kernel up to 64 rows, the dequantized weight's
-float product above) at 128 rows (one shape of 18 at 1.30x), and 0.78-1.41x at 512.
-AVX-512 builds run the same 256-bit integer code; their limit is the float kernel's
-(not measured there)."""
+QUANT_DIRECT_ROWS_INT8 = {"avx512": 1024, "avx2": 512, "portable": 32}
+"""The same with 8-bit activations (the formats of ``INT8_ACTIVATION_FORMATS``; the
+per-row int8 format keeps float activations and :data:`QUANT_DIRECT_ROWS`), but for
+:data:`QUANT_DIRECT_ROWS_INT8_BY_FORMAT`. On an AVX2 Zen 3 the integer-dot product took
+0.37-0.93x the time of the dequantized weight's float product at 128-512 rows for the
+32-weight formats and Q4_K (the default model's three shapes of linear; 0.68-1.05x at
+1,024: BENCHMARKS.md B22). AVX-512 builds run the same 256-bit integer code; their limit
+is the float kernel's (not measured there)."""
+QUANT_DIRECT_ROWS_INT8_BY_FORMAT = {"avx2": {"q5_k": 128, "q6_k": 128}}
+"""Formats whose integer product falls behind sooner, by build level: on the same Zen 3,
+Q5_K and Q6_K took 0.94-0.98x the dequantized product's time at 128 rows, 1.2x at 192
+and 1.4x at 256."""
 QUANTIZED_ACTIVATIONS = ("auto", "int8", "float")
 """How quantized linears take their activations (:class:`NativeLayerOps`)."""
 
@@ -116,9 +122,13 @@ class NativeLayerOps(TorchLayerOps):
         """Whether quantized weights (but the per-row int8 format) take 8-bit activations
         (``auto``: on the vector builds, where the integer dot products measured faster;
         the portable build's are scalar loops)."""
+        self._float_rows = QUANT_DIRECT_ROWS.get(self.isa, QUANT_DIRECT_ROWS["portable"])
         rows = QUANT_DIRECT_ROWS_INT8 if self.int8_activations else QUANT_DIRECT_ROWS
         self.quant_max_rows = rows.get(self.isa, rows["portable"])
-        """Row counts up to which quantized weights take the native kernel."""
+        """Row counts up to which quantized weights take the native kernel (the most of
+        any format: :meth:`quant_rows` says a weight's)."""
+        self._rows_by_format = (QUANT_DIRECT_ROWS_INT8_BY_FORMAT.get(self.isa, {})
+                                if self.int8_activations else {})  # fmt: skip
         # Reused float32 copy of a quantized weight for prefill-sized products.
         self._dequant_scratch = torch.empty(0, dtype=torch.float32)
         packing = pack_weights
@@ -145,9 +155,16 @@ class NativeLayerOps(TorchLayerOps):
                 else "float activations")
         return {"layer_ops": self.isa, "linear_f32": f32,
                 "linear_bf16": "onednn-packed" if self._packing_bf16 else "torch",
-                "linear_quant": f"native-{self.isa} ({acts}; 1-{self.quant_max_rows} rows), "
-                                "dequantize + torch above",
+                "linear_quant": f"native-{self.isa} ({acts}; 1-{self.quant_max_rows} rows"
+                                f"{self._rows_note()}), dequantize + torch above",
                 "quant_activations": "int8" if self.int8_activations else "float"}
+
+    def _rows_note(self) -> str:
+        """The formats whose row limit is lower than :attr:`quant_max_rows`, for paths()."""
+        lower = dict(self._rows_by_format)
+        if self.int8_activations and self._float_rows < self.quant_max_rows:
+            lower["int8"] = self._float_rows
+        return "".join(f", {fmt} 1-{rows}" for fmt, rows in sorted(lower.items()))
 
     def fma_peak_gflops(self, num_threads: int | None = None) -> float | None:
         """This CPU's float32 multiply-add peak at the library's vector width, GFLOP/s
@@ -215,7 +232,7 @@ class NativeLayerOps(TorchLayerOps):
             w = native_dequantize(self._lib, weight, torch.get_num_threads(),
                                   packed=self.quant_packed(weight), code=self.quant_code(weight))
             return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        if x.shape[0] <= self.quant_max_rows:
+        if x.shape[0] <= self.quant_rows(weight):
             return native_linear(self._lib, x, weight, bias, torch.get_num_threads(),
                                  self.quant_packed(weight), self.quant_code(weight))
         need = weight.n * weight.k
@@ -261,6 +278,15 @@ class NativeLayerOps(TorchLayerOps):
                 and _native_dtype(weight) == "f32"):  # fmt: skip
             return None
         return self._native_packed(weight)
+
+    def quant_rows(self, weight: QuantizedWeight | StackedWeight) -> int:
+        """Row counts up to which ``weight`` takes the native kernel here (a stacked
+        weight: its parts' least); more rows dequantize it for a float product."""
+        if isinstance(weight, StackedWeight):
+            return min(self.quant_rows(p) for p in weight.parts)
+        if self.int8_activations and weight.fmt not in INT8_ACTIVATION_FORMATS:
+            return self._float_rows  # per-row int8 weights: float activations
+        return self._rows_by_format.get(weight.fmt, self.quant_max_rows)
 
     def quant_code(self, weight: QuantizedWeight) -> int:
         """The native product a CPU quantized weight takes here: its format's code, with

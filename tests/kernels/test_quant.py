@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from pagedserve.kernels.cpu import quant
-from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
+from pagedserve.kernels.cpu.layer_ops import (
+    QUANT_DIRECT_ROWS,
+    QUANT_DIRECT_ROWS_INT8_BY_FORMAT,
+    NativeLayerOps,
+)
 from pagedserve.kernels.layer_ops import TorchLayerOps
 from pagedserve.kernels.quant import (
     BLOCK_BYTES,
@@ -138,6 +142,29 @@ def test_dequantizing_the_packed_copy_gives_the_planes_bits(native_lib, fmt) -> 
     assert torch.equal(got, big.dequantize())
 
 
+def test_a_stacked_weight_takes_its_slowest_parts_row_limit(native_lib) -> None:
+    """A GGUF file's q/k/v of several formats runs in the fused layers up to the least of
+    its parts' limits (Q6_K's integer product falls behind sooner on AVX2); op by op each
+    part takes its own; the paths line says which formats have a lower limit."""
+    ops = NativeLayerOps(native_lib, quantized_activations="int8")
+    lower = QUANT_DIRECT_ROWS_INT8_BY_FORMAT.get(ops.isa, {})
+    k = block_k("q4_k", 64)
+    q4k, q6k = random_weight("q4_k", 16, k, seed=1), random_weight("q6_k", 8, k, seed=2)
+    stacked = StackedWeight((q4k, q6k))
+    assert ops.quant_rows(q4k) == lower.get("q4_k", ops.quant_max_rows)
+    assert ops.quant_rows(stacked) == lower.get("q6_k", ops.quant_max_rows)
+    rows = ops.quant_rows(stacked) + 1  # past the Q6_K part's limit, within Q4_K's?
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    out = ops.linear(x, stacked)
+    for part, y in ((q4k, out[:, :16]), (q6k, out[:, 16:])):
+        assert_product_close(y, x, part, None, int8=rows <= ops.quant_rows(part))
+    line = ops.paths()["linear_quant"]
+    for fmt, most in lower.items():
+        assert f"{fmt} 1-{most}" in line
+    float_rows = QUANT_DIRECT_ROWS.get(ops.isa, QUANT_DIRECT_ROWS["portable"])
+    assert (f"int8 1-{float_rows}" in line) == (float_rows < ops.quant_max_rows)
+
+
 @pytest.mark.parametrize("activations", ["float", "int8", "auto"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_layer_ops_route_quantized_weights(native_lib, fmt, activations) -> None:
@@ -151,10 +178,14 @@ def test_layer_ops_route_quantized_weights(native_lib, fmt, activations) -> None
     k = block_k(fmt, 64)
     w = random_weight(fmt, 96, k, seed=5)
     bias = torch.randn(96)
-    for rows in (1, ops.quant_max_rows, ops.quant_max_rows + 1, 100):
+    most = ops.quant_rows(w)
+    assert most <= ops.quant_max_rows
+    if int8 and fmt not in quant.INT8_ACTIVATION_FORMATS:  # float activations: their limit
+        assert most == QUANT_DIRECT_ROWS.get(ops.isa, QUANT_DIRECT_ROWS["portable"])
+    for rows in (1, most, most + 1, 100):
         x = torch.randn(rows, k)
         assert_product_close(ops.linear(x, w, bias), x, w, bias,
-                             int8=direct_int8 and rows <= ops.quant_max_rows)
+                             int8=direct_int8 and rows <= most)
         assert_product_close(ref_ops.linear(x, w, bias), x, w, bias)
     ids = torch.tensor([3, 95, 3])
     assert torch.equal(ops.embedding(ids, w), w.dequantize(ids))
