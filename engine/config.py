@@ -41,9 +41,10 @@ class EngineConfig:
     when no model is given) or
     int8 (per-output-row int8 made at load from a float checkpoint), gptq or awq (a GPTQ
     or AWQ checkpoint's 4- or 8-bit weights; None serves such a checkpoint so too, as its
-    config.json says). None with a .gguf path, on the CPU, on one rank and with dtype auto
-    is gguf too (a model with experts excepted); a dtype given expands the file's weights
-    to it."""
+    config.json says). None with a .gguf path is gguf too with dtype auto, on one rank, on
+    a CPU with the 8-bit-activation products (AVX2, AVX-512) and no native bfloat16, for a
+    file with kept-quantized tensors and no experts; a dtype given expands the file's
+    weights to it."""
     quantized_activations: str = "auto"
     """How the CPU's quantized linears take their activations: int8 (each row quantized
     to 8 bits per 32 elements, integer dot products; weights in the GGUF block formats:

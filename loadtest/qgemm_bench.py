@@ -5,7 +5,9 @@ Each linear runs as the layer ops run it (the native product up to the row limit
 dequantized weight's float product above), with float and with 8-bit activations in turn:
 every GGUF format kept quantized (random weights encoded by gguf's encoders and
 :mod:`pagedserve.loadtest.kquants`), on the default model's three shapes of linear, at 1-512
-rows; the best of ``--iters`` in milliseconds and the ratio int8 / float. Run it with
+rows; the best of ``--iters`` in milliseconds and the ratio int8 / float.
+``--vs-dequantized``: the 8-bit products against the dequantized weight's float product
+at 128-1,024 rows, where the row limits by format come from. Run it with
 ``GOMP_SPINCOUNT=1000`` (as the engine runs) so torch's idle OpenMP thread does not hold
 the second core.
 """
@@ -68,6 +70,44 @@ def bench_qgemm(level: str, iters: int, rows: Sequence[int] = QGEMM_ROWS,
             log.info("%-5s [%4d, %4d]  rows: float/int8 ms (ratio)  %s", fmt, n, k, "  ".join(cells))
 
 
+LIMIT_ROWS = (128, 192, 256, 512, 1024)
+
+
+def bench_limits(level: str, iters: int, rows: Sequence[int] = LIMIT_ROWS,
+                 shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES) -> None:
+    """Where the 8-bit-activation product stops paying: for every format that has one, the
+    integer product in registers (whatever the row limit) against the dequantized weight's
+    float product (what runs past the limit), in turn, best of ``iters`` (3 rounds)."""
+    from pagedserve.kernels.cpu import native as cpu_native
+    from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
+    from pagedserve.kernels.cpu.quant import INT8_ACTIVATION_FORMATS
+    from pagedserve.kernels.quant import BLOCK_WEIGHTS
+
+    lib = cpu_native.build_library(level)
+    direct, dequant = (NativeLayerOps(lib, quantized_activations="int8") for _ in range(2))
+    direct.quant_max_rows, dequant.quant_max_rows = 1 << 30, 0
+    direct._rows_by_format = {}
+    log.info("8-bit products against the dequantized weight's, build level %s, %d threads, %s; "
+             "ms, best of %d", level, torch.get_num_threads(), _omp_wait(), 3 * iters)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for fmt in INT8_ACTIVATION_FORMATS:
+        for n, k in shapes:
+            if k % BLOCK_WEIGHTS.get(fmt, 32):
+                continue
+            w = _random_quantized(fmt, n, k, g)
+            cells = []
+            for m in rows:
+                x = torch.randn(m, k, generator=g)
+                t = {"int8": float("inf"), "dequant": float("inf")}
+                for _ in range(3):  # in turn: a shared host's drift hits both
+                    for name, o in (("int8", direct), ("dequant", dequant)):
+                        t[name] = min(t[name], _time_ms(lambda o=o, x=x, w=w: o.linear(x, w), iters))
+                cells.append(f"{m}: {t['int8']:.3f}/{t['dequant']:.3f} "
+                             f"({t['int8'] / t['dequant']:.2f})")
+            log.info("%-5s [%4d, %4d]  rows: int8/dequantized ms (ratio)  %s", fmt, n, k,
+                     "  ".join(cells))
+
+
 def main(argv: list[str] | None = None) -> int:
     from pagedserve.kernels.cpu import native as cpu_native
 
@@ -75,9 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--level", default=None, help="native build level (default: the best "
                         "this CPU runs)")
+    parser.add_argument("--vs-dequantized", action="store_true",
+                        help="the 8-bit products against the dequantized weight's float "
+                             "product at 128-1,024 rows (where the row limits come from)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    bench_qgemm(args.level or cpu_native.runnable_levels()[-1], args.iters)
+    level = args.level or cpu_native.runnable_levels()[-1]
+    if args.vs_dequantized:
+        bench_limits(level, args.iters)
+    else:
+        bench_qgemm(level, args.iters)
     return 0
 
 

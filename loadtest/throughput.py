@@ -174,6 +174,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     kv_size_gb = (llm.engine.kv.num_blocks * worker.block_bytes()) / 2**30
     max_tokens = llm.engine.scheduler.max_num_batched_tokens
     model_path = worker.settings.model_path
+    quantization = worker.settings.quantization  # as served (a .gguf path's default too)
     pagedserve_ids = run.output_token_ids
     # One process's float32 products at the CPU's widest vectors: its threads' FMA peak
     # bounds them (tensor-parallel ranks run on other cores too; quantized or bfloat16
@@ -204,7 +205,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "environment": env,
         "model": str(model_path),
         "dtype": dtype,
-        "quantization": args.quantization,
+        "quantization": quantization,
         "seed": args.seed,
         "workload": workload.summary(),
         "pagedserve": ps,

@@ -45,8 +45,9 @@ HELP: dict[str, str] = {
     "attention_backend": "Attention kernels: auto (cpu on the CPU when the native library "
                          "builds, else torch; triton on CUDA), cpu (the native library), torch "
                          "(the reference) or triton.",
-    "quantization": "Weight-only quantized linears: gguf, int8, gptq or awq (default: none; a GPTQ/AWQ "
-                    "checkpoint is served quantized either way).",
+    "quantization": "Weight-only quantized linears: gguf, int8, gptq or awq (default: none, but a GPTQ/AWQ "
+                    "checkpoint is served quantized either way, and a .gguf file on the CPU "
+                    "in its own blocks as the field's text below says).",
     "quantized_activations": "auto, int8 or float.",
     "enforce_eager": "Disable CUDA graphs.",
     "tensor_parallel_size": "Tensor-parallel ranks: each holds its share of the heads, the MLP and the vocabulary (processes spawned by the engine, or started by torchrun).",

@@ -21,12 +21,15 @@ from typing import Any
 
 import torch
 
+from pagedserve.engine import envs
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.loader import is_gguf_file, load_config, resolve_model_path
 from pagedserve.engine.loader.checkpoint_quant import read_quantization_config, resolve_quantization
+from pagedserve.engine.loader.gguf_weights import tensor_formats
 from pagedserve.engine.models import DecoderSpec
 from pagedserve.engine.models.spec import max_positions, position_limit
 from pagedserve.kernels.cpu import paths as cpu_paths
+from pagedserve.kernels.cpu.native import engine_level
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -78,8 +81,9 @@ def resolve_settings(config: EngineConfig) -> EngineSettings:
                                     weights=config.quantization != "gguf")  # fmt: skip
     hf_config = load_config(model_path)
     decoder = DecoderSpec.from_hf(hf_config)
-    if config is not as_given and decoder.moe is not None:  # experts: expanded, as before
-        config = as_given
+    if config is not as_given and (decoder.moe is not None  # experts: expanded, as before
+                                   or not tensor_formats(Path(config.model).expanduser())):
+        config = as_given  # (and a file with no kept-quantized tensor: F16, Q2_K, ...)
         model_path = resolve_model_path(config.model, config.revision)
         hf_config = load_config(model_path)
         decoder = DecoderSpec.from_hf(hf_config)
@@ -99,15 +103,25 @@ def resolve_settings(config: EngineConfig) -> EngineSettings:
         max_num_batched_tokens=resolve_max_num_batched_tokens(config, max_model_len))  # fmt: skip
 
 
-def gguf_by_default(config: EngineConfig, device: torch.device) -> bool:
-    """Whether a GGUF file is served in its own blocks without asking: a ``.gguf`` path
-    with no ``quantization`` and no ``dtype`` given, on the CPU, on one rank (the quantized
-    linears are faster than float32 ones there at every batch size, ``BENCHMARKS.md``
-    B14, and take a quarter to a half of the memory). A ``dtype`` asks for the weights
-    expanded to it; a model with experts is expanded too (``check_moe``)."""
-    return (config.quantization is None and config.model is not None
+def gguf_by_default(config: EngineConfig, device: torch.device, cpu_level: str | None = None,
+                    cpu_native_bf16: bool | None = None) -> bool:
+    """Whether a GGUF file may be served in its own blocks without asking: a ``.gguf``
+    path with no ``quantization`` and no ``dtype`` given, on one rank, on a CPU whose
+    native build has the 8-bit-activation products (AVX2, AVX-512) and computes in
+    float32 (no native bfloat16). There the quantized linears measured faster than
+    float32 ones at every batch size (``BENCHMARKS.md`` B14), in a fifth to a quarter of
+    the memory; with float activations (the portable build) they are slower from 32 rows,
+    and against a native bfloat16 model they were not measured. A ``dtype`` asks for the
+    weights expanded to it. :func:`resolve_settings` then expands a model with experts
+    (``check_moe``) and a file with no kept-quantized tensor all the same.
+    ``cpu_level`` and ``cpu_native_bf16`` override this CPU's answers (tests)."""
+    if not (config.quantization is None and config.model is not None
             and is_gguf_file(config.model) and config.dtype == "auto" and device.type == "cpu"
-            and config.tensor_parallel_size == 1)
+            and config.tensor_parallel_size == 1):
+        return False
+    level = engine_level(envs.cpu_isa()) if cpu_level is None else cpu_level
+    bf16 = cpu_paths.native_bf16() if cpu_native_bf16 is None else cpu_native_bf16
+    return level != "portable" and not bf16
 
 
 def resolve_device(name: str) -> torch.device:

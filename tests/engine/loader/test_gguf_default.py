@@ -13,43 +13,45 @@ from pagedserve.engine.worker.settings import gguf_by_default
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize(("kwargs", "device", "want"), [
-    ({}, CPU, True),
-    ({"dtype": "float32"}, CPU, False),  # a dtype asks for the weights expanded to it
-    ({"dtype": "bfloat16"}, CPU, False),
-    ({"quantization": "gguf"}, CPU, False),  # given: nothing to default
-    ({"tensor_parallel_size": 2}, CPU, False),  # gguf runs on one rank
-    ({}, torch.device("cuda"), False),
+@pytest.mark.parametrize(("kwargs", "device", "level", "bf16", "want"), [
+    ({}, CPU, "avx2", False, True),
+    ({}, CPU, "avx512", False, True),
+    ({}, CPU, "portable", False, False),  # float activations: slower from 32 rows
+    ({}, CPU, "avx512", True, False),  # against a native bfloat16 model: not measured
+    ({"dtype": "float32"}, CPU, "avx2", False, False),  # a dtype asks for the weights expanded
+    ({"dtype": "bfloat16"}, CPU, "avx2", False, False),
+    ({"quantization": "gguf"}, CPU, "avx2", False, False),  # given: nothing to default
+    ({"tensor_parallel_size": 2}, CPU, "avx2", False, False),  # gguf runs on one rank
+    ({}, torch.device("cuda"), "avx2", False, False),
 ])  # fmt: skip
-def test_when_a_gguf_file_defaults_to_its_own_blocks(kwargs, device, want):
+def test_when_a_gguf_file_defaults_to_its_own_blocks(kwargs, device, level, bf16, want):
     config = EngineConfig(model="/models/x.Q4_K_M.gguf", **kwargs)
-    assert gguf_by_default(config, device) is want
+    assert gguf_by_default(config, device, cpu_level=level, cpu_native_bf16=bf16) is want
 
 
 def test_a_folder_and_the_embedded_default_keep_float():
-    assert not gguf_by_default(EngineConfig(model="/models/llama"), CPU)
-    assert not gguf_by_default(EngineConfig(), CPU)
+    for config in (EngineConfig(model="/models/llama"), EngineConfig()):
+        assert not gguf_by_default(config, CPU, cpu_level="avx2", cpu_native_bf16=False)
 
 
 def test_a_gguf_path_without_quantization_serves_its_blocks():
-    """What a user passing only a file gets: its own blocks (the paths line says so), the
-    same greedy tokens as quantization='gguf', and a dtype expands it as before."""
+    """What a user passing only a file gets on this CPU: its own blocks where the default
+    applies here (the worker's description says so), and the same greedy tokens as
+    quantization='gguf'."""
     from pagedserve import LLM, SamplingParams
 
     path = default_gguf_path()
+    applies = gguf_by_default(EngineConfig(model=str(path)), CPU)
     sp = SamplingParams(max_tokens=8, temperature=0)
     prompts = ["The capital of France is", "1, 2, 3,"]
-    llm = LLM(str(path), kv_cache_memory_gb=0.05)
-    assert llm.engine.worker.settings.quantization == "gguf"
-    assert llm.engine.worker.quant_desc == "gguf (q4_1, q8_0)"
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    del llm
-    given = LLM(str(path), quantization="gguf", kv_cache_memory_gb=0.05)
-    assert [o.outputs[0].token_ids for o in given.generate(prompts, sp)] == got
-    del given
-    expanded = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05)
-    assert expanded.engine.worker.settings.quantization is None
-    assert expanded.engine.worker.quant_desc is None
+    with LLM(str(path), device="cpu", kv_cache_memory_gb=0.05) as llm:
+        assert llm.engine.worker.settings.quantization == ("gguf" if applies else None)
+        if not applies:
+            return  # served expanded, as before (the conversion's own tests)
+        assert llm.engine.worker.quant_desc == "gguf (q4_1, q8_0)"
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    with LLM(str(path), quantization="gguf", device="cpu", kv_cache_memory_gb=0.05) as given:
+        assert [o.outputs[0].token_ids for o in given.generate(prompts, sp)] == got
 
 
 def test_a_gguf_file_with_experts_is_expanded(tiny_model_factory, monkeypatch):
@@ -65,6 +67,7 @@ def test_a_gguf_file_with_experts_is_expanded(tiny_model_factory, monkeypatch):
         return folder
 
     monkeypatch.setattr(settings_mod, "resolve_model_path", resolve)
+    monkeypatch.setattr(settings_mod, "gguf_by_default", lambda *a, **k: True)
     got = settings_mod.resolve_settings(EngineConfig(model="/models/moe.gguf", device="cpu"))
     assert asked == [False, True]  # the header first, then the whole file
     assert got.quantization is None  # and the float dtype this CPU computes in

@@ -153,7 +153,7 @@ def test_model_sizes_the_tensors_do_not_have_are_refused(valid_gguf, tmp_path, k
                     _after_key(valid_gguf.read_bytes(), key) + 4, "<I", value)
     for quantization in (None, "gguf"):
         with pytest.raises(ModelFileError, match=rf"GGUF file '{path}': {words}"):
-            LLM(str(path), quantization=quantization, kv_cache_memory_gb=KV)
+            LLM(str(path), quantization=quantization, dtype="float32", kv_cache_memory_gb=KV)
     assert _cache_entries(tmp_path) == []
 
 
@@ -170,7 +170,7 @@ def test_a_malformed_gguf_file_is_refused_naming_the_problem(valid_gguf, tmp_pat
     path = _patched(valid_gguf, tmp_path / "hostile.gguf", at, fmt, value)
     start = time.monotonic()
     with pytest.raises(ModelFileError, match=rf"GGUF file '{path}': {words}"):
-        LLM(str(path), quantization=quantization, kv_cache_memory_gb=KV)
+        LLM(str(path), quantization=quantization, dtype="float32", kv_cache_memory_gb=KV)
     assert time.monotonic() - start < 5
     assert _cache_entries(tmp_path) == []
 
@@ -190,7 +190,7 @@ def test_a_truncated_gguf_file_is_refused(valid_gguf, tmp_path, keep, words):
     path.write_bytes(valid_gguf.read_bytes()[:keep])
     for quantization in (None, "gguf"):
         with pytest.raises(ModelFileError, match=rf"GGUF file '{path}' ?{words}"):
-            LLM(str(path), quantization=quantization, kv_cache_memory_gb=KV)
+            LLM(str(path), quantization=quantization, dtype="float32", kv_cache_memory_gb=KV)
     assert _cache_entries(tmp_path) == []
 
 

@@ -124,3 +124,21 @@ def test_qgemm_bench_times_every_kept_format_both_ways(caplog) -> None:
         cells = re.findall(r"(\d+): ([0-9.]+)/([0-9.]+) \(([0-9.]+)\)", line)
         assert [c[0] for c in cells] == ["1", "3"]
         assert all(float(f) > 0 and float(i) > 0 for _, f, i, _ in cells)
+
+
+def test_qgemm_bench_times_the_integer_products_against_dequantized(caplog) -> None:
+    """``--vs-dequantized``: one line per 8-bit-activation format and shape, each row
+    count timed both ways with their ratio."""
+    from pagedserve.kernels.cpu import native as cpu_native
+    from pagedserve.kernels.cpu.quant import INT8_ACTIVATION_FORMATS
+    from pagedserve.loadtest.qgemm_bench import bench_limits
+
+    with caplog.at_level(logging.INFO, logger="pagedserve.loadtest.qgemm_bench"):
+        bench_limits(cpu_native.runnable_levels()[-1], 1, rows=(2, 5), shapes=((16, 256),))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("8-bit products against the dequantized weight's")
+    assert [line.split()[0] for line in lines[1:]] == list(INT8_ACTIVATION_FORMATS)
+    for line in lines[1:]:
+        cells = re.findall(r"(\d+): ([0-9.]+)/([0-9.]+) \(([0-9.]+)\)", line)
+        assert [c[0] for c in cells] == ["2", "5"]
+        assert all(float(a) > 0 and float(b) > 0 for _, a, b, _ in cells)
