@@ -475,8 +475,11 @@ static inline __attribute__((always_inline)) void i8_group_tile(int base, int rt
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *cb = grp + b * bb;
         /* The bytes I8_PREFETCH ahead (on into the next group, which follows) into L2:
-         * at one row the loads would wait on memory otherwise. */
-        for (int64_t p = 0; p < bb; p += 64) prefetch_l2(cb + I8_PREFETCH + p);
+         * at one row the loads would wait on memory otherwise. The address is computed
+         * as an integer: past the last group it points beyond the weight (a prefetch
+         * there reads nothing and cannot fault). */
+        for (int64_t p = 0; p < bb; p += 64)
+            prefetch_l2((const void *)((uintptr_t)cb + I8_PREFETCH + (uintptr_t)p));
         const int xb0 = (int)(b * wb / QK);
         const i8_rows_t xk = {x0->xq + b * wb, x0->dx, x0->sq, x0->k};
         if (wb == QK) {
