@@ -150,9 +150,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     base_ppl: float | None = None
     chunks: list[list[int]] = []
     for i, (act, kv) in enumerate(runs):
-        # 128 rows a step by default: within the quantized products' row limit with 8-bit
-        # activations (128 on AVX2 builds), above which the weights are dequantized and
-        # the activations stay float32 whatever the setting.
+        # 128 rows a step by default: within every format's row limit for the 8-bit
+        # products (128 for Q5_K and Q6_K on AVX2 builds), above which the weights are
+        # dequantized and the activations stay float32 whatever the setting.
         budget = args.max_num_batched_tokens or min(args.ctx, 128)
         llm = LLM(model=args.model, **engine_kwargs(args, quantized_activations=act, kv_cache_dtype=kv,
                                   enable_prefix_caching=False, max_num_batched_tokens=budget))
