@@ -127,19 +127,15 @@ static i8_raw_t i8_raw(int base) {
 }
 
 /* Q5_0/Q5_1: byte ``j`` of the bit planes of the file's fifth bits ``qh`` (see the
- * layout), and the fifth bits from the four bytes ``p``. */
+ * layout: bit t is weight 4t + j's, for t < 8), and the fifth bits from the bytes ``p``. */
 static uint8_t i8_q5_plane(uint32_t qh, int j) {
     uint8_t b = 0;
-    for (int t = 0; t < 4; ++t)
-        b |= (uint8_t)(((qh >> (4 * t + j)) & 1u) << t | ((qh >> (16 + 4 * t + j)) & 1u) << (4 + t));
+    for (int t = 0; t < 8; ++t) b |= (uint8_t)(((qh >> (4 * t + j)) & 1u) << t);
     return b;
 }
 static uint32_t i8_q5_unplane(const uint8_t p[4]) {
     uint32_t qh = 0;
-    for (int j = 0; j < 4; ++j)
-        for (int t = 0; t < 4; ++t)
-            qh |= (uint32_t)((p[j] >> t) & 1u) << (4 * t + j) |
-                  (uint32_t)((p[j] >> (4 + t)) & 1u) << (16 + 4 * t + j);
+    for (int w = 0; w < 32; ++w) qh |= (uint32_t)((p[w % 4] >> (w / 4)) & 1u) << w;
     return qh;
 }
 
