@@ -61,6 +61,10 @@ ATTENTION_BACKEND = Var("PAGEDSERVE_ATTENTION_BACKEND", "`auto`",
                         "`--attention-backend` / `LLM(attention_backend=...)` wins")
 CPU_ISA = Var("PAGEDSERVE_CPU_ISA", "the best the CPU runs",
               "build the native CPU kernels at a lower level: `portable`, `avx2` or `avx512`")
+INT8_DOTS = Var("PAGEDSERVE_INT8_DOTS", "`auto`",
+                "the integer dots of the CPU's 8-bit-activation products: `vnni` (AVX-512 VNNI "
+                "or AVX-VNNI), `maddubs` (AVX2's), or `auto` (VNNI where the CPU has it); "
+                "both give the same sums")
 PACK_WEIGHTS = Var("PAGEDSERVE_PACK_WEIGHTS", "1",
                    "keep packed copies of the float linear weights for the native and "
                    "oneDNN linears (`0`: off, saving their memory; quantized weights are held "
@@ -104,7 +108,7 @@ DECODE_BUFFERS = Var("PAGEDSERVE_DECODE_BUFFERS", "0",
                      "buffers where no graph is captured (the CPU, `--enforce-eager`): the "
                      "graph path's staging, padding and rank lockstep, run eagerly")
 
-VARIABLES = (CACHE, ATTENTION_BACKEND, CPU_ISA, PACK_WEIGHTS, FUSE_LAYERS, MALLOC_TUNING,
+VARIABLES = (CACHE, ATTENTION_BACKEND, CPU_ISA, INT8_DOTS, PACK_WEIGHTS, FUSE_LAYERS, MALLOC_TUNING,
              HUGEPAGES, API_KEY, LOCUST_PROMPTS, LOCUST_MAX_TOKENS, LOCUST_IGNORE_EOS,
              LOCUST_STREAM_RATIO, LOCUST_WAIT_MIN, LOCUST_WAIT_MAX, LOCUST_TEMPERATURE,
              LOCUST_MODEL, TP_STEP_TIMEOUT, TP_START_TIMEOUT, DECODE_BUFFERS)  # fmt: skip
@@ -144,6 +148,11 @@ def attention_backend() -> str:
 def cpu_isa() -> str | None:
     """The native CPU build level asked for, or None for the best the CPU runs."""
     return _word(CPU_ISA)
+
+
+def int8_dots() -> str:
+    """The integer dots asked for (``auto``, ``vnni`` or ``maddubs``)."""
+    return _word(INT8_DOTS) or "auto"
 
 
 def pack_weights() -> bool:

@@ -66,7 +66,8 @@ def select_kernels(
         from pagedserve.kernels.cpu.backend import CpuBackend
         from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
 
-        ops: LayerOps = NativeLayerOps(lib, settings.pack_weights, settings.quantized_activations)
+        ops: LayerOps = NativeLayerOps(lib, settings.pack_weights, settings.quantized_activations,
+                                       settings.int8_dots)
         return Kernels(CpuBackend(lib, ops, settings.fuse_layers), ops)
     ops = TorchLayerOps()
     if name == "torch":

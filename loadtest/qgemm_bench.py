@@ -7,7 +7,9 @@ every GGUF format kept quantized (random weights encoded by gguf's encoders and
 :mod:`pagedserve.loadtest.kquants`), on the default model's three shapes of linear, at 1-512
 rows; the best of ``--iters`` in milliseconds and the ratio int8 / float.
 ``--vs-dequantized``: the 8-bit products against the dequantized weight's float product
-at 128-1,024 rows, where the row limits by format come from. Run it with
+at 128-1,024 rows, where the row limits by format come from. ``--vnni-vs-maddubs``: the
+8-bit products with VNNI's integer dots against AVX2's maddubs on a CPU that has both
+(their outputs checked equal bit for bit). Run it with
 ``GOMP_SPINCOUNT=1000`` (as the engine runs) so torch's idle OpenMP thread does not hold
 the second core.
 """
@@ -108,6 +110,54 @@ def bench_limits(level: str, iters: int, rows: Sequence[int] = LIMIT_ROWS,
                      "  ".join(cells))
 
 
+DOTS_ROWS = (1, 4, 8, 32, 64, 128)
+
+
+def bench_dots(level: str, iters: int, rows: Sequence[int] = DOTS_ROWS,
+               shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES) -> None:
+    """The 8-bit products with VNNI's dots against maddubs', in turn, best of ``iters``
+    (3 rounds), every output compared bit for bit; a ValueError where this build or CPU
+    lacks VNNI."""
+    from pagedserve.kernels.cpu import native as cpu_native
+    from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
+    from pagedserve.kernels.cpu.quant import INT8_ACTIVATION_FORMATS
+    from pagedserve.kernels.quant import BLOCK_WEIGHTS
+
+    lib = cpu_native.build_library(level)
+    ops = NativeLayerOps(lib, quantized_activations="int8")
+    ops.quant_max_rows, ops._rows_by_format = 1 << 30, {}
+    before = cpu_native.int8_dots(lib)
+    for dots in ("vnni", "maddubs"):
+        cpu_native.use_int8_dots(lib, dots)  # the ValueError before any timing
+    log.info("8-bit products, VNNI dots against maddubs, build level %s, %d threads, %s; "
+             "ms, best of %d", level, torch.get_num_threads(), _omp_wait(), 3 * iters)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    try:
+        for fmt in INT8_ACTIVATION_FORMATS:
+            for n, k in shapes:
+                if k % BLOCK_WEIGHTS.get(fmt, 32):
+                    continue
+                w = _random_quantized(fmt, n, k, g)
+                cells = []
+                for m in rows:
+                    x = torch.randn(m, k, generator=g)
+                    t, out = {"vnni": float("inf"), "maddubs": float("inf")}, {}
+                    for _ in range(3):  # in turn: a shared host's drift hits both
+                        for dots in t:
+                            cpu_native.use_int8_dots(lib, dots)
+                            out[dots] = ops.linear(x, w)
+                            t[dots] = min(t[dots], _time_ms(lambda x=x, w=w: ops.linear(x, w), iters))
+                    if not torch.equal(out["vnni"], out["maddubs"]):
+                        raise AssertionError(f"{fmt} [{n}, {k}] at {m} rows: VNNI and maddubs "
+                                             f"outputs differ")
+                    cells.append(f"{m}: {t['vnni']:.3f}/{t['maddubs']:.3f} "
+                                 f"({t['vnni'] / t['maddubs']:.2f})")
+                log.info("%-5s [%4d, %4d]  rows: vnni/maddubs ms (ratio)  %s", fmt, n, k,
+                         "  ".join(cells))
+    finally:
+        cpu_native.use_int8_dots(lib, before or "auto")
+
+
 def main(argv: list[str] | None = None) -> int:
     from pagedserve.kernels.cpu import native as cpu_native
 
@@ -118,10 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vs-dequantized", action="store_true",
                         help="the 8-bit products against the dequantized weight's float "
                              "product at 128-1,024 rows (where the row limits come from)")
+    parser.add_argument("--vnni-vs-maddubs", action="store_true",
+                        help="the 8-bit products with VNNI's integer dots against maddubs' "
+                             "(outputs checked equal bit for bit)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     level = args.level or cpu_native.runnable_levels()[-1]
-    if args.vs_dequantized:
+    if args.vnni_vs_maddubs:
+        bench_dots(level, args.iters)
+    elif args.vs_dequantized:
         bench_limits(level, args.iters)
     else:
         bench_qgemm(level, args.iters)

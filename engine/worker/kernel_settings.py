@@ -9,7 +9,7 @@ from pagedserve.kernels.settings import KernelSettings
 
 def kernel_settings(quantized_activations: str = "auto") -> KernelSettings:
     """``PAGEDSERVE_ATTENTION_BACKEND``, ``PAGEDSERVE_CPU_ISA``, ``$PAGEDSERVE_CACHE/kernels``,
-    ``CC``, ``PAGEDSERVE_PACK_WEIGHTS``, ``PAGEDSERVE_FUSE_LAYERS`` and ``TRITON_INTERPRET`` as they are now,
+    ``CC``, ``PAGEDSERVE_INT8_DOTS``, ``PAGEDSERVE_PACK_WEIGHTS``, ``PAGEDSERVE_FUSE_LAYERS`` and ``TRITON_INTERPRET`` as they are now,
     with the engine's ``quantized_activations``."""
     return KernelSettings(
         quantized_activations=quantized_activations,
@@ -17,6 +17,7 @@ def kernel_settings(quantized_activations: str = "auto") -> KernelSettings:
         cpu_isa=envs.cpu_isa(),
         cache_dir=envs.cache_root() / "kernels",
         cc=envs.c_compiler(),
+        int8_dots=envs.int8_dots(),
         pack_weights=envs.pack_weights(),
         fuse_layers=envs.fuse_layers(),
         triton_interpret=envs.triton_interpret(),

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.cpu.abi import MAX_HEAD_DIM
 from pagedserve.kernels.cpu.native import isa as build_isa
+from pagedserve.kernels.cpu.native import use_int8_dots
 from pagedserve.kernels.cpu.quant import (
     INT8_ACTIVATION_FORMATS,
     cached_pack,
@@ -112,7 +113,7 @@ class NativeLayerOps(TorchLayerOps):
     name = "native"
 
     def __init__(self, lib: ctypes.CDLL, pack_weights: bool = True,
-                 quantized_activations: str = "auto") -> None:
+                 quantized_activations: str = "auto", int8_dots: str = "auto") -> None:
         self._lib = lib
         self.isa = build_isa(lib)
         if quantized_activations not in QUANTIZED_ACTIVATIONS:
@@ -123,6 +124,11 @@ class NativeLayerOps(TorchLayerOps):
         """Whether quantized weights (but the per-row int8 format) take 8-bit activations
         (``auto``: on the vector builds, where the integer dot products measured faster;
         the portable build's are scalar loops)."""
+        self.int8_dots = use_int8_dots(lib, int8_dots)
+        """The integer dots of the 8-bit products (``vnni``, ``maddubs``; None on the
+        portable build): ``auto`` takes VNNI where the build and the CPU have it. The
+        choice is the library's, for every caller in the process; every kind gives the
+        same sums."""
         self._float_rows = QUANT_DIRECT_ROWS.get(self.isa, QUANT_DIRECT_ROWS["portable"])
         rows = QUANT_DIRECT_ROWS_INT8 if self.int8_activations else QUANT_DIRECT_ROWS
         self.quant_max_rows = rows.get(self.isa, rows["portable"])
@@ -152,13 +158,15 @@ class NativeLayerOps(TorchLayerOps):
             f32 = f"onednn-packed ({PACKED_F32_ROWS[0]}-{PACKED_F32_ROWS[1]} rows), torch else"
         else:
             f32 = "torch"
-        acts = ("int8 activations (float for int8-format weights)" if self.int8_activations
-                else "float activations")
+        dots = f", {self.int8_dots} dots" if self.int8_dots else ""
+        acts = (f"int8 activations{dots} (float for int8-format weights)"
+                if self.int8_activations else "float activations")
         return {"layer_ops": self.isa, "linear_f32": f32,
                 "linear_bf16": "onednn-packed" if self._packing_bf16 else "torch",
                 "linear_quant": f"native-{self.isa} ({acts}; 1-{self.quant_max_rows} rows"
                                 f"{self._rows_note()}), dequantize + torch above",
-                "quant_activations": "int8" if self.int8_activations else "float"}
+                "quant_activations": "int8" if self.int8_activations else "float",
+                "int8_dots": self.int8_dots or "none"}
 
     def _rows_note(self) -> str:
         """The formats whose row limit is lower than :attr:`quant_max_rows`, for paths()."""

@@ -54,7 +54,8 @@ SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "
 HEADERS = tuple(CSRC / f for f in ("abi.h", "convert.h", "paged_attention_portable.h",
                                    "paged_attention_vec.h", "paged_attention_tiled.h",
                                    "paged_attention_write.h", "pool.h",
-                                   "qgemm_blocks.h", "qgemm_dequant.h", "qgemm_i8.h", "qgemm_i8_portable.h",
+                                   "qgemm_blocks.h", "qgemm_dequant.h", "qgemm_i8.h", "qgemm_i8_kern.h",
+                                   "qgemm_i8_portable.h",
                                    "qgemm_vec.h",
                                    "simd.h"))
 # -std=c11 keeps floating-point contraction off: a * b + c rounds twice, as in torch.
@@ -207,6 +208,53 @@ def build_library(level: str, settings: KernelSettings | None = None) -> ctypes.
 def isa(lib: ctypes.CDLL) -> str:
     """The vector path a built library runs: ``avx512``, ``avx2`` or ``portable``."""
     return lib.simd_isa().decode()
+
+
+INT8_DOTS = {"maddubs": abi.I8_DOTS_MADDUBS, "vnni": abi.I8_DOTS_VNNI}
+"""The kinds of integer dot the 8-bit-activation products have, and their codes."""
+_INT8_DOTS_CPU = {"avx2": "avx_vnni", "avx512": "avx512_vnni"}
+"""The CPU flag each vector level's VNNI copy needs (AVX-VNNI's VEX encoding on AVX2
+builds; AVX-512 VNNI's EVEX one, at 256 bits, on AVX-512 builds)."""
+
+
+def int8_dots_built(lib: ctypes.CDLL) -> tuple[str, ...]:
+    """The kinds of integer dot ``lib``'s 8-bit products were built with (none on the
+    portable build; ``vnni`` where the compiler has the level's encoding)."""
+    built = lib.qgemm_i8_dots_built()
+    return tuple(name for name, code in INT8_DOTS.items() if built & code)
+
+
+def int8_dots_available(lib: ctypes.CDLL) -> tuple[str, ...]:
+    """Those of :func:`int8_dots_built` this CPU runs (``vnni`` needs the level's flag:
+    ``avx_vnni`` on AVX2 builds, ``avx512_vnni`` on AVX-512 builds)."""
+    flag = _INT8_DOTS_CPU.get(isa(lib))
+    return tuple(d for d in int8_dots_built(lib)
+                 if d != "vnni" or (flag is not None and flag in cpu_features()))  # fmt: skip
+
+
+def int8_dots(lib: ctypes.CDLL) -> str | None:
+    """The integer dots ``lib``'s 8-bit products use now (None: the portable build's
+    scalar sums)."""
+    code = lib.qgemm_i8_dots()
+    return next((name for name, c in INT8_DOTS.items() if c == code), None)
+
+
+def use_int8_dots(lib: ctypes.CDLL, dots: str) -> str | None:
+    """Make ``lib``'s 8-bit products use ``dots`` (``auto``: VNNI where available, else
+    maddubs) for every caller in this process; returns the kind in use. A kind this
+    build or CPU lacks is a ValueError naming what there is. Every kind gives the same
+    sums."""
+    have = int8_dots_available(lib)
+    if dots == "auto":
+        if not have:
+            return None
+        dots = "vnni" if "vnni" in have else "maddubs"
+    if dots not in INT8_DOTS:
+        raise ValueError(f"int8 dots {dots!r}: expected auto, {' or '.join(INT8_DOTS)}")
+    if dots not in have or lib.qgemm_i8_use_dots(INT8_DOTS[dots]) != 0:
+        raise ValueError(f"int8 dots {dots!r} are not available on this {isa(lib)} build and "
+                         f"CPU (available: {', '.join(have) or 'none'})")
+    return dots
 
 
 def load(settings: KernelSettings | None = None) -> ctypes.CDLL | None:

@@ -321,3 +321,7 @@ int qgemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, const void
 
 /* qdequant and qdequant_packed. */
 #include "qgemm_dequant.h"
+
+int qgemm_i8_dots_built(void) { return i8_dots_built(); }
+int qgemm_i8_dots(void) { return i8_dots(); }
+int qgemm_i8_use_dots(int dots) { return i8_use_dots(dots); }

@@ -313,205 +313,6 @@ typedef struct {
     int64_t k;        /* q's row stride; dx's is k / 32, sq's k / 16 */
 } i8_rows_t;
 
-#if SIMD_I8
-/* One sub-block's finished sums for ``rt`` rows into their accumulators: ``isum`` (the
- * integer dots), A (the columns' multipliers) and, with ``fb``, the float offsets B. ``xb``:
- * the sub-block's 32-element x block; ``s16``/``n16``: its first sum of 16 and how many. */
-static inline __attribute__((always_inline)) void i8_finish(int base, int rt, const i8_rows_t *x,
-                                                            const vq isum[I8RT], vq8f a, int fb,
-                                                            vq8f b, int xb, int s16, int n16,
-                                                            vq8f acc[I8RT]) {
-    const int64_t ldd = x->k / QK, lds = x->k / 16;
-    const int off = i8_int_offset(base);
-    for (int r = 0; r < rt; ++r) {
-        const float d = x->dx[r * ldd + xb];
-        int32_t sqv = x->sq[r * lds + s16];
-        if (n16 == 2) sqv += x->sq[r * lds + s16 + 1];
-        vq s = isum[r];
-        if (off) s = vq_sub32(s, vq_set32(off * sqv));
-        acc[r] = vq8f_fmadd(vq_to_f32(s), vq8f_mul(a, vq8f_set1(d)), acc[r]);
-        if (fb) acc[r] = vq8f_fmadd(b, vq8f_set1(d * (float)sqv), acc[r]);
-    }
-}
-
-/* Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: one 32-weight block. */
-static inline __attribute__((always_inline)) void i8_block32(int base, int rt, const uint8_t *cb,
-                                                             const i8_rows_t *x, int xb,
-                                                             vq8f acc[I8RT]) {
-    vq isum[I8RT];
-    for (int r = 0; r < rt; ++r) isum[r] = vq_zero();
-    if (base == QF_Q8_0) {
-        for (int t = 0; t < QK / 4; ++t) {
-            const vq w = vq_load(cb + t * 4 * I8G), aw = vq_abs8(w);
-            for (int r = 0; r < rt; ++r) {
-                const vq xs = vq_sign8(vq_bcast4(x->xq + r * x->k + 4 * t), w);
-                isum[r] = vq_add32(isum[r], vq_sum16(vq_dot_pairs(aw, xs)));
-            }
-        }
-    } else if (base == QF_Q4_0 || base == QF_Q4_1) {
-        vq a16[I8RT];
-        for (int r = 0; r < rt; ++r) a16[r] = vq_zero();
-        for (int t = 0; t < QK / 8; ++t) {
-            const vq w = vq_load(cb + t * 4 * I8G), lo = vq_lo_nibbles(w), hi = vq_hi_nibbles(w);
-            for (int r = 0; r < rt; ++r) {
-                const int8_t *xr = x->xq + r * x->k;
-                a16[r] = vq_add16(a16[r], vq_add16(vq_dot_pairs(lo, vq_bcast4(xr + 4 * t)),
-                                                   vq_dot_pairs(hi, vq_bcast4(xr + 16 + 4 * t))));
-            }
-        }
-        for (int r = 0; r < rt; ++r) isum[r] = vq_sum16(a16[r]);
-    } else { /* Q5_0, Q5_1: the fifth bits from their planes (bits t and 4 + t) */
-        const vq qh = vq_load(cb + i8_off_qh(base)), x10 = vq_set8(0x10);
-        vq a16[I8RT];
-        for (int r = 0; r < rt; ++r) a16[r] = vq_zero();
-        for (int t = 0; t < QK / 8; ++t) {
-            const vq w = vq_load(cb + t * 4 * I8G);
-            const vq lo = vq_or(vq_lo_nibbles(w), vq_and(vq_slli16(qh, 4 - t), x10));
-            const vq hi = vq_or(vq_hi_nibbles(w), vq_and(t ? vq_srli16(qh, t) : qh, x10));
-            for (int r = 0; r < rt; ++r) {
-                const int8_t *xr = x->xq + r * x->k;
-                a16[r] = vq_add16(a16[r], vq_add16(vq_dot_pairs(lo, vq_bcast4(xr + 4 * t)),
-                                                   vq_dot_pairs(hi, vq_bcast4(xr + 16 + 4 * t))));
-            }
-            if (t & 1) { /* four 5-bit pairs at most in int16 */
-                for (int r = 0; r < rt; ++r) {
-                    isum[r] = vq_add32(isum[r], vq_sum16(a16[r]));
-                    a16[r] = vq_zero();
-                }
-            }
-        }
-    }
-    const vq8f dw = vq8f_load_f16((const uint16_t *)(cb + i8_off_d(base)));
-    const int fb = i8_has_m(base);
-    const vq8f mw = fb ? vq8f_load_f16((const uint16_t *)(cb + i8_off_m(base))) : vq8f_zero();
-    i8_finish(base, rt, x, isum, dw, fb, mw, xb, 2 * xb, 2, acc);
-}
-
-/* Q4_K, Q5_K: sub-block s (32 weights: the low nibbles of code bytes 32 (s/2) .. for even
- * s, the high for odd; Q5_K's fifth bit is bit s of qh byte l). */
-static inline __attribute__((always_inline)) void i8_k45_sub(int base, int rt, const uint8_t *cb,
-                                                             const i8_rows_t *x, int xb0, int s,
-                                                             vq8f dv, vq8f dmv, vq8f acc[I8RT]) {
-    vq isum[I8RT], a16[I8RT];
-    for (int r = 0; r < rt; ++r) isum[r] = a16[r] = vq_zero();
-    const int j = s / 2, sh = s & 1;
-    for (int v = 0; v < 8; ++v) {
-        const vq w = vq_load(cb + (8 * j + v) * 4 * I8G);
-        vq c = sh ? vq_hi_nibbles(w) : vq_lo_nibbles(w);
-        if (base == QF_Q5_K) {
-            const vq h = vq_load(cb + i8_off_qh(base) + v * 4 * I8G);
-            c = vq_or(c, vq_and(s <= 4 ? vq_slli16(h, 4 - s) : vq_srli16(h, s - 4), vq_set8(0x10)));
-        }
-        for (int r = 0; r < rt; ++r)
-            a16[r] = vq_add16(a16[r], vq_dot_pairs(c, vq_bcast4(x->xq + r * x->k + 32 * s + 4 * v)));
-        if (base == QF_Q5_K && (v & 3) == 3) { /* four 5-bit pairs at most in int16 */
-            for (int r = 0; r < rt; ++r) {
-                isum[r] = vq_add32(isum[r], vq_sum16(a16[r]));
-                a16[r] = vq_zero();
-            }
-        }
-    }
-    if (base == QF_Q4_K)
-        for (int r = 0; r < rt; ++r) isum[r] = vq_sum16(a16[r]);
-    const vq8f a = vq8f_mul(dv, vq8f_load_u8(cb + i8_off_sc(base) + s * I8G));
-    /* B = -(dmin mn): the negation is exact, so its multiply-add rounds as fnmadd would */
-    const vq8f b = vq8f_mul(vq8f_mul(dmv, vq8f_load_u8(cb + i8_off_mn(base) + s * I8G)),
-                            vq8f_set1(-1.0f));
-    i8_finish(base, rt, x, isum, a, 1, b, xb0 + s, 2 * (xb0 + s), 2, acc);
-}
-
-/* Q6_K: x block 4 h + t of the weight block (elements 128 h + 32 t ..): its sub-blocks
- * s = 8 h + 2 t + u, u = 0, 1 (16 weights each: their low 4 bits in ql byte 64 h +
- * 32 (t & 1) + l, low or high nibble as t < 2, their top two bits 2t .. 2t + 1 of qh byte
- * 32 h + l, l = 16 u ..). Each sub-block's dots times its scale in int32 (madd with the
- * scales as int16 pairs), less 32 sc_s sum(q), then one float step for the x block. */
-static inline __attribute__((always_inline)) void i8_q6k_block(int rt, const uint8_t *cb,
-                                                               const i8_rows_t *x, int xb0, int h,
-                                                               int t, vq8f dv, vq8f acc[I8RT]) {
-    vq isum[I8RT], sc32[2];
-    for (int r = 0; r < rt; ++r) isum[r] = vq_zero();
-    for (int u = 0; u < 2; ++u) {
-        sc32[u] = vq_load_i8x8((const int8_t *)cb + i8_off_sc(QF_Q6_K) + (8 * h + 2 * t + u) * I8G);
-        const vq sc16 = vq_pair16(sc32[u]);
-        for (int v = 4 * u; v < 4 * u + 4; v += 2) {
-            vq a16[I8RT];
-            for (int r = 0; r < rt; ++r) a16[r] = vq_zero();
-            for (int e = v; e < v + 2; ++e) { /* two 6-bit pairs at most in int16 */
-                const vq w = vq_load(cb + (16 * h + 8 * (t & 1) + e) * 4 * I8G);
-                const vq qh = vq_load(cb + i8_off_qh(QF_Q6_K) + (8 * h + e) * 4 * I8G);
-                const vq lo = t < 2 ? vq_lo_nibbles(w) : vq_hi_nibbles(w);
-                const vq hb = 2 * t <= 4 ? vq_slli16(qh, 4 - 2 * t) : vq_srli16(qh, 2 * t - 4);
-                const vq c = vq_or(lo, vq_and(hb, vq_set8(0x30)));
-                for (int r = 0; r < rt; ++r)
-                    a16[r] = vq_add16(a16[r], vq_dot_pairs(c, vq_bcast4(x->xq + r * x->k + 128 * h +
-                                                                          32 * t + 4 * e)));
-            }
-            for (int r = 0; r < rt; ++r) isum[r] = vq_add32(isum[r], vq_madd16(a16[r], sc16));
-        }
-    }
-    const int64_t ldd = x->k / QK, lds = x->k / 16;
-    const int xb = xb0 + 4 * h + t;
-    for (int r = 0; r < rt; ++r) {
-        const int32_t *sq = x->sq + r * lds + 2 * xb;
-        const vq off = vq_add32(vq_mul32(sc32[0], vq_set32(32 * sq[0])),
-                                vq_mul32(sc32[1], vq_set32(32 * sq[1])));
-        acc[r] = vq8f_fmadd(vq_to_f32(vq_sub32(isum[r], off)),
-                            vq8f_mul(dv, vq8f_set1(x->dx[r * ldd + xb])), acc[r]);
-    }
-}
-
-/* Rows ``0 .. rt`` against one group of ``cols`` columns. */
-static inline __attribute__((always_inline)) void i8_group_tile(int base, int rt, const i8_rows_t *x0,
-                                                                const uint8_t *grp, const float *bias,
-                                                                float *y, int64_t ldy, int cols) {
-    const int wb = i8_weights(base);
-    const int64_t nb = x0->k / wb, bb = i8_group_block_bytes(base);
-    vq8f acc[I8RT];
-    for (int r = 0; r < rt; ++r) acc[r] = vq8f_zero();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *cb = grp + b * bb;
-        /* The bytes I8_PREFETCH ahead (on into the next group, which follows) into L2:
-         * at one row the loads would wait on memory otherwise. The address is computed
-         * as an integer: past the last group it points beyond the weight (a prefetch
-         * there reads nothing and cannot fault). */
-        for (int64_t p = 0; p < bb; p += 64)
-            prefetch_l2((const void *)((uintptr_t)cb + I8_PREFETCH + (uintptr_t)p));
-        const int xb0 = (int)(b * wb / QK);
-        const i8_rows_t xk = {x0->xq + b * wb, x0->dx, x0->sq, x0->k};
-        if (wb == QK) {
-            i8_block32(base, rt, cb, &xk, xb0, acc);
-            continue;
-        }
-        const vq8f dv = vq8f_load_f16((const uint16_t *)(cb + i8_off_d(base)));
-        /* One row: the sub-block loops unrolled, so their shifts and nibble choices are
-         * constants. More rows: rolled, as unrolled they spill the rows' sums. */
-        if (base == QF_Q6_K && rt == 1) {
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; ++h)
-#pragma GCC unroll 4
-                for (int t = 0; t < 4; ++t) i8_q6k_block(rt, cb, &xk, xb0, h, t, dv, acc);
-        } else if (base == QF_Q6_K) {
-            for (int h = 0; h < 2; ++h)
-                for (int t = 0; t < 4; ++t) i8_q6k_block(rt, cb, &xk, xb0, h, t, dv, acc);
-        } else if (rt == 1) {
-            const vq8f dmv = vq8f_load_f16((const uint16_t *)(cb + i8_off_m(base)));
-#pragma GCC unroll 8
-            for (int s = 0; s < 8; ++s) i8_k45_sub(base, rt, cb, &xk, xb0, s, dv, dmv, acc);
-        } else {
-            const vq8f dmv = vq8f_load_f16((const uint16_t *)(cb + i8_off_m(base)));
-            for (int s = 0; s < 8; ++s) i8_k45_sub(base, rt, cb, &xk, xb0, s, dv, dmv, acc);
-        }
-    }
-    for (int r = 0; r < rt; ++r) {
-        float out[I8G];
-        vq8f_store(out, acc[r]);
-        for (int c = 0; c < cols; ++c) y[r * ldy + c] = out[c] + (bias ? bias[c] : 0.0f);
-    }
-}
-#else
-#include "qgemm_i8_portable.h"
-#endif
-
 typedef struct {
     int base;
     const int8_t *xq;
@@ -525,52 +326,62 @@ typedef struct {
     int64_t ldy;
 } i8_task_t;
 
-/* Every row of x against one group, in tiles of I8RT rows (one function per format, so
- * the format's branches fold away). */
-static inline __attribute__((always_inline)) void i8_group_rows(int base, const i8_task_t *t,
-                                                                int64_t g) {
-    const int64_t j = g * I8G;
-    const int cols = t->n - j < I8G ? (int)(t->n - j) : I8G;
-    const uint8_t *grp = t->packed + g * i8_group_bytes(base, t->k);
-    const float *bias = t->bias ? t->bias + j : 0;
-    int64_t r = 0;
-#define I8_TILE(RTN)                                                                        \
-    do {                                                                                    \
-        const i8_rows_t x = {t->xq + r * t->k, t->dx + r * (t->k / QK), t->sq + r * (t->k / 16), \
-                             t->k};                                                         \
-        i8_group_tile(base, RTN, &x, grp, bias, t->y + r * t->ldy + j, t->ldy, cols);      \
-    } while (0)
-    for (; r + I8RT <= t->m; r += I8RT) I8_TILE(I8RT);
-    switch (t->m - r) {
-    case 3: I8_TILE(3); break;
-    case 2: I8_TILE(2); break;
-    case 1: I8_TILE(1); break;
-    default: break;
-    }
-#undef I8_TILE
+/* The tiles, once per kind of integer dot (qgemm_i8_kern.h): I8K(name) is name's copy. */
+#define I8_CAT2(a, b) a##b
+#define I8_CAT(a, b) I8_CAT2(a, b)
+#define I8K(name) I8_CAT(name, I8_SUFFIX)
+
+#define I8_SUFFIX _base
+#define I8_VNNI 0
+#define I8_TARGET
+#include "qgemm_i8_kern.h"
+#undef I8_SUFFIX
+#undef I8_VNNI
+#undef I8_TARGET
+
+/* VNNI's vpdpbusd where the build level has an encoding of it and the compiler knows it:
+ * AVX-512 VNNI (with AVX-512 VL, at 256 bits) on AVX-512 builds, AVX-VNNI on AVX2 builds.
+ * Those functions carry their own target attribute, so the library still loads on CPUs
+ * without it; i8_dots_on picks them only where the CPU reports the instructions. */
+#if SIMD_I8 && defined(__GNUC__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define I8_HAVE_VNNI 1
+#define I8_SUFFIX _vnni
+#define I8_VNNI 1
+#if defined(__AVX512F__)
+#define I8_TARGET __attribute__((target("avx512vnni,avx512vl")))
+#define I8_DPBUSD(a, u, s) _mm256_dpbusd_epi32(a, u, s)
+#define I8_CPU_HAS_VNNI() __builtin_cpu_supports("avx512vnni")
+#else
+#define I8_TARGET __attribute__((target("avxvnni")))
+#define I8_DPBUSD(a, u, s) _mm256_dpbusd_avx_epi32(a, u, s)
+#define I8_CPU_HAS_VNNI() __builtin_cpu_supports("avxvnni")
+#endif
+#include "qgemm_i8_kern.h"
+#else
+#define I8_HAVE_VNNI 0
+#endif
+
+/* The dots in use: I8_DOTS_VNNI where built and on this CPU, else I8_DOTS_MADDUBS (0 on
+ * the portable build, whose scalar sums are neither). */
+static int i8_dots_on = -1;
+
+static int i8_dots_built(void) {
+    return SIMD_I8 ? I8_DOTS_MADDUBS | (I8_HAVE_VNNI ? I8_DOTS_VNNI : 0) : 0;
 }
 
-#define I8_GROUP_ROWS_FOR(F) \
-    static void i8_group_rows_##F(const i8_task_t *t, int64_t g) { i8_group_rows(QF_##F, t, g); }
-I8_GROUP_ROWS_FOR(Q8_0)
-I8_GROUP_ROWS_FOR(Q4_0)
-I8_GROUP_ROWS_FOR(Q4_1)
-I8_GROUP_ROWS_FOR(Q5_0)
-I8_GROUP_ROWS_FOR(Q5_1)
-I8_GROUP_ROWS_FOR(Q4_K)
-I8_GROUP_ROWS_FOR(Q5_K)
-I8_GROUP_ROWS_FOR(Q6_K)
-#undef I8_GROUP_ROWS_FOR
+static int i8_use_dots(int dots) {
+    if (!SIMD_I8) return dots == 0 ? 0 : -1;
+    if (dots == I8_DOTS_MADDUBS) return i8_dots_on = I8_DOTS_MADDUBS, 0;
+#if I8_HAVE_VNNI
+    __builtin_cpu_init();
+    if (dots == I8_DOTS_VNNI && I8_CPU_HAS_VNNI()) return i8_dots_on = I8_DOTS_VNNI, 0;
+#endif
+    return -1;
+}
 
-static void i8_groups(void *ctx, int64_t g0, int64_t g1, int worker) {
-    (void)worker;
-    const i8_task_t *t = ctx;
-    typedef void (*fn)(const i8_task_t *, int64_t);
-    static const fn fns[] = {[QF_Q8_0] = i8_group_rows_Q8_0, [QF_Q4_0] = i8_group_rows_Q4_0,
-                             [QF_Q4_1] = i8_group_rows_Q4_1, [QF_Q5_0] = i8_group_rows_Q5_0,
-                             [QF_Q5_1] = i8_group_rows_Q5_1, [QF_Q4_K] = i8_group_rows_Q4_K,
-                             [QF_Q5_K] = i8_group_rows_Q5_K, [QF_Q6_K] = i8_group_rows_Q6_K};
-    for (int64_t g = g0; g < g1; ++g) fns[t->base](t, g);
+static int i8_dots(void) {
+    if (i8_dots_on < 0 && i8_use_dots(I8_DOTS_VNNI) != 0) i8_use_dots(I8_DOTS_MADDUBS);
+    return SIMD_I8 ? i8_dots_on : 0;
 }
 
 static int i8_gemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, const void *packed,
@@ -591,7 +402,11 @@ static int i8_gemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, c
     const int64_t groups = (n + I8G - 1) / I8G;
     const int nt = n * k * m >= PARALLEL_MIN_WORK && num_threads > 1 ? num_threads : 1;
     i8_task_t task = {i8_base(fmt), xq, dx, sq, m, k, packed, n, bias, y, ldy};
-    pool_run(i8_groups, &task, groups, (groups + 4 * nt - 1) / (4 * nt), nt);
+    void (*run)(void *, int64_t, int64_t, int) = i8_groups_base;
+#if I8_HAVE_VNNI
+    if (i8_dots() == I8_DOTS_VNNI) run = i8_groups_vnni;
+#endif
+    pool_run(run, &task, groups, (groups + 4 * nt - 1) / (4 * nt), nt);
     free(xq);
     free(dx);
     free(sq);
