@@ -31,8 +31,9 @@ memory is freed, so a quantized model is held once. With 8-bit activations
 (``quantized_activations``: ``"int8"``, or ``"auto"`` on the AVX2 and AVX-512 builds),
 the GGUF formats' weights are packed for the integer-dot product instead
 (``csrc/qgemm_i8.h``: 2.2-2.8x faster than float activations at 1-32 rows on an AVX2 Zen 3,
-0.1-0.3% relative error against the float product); per-row int8 weights keep float
-activations.
+0.1-0.3% relative error against the float product), with VNNI's integer dots where the CPU
+has them (:func:`~pagedserve.kernels.cpu.native.use_int8_dots`; the same sums as AVX2's
+maddubs); per-row int8 weights keep float activations.
 """
 
 from __future__ import annotations

@@ -142,3 +142,30 @@ def test_qgemm_bench_times_the_integer_products_against_dequantized(caplog) -> N
         cells = re.findall(r"(\d+): ([0-9.]+)/([0-9.]+) \(([0-9.]+)\)", line)
         assert [c[0] for c in cells] == ["2", "5"]
         assert all(float(a) > 0 and float(b) > 0 for _, a, b, _ in cells)
+
+
+def test_qgemm_bench_times_vnni_against_maddubs(caplog) -> None:
+    """``--vnni-vs-maddubs``: one line per 8-bit-activation format and shape, each row count
+    timed both ways (outputs compared bit for bit); where this build or CPU lacks VNNI, a
+    ValueError naming what there is, before any timing."""
+    from pagedserve.kernels.cpu import native as cpu_native
+    from pagedserve.kernels.cpu.quant import INT8_ACTIVATION_FORMATS
+    from pagedserve.loadtest.qgemm_bench import bench_dots
+
+    level = cpu_native.runnable_levels()[-1]
+    lib = cpu_native.build_library(level)
+    before = cpu_native.int8_dots(lib)
+    if "vnni" not in cpu_native.int8_dots_available(lib):
+        with pytest.raises(ValueError, match="int8 dots 'vnni' are not available"):
+            bench_dots(level, 1, rows=(2, 5), shapes=((16, 256),))
+        return
+    with caplog.at_level(logging.INFO, logger="pagedserve.loadtest.qgemm_bench"):
+        bench_dots(level, 1, rows=(2, 5), shapes=((16, 256),))
+    assert cpu_native.int8_dots(lib) == before
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("8-bit products, VNNI dots against maddubs")
+    assert [line.split()[0] for line in lines[1:]] == list(INT8_ACTIVATION_FORMATS)
+    for line in lines[1:]:
+        cells = re.findall(r"(\d+): ([0-9.]+)/([0-9.]+) \(([0-9.]+)\)", line)
+        assert [c[0] for c in cells] == ["2", "5"]
+        assert all(float(a) > 0 and float(b) > 0 for _, a, b, _ in cells)
