@@ -227,8 +227,8 @@ I8_INLINE void I8K(i8_group_tile)(int base, int rt, const i8_rows_t *x0,
 #else
 #include "qgemm_i8_portable.h"
 #endif
-/* Every row of x against one group, in tiles of I8RT rows (one function per format, so
- * the format's branches fold away). */
+/* Every row of x against one group, in tiles of 4 rows (Q6_K: 8 where I8RT is 8), one
+ * function per format, so the format's branches fold away. */
 I8_INLINE void I8K(i8_group_rows)(int base, const i8_task_t *t,
                                                                 int64_t g) {
     const int64_t j = g * I8G;
@@ -242,7 +242,11 @@ I8_INLINE void I8K(i8_group_rows)(int base, const i8_task_t *t,
                              t->k};                                                         \
         I8K(i8_group_tile)(base, RTN, &x, grp, bias, t->y + r * t->ldy + j, t->ldy, cols);      \
     } while (0)
-    for (; r + I8RT <= t->m; r += I8RT) I8_TILE(I8RT);
+#if I8RT > 4
+    if (base == QF_Q6_K)
+        for (; r + 8 <= t->m; r += 8) I8_TILE(8);
+#endif
+    for (; r + 4 <= t->m; r += 4) I8_TILE(4);
     switch (t->m - r) {
     case 3: I8_TILE(3); break;
     case 2: I8_TILE(2); break;
