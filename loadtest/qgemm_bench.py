@@ -48,16 +48,16 @@ def _random_quantized(fmt: str, n: int, k: int, g: torch.Generator):
 
 
 def bench_qgemm(level: str, iters: int, rows: Sequence[int] = QGEMM_ROWS,
-                shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES) -> None:
+                shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES, dots: str = "auto") -> None:
     """The quantized linears with float and 8-bit activations (see the module)."""
     from pagedserve.kernels.cpu import native as cpu_native
     from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
     from pagedserve.kernels.quant import BLOCK_WEIGHTS, FORMATS
 
     lib = cpu_native.build_library(level)
-    ops = {a: NativeLayerOps(lib, quantized_activations=a) for a in ("float", "int8")}
-    log.info("quantized linears, build level %s, %d threads, %s; ms, best of %d",
-             level, torch.get_num_threads(), _omp_wait(), iters)  # fmt: skip
+    ops = {a: NativeLayerOps(lib, quantized_activations=a, int8_dots=dots) for a in ("float", "int8")}
+    log.info("quantized linears, build level %s (%s dots), %d threads, %s; ms, best of %d",
+             level, ops["int8"].int8_dots, torch.get_num_threads(), _omp_wait(), iters)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     for fmt in (f for f in FORMATS if f != "int8"):
         for n, k in shapes:
@@ -76,7 +76,7 @@ LIMIT_ROWS = (128, 192, 256, 512, 1024)
 
 
 def bench_limits(level: str, iters: int, rows: Sequence[int] = LIMIT_ROWS,
-                 shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES) -> None:
+                 shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES, dots: str = "auto") -> None:
     """Where the 8-bit-activation product stops paying: for every format that has one, the
     integer product in registers (whatever the row limit) against the dequantized weight's
     float product (what runs past the limit), in turn, best of ``iters`` (3 rounds)."""
@@ -86,11 +86,13 @@ def bench_limits(level: str, iters: int, rows: Sequence[int] = LIMIT_ROWS,
     from pagedserve.kernels.quant import BLOCK_WEIGHTS
 
     lib = cpu_native.build_library(level)
-    direct, dequant = (NativeLayerOps(lib, quantized_activations="int8") for _ in range(2))
+    direct, dequant = (NativeLayerOps(lib, quantized_activations="int8", int8_dots=dots)
+                       for _ in range(2))  # fmt: skip
     direct.quant_max_rows, dequant.quant_max_rows = 1 << 30, 0
     direct._rows_by_format = {}
-    log.info("8-bit products against the dequantized weight's, build level %s, %d threads, %s; "
-             "ms, best of %d", level, torch.get_num_threads(), _omp_wait(), 3 * iters)  # fmt: skip
+    log.info("8-bit products against the dequantized weight's, build level %s (%s dots), %d "
+             "threads, %s; ms, best of %d", level, direct.int8_dots, torch.get_num_threads(),
+             _omp_wait(), 3 * iters)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     for fmt in INT8_ACTIVATION_FORMATS:
         for n, k in shapes:
@@ -171,15 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vnni-vs-maddubs", action="store_true",
                         help="the 8-bit products with VNNI's integer dots against maddubs' "
                              "(outputs checked equal bit for bit)")
+    parser.add_argument("--int8-dots", default="auto", choices=("auto", "vnni", "maddubs"),
+                        help="the integer dots of the 8-bit products (default: VNNI where "
+                             "the CPU has it)")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated row counts (default: each mode's own)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     level = args.level or cpu_native.runnable_levels()[-1]
+    rows = {} if args.rows is None else {"rows": [int(r) for r in args.rows.split(",")]}
     if args.vnni_vs_maddubs:
-        bench_dots(level, args.iters)
+        bench_dots(level, args.iters, **rows)
     elif args.vs_dequantized:
-        bench_limits(level, args.iters)
+        bench_limits(level, args.iters, dots=args.int8_dots, **rows)
     else:
-        bench_qgemm(level, args.iters)
+        bench_qgemm(level, args.iters, dots=args.int8_dots, **rows)
     return 0
 
 
