@@ -74,7 +74,8 @@ KV_I8_SCALE_BYTES = CONSTANTS["KV_I8_SCALE_BYTES"]
 """Bytes after an int8 cache row's codes: its float32 scale."""
 KV_ROWS_FIRST, KV_HEADS_FIRST = CONSTANTS["KV_ROWS_FIRST"], CONSTANTS["KV_HEADS_FIRST"]
 """KV cache layout codes: a block's rows, then heads; or its heads, then rows."""
-I8_DOTS_MADDUBS, I8_DOTS_VNNI = CONSTANTS["I8_DOTS_MADDUBS"], CONSTANTS["I8_DOTS_VNNI"]
+I8_DOTS_MADDUBS, I8_DOTS_VNNI, I8_DOTS_VNNI512 = (
+    CONSTANTS[n] for n in ("I8_DOTS_MADDUBS", "I8_DOTS_VNNI", "I8_DOTS_VNNI512"))
 """The 8-bit-activation products' kinds of integer dot (bits of a set)."""
 QK = CONSTANTS["QK"]
 """Weights per block along k of the GGUF formats."""

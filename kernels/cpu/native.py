@@ -54,8 +54,8 @@ SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "
 HEADERS = tuple(CSRC / f for f in ("abi.h", "convert.h", "paged_attention_portable.h",
                                    "paged_attention_vec.h", "paged_attention_tiled.h",
                                    "paged_attention_write.h", "pool.h",
-                                   "qgemm_blocks.h", "qgemm_dequant.h", "qgemm_i8.h", "qgemm_i8_kern.h",
-                                   "qgemm_i8_portable.h",
+                                   "qgemm_blocks.h", "qgemm_dequant.h", "qgemm_i8.h",
+                                   "qgemm_i8_kern.h", "qgemm_i8_wide.h", "qgemm_i8_portable.h",
                                    "qgemm_vec.h",
                                    "simd.h"))
 # -std=c11 keeps floating-point contraction off: a * b + c rounds twice, as in torch.
@@ -210,8 +210,10 @@ def isa(lib: ctypes.CDLL) -> str:
     return lib.simd_isa().decode()
 
 
-INT8_DOTS = {"maddubs": abi.I8_DOTS_MADDUBS, "vnni": abi.I8_DOTS_VNNI}
-"""The kinds of integer dot the 8-bit-activation products have, and their codes."""
+INT8_DOTS = {"maddubs": abi.I8_DOTS_MADDUBS, "vnni": abi.I8_DOTS_VNNI,
+             "vnni512": abi.I8_DOTS_VNNI512}  # fmt: skip
+"""The kinds of integer dot the 8-bit-activation products have, and their codes:
+maddubs and VNNI at 256 bits, VNNI at 512 (AVX-512 builds: two column groups a vector)."""
 _INT8_DOTS_CPU = {"avx2": "avx_vnni", "avx512": "avx512_vnni"}
 """The CPU flag each vector level's VNNI copy needs (AVX-VNNI's VEX encoding on AVX2
 builds; AVX-512 VNNI's EVEX one, at 256 bits, on AVX-512 builds)."""
@@ -229,7 +231,7 @@ def int8_dots_available(lib: ctypes.CDLL) -> tuple[str, ...]:
     ``avx_vnni`` on AVX2 builds, ``avx512_vnni`` on AVX-512 builds)."""
     flag = _INT8_DOTS_CPU.get(isa(lib))
     return tuple(d for d in int8_dots_built(lib)
-                 if d != "vnni" or (flag is not None and flag in cpu_features()))  # fmt: skip
+                 if d == "maddubs" or (flag is not None and flag in cpu_features()))  # fmt: skip
 
 
 def int8_dots(lib: ctypes.CDLL) -> str | None:
@@ -240,17 +242,17 @@ def int8_dots(lib: ctypes.CDLL) -> str | None:
 
 
 def use_int8_dots(lib: ctypes.CDLL, dots: str) -> str | None:
-    """Make ``lib``'s 8-bit products use ``dots`` (``auto``: VNNI where available, else
-    maddubs) for every caller in this process; returns the kind in use. A kind this
+    """Make ``lib``'s 8-bit products use ``dots`` (``auto``: the widest VNNI available,
+    else maddubs) for every caller in this process; returns the kind in use. A kind this
     build or CPU lacks is a ValueError naming what there is. Every kind gives the same
     sums."""
     have = int8_dots_available(lib)
     if dots == "auto":
         if not have:
             return None
-        dots = "vnni" if "vnni" in have else "maddubs"
+        dots = have[-1]  # INT8_DOTS' order: the widest last
     if dots not in INT8_DOTS:
-        raise ValueError(f"int8 dots {dots!r}: expected auto, {' or '.join(INT8_DOTS)}")
+        raise ValueError(f"int8 dots {dots!r}: expected auto, {', '.join(INT8_DOTS)}")
     if dots not in have or lib.qgemm_i8_use_dots(INT8_DOTS[dots]) != 0:
         raise ValueError(f"int8 dots {dots!r} are not available on this {isa(lib)} build and "
                          f"CPU (available: {', '.join(have) or 'none'})")

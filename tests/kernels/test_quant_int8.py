@@ -118,33 +118,37 @@ def _dots_expected(lib) -> tuple[str, ...]:
     if isa == "portable":
         return ()
     flag = {"avx2": "avx_vnni", "avx512": "avx512_vnni"}[isa]
-    vnni = "vnni" in cpu_native.int8_dots_built(lib) and flag in cpu_native.cpu_features()
-    return ("maddubs", "vnni") if vnni else ("maddubs",)
+    built = cpu_native.int8_dots_built(lib)
+    assert built[0] == "maddubs" and ("vnni512" in built) <= (isa == "avx512" and "vnni" in built)
+    if flag not in cpu_native.cpu_features():
+        return ("maddubs",)
+    return built
 
 
 def test_int8_dots_follow_the_build_and_the_cpu(native_lib, monkeypatch) -> None:
-    """VNNI's dots where the level's encoding is built and the CPU reports it, maddubs on
-    every vector build; ``auto`` takes VNNI where there; a kind that is not there is a
-    ValueError naming what is, and leaves the kind in use as it was."""
+    """VNNI's dots where the level's encoding is built and the CPU reports it (at 512
+    bits too on AVX-512 builds), maddubs on every vector build; ``auto`` takes the widest
+    VNNI there is; a kind that is not there is a ValueError naming what is, and leaves
+    the kind in use as it was."""
     from pagedserve.kernels.cpu import native as cpu_native
     from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
 
     have = _dots_expected(native_lib)
     assert cpu_native.int8_dots_available(native_lib) == have
     ops = NativeLayerOps(native_lib)
-    want = "vnni" if "vnni" in have else "maddubs" if have else None
+    want = have[-1] if have else None
     assert ops.int8_dots == cpu_native.int8_dots(native_lib) == want
     if want:
         assert f"int8 activations, {want} dots" in ops.paths()["linear_quant"]
     else:
         assert " dots" not in ops.paths()["linear_quant"]
-    for dots in ("vnni", "maddubs"):
+    for dots in ("vnni512", "vnni", "maddubs"):
         if dots not in have:
             with pytest.raises(ValueError, match=f"int8 dots '{dots}' are not available on this "
                                                  f"{ops.isa} build"):
                 NativeLayerOps(native_lib, int8_dots=dots)
             assert cpu_native.int8_dots(native_lib) == want
-    with pytest.raises(ValueError, match="int8 dots 'sdot': expected auto, maddubs or vnni"):
+    with pytest.raises(ValueError, match="int8 dots 'sdot': expected auto, maddubs, vnni, vnni512"):
         cpu_native.use_int8_dots(native_lib, "sdot")
     # A CPU without the flag is offered maddubs only, even from a build that has VNNI.
     flags = cpu_native.cpu_features() - {"avx_vnni", "avx512_vnni"}
@@ -156,29 +160,32 @@ def test_int8_dots_follow_the_build_and_the_cpu(native_lib, monkeypatch) -> None
 
 @pytest.mark.parametrize("fmt", INT8)
 def test_every_kind_of_int8_dot_gives_the_same_bits(native_lib, fmt) -> None:
-    """Each kind of integer dot this build and CPU have (VNNI, maddubs) matches the
-    reference, and they equal each other bit for bit: the same integer sums, then the same
-    float steps (row tiles of 1-4 and column groups with padding included)."""
+    """Each kind of integer dot this build and CPU have (maddubs, VNNI at 256 and 512
+    bits) matches the reference, and they equal each other bit for bit: the same integer
+    sums, then the same float steps (row tiles of 1-8, column groups with padding, an odd
+    group count and an even one included)."""
     from pagedserve.kernels.cpu import native as cpu_native
 
     have = cpu_native.int8_dots_available(native_lib)
     assert have == _dots_expected(native_lib)
     k = block_k(fmt, 320)
-    w = random_weight(fmt, 45, k, seed=21)
     g = torch.Generator().manual_seed(22)
-    bias = torch.randn(45, generator=g)
-    packed = quant.native_pack(native_lib, w, code=_code(w))
-    xs = [torch.randn(rows, k, generator=g) * 3 for rows in (1, 2, 3, 4, 5, 9, 40)]
-    outs = {}
-    try:
-        for dots in have or (None,):
-            if dots:
-                assert cpu_native.use_int8_dots(native_lib, dots) == dots
-            outs[dots] = [quant.native_linear(native_lib, x, w, bias, 2, packed, _code(w)) for x in xs]
-            for x, got in zip(xs, outs[dots], strict=True):
-                assert_product_close(got, x, w, bias, int8=True)
-    finally:
-        cpu_native.use_int8_dots(native_lib, "auto")
-    first = next(iter(outs.values()))
-    for dots, got in outs.items():
-        assert all(torch.equal(a, b) for a, b in zip(got, first, strict=True)), dots
+    for n in (45, 61, 3):  # 6 groups (the last padded), 8 (padded), 1
+        w = random_weight(fmt, n, k, seed=21 + n)
+        bias = torch.randn(n, generator=g)
+        packed = quant.native_pack(native_lib, w, code=_code(w))
+        xs = [torch.randn(rows, k, generator=g) * 3 for rows in (1, 2, 3, 4, 5, 9, 40)]
+        outs = {}
+        try:
+            for dots in have or (None,):
+                if dots:
+                    assert cpu_native.use_int8_dots(native_lib, dots) == dots
+                outs[dots] = [quant.native_linear(native_lib, x, w, bias, 2, packed, _code(w))
+                              for x in xs]  # fmt: skip
+                for x, got in zip(xs, outs[dots], strict=True):
+                    assert_product_close(got, x, w, bias, int8=True)
+        finally:
+            cpu_native.use_int8_dots(native_lib, "auto")
+        first = next(iter(outs.values()))
+        for dots, got in outs.items():
+            assert all(torch.equal(a, b) for a, b in zip(got, first, strict=True)), (n, dots)

@@ -183,12 +183,15 @@ float fma_peak_gflops(int num_threads);
 /* qgemm_cpu.c */
 /* The 8-bit-activation products' integer dots (a bit each): AVX2's maddubs (on the AVX2
  * and AVX-512 builds) and VNNI's vpdpbusd (AVX-VNNI on AVX2 builds, AVX-512 VNNI on
- * AVX-512 builds, where the compiler has it). qgemm_i8_dots_built: the kinds built (0 on
- * the portable build); qgemm_i8_dots: the kind in use (VNNI where built and on this CPU);
+ * AVX-512 builds, where the compiler has it), at 256 bits, or at 512 (VNNI512: two
+ * column groups a vector, AVX-512 builds). qgemm_i8_dots_built: the kinds built (0 on
+ * the portable build); qgemm_i8_dots: the kind in use (the widest VNNI built and on this
+ * CPU, else maddubs);
  * qgemm_i8_use_dots: use one kind (0; -1 where not built or not on this CPU). Every kind
  * gives the same sums, bit for bit. */
 #define I8_DOTS_MADDUBS 1
 #define I8_DOTS_VNNI 2
+#define I8_DOTS_VNNI512 4
 int qgemm_i8_dots_built(void);
 int qgemm_i8_dots(void);
 int qgemm_i8_use_dots(int dots);

@@ -338,6 +338,12 @@ typedef struct {
 #define I8_CAT(a, b) I8_CAT2(a, b)
 #define I8K(name) I8_CAT(name, I8_SUFFIX)
 
+#define XV(op) vq_##op /* the 256-bit copies' vectors (simd.h): eight columns */
+#define XVF(op) vq8f_##op
+#define XV_T vq
+#define XVF_T vq8f
+#define I8_COLS I8G
+#define I8_WIDE 0
 #define I8_SUFFIX _base
 #define I8_VNNI 0
 #define I8_TARGET
@@ -368,12 +374,41 @@ typedef struct {
 #define I8_HAVE_VNNI 0
 #endif
 
+/* AVX-512 builds: a third copy with 512-bit vectors, two column groups a vector
+ * (qgemm_i8_wide.h), VNNI's dots at 512 bits. */
+#if I8_HAVE_VNNI && defined(__AVX512F__)
+#define I8_HAVE_WIDE 1
+#undef XV
+#undef XVF
+#undef XV_T
+#undef XVF_T
+#undef I8_COLS
+#undef I8_WIDE
+#undef I8_SUFFIX
+#undef I8_DPBUSD
+#define XV(op) wq_##op
+#define XVF(op) wq8f_##op
+#define XV_T wq
+#define XVF_T wq8f
+#define I8_COLS (2 * I8G)
+#define I8_WIDE 1
+#define I8_SUFFIX _wide
+#define I8_DPBUSD(a, u, s) _mm512_dpbusd_epi32(a, u, s)
+#define I8_SINGLE_GROUPS i8_groups_vnni
+#include "qgemm_i8_wide.h"
+#include "qgemm_i8_kern.h"
+#else
+#define I8_HAVE_WIDE 0
+#endif
+
 /* The dots in use: I8_DOTS_VNNI where built and on this CPU, else I8_DOTS_MADDUBS (0 on
  * the portable build, whose scalar sums are neither). */
 static int i8_dots_on = -1;
 
 static int i8_dots_built(void) {
-    return SIMD_I8 ? I8_DOTS_MADDUBS | (I8_HAVE_VNNI ? I8_DOTS_VNNI : 0) : 0;
+    return SIMD_I8 ? I8_DOTS_MADDUBS | (I8_HAVE_VNNI ? I8_DOTS_VNNI : 0) |
+                         (I8_HAVE_WIDE ? I8_DOTS_VNNI512 : 0)
+                   : 0;
 }
 
 static int i8_use_dots(int dots) {
@@ -383,11 +418,15 @@ static int i8_use_dots(int dots) {
     __builtin_cpu_init();
     if (dots == I8_DOTS_VNNI && I8_CPU_HAS_VNNI()) return i8_dots_on = I8_DOTS_VNNI, 0;
 #endif
+#if I8_HAVE_WIDE
+    if (dots == I8_DOTS_VNNI512 && I8_CPU_HAS_VNNI()) return i8_dots_on = I8_DOTS_VNNI512, 0;
+#endif
     return -1;
 }
 
 static int i8_dots(void) {
-    if (i8_dots_on < 0 && i8_use_dots(I8_DOTS_VNNI) != 0) i8_use_dots(I8_DOTS_MADDUBS);
+    if (i8_dots_on < 0 && i8_use_dots(I8_DOTS_VNNI512) != 0 && i8_use_dots(I8_DOTS_VNNI) != 0)
+        i8_use_dots(I8_DOTS_MADDUBS);
     return SIMD_I8 ? i8_dots_on : 0;
 }
 
@@ -410,10 +449,17 @@ static int i8_gemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, c
     const int nt = n * k * m >= PARALLEL_MIN_WORK && num_threads > 1 ? num_threads : 1;
     i8_task_t task = {i8_base(fmt), xq, dx, sq, m, k, packed, n, bias, y, ldy};
     void (*run)(void *, int64_t, int64_t, int) = i8_groups_base;
+    int64_t items = groups; /* what run takes: groups, or pairs of them */
 #if I8_HAVE_VNNI
     if (i8_dots() == I8_DOTS_VNNI) run = i8_groups_vnni;
 #endif
-    pool_run(run, &task, groups, (groups + 4 * nt - 1) / (4 * nt), nt);
+#if I8_HAVE_WIDE
+    if (i8_dots() == I8_DOTS_VNNI512) {
+        run = i8_groups_wide;
+        items = (groups + 1) / 2;
+    }
+#endif
+    pool_run(run, &task, items, (items + 4 * nt - 1) / (4 * nt), nt);
     free(xq);
     free(dx);
     free(sq);

@@ -54,8 +54,9 @@ static int i8_column_codes(int base, const uint8_t *bo, int c, int q[QK_K], int 
 }
 
 /* The same sums, one column at a time. */
-static void I8K(i8_group_tile)(int base, int rt, const i8_rows_t *x0, const uint8_t *grp,
+static void I8K(i8_group_tile)(int base, int rt, const i8_rows_t *x0, int64_t gs, const uint8_t *grp,
                           const float *bias, float *y, int64_t ldy, int cols) {
+    (void)gs;
     const int wb = i8_weights(base), off = i8_int_offset(base), fb = i8_has_m(base);
     const int64_t k = x0->k, nb = k / wb, bb = i8_group_block_bytes(base);
     for (int r = 0; r < rt; ++r) {
