@@ -62,9 +62,9 @@ ATTENTION_BACKEND = Var("PAGEDSERVE_ATTENTION_BACKEND", "`auto`",
 CPU_ISA = Var("PAGEDSERVE_CPU_ISA", "the best the CPU runs",
               "build the native CPU kernels at a lower level: `portable`, `avx2` or `avx512`")
 INT8_DOTS = Var("PAGEDSERVE_INT8_DOTS", "`auto`",
-                "the integer dots of the CPU's 8-bit-activation products: `vnni` (AVX-512 VNNI "
-                "or AVX-VNNI), `maddubs` (AVX2's), or `auto` (VNNI where the CPU has it); "
-                "both give the same sums")
+                "the integer dots of the CPU's 8-bit-activation products: `vnni512` (AVX-512 "
+                "VNNI at 512 bits), `vnni` (AVX-512 VNNI at 256 bits, or AVX-VNNI), `maddubs` "
+                "(AVX2's), or `auto` (the widest VNNI the CPU has); all give the same sums")
 PACK_WEIGHTS = Var("PAGEDSERVE_PACK_WEIGHTS", "1",
                    "keep packed copies of the float linear weights for the native and "
                    "oneDNN linears (`0`: off, saving their memory; quantized weights are held "
@@ -151,7 +151,7 @@ def cpu_isa() -> str | None:
 
 
 def int8_dots() -> str:
-    """The integer dots asked for (``auto``, ``vnni`` or ``maddubs``)."""
+    """The integer dots asked for (``auto``, ``vnni512``, ``vnni`` or ``maddubs``)."""
     return _word(INT8_DOTS) or "auto"
 
 

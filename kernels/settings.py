@@ -41,8 +41,8 @@ class KernelSettings:
     products, for the formats that have such a product), ``"float"`` or ``"auto"`` (int8
     on the vector builds); the engine's ``quantized_activations``."""
     int8_dots: str = "auto"
-    """The integer dots of those 8-bit products: ``"vnni"``, ``"maddubs"`` or ``"auto"``
-    (VNNI where the build and the CPU have it; ``PAGEDSERVE_INT8_DOTS``)."""
+    """The integer dots of those 8-bit products: ``"vnni512"``, ``"vnni"``, ``"maddubs"``
+    or ``"auto"`` (the widest VNNI the build and the CPU have; ``PAGEDSERVE_INT8_DOTS``)."""
     triton_interpret: bool = False
     """Whether Triton runs in its interpreter (``TRITON_INTERPRET``), which the triton
     backend needs off CUDA."""

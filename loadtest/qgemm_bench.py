@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vnni-vs-maddubs", action="store_true",
                         help="the 8-bit products with VNNI's integer dots against maddubs' "
                              "(outputs checked equal bit for bit)")
-    parser.add_argument("--int8-dots", default="auto", choices=("auto", "vnni", "maddubs"),
+    parser.add_argument("--int8-dots", default="auto", choices=("auto", "vnni512", "vnni", "maddubs"),
                         help="the integer dots of the 8-bit products (default: VNNI where "
                              "the CPU has it)")
     parser.add_argument("--rows", default=None,

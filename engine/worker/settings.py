@@ -29,6 +29,7 @@ from pagedserve.engine.loader.gguf_weights import tensor_formats
 from pagedserve.engine.models import DecoderSpec
 from pagedserve.engine.models.spec import max_positions, position_limit
 from pagedserve.kernels.cpu import paths as cpu_paths
+from pagedserve.kernels.cpu.native import cpu_features as cpu_features_now
 from pagedserve.kernels.cpu.native import engine_level
 
 logger = logging.getLogger("pagedserve.engine")
@@ -104,24 +105,34 @@ def resolve_settings(config: EngineConfig) -> EngineSettings:
 
 
 def gguf_by_default(config: EngineConfig, device: torch.device, cpu_level: str | None = None,
-                    cpu_native_bf16: bool | None = None) -> bool:
+                    cpu_native_bf16: bool | None = None,
+                    cpu_features: frozenset[str] | None = None) -> bool:
     """Whether a GGUF file may be served in its own blocks without asking: a ``.gguf``
     path with no ``quantization`` and no ``dtype`` given, on one rank, on a CPU whose
-    native build has the 8-bit-activation products (AVX2, AVX-512) and computes in
-    float32 (no native bfloat16). There the quantized linears measured faster than
-    float32 ones at every batch size (``BENCHMARKS.md`` B14), in a fifth to a quarter of
-    the memory; with float activations (the portable build) they are slower from 32 rows,
-    and against a native bfloat16 model they were not measured. A ``dtype`` asks for the
-    weights expanded to it. :func:`resolve_settings` then expands a model with experts
+    native build has the 8-bit-activation products (AVX2, AVX-512). Where the CPU computes
+    in float32 (no native bfloat16) the quantized linears measured faster than float32
+    ones at batch 1-64 (``BENCHMARKS.md`` B14 on an AVX2 Zen 3, A16 on an AVX-512 Zen 5),
+    in a fifth to a quarter of the memory. Where it computes in bfloat16, the default
+    needs an AVX-512 build with AVX-512 VNNI (the products' 512-bit dots) and no AMX:
+    there they measured faster than the bfloat16 expansion at batch 1-64 (A16, Zen 5);
+    against AMX's bfloat16 tiles they were not measured. With float activations (the
+    portable build) they are slower from 32 rows. A ``dtype`` asks for the weights
+    expanded to it. :func:`resolve_settings` then expands a model with experts
     (``check_moe``) and a file with no kept-quantized tensor all the same.
-    ``cpu_level`` and ``cpu_native_bf16`` override this CPU's answers (tests)."""
+    ``cpu_level``, ``cpu_native_bf16`` and ``cpu_features`` override this CPU's answers
+    (tests)."""
     if not (config.quantization is None and config.model is not None
             and is_gguf_file(config.model) and config.dtype == "auto" and device.type == "cpu"
             and config.tensor_parallel_size == 1):
         return False
     level = engine_level(envs.cpu_isa()) if cpu_level is None else cpu_level
     bf16 = cpu_paths.native_bf16() if cpu_native_bf16 is None else cpu_native_bf16
-    return level != "portable" and not bf16
+    if level == "portable":
+        return False
+    if not bf16:
+        return True
+    feats = cpu_features_now() if cpu_features is None else cpu_features
+    return level == "avx512" and "avx512_vnni" in feats and "amx_bf16" not in feats
 
 
 def resolve_device(name: str) -> torch.device:

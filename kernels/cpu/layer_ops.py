@@ -128,8 +128,8 @@ class NativeLayerOps(TorchLayerOps):
         (``auto``: on the vector builds, where the integer dot products measured faster;
         the portable build's are scalar loops)."""
         self.int8_dots = use_int8_dots(lib, int8_dots)
-        """The integer dots of the 8-bit products (``vnni``, ``maddubs``; None on the
-        portable build): ``auto`` takes VNNI where the build and the CPU have it. The
+        """The integer dots of the 8-bit products (``vnni512``, ``vnni``, ``maddubs``; None
+        on the portable build): ``auto`` takes the widest VNNI the build and CPU have. The
         choice is the library's, for every caller in the process; every kind gives the
         same sums."""
         self._float_rows = QUANT_DIRECT_ROWS.get(self.isa, QUANT_DIRECT_ROWS["portable"])

@@ -38,8 +38,9 @@ def describe(backend: AttentionBackend | None = None,
     Keys: ``cpu`` (machine), ``features``, ``native_bf16``, ``levels`` (native build
     levels this CPU runs), ``attention``, ``layer_ops``, ``linear_f32``, ``linear_bf16``,
     ``linear_quant`` (weight-only quantized linears), ``quant_activations`` (``int8`` or
-    ``float``: how those take their activations), ``int8_dots`` (``vnni``, ``maddubs`` or
-    ``none``: the integer dots of those 8-bit products), ``layers`` (``fused``: a decode
+    ``float``: how those take their activations), ``int8_dots`` (``vnni512``, ``vnni``,
+    ``maddubs`` or ``none``: the integer dots of those 8-bit products), ``layers``
+    (``fused``: a decode
     step's decoder layers run in one native call where its linears all run natively and
     its activations are float32; ``per-op``: one call per op).
     """

@@ -13,20 +13,28 @@ from pagedserve.engine.worker.settings import gguf_by_default
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize(("kwargs", "device", "level", "bf16", "want"), [
-    ({}, CPU, "avx2", False, True),
-    ({}, CPU, "avx512", False, True),
-    ({}, CPU, "portable", False, False),  # float activations: slower from 32 rows
-    ({}, CPU, "avx512", True, False),  # against a native bfloat16 model: not measured
-    ({"dtype": "float32"}, CPU, "avx2", False, False),  # a dtype asks for the weights expanded
-    ({"dtype": "bfloat16"}, CPU, "avx2", False, False),
-    ({"quantization": "gguf"}, CPU, "avx2", False, False),  # given: nothing to default
-    ({"tensor_parallel_size": 2}, CPU, "avx2", False, False),  # gguf runs on one rank
-    ({}, torch.device("cuda"), "avx2", False, False),
+ZEN5 = frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"})
+SPR = ZEN5 | {"amx_bf16", "amx_tile"}
+
+
+@pytest.mark.parametrize(("kwargs", "device", "level", "bf16", "feats", "want"), [
+    ({}, CPU, "avx2", False, frozenset(), True),
+    ({}, CPU, "avx512", False, frozenset(), True),
+    ({}, CPU, "portable", False, frozenset(), False),  # float activations: slower from 32 rows
+    ({}, CPU, "avx512", True, ZEN5, True),  # 512-bit VNNI dots: faster than bfloat16 (A16)
+    ({}, CPU, "avx2", True, ZEN5, False),  # a lower build on that CPU: not measured
+    ({}, CPU, "avx512", True, ZEN5 - {"avx512_vnni"}, False),
+    ({}, CPU, "avx512", True, SPR, False),  # against AMX's bfloat16 tiles: not measured
+    ({"dtype": "float32"}, CPU, "avx2", False, frozenset(), False),  # a dtype: expanded
+    ({"dtype": "bfloat16"}, CPU, "avx512", True, ZEN5, False),
+    ({"quantization": "gguf"}, CPU, "avx2", False, frozenset(), False),  # given: no default
+    ({"tensor_parallel_size": 2}, CPU, "avx2", False, frozenset(), False),  # gguf: one rank
+    ({}, torch.device("cuda"), "avx2", False, frozenset(), False),
 ])  # fmt: skip
-def test_when_a_gguf_file_defaults_to_its_own_blocks(kwargs, device, level, bf16, want):
+def test_when_a_gguf_file_defaults_to_its_own_blocks(kwargs, device, level, bf16, feats, want):
     config = EngineConfig(model="/models/x.Q4_K_M.gguf", **kwargs)
-    assert gguf_by_default(config, device, cpu_level=level, cpu_native_bf16=bf16) is want
+    assert gguf_by_default(config, device, cpu_level=level, cpu_native_bf16=bf16,
+                           cpu_features=feats) is want  # fmt: skip
 
 
 def test_a_folder_and_the_embedded_default_keep_float():
