@@ -40,9 +40,8 @@ def describe(backend: AttentionBackend | None = None,
     ``linear_quant`` (weight-only quantized linears), ``quant_activations`` (``int8`` or
     ``float``: how those take their activations), ``int8_dots`` (``vnni512``, ``vnni``,
     ``maddubs`` or ``none``: the integer dots of those 8-bit products), ``layers``
-    (``fused``: a decode
-    step's decoder layers run in one native call where its linears all run natively and
-    its activations are float32; ``per-op``: one call per op).
+    (``fused``: a decode step's decoder layers run in one native call where its linears
+    all run natively and its activations are float32; ``per-op``: one call per op).
     """
     if backend is None:
         from pagedserve.kernels.registry import get_attention_backend
