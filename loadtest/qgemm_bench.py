@@ -116,10 +116,11 @@ DOTS_ROWS = (1, 4, 8, 32, 64, 128)
 
 
 def bench_dots(level: str, iters: int, rows: Sequence[int] = DOTS_ROWS,
-               shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES) -> None:
-    """The 8-bit products with VNNI's dots against maddubs', in turn, best of ``iters``
-    (3 rounds), every output compared bit for bit; a ValueError where this build or CPU
-    lacks VNNI."""
+               shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES,
+               kinds: tuple[str, str] = ("vnni", "maddubs")) -> None:
+    """The 8-bit products with one kind of integer dot against another (default VNNI's
+    against maddubs'), in turn, best of ``iters`` (3 rounds), every output compared bit
+    for bit; a ValueError where this build or CPU lacks either."""
     from pagedserve.kernels.cpu import native as cpu_native
     from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
     from pagedserve.kernels.cpu.quant import INT8_ACTIVATION_FORMATS
@@ -129,10 +130,11 @@ def bench_dots(level: str, iters: int, rows: Sequence[int] = DOTS_ROWS,
     ops = NativeLayerOps(lib, quantized_activations="int8")
     ops.quant_max_rows, ops._rows_by_format = 1 << 30, {}
     before = cpu_native.int8_dots(lib)
-    for dots in ("vnni", "maddubs"):
+    a, b = kinds
+    for dots in kinds:
         cpu_native.use_int8_dots(lib, dots)  # the ValueError before any timing
-    log.info("8-bit products, VNNI dots against maddubs, build level %s, %d threads, %s; "
-             "ms, best of %d", level, torch.get_num_threads(), _omp_wait(), 3 * iters)  # fmt: skip
+    log.info("8-bit products, %s dots against %s, build level %s, %d threads, %s; ms, best "
+             "of %d", a, b, level, torch.get_num_threads(), _omp_wait(), 3 * iters)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     try:
         for fmt in INT8_ACTIVATION_FORMATS:
@@ -143,18 +145,17 @@ def bench_dots(level: str, iters: int, rows: Sequence[int] = DOTS_ROWS,
                 cells = []
                 for m in rows:
                     x = torch.randn(m, k, generator=g)
-                    t, out = {"vnni": float("inf"), "maddubs": float("inf")}, {}
+                    t, out = {a: float("inf"), b: float("inf")}, {}
                     for _ in range(3):  # in turn: a shared host's drift hits both
                         for dots in t:
                             cpu_native.use_int8_dots(lib, dots)
                             out[dots] = ops.linear(x, w)
                             t[dots] = min(t[dots], _time_ms(lambda x=x, w=w: ops.linear(x, w), iters))
-                    if not torch.equal(out["vnni"], out["maddubs"]):
-                        raise AssertionError(f"{fmt} [{n}, {k}] at {m} rows: VNNI and maddubs "
+                    if not torch.equal(out[a], out[b]):
+                        raise AssertionError(f"{fmt} [{n}, {k}] at {m} rows: {a} and {b} "
                                              f"outputs differ")
-                    cells.append(f"{m}: {t['vnni']:.3f}/{t['maddubs']:.3f} "
-                                 f"({t['vnni'] / t['maddubs']:.2f})")
-                log.info("%-5s [%4d, %4d]  rows: vnni/maddubs ms (ratio)  %s", fmt, n, k,
+                    cells.append(f"{m}: {t[a]:.3f}/{t[b]:.3f} ({t[a] / t[b]:.2f})")
+                log.info("%-5s [%4d, %4d]  rows: %s/%s ms (ratio)  %s", fmt, n, k, a, b,
                          "  ".join(cells))
     finally:
         cpu_native.use_int8_dots(lib, before or "auto")
@@ -173,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vnni-vs-maddubs", action="store_true",
                         help="the 8-bit products with VNNI's integer dots against maddubs' "
                              "(outputs checked equal bit for bit)")
+    parser.add_argument("--dots", default="vnni,maddubs",
+                        help="with --vnni-vs-maddubs: the two kinds of dot compared "
+                             "(e.g. vnni512,vnni)")
     parser.add_argument("--int8-dots", default="auto", choices=("auto", "vnni512", "vnni", "maddubs"),
                         help="the integer dots of the 8-bit products (default: VNNI where "
                              "the CPU has it)")
@@ -183,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     level = args.level or cpu_native.runnable_levels()[-1]
     rows = {} if args.rows is None else {"rows": [int(r) for r in args.rows.split(",")]}
     if args.vnni_vs_maddubs:
-        bench_dots(level, args.iters, **rows)
+        a, _, b = args.dots.partition(",")
+        bench_dots(level, args.iters, kinds=(a, b), **rows)
     elif args.vs_dequantized:
         bench_limits(level, args.iters, dots=args.int8_dots, **rows)
     else:

@@ -77,10 +77,10 @@ per-row int8 format keeps float activations and :data:`QUANT_DIRECT_ROWS`), but 
 0.44-0.99x the time of the dequantized weight's float product at 128-512 rows for the
 32-weight formats and Q4_K (``python -m pagedserve.loadtest.qgemm_bench
 --vs-dequantized``, the default model's three shapes of linear; 0.71-1.19x at 1,024:
-BENCHMARKS.md B22). AVX-512 builds run the same 256-bit integer code; on a Zen 5 it took
-0.40-0.62x the dequantized product's time at 1,024-4,096 rows with VNNI's dots (Q6_K
-0.90-0.94x) and 0.48-0.87x with maddubs', flat in the rows (A14): every prefill chunk of
-the default budgets stays in registers."""
+BENCHMARKS.md B22). On AVX-512 builds (a Zen 5) the integer product took 0.40-0.62x the
+dequantized product's time at 1,024-4,096 rows with 256-bit VNNI dots (Q6_K 0.90-0.94x)
+and 0.48-0.87x with maddubs', flat in the rows (A14; 512-bit VNNI is faster still): every
+prefill chunk of the default budgets stays in registers."""
 QUANT_DIRECT_ROWS_INT8_BY_FORMAT = {"avx2": {"q5_k": 128, "q6_k": 128}}
 """Formats whose integer product falls behind sooner, by build level: on the same Zen 3,
 Q5_K and Q6_K took 0.95-1.03x the dequantized product's time at 128 rows, 0.96-1.13x

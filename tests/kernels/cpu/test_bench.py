@@ -163,7 +163,7 @@ def test_qgemm_bench_times_vnni_against_maddubs(caplog) -> None:
         bench_dots(level, 1, rows=(2, 5), shapes=((16, 256),))
     assert cpu_native.int8_dots(lib) == before
     lines = [r.getMessage() for r in caplog.records]
-    assert lines[0].startswith("8-bit products, VNNI dots against maddubs")
+    assert lines[0].startswith("8-bit products, vnni dots against maddubs")
     assert [line.split()[0] for line in lines[1:]] == list(INT8_ACTIVATION_FORMATS)
     for line in lines[1:]:
         cells = re.findall(r"(\d+): ([0-9.]+)/([0-9.]+) \(([0-9.]+)\)", line)
