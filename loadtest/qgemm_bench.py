@@ -47,6 +47,16 @@ def _random_quantized(fmt: str, n: int, k: int, g: torch.Generator):
     return quantized_from_blocks(fmt, raw, k)
 
 
+def _weights(formats: Sequence[str], shapes: Sequence[tuple[int, int]], g: torch.Generator):
+    """``(fmt, n, k, weight)`` for each format and shape whose k its blocks divide."""
+    from pagedserve.kernels.quant import BLOCK_WEIGHTS
+
+    for fmt in formats:
+        for n, k in shapes:
+            if not k % BLOCK_WEIGHTS.get(fmt, 32):
+                yield fmt, n, k, _random_quantized(fmt, n, k, g)
+
+
 def bench_qgemm(level: str, iters: int, rows: Sequence[int] = QGEMM_ROWS,
                 shapes: Sequence[tuple[int, int]] = QGEMM_SHAPES, dots: str = "auto") -> None:
     """The quantized linears with float and 8-bit activations (see the module)."""
@@ -83,7 +93,6 @@ def bench_limits(level: str, iters: int, rows: Sequence[int] = LIMIT_ROWS,
     from pagedserve.kernels.cpu import native as cpu_native
     from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
     from pagedserve.kernels.cpu.quant import INT8_ACTIVATION_FORMATS
-    from pagedserve.kernels.quant import BLOCK_WEIGHTS
 
     lib = cpu_native.build_library(level)
     direct, dequant = (NativeLayerOps(lib, quantized_activations="int8", int8_dots=dots)
@@ -94,22 +103,18 @@ def bench_limits(level: str, iters: int, rows: Sequence[int] = LIMIT_ROWS,
              "threads, %s; ms, best of %d", level, direct.int8_dots, torch.get_num_threads(),
              _omp_wait(), 3 * iters)  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    for fmt in INT8_ACTIVATION_FORMATS:
-        for n, k in shapes:
-            if k % BLOCK_WEIGHTS.get(fmt, 32):
-                continue
-            w = _random_quantized(fmt, n, k, g)
-            cells = []
-            for m in rows:
-                x = torch.randn(m, k, generator=g)
-                t = {"int8": float("inf"), "dequant": float("inf")}
-                for _ in range(3):  # in turn: a shared host's drift hits both
-                    for name, o in (("int8", direct), ("dequant", dequant)):
-                        t[name] = min(t[name], _time_ms(lambda o=o, x=x, w=w: o.linear(x, w), iters))
-                cells.append(f"{m}: {t['int8']:.3f}/{t['dequant']:.3f} "
-                             f"({t['int8'] / t['dequant']:.2f})")
-            log.info("%-5s [%4d, %4d]  rows: int8/dequantized ms (ratio)  %s", fmt, n, k,
-                     "  ".join(cells))
+    for fmt, n, k, w in _weights(INT8_ACTIVATION_FORMATS, shapes, g):
+        cells = []
+        for m in rows:
+            x = torch.randn(m, k, generator=g)
+            t = {"int8": float("inf"), "dequant": float("inf")}
+            for _ in range(3):  # in turn: a shared host's drift hits both
+                for name, o in (("int8", direct), ("dequant", dequant)):
+                    t[name] = min(t[name], _time_ms(lambda o=o, x=x, w=w: o.linear(x, w), iters))
+            cells.append(f"{m}: {t['int8']:.3f}/{t['dequant']:.3f} "
+                         f"({t['int8'] / t['dequant']:.2f})")
+        log.info("%-5s [%4d, %4d]  rows: int8/dequantized ms (ratio)  %s", fmt, n, k,
+                 "  ".join(cells))
 
 
 DOTS_ROWS = (1, 4, 8, 32, 64, 128)
@@ -124,7 +129,6 @@ def bench_dots(level: str, iters: int, rows: Sequence[int] = DOTS_ROWS,
     from pagedserve.kernels.cpu import native as cpu_native
     from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
     from pagedserve.kernels.cpu.quant import INT8_ACTIVATION_FORMATS
-    from pagedserve.kernels.quant import BLOCK_WEIGHTS
 
     lib = cpu_native.build_library(level)
     ops = NativeLayerOps(lib, quantized_activations="int8")
@@ -137,26 +141,22 @@ def bench_dots(level: str, iters: int, rows: Sequence[int] = DOTS_ROWS,
              "of %d", a, b, level, torch.get_num_threads(), _omp_wait(), 3 * iters)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     try:
-        for fmt in INT8_ACTIVATION_FORMATS:
-            for n, k in shapes:
-                if k % BLOCK_WEIGHTS.get(fmt, 32):
-                    continue
-                w = _random_quantized(fmt, n, k, g)
-                cells = []
-                for m in rows:
-                    x = torch.randn(m, k, generator=g)
-                    t, out = {a: float("inf"), b: float("inf")}, {}
-                    for _ in range(3):  # in turn: a shared host's drift hits both
-                        for dots in t:
-                            cpu_native.use_int8_dots(lib, dots)
-                            out[dots] = ops.linear(x, w)
-                            t[dots] = min(t[dots], _time_ms(lambda x=x, w=w: ops.linear(x, w), iters))
-                    if not torch.equal(out[a], out[b]):
-                        raise AssertionError(f"{fmt} [{n}, {k}] at {m} rows: {a} and {b} "
-                                             f"outputs differ")
-                    cells.append(f"{m}: {t[a]:.3f}/{t[b]:.3f} ({t[a] / t[b]:.2f})")
-                log.info("%-5s [%4d, %4d]  rows: %s/%s ms (ratio)  %s", fmt, n, k, a, b,
-                         "  ".join(cells))
+        for fmt, n, k, w in _weights(INT8_ACTIVATION_FORMATS, shapes, g):
+            cells = []
+            for m in rows:
+                x = torch.randn(m, k, generator=g)
+                t, out = {a: float("inf"), b: float("inf")}, {}
+                for _ in range(3):  # in turn: a shared host's drift hits both
+                    for dots in t:
+                        cpu_native.use_int8_dots(lib, dots)
+                        out[dots] = ops.linear(x, w)
+                        t[dots] = min(t[dots], _time_ms(lambda x=x, w=w: ops.linear(x, w), iters))
+                if not torch.equal(out[a], out[b]):
+                    raise AssertionError(f"{fmt} [{n}, {k}] at {m} rows: {a} and {b} outputs "
+                                         f"differ")
+                cells.append(f"{m}: {t[a]:.3f}/{t[b]:.3f} ({t[a] / t[b]:.2f})")
+            log.info("%-5s [%4d, %4d]  rows: %s/%s ms (ratio)  %s", fmt, n, k, a, b,
+                     "  ".join(cells))
     finally:
         cpu_native.use_int8_dots(lib, before or "auto")
 
