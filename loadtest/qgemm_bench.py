@@ -95,10 +95,8 @@ def bench_limits(level: str, iters: int, rows: Sequence[int] = LIMIT_ROWS,
     from pagedserve.kernels.cpu.quant import INT8_ACTIVATION_FORMATS
 
     lib = cpu_native.build_library(level)
-    direct, dequant = (NativeLayerOps(lib, quantized_activations="int8", int8_dots=dots)
-                       for _ in range(2))  # fmt: skip
-    direct.quant_max_rows, dequant.quant_max_rows = 1 << 30, 0
-    direct._rows_by_format = {}
+    direct, dequant = (NativeLayerOps(lib, quantized_activations="int8", int8_dots=dots,
+                                      quant_max_rows=most) for most in (1 << 30, 0))  # fmt: skip
     log.info("8-bit products against the dequantized weight's, build level %s (%s dots), %d "
              "threads, %s; ms, best of %d", level, direct.int8_dots, torch.get_num_threads(),
              _omp_wait(), 3 * iters)  # fmt: skip
@@ -131,8 +129,7 @@ def bench_dots(level: str, iters: int, rows: Sequence[int] = DOTS_ROWS,
     from pagedserve.kernels.cpu.quant import INT8_ACTIVATION_FORMATS
 
     lib = cpu_native.build_library(level)
-    ops = NativeLayerOps(lib, quantized_activations="int8")
-    ops.quant_max_rows, ops._rows_by_format = 1 << 30, {}
+    ops = NativeLayerOps(lib, quantized_activations="int8", quant_max_rows=1 << 30)
     before = cpu_native.int8_dots(lib)
     a, b = kinds
     for dots in kinds:

@@ -116,7 +116,8 @@ class NativeLayerOps(TorchLayerOps):
     name = "native"
 
     def __init__(self, lib: ctypes.CDLL, pack_weights: bool = True,
-                 quantized_activations: str = "auto", int8_dots: str = "auto") -> None:
+                 quantized_activations: str = "auto", int8_dots: str = "auto",
+                 quant_max_rows: int | None = None) -> None:
         self._lib = lib
         self.isa = build_isa(lib)
         if quantized_activations not in QUANTIZED_ACTIVATIONS:
@@ -139,6 +140,8 @@ class NativeLayerOps(TorchLayerOps):
         any format: :meth:`quant_rows` says a weight's)."""
         self._rows_by_format = (QUANT_DIRECT_ROWS_INT8_BY_FORMAT.get(self.isa, {})
                                 if self.int8_activations else {})  # fmt: skip
+        if quant_max_rows is not None:  # one limit for every format (benchmarks)
+            self.quant_max_rows, self._rows_by_format = quant_max_rows, {}
         # Reused float32 copy of a quantized weight for prefill-sized products.
         self._dequant_scratch = torch.empty(0, dtype=torch.float32)
         packing = pack_weights

@@ -461,3 +461,18 @@ def test_stacked_weight_multiplies_each_part(native_lib) -> None:
     ops.prepare_weights([w])
     assert w.released and all(p.released for p in w.parts)
     assert torch.equal(ops.linear(x, w, bias), before)
+
+
+def test_one_row_limit_for_every_format_when_given(native_lib) -> None:
+    """``quant_max_rows`` (the benchmarks' seam) replaces the limits by format and level:
+    every kept format takes the native product up to it, the dequantized one above."""
+    ops = NativeLayerOps(native_lib, quantized_activations="int8", quant_max_rows=7)
+    k = block_k("q6_k", 64)
+    for fmt in ("q6_k", "q4_k", "q8_0"):
+        w = random_weight(fmt, 16, k, seed=4)
+        assert ops.quant_rows(w) == 7
+        x = torch.randn(8, k, generator=torch.Generator().manual_seed(5))
+        direct = fmt in quant.INT8_ACTIVATION_FORMATS and ops.int8_activations
+        assert_product_close(ops.linear(x[:7], w), x[:7], w, None, int8=direct)
+        assert_product_close(ops.linear(x, w), x, w, None, int8=False)
+    assert "q6_k 1-" not in ops.paths()["linear_quant"]
