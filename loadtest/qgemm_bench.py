@@ -48,7 +48,8 @@ def _random_quantized(fmt: str, n: int, k: int, g: torch.Generator):
 
 
 def _weights(formats: Sequence[str], shapes: Sequence[tuple[int, int]], g: torch.Generator):
-    """``(fmt, n, k, weight)`` for each format and shape whose k its blocks divide."""
+    """``(fmt, n, k, weight)`` for each format and shape whose k its blocks divide (the
+    K-quants' 256-weight blocks skip a k of 576)."""
     from pagedserve.kernels.quant import BLOCK_WEIGHTS
 
     for fmt in formats:
@@ -62,24 +63,21 @@ def bench_qgemm(level: str, iters: int, rows: Sequence[int] = QGEMM_ROWS,
     """The quantized linears with float and 8-bit activations (see the module)."""
     from pagedserve.kernels.cpu import native as cpu_native
     from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
-    from pagedserve.kernels.quant import BLOCK_WEIGHTS, FORMATS
+    from pagedserve.kernels.quant import FORMATS
 
     lib = cpu_native.build_library(level)
-    ops = {a: NativeLayerOps(lib, quantized_activations=a, int8_dots=dots) for a in ("float", "int8")}
+    ops = {a: NativeLayerOps(lib, quantized_activations=a, int8_dots=dots)
+           for a in ("float", "int8")}  # fmt: skip
     log.info("quantized linears, build level %s (%s dots), %d threads, %s; ms, best of %d",
              level, ops["int8"].int8_dots, torch.get_num_threads(), _omp_wait(), iters)  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    for fmt in (f for f in FORMATS if f != "int8"):
-        for n, k in shapes:
-            if k % BLOCK_WEIGHTS.get(fmt, 32):
-                continue  # the K-quants' 256-weight blocks: not a row of 576
-            w = _random_quantized(fmt, n, k, g)
-            cells = []
-            for m in rows:
-                x = torch.randn(m, k, generator=g)
-                t = {a: _time_ms(lambda o=o, x=x, w=w: o.linear(x, w), iters) for a, o in ops.items()}
-                cells.append(f"{m}: {t['float']:.3f}/{t['int8']:.3f} ({t['int8'] / t['float']:.2f})")
-            log.info("%-5s [%4d, %4d]  rows: float/int8 ms (ratio)  %s", fmt, n, k, "  ".join(cells))
+    for fmt, n, k, w in _weights([f for f in FORMATS if f != "int8"], shapes, g):
+        cells = []
+        for m in rows:
+            x = torch.randn(m, k, generator=g)
+            t = {a: _time_ms(lambda o=o, x=x, w=w: o.linear(x, w), iters) for a, o in ops.items()}
+            cells.append(f"{m}: {t['float']:.3f}/{t['int8']:.3f} ({t['int8'] / t['float']:.2f})")
+        log.info("%-5s [%4d, %4d]  rows: float/int8 ms (ratio)  %s", fmt, n, k, "  ".join(cells))
 
 
 LIMIT_ROWS = (128, 192, 256, 512, 1024)

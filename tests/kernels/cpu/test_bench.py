@@ -106,6 +106,14 @@ def test_the_bench_runs_again_with_the_engine_spin_unless_the_wait_is_set(monkey
     assert len(calls) == 1
 
 
+def assert_timed_cells(line: str, rows: list[str]) -> None:
+    """A qgemm_bench line's cells ``rows: a/b (ratio)``: one per row count, in order, both
+    times positive."""
+    cells = re.findall(r"(\d+): ([0-9.]+)/([0-9.]+) \(([0-9.]+)\)", line)
+    assert [c[0] for c in cells] == rows
+    assert all(float(a) > 0 and float(b) > 0 for _, a, b, _ in cells)
+
+
 def test_qgemm_bench_times_every_kept_format_both_ways(caplog) -> None:
     """``--qgemm``: one line per format and shape, each row count timed with float and
     with 8-bit activations and their ratio."""
@@ -121,9 +129,7 @@ def test_qgemm_bench_times_every_kept_format_both_ways(caplog) -> None:
     assert [line.split()[0] for line in timed] == [f for f in FORMATS if f != "int8"]
     for line in timed:
         assert "[  16,  256]" in line
-        cells = re.findall(r"(\d+): ([0-9.]+)/([0-9.]+) \(([0-9.]+)\)", line)
-        assert [c[0] for c in cells] == ["1", "3"]
-        assert all(float(f) > 0 and float(i) > 0 for _, f, i, _ in cells)
+        assert_timed_cells(line, ["1", "3"])
 
 
 def test_qgemm_bench_times_the_integer_products_against_dequantized(caplog) -> None:
@@ -139,9 +145,7 @@ def test_qgemm_bench_times_the_integer_products_against_dequantized(caplog) -> N
     assert lines[0].startswith("8-bit products against the dequantized weight's")
     assert [line.split()[0] for line in lines[1:]] == list(INT8_ACTIVATION_FORMATS)
     for line in lines[1:]:
-        cells = re.findall(r"(\d+): ([0-9.]+)/([0-9.]+) \(([0-9.]+)\)", line)
-        assert [c[0] for c in cells] == ["2", "5"]
-        assert all(float(a) > 0 and float(b) > 0 for _, a, b, _ in cells)
+        assert_timed_cells(line, ["2", "5"])
 
 
 def test_qgemm_bench_times_vnni_against_maddubs(caplog) -> None:
@@ -166,6 +170,4 @@ def test_qgemm_bench_times_vnni_against_maddubs(caplog) -> None:
     assert lines[0].startswith("8-bit products, vnni dots against maddubs")
     assert [line.split()[0] for line in lines[1:]] == list(INT8_ACTIVATION_FORMATS)
     for line in lines[1:]:
-        cells = re.findall(r"(\d+): ([0-9.]+)/([0-9.]+) \(([0-9.]+)\)", line)
-        assert [c[0] for c in cells] == ["2", "5"]
-        assert all(float(a) > 0 and float(b) > 0 for _, a, b, _ in cells)
+        assert_timed_cells(line, ["2", "5"])
