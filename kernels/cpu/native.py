@@ -221,14 +221,15 @@ builds; AVX-512 VNNI's EVEX one, at 256 bits, on AVX-512 builds)."""
 
 def int8_dots_built(lib: ctypes.CDLL) -> tuple[str, ...]:
     """The kinds of integer dot ``lib``'s 8-bit products were built with (none on the
-    portable build; ``vnni`` where the compiler has the level's encoding)."""
+    portable build; ``vnni`` where the compiler has the level's encoding, ``vnni512`` with
+    it on AVX-512 builds)."""
     built = lib.qgemm_i8_dots_built()
     return tuple(name for name, code in INT8_DOTS.items() if built & code)
 
 
 def int8_dots_available(lib: ctypes.CDLL) -> tuple[str, ...]:
-    """Those of :func:`int8_dots_built` this CPU runs (``vnni`` needs the level's flag:
-    ``avx_vnni`` on AVX2 builds, ``avx512_vnni`` on AVX-512 builds)."""
+    """Those of :func:`int8_dots_built` this CPU runs (``vnni`` and ``vnni512`` need the
+    level's flag: ``avx_vnni`` on AVX2 builds, ``avx512_vnni`` on AVX-512 builds)."""
     flag = _INT8_DOTS_CPU.get(isa(lib))
     return tuple(d for d in int8_dots_built(lib)
                  if d == "maddubs" or (flag is not None and flag in cpu_features()))  # fmt: skip

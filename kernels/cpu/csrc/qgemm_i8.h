@@ -401,8 +401,9 @@ typedef struct {
 #define I8_HAVE_WIDE 0
 #endif
 
-/* The dots in use: I8_DOTS_VNNI where built and on this CPU, else I8_DOTS_MADDUBS (0 on
- * the portable build, whose scalar sums are neither). */
+/* The dots in use: the widest VNNI built and on this CPU (I8_DOTS_VNNI512, then
+ * I8_DOTS_VNNI), else I8_DOTS_MADDUBS (0 on the portable build, whose scalar sums are
+ * neither). */
 static int i8_dots_on = -1;
 
 static int i8_dots_built(void) {
@@ -450,11 +451,13 @@ static int i8_gemm(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k, c
     i8_task_t task = {i8_base(fmt), xq, dx, sq, m, k, packed, n, bias, y, ldy};
     void (*run)(void *, int64_t, int64_t, int) = i8_groups_base;
     int64_t items = groups; /* what run takes: groups, or pairs of them */
+    const int dots = i8_dots();
+    (void)dots;
 #if I8_HAVE_VNNI
-    if (i8_dots() == I8_DOTS_VNNI) run = i8_groups_vnni;
+    if (dots == I8_DOTS_VNNI) run = i8_groups_vnni;
 #endif
 #if I8_HAVE_WIDE
-    if (i8_dots() == I8_DOTS_VNNI512) {
+    if (dots == I8_DOTS_VNNI512) {
         run = i8_groups_wide;
         items = (groups + 1) / 2;
     }
