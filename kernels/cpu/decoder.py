@@ -8,11 +8,10 @@ tables of addresses built once per model and KV cache: the result is bit-identic
 the loop, which stays the path for everything the tables cannot describe.
 
 A step is fused when its activations are float32, every linear of the model runs in the
-native library at the step's row count (float32 weights through the native linear, up to
-:data:`~pagedserve.kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, where this build has one;
-weight-only quantized ones in registers, up to
+native library at the step's row count (float32 weights through the native linear, where
+this build has one; weight-only quantized ones in registers, up to
 :meth:`~pagedserve.kernels.cpu.layer_ops.NativeLayerOps.quant_rows`; never more than
-:data:`~pagedserve.kernels.cpu.layer_ops.NATIVE_LINEAR_MAX_ROWS` rows, since the call's scratch grows
+:data:`~pagedserve.kernels.cpu.layer_ops.FUSED_MAX_ROWS` rows, since the call's scratch grows
 with its rows), and the caches are the contiguous CPU tensors the attention kernel takes. Weights must not change once a fused step has
 run (the tables hold their addresses; a rebuilt :class:`~pagedserve.kernels.interface.DecoderStack`
 gets new tables).
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.cpu import abi
-from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
+from pagedserve.kernels.cpu.layer_ops import FUSED_MAX_ROWS, NativeLayerOps
 from pagedserve.kernels.cpu.native import DTYPE_CODES, kv_layout
 from pagedserve.kernels.interface import (
     DecoderStack,
@@ -129,7 +128,7 @@ class FusedLayers:
             model[C[name]] = value
         keep: list = [stack.rope_cos, stack.rope_sin]
         entries: list[int] = []
-        max_rows = NATIVE_LINEAR_MAX_ROWS
+        max_rows = FUSED_MAX_ROWS
         for layer, (k_cache, v_cache) in zip(stack.layers, kv_caches, strict=True):
             row = self._layer_row(stack, layer, k_cache, v_cache, k0, keep)
             if row is None:
@@ -168,7 +167,7 @@ class FusedLayers:
                                  stack.hidden_size),
                   "DL_DOWN": (layer.down, layer.down_bias, stack.hidden_size,
                               stack.intermediate_size)}  # fmt: skip
-        max_rows, moe_row = NATIVE_LINEAR_MAX_ROWS, 0
+        max_rows, moe_row = FUSED_MAX_ROWS, 0
         if layer.experts is not None:
             shapes.pop("DL_GATE_UP"), shapes.pop("DL_DOWN")
             table = self._expert_table(stack.hidden_size, layer.experts, keep)
@@ -216,7 +215,7 @@ class FusedLayers:
     def _fill(self, table: list, linears: list, keep) -> int | None:
         """Writes each ``(at, weight, bias, n, k, order)``'s LIN_SIZE entries into ``table``
         at ``at``; returns the most rows all of them take natively, or None."""
-        max_rows = NATIVE_LINEAR_MAX_ROWS
+        max_rows = FUSED_MAX_ROWS
         for at, weight, bias, n, k, order in linears:
             lin = self._linear_entries(weight, bias, n, k, keep, order)
             if lin is None:
@@ -261,7 +260,7 @@ class FusedLayers:
             return None
         keep.append(packed)
         lin[C["LIN_FMT"]], lin[C["LIN_W"]] = C["LIN_F32"], packed.data_ptr()
-        return lin, NATIVE_LINEAR_MAX_ROWS
+        return lin, FUSED_MAX_ROWS
 
     def _stacked_parts(self, weight: StackedWeight, bias, n: int, k: int, keep):
         """A stacked linear's LIN_STACK table (kept alive in ``keep``), or None."""

@@ -10,13 +10,14 @@ arithmetic: RMSNorm alone is six ops. The native version of ``add_rms_norm`` upd
 ``residual`` in place.
 
 Linear layers go through ``ops.linear`` too, with weights packed once at load. In
-float32 with up to 256 rows (decode steps), the native library's own linear
-(``csrc/gemm_cpu.c``, AVX-512 or AVX2) runs: in a decode forward of the default model
-its linears take 10-35% less time than oneDNN's packed linear or ``F.linear`` (oneDNN
-ran three of the four layer shapes at one core's speed on two cores); each output is
-one multiply-add chain in k order, so a row's result does not depend on the other rows
-in the batch. Larger float32 batches use ``F.linear`` on AVX-512 builds (oneDNN's packed
-weights measured 1.02-1.04x its time there) and oneDNN's packed weights on AVX2 builds
+float32 the native library's own linear (``csrc/gemm_cpu.c``) runs at every row count
+on AVX-512 builds and up to 256 rows (decode steps) on AVX2 builds
+(:data:`NATIVE_LINEAR_ROWS`): in a decode forward of the default model its linears take
+10-35% less time than oneDNN's packed linear or ``F.linear`` (oneDNN ran three of the
+four layer shapes at one core's speed on two cores), and at prefill sizes on a Zen 5 it
+ran at 0.87-0.98 of the FMA peak where ``F.linear`` ran at 0.4; each output is one
+multiply-add chain in k order, so a row's result does not depend on the other rows in
+the batch. Larger float32 batches on AVX2 builds use oneDNN's packed weights
 (0.78-0.91x ``F.linear``'s time at 300-2048 rows on an AMD EPYC). bfloat16 uses weights pre-packed
 for oneDNN at every size (15-50% faster than ``F.linear``) where oneDNN has a bfloat16
 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere ``F.linear``), as does float32 on
@@ -61,8 +62,17 @@ from pagedserve.kernels.quant import QuantizedWeight, StackedWeight
 
 log = logging.getLogger("pagedserve.kernels.cpu.layer_ops")
 
-NATIVE_LINEAR_MAX_ROWS = 256
-"""Float32 row counts up to which the native linear runs (where the CPU has it)."""
+NATIVE_LINEAR_ROWS = {"avx512": None, "avx2": 256}
+"""Float32 row counts up to which the native linear runs, by build level (None: every
+count). Past 256 rows AVX2 builds take oneDNN's packed weights, which measured 0.90-0.99x
+the native linear's time at 256-2,048 rows (oneDNN and MKL held to AVX2 on a Zen 5); on
+AVX-512 builds the native linear measured 0.92-1.09x oneDNN's packed weights' time and
+0.39-0.48x ``F.linear``'s (torch's MKL reached 0.4 of the FMA peak on that AMD CPU;
+BENCHMARKS.md A18)."""
+FUSED_MAX_ROWS = 256
+"""The most rows a step fuses its decoder layers for (the fused call's scratch grows with
+its rows): float32 weights' limit there (quantized weights: the least of this and
+:meth:`NativeLayerOps.quant_rows`)."""
 PACKED_F32_ROWS = (2, 1024)
 """Without the native linear: row counts for which float32 uses oneDNN's packed weights
 (bfloat16: every count)."""
@@ -152,14 +162,20 @@ class NativeLayerOps(TorchLayerOps):
         self._packing_bf16 = self._packing and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         # Float32 batches past the native linear's rows: oneDNN's packed weights where
         # they beat F.linear (AVX2 builds; see the module docstring).
-        self._packed_above_native = self._gemm and self._packing and self.isa == "avx2"
+        self.native_max_rows = NATIVE_LINEAR_ROWS.get(self.isa, FUSED_MAX_ROWS)
+        """Float32 row counts up to which the native linear runs (None: every count)."""
+        self._packed_above_native = (self._gemm and self._packing
+                                     and self.native_max_rows is not None)  # fmt: skip
 
     def paths(self) -> dict[str, str]:
         """What each op runs here: ``layer_ops`` (the library's vector level),
         ``linear_f32``, ``linear_bf16`` and ``linear_quant`` (weight-only quantized)."""
         if self._gemm:
-            above = "onednn-packed" if self._packed_above_native else "torch"
-            f32 = f"native-{self.isa} (1-{NATIVE_LINEAR_MAX_ROWS} rows), {above} above"
+            if self.native_max_rows is None:
+                f32 = f"native-{self.isa} (every row count)"
+            else:
+                above = "onednn-packed" if self._packed_above_native else "torch"
+                f32 = f"native-{self.isa} (1-{self.native_max_rows} rows), {above} above"
         elif self._packing:
             f32 = f"onednn-packed ({PACKED_F32_ROWS[0]}-{PACKED_F32_ROWS[1]} rows), torch else"
         else:
@@ -268,7 +284,8 @@ class NativeLayerOps(TorchLayerOps):
 
     def _use_native(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         if not (self._gemm and x.dim() == 2 and weight.dim() == 2
-                and 1 <= x.shape[0] <= NATIVE_LINEAR_MAX_ROWS and x.shape[1] == weight.shape[1]
+                and 1 <= x.shape[0] <= (self.native_max_rows or x.shape[0])
+                and x.shape[1] == weight.shape[1]
                 and x.stride(1) == 1 and _native_dtype(x, weight) == "f32"):  # fmt: skip
             return False
         return bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous()
@@ -361,7 +378,7 @@ class NativeLayerOps(TorchLayerOps):
         if x.dtype != torch.float32:
             return False
         if self._gemm:
-            return self._packed_above_native and x.shape[0] > NATIVE_LINEAR_MAX_ROWS
+            return self._packed_above_native and x.shape[0] > self.native_max_rows
         return PACKED_F32_ROWS[0] <= x.shape[0] <= PACKED_F32_ROWS[1]
 
     @staticmethod

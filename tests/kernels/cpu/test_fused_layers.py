@@ -9,7 +9,7 @@ import torch
 
 from pagedserve.engine.models.decoder import DecoderForCausalLM, DecoderSpec, QuantLinear
 from pagedserve.kernels.cpu.backend import CpuBackend
-from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS, NativeLayerOps
+from pagedserve.kernels.cpu.layer_ops import FUSED_MAX_ROWS, NativeLayerOps
 from pagedserve.kernels.interface import AttentionMetadata
 from pagedserve.kernels.quant import StackedWeight
 from pagedserve.kernels.torch_ref import quantize_kv_rows
@@ -256,7 +256,7 @@ def test_a_row_of_nan_stays_in_its_row(native_lib):
 def test_steps_past_the_fused_rows_take_the_loop(native_lib):
     # A quantized model fuses steps of up to the quantized kernel's row limit, and never
     # more than the float32 limit (the fused call's scratch grows with its rows).
-    rows = min(NativeLayerOps(native_lib).quant_max_rows, NATIVE_LINEAR_MAX_ROWS) + 1
+    rows = min(NativeLayerOps(native_lib).quant_max_rows, FUSED_MAX_ROWS) + 1
     _compare(native_lib, _model("llama", "q4_1"), [1, rows - 1], [10, 0], False)
     _compare(native_lib, _model("llama", "q4_1"), [1, rows - 2], [10, 0], True)
 

@@ -172,7 +172,7 @@ def test_other_dtypes_and_layouts_fall_back_to_torch(native) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 64, 300, 1500])
 def test_linear_with_packed_weights(native, rows, dtype) -> None:
-    from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_MAX_ROWS
+    from pagedserve.kernels.cpu.layer_ops import NATIVE_LINEAR_ROWS
 
     w, b = randn(96, 64).to(dtype), randn(96, seed=6).to(dtype)
     x = randn(rows, 64, seed=7).to(dtype)
@@ -184,24 +184,32 @@ def test_linear_with_packed_weights(native, rows, dtype) -> None:
     onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert paths["linear_bf16"] == ("onednn-packed" if onednn_bf16 else "torch")
     native_linear = dtype == torch.float32 and native._gemm
-    # Float32 batches past the native linear take oneDNN's packed weights on AVX2 builds
-    # (measured faster than F.linear there), F.linear on AVX-512 builds.
-    packed_above = native_linear and cpu_native.isa(native._lib) == "avx2" \
-        and torch.backends.mkldnn.is_available()  # fmt: skip
+    # The native float32 linear takes every row count on AVX-512 builds; past 256 rows
+    # AVX2 builds take oneDNN's packed weights (measured faster there).
+    level = cpu_native.isa(native._lib)
+    assert native.native_max_rows == NATIVE_LINEAR_ROWS.get(level, 256)
+    assert native.native_max_rows == (None if level == "avx512" else 256)
+    packed_above = native_linear and level == "avx2" and torch.backends.mkldnn.is_available()
+    limit = native.native_max_rows or rows
     if native_linear:
-        assert paths["linear_f32"].startswith(f"native-{cpu_native.isa(native._lib)}")
+        assert paths["linear_f32"].startswith(f"native-{level}")
         assert hasattr(w, "_pagedserve_native_packed")
         assert hasattr(w, "_pagedserve_packed") == packed_above
-        assert paths["linear_f32"].endswith("onednn-packed above" if packed_above
-                                            else "torch above")  # fmt: skip
+        assert paths["linear_f32"].endswith(
+            "(every row count)" if level == "avx512"
+            else "onednn-packed above" if packed_above else "torch above")
     elif dtype == torch.float32 and torch.backends.mkldnn.is_available() or onednn_bf16:
         assert hasattr(w, "_pagedserve_packed")
     else:
         assert not hasattr(w, "_pagedserve_packed")
     tol = dict(atol=3e-2, rtol=1.6e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(native.linear(x, w, b), F.linear(x, w, b), **tol)
-    if native_linear and rows > NATIVE_LINEAR_MAX_ROWS and not packed_above:
+    if native_linear and rows > limit and not packed_above:
         assert torch.equal(native.linear(x, w, b), F.linear(x, w, b))  # F.linear itself
+    if native_linear and rows <= limit:
+        # The native linear's rows do not depend on one another: the batch's last row
+        # alone gives the same bits.
+        assert torch.equal(native.linear(x, w, b)[-1:], native.linear(x[-1:], w, b))
     # An in-place weight update is seen: the packed copy is rebuilt.
     w.mul_(2)
     tol = dict(atol=6e-2, rtol=1.6e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=1e-5)
