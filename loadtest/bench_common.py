@@ -203,6 +203,9 @@ class StepRecord:
     num_sampled: int
     num_decodes: int
     seconds: float
+    context_tokens: int = 0
+    """Tokens of context the step's attention read (every request's, computed ones
+    included)."""
 
 
 @dataclass
@@ -293,7 +296,8 @@ def run_engine(llm, workload: Workload, sample_stats: bool = True) -> EngineRun:
             if out.finished:
                 results[out.request_id] = out
         if (ran := eng.last_step) is not None:
-            steps.append(StepRecord(ran.num_tokens, ran.num_sampled, ran.num_decodes, te - ts))
+            steps.append(StepRecord(ran.num_tokens, ran.num_sampled, ran.num_decodes, te - ts,
+                                    ran.num_context_tokens))
         if sample_stats:
             st = kv.stats()
             peak_waste = max(peak_waste, st.waste)

@@ -163,18 +163,29 @@ def token_flops(spec) -> tuple[int, int]:
     return 2 * layers, 2 * h * spec.vocab_size
 
 
-def arithmetic_bound(spec, steps: Sequence[StepRecord], peak_gflops: float) -> dict[str, Any]:
+def arithmetic_bound(spec, steps: Sequence[StepRecord], peak_gflops: float,
+                     kv_bytes_per_token: int | None = None,
+                     read_gbs: float | None = None) -> dict[str, Any]:  # fmt: skip
     """The time the matrix products of the tokens ``steps`` computed take at
     ``peak_gflops``, the CPU's multiply-add peak: a bound no engine computing the same
     products can beat on this host (attention and everything else left out). Without
     preemptions (recomputed tokens count) and prefix-cache hits (cached ones do not),
-    these are exactly the workload's products."""
+    these are exactly the workload's products.
+
+    With ``kv_bytes_per_token`` and ``read_gbs`` (the host's read bandwidth, GB/s), also
+    the time the attention's reads of K/V take at that bandwidth (each step reads its
+    requests' whole context once), and ``bound_with_kv_s``: the products at the peak
+    plus those reads, a bound for an engine that does not overlap the two."""
     per_token, per_row = token_flops(spec)
     layers = per_token * sum(s.num_tokens for s in steps)
     head = per_row * sum(s.num_sampled for s in steps)
-    return {"matmul_flops": layers + head, "layers_flops": layers, "lm_head_flops": head,
-            "fma_peak_gflops": peak_gflops,
-            "bound_s": (layers + head) / (peak_gflops * 1e9)}
+    out = {"matmul_flops": layers + head, "layers_flops": layers, "lm_head_flops": head,
+           "fma_peak_gflops": peak_gflops, "bound_s": (layers + head) / (peak_gflops * 1e9)}
+    if kv_bytes_per_token and read_gbs:
+        kv = kv_bytes_per_token * sum(s.context_tokens for s in steps)
+        out.update(kv_read_bytes=kv, read_gbs=read_gbs, kv_read_s=kv / (read_gbs * 1e9),
+                   bound_with_kv_s=out["bound_s"] + kv / (read_gbs * 1e9))
+    return out
 
 
 def step_breakdown(steps: Sequence[StepRecord], floor: dict[str, Any] | None) -> dict[str, Any]:

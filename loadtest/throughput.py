@@ -8,7 +8,8 @@ kernels built at the CPU's best vector level, in one process (no tensor parallel
 also reports the arithmetic bound: the FLOPs of the matrix products the run computed at
 this CPU's measured multiply-add peak, the least time any engine computing the same
 products needs here (and, with ``--compare-hf``, HF static's time over it: the highest
-ratio this host allows). ``--compare-hf`` runs the same requests with
+ratio this host allows), and that bound plus the attention's reads of K/V at the host's
+measured read bandwidth (each step's context read once). ``--compare-hf`` runs the same requests with
 HF transformers (static batching and its own continuous batching) in the same process.
 
 Also runnable as ``python -m pagedserve.loadtest.throughput``.
@@ -39,6 +40,7 @@ from pagedserve.loadtest.bench_common import (
     vocab_token_ids,
     warm_up,
 )
+from pagedserve.loadtest.decode_bench import ReadBandwidth, kv_bytes_per_token
 from pagedserve.loadtest.linear_floor import arithmetic_bound, linear_floor, step_breakdown
 from pagedserve.loadtest.op_times import OpTimes, format_report
 from pagedserve.loadtest.workloads import Workload, random_workload, shared_prefix_workload
@@ -185,6 +187,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                and worker.cpu_paths["layer_ops"] == worker.cpu_paths["levels"][-1])
     peak_of = worker.attn.ops.fma_peak_gflops if bounded else None
     spec = worker.model.spec
+    kv_token = kv_bytes_per_token(worker) if bounded else None
     llm.close()
     del llm, worker, tp
     gc.collect()
@@ -192,9 +195,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     peak = peak_of(threads) if peak_of is not None else None
     del peak_of
     if peak is not None:
-        ps["arithmetic"] = arithmetic_bound(spec, run.steps, peak)
-        ps["arithmetic"].update(threads=threads,
-                                fraction_of_peak=ps["arithmetic"]["bound_s"] / run.elapsed_s)
+        read_gbs = ReadBandwidth()(repeats=5)
+        ar = ps["arithmetic"] = arithmetic_bound(spec, run.steps, peak, kv_token, read_gbs)
+        ar.update(threads=threads, fraction_of_peak=ar["bound_s"] / run.elapsed_s,
+                  fraction_with_kv=ar["bound_with_kv_s"] / run.elapsed_s)
 
     _print_engine(run, ps, floor, breakdown)
     if timers is not None:
@@ -258,6 +262,9 @@ def _print_engine(run: EngineRun, ps: dict[str, Any], floor: dict[str, Any] | No
               f"{ar['lm_head_flops'] / 1e12:.3f}); FMA peak {ar['fma_peak_gflops']:.1f} "
               f"GFLOP/s on {ar['threads']} threads: {ar['bound_s']:.2f} s at peak, the run "
               f"at {ar['fraction_of_peak']:.2f} of it")
+        print(f"               with the attention's K/V reads: {ar['kv_read_bytes'] / 1e9:.1f} "
+              f"GB at the measured {ar['read_gbs']:.1f} GB/s read ({ar['kv_read_s']:.2f} s): "
+              f"{ar['bound_with_kv_s']:.2f} s, the run at {ar['fraction_with_kv']:.2f} of it")
 
 
 def _repeat_pairs(args, workload: Workload, model_path, dtype: str,

@@ -66,6 +66,9 @@ class StepStats:
     """The forward pass and sampling."""
     output_s: float
     """Updating the requests and building the outputs."""
+    num_context_tokens: int = 0
+    """Tokens of context the step's attention reads: each scheduled request's computed
+    tokens and the ones it computed this step."""
 
 
 @dataclass(slots=True)
@@ -341,10 +344,12 @@ class LLMEngine:
         if self.kv_store is not None and sched.blocks_to_write:
             self.kv_store.after_forward(sched, self.kv.pool)
         counts = sched.num_scheduled_tokens.values()
+        context = sched.total_num_scheduled_tokens + sum(
+            r.num_computed_tokens for r in (*sched.new_requests, *sched.cached_requests))
         self.last_step = StepStats(
             sched.total_num_scheduled_tokens, len(counts), sum(1 for n in counts if n == 1),
             0 if result is None else len(result.req_ids), t1 - t0, t2 - t1,
-            time.perf_counter() - t2)  # fmt: skip
+            time.perf_counter() - t2, context)  # fmt: skip
         return outputs
 
     def _idle(self, failed: bool) -> None:

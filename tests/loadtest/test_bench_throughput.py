@@ -103,6 +103,27 @@ def test_arithmetic_bound_of_recorded_steps():
     assert (b["layers_flops"], b["lm_head_flops"]) == (13 * 336, 3 * 80)
     assert b["matmul_flops"] == 13 * 336 + 3 * 80
     assert b["bound_s"] == pytest.approx((13 * 336 + 3 * 80) / 2e9)
+    assert "bound_with_kv_s" not in b  # no bandwidth given
+    steps = [StepRecord(9, 1, 0, 0.3, 9), StepRecord(4, 2, 2, 0.1, 30)]
+    b = linear_floor.arithmetic_bound(spec, steps, 2.0, kv_bytes_per_token=8, read_gbs=4.0)
+    assert b["kv_read_bytes"] == 39 * 8 and b["kv_read_s"] == pytest.approx(39 * 8 / 4e9)
+    assert b["bound_with_kv_s"] == pytest.approx(b["bound_s"] + 39 * 8 / 4e9)
+
+
+def test_steps_record_the_context_their_attention_reads(tiny_llama):
+    from pagedserve import LLM
+    from pagedserve.loadtest.bench_common import run_engine
+    from pagedserve.loadtest.workloads import BenchRequest, Workload
+
+    work = Workload("two", [BenchRequest(list(range(5, 15)), 3),
+                            BenchRequest(list(range(20, 26)), 2)], {})
+    with LLM(model=tiny_llama, kv_cache_memory_gb=0.02, max_model_len=512,
+             enable_prefix_caching=False) as llm:
+        run = run_engine(llm, work)
+    # One step prefills both prompts (10 + 6 tokens) and samples their first tokens;
+    # each decode step then reads every running request's prompt and tokens so far.
+    assert [(s.num_tokens, s.context_tokens) for s in run.steps] == [
+        (16, 16), (2, 11 + 7), (1, 12)]
 
 
 def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
@@ -158,6 +179,12 @@ def test_throughput_bench_with_hf(tiny_llama, tmp_path, capsys):
         assert rep["ceiling_vs_hf_static"] == pytest.approx(
             rep["hf_static"]["elapsed_s"] / ar["bound_s"])
         assert "arithmetic:" in text and "ceiling vs hf static:" in text
+        # With the attention's K/V reads at the measured bandwidth: more time, a higher
+        # fraction of it.
+        assert ar["read_gbs"] > 0 and ar["kv_read_bytes"] > 0
+        assert ar["bound_with_kv_s"] == pytest.approx(ar["bound_s"] + ar["kv_read_s"])
+        assert ar["fraction_with_kv"] > ar["fraction_of_peak"]
+        assert "with the attention's K/V reads:" in text
 
 
 def test_throughput_bench_repeated_pairs(tiny_llama, tmp_path, capsys):
