@@ -64,11 +64,11 @@ log = logging.getLogger("pagedserve.kernels.cpu.layer_ops")
 
 NATIVE_LINEAR_ROWS = {"avx512": None, "avx2": 256}
 """Float32 row counts up to which the native linear runs, by build level (None: every
-count). Past 256 rows AVX2 builds take oneDNN's packed weights, which measured 0.90-0.99x
-the native linear's time at 256-2,048 rows (oneDNN and MKL held to AVX2 on a Zen 5); on
-AVX-512 builds the native linear measured 0.92-1.09x oneDNN's packed weights' time and
-0.39-0.48x ``F.linear``'s (torch's MKL reached 0.4 of the FMA peak on that AMD CPU;
-BENCHMARKS.md A18)."""
+count). Past 256 rows AVX2 builds take oneDNN's packed weights: the native linear took
+0.93-1.11x their time at 256-2,048 rows (oneDNN and MKL held to AVX2 on a Zen 5). On
+AVX-512 builds the native linear took 0.85-1.09x the time of oneDNN's packed weights and
+0.38-0.48x ``F.linear``'s at 64-2,048 rows (torch's MKL ran at about 0.4 of the FMA peak
+on that AMD CPU; BENCHMARKS.md A6), and needs no second copy of the weights."""
 FUSED_MAX_ROWS = 256
 """The most rows a step fuses its decoder layers for (the fused call's scratch grows with
 its rows): float32 weights' limit there (quantized weights: the least of this and
