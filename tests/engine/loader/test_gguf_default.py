@@ -81,3 +81,29 @@ def test_a_gguf_file_with_experts_is_expanded(tiny_model_factory, monkeypatch):
     assert got.quantization is None  # and the float dtype this CPU computes in
     assert got.dtype == settings_mod.resolve_dtype("auto", got.hf_config, CPU)
     assert got.config.quantization is None  # the settings as given
+
+
+def test_a_gguf_file_without_kept_quantized_tensors_is_expanded(gemma3_gguf, monkeypatch):
+    """A file whose tensors are all in formats the engine does not keep (this one float32)
+    is served expanded even where the default applies: the same model, the same greedy
+    tokens as asking for its dtype."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.engine.worker import settings as settings_mod
+
+    real = settings_mod.gguf_by_default
+    assert real(EngineConfig(model=str(gemma3_gguf)), CPU, cpu_level="avx2", cpu_native_bf16=False)
+    # The default as an AVX2 CPU without bfloat16 answers it (a dtype still turns it off).
+    monkeypatch.setattr(settings_mod, "gguf_by_default", lambda config, device: real(
+        config, device, cpu_level="avx2", cpu_native_bf16=False))
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    with LLM(str(gemma3_gguf), device="cpu", kv_cache_memory_gb=0.05) as llm:
+        got = llm.engine.worker.settings
+        assert got.quantization is None and got.config.quantization is None
+        assert llm.engine.worker.quant_desc is None
+        assert got.dtype == settings_mod.resolve_dtype("auto", got.hf_config, CPU)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    dtype = str(got.dtype).removeprefix("torch.")
+    with LLM(str(gemma3_gguf), device="cpu", dtype=dtype, kv_cache_memory_gb=0.05) as given:
+        assert [o.outputs[0].token_ids for o in given.generate(prompts, sp)] == tokens
+    assert all(len(t) == 8 for t in tokens)
