@@ -53,6 +53,7 @@ SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "
                                    "shm_sync.c"))
 HEADERS = tuple(CSRC / f for f in ("abi.h", "convert.h", "paged_attention_portable.h",
                                    "paged_attention_vec.h", "paged_attention_tiled.h",
+                                   "paged_attention_tiled16.h",
                                    "paged_attention_write.h", "pool.h",
                                    "qgemm_blocks.h", "qgemm_dequant.h", "qgemm_i8.h",
                                    "qgemm_i8_kern.h", "qgemm_i8_wide.h", "qgemm_i8_portable.h",

@@ -40,12 +40,22 @@ static inline int tiled_rows_seeing(int L0, int T, int G, int window, int t, int
     return j1 * G;
 }
 
+#if SIMD_VW == 16
+/* attend_tiled16: the 16-lane tiles, rows across the lanes. */
+#include "paged_attention_tiled16.h"
+#endif
+
 /* Floats of scratch a worker needs for a tiled item with ``group`` query heads per KV
  * head: Q and O (rows x D), P (rows x TK), four per-row values, K^T, and (the portable
- * loops) a run of V rows and one converted row. */
+ * loops) a run of V rows and one converted row; at 16 lanes, at least attend_tiled16's. */
 static size_t tiled_scratch_floats(int group, int head_dim) {
     const size_t rows = (size_t)TILED_TILE * group;
-    return rows * (2 * (size_t)head_dim + TK + 4) + 2 * (size_t)head_dim * TK + head_dim + 32;
+    size_t floats = rows * (2 * (size_t)head_dim + TK + 4) + 2 * (size_t)head_dim * TK + head_dim + 32;
+#if SIMD_VW == 16
+    const size_t wide = tiled16_scratch_floats(group, head_dim);
+    floats = wide > floats ? wide : floats;
+#endif
+    return floats;
 }
 
 /* The same tiles in plain loops (any head_dim; the compiler vectorizes the loops over
@@ -376,17 +386,24 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
     }
 }
 
+/* The tiles of this build's width: rows across the lanes at 16, keys at 8. */
+#if VW == 16
+#define ATTEND_TILED_BODY attend_tiled16
+#else
+#define ATTEND_TILED_BODY attend_tiled
+#endif
+
 #define ATTEND_TILED_FOR(name, code)                                                   \
     static __attribute__((noinline)) void name##_options(const item_t *it,            \
                                                          const shape_t *sh,           \
                                                          float *scratch) {            \
-        attend_tiled(it, sh, code, scratch, 1);                                        \
+        ATTEND_TILED_BODY(it, sh, code, scratch, 1);                                   \
     }                                                                                  \
     static void name(const item_t *it, const shape_t *sh, float *scratch) {            \
         if (sh->window > 0 || sh->softcap > 0.0f)                                      \
             name##_options(it, sh, scratch);                                           \
         else                                                                           \
-            attend_tiled(it, sh, code, scratch, 0);                                    \
+            ATTEND_TILED_BODY(it, sh, code, scratch, 0);                               \
     }
 ATTEND_TILED_FOR(attend_tiled_f32, DTYPE_F32)
 ATTEND_TILED_FOR(attend_tiled_bf16, DTYPE_BF16)
