@@ -10,7 +10,7 @@ through 30 layers laid out as the engine's KV cache (huge pages, blocks in order
 64-request decode batch at contexts of 100-400 the same way.
 ``--threads 1 --cpu-time`` measures one core by its thread CPU time, which holds on a
 machine shared with other work. ``--against LIB.so`` times another build of the library
-(an earlier commit's) on the 30-layer decodes in turn with this tree's, and prints the ratio.
+(an earlier commit's) on every case in turn with this tree's, and prints the ratio.
 
 It runs with ``GOMP_SPINCOUNT=1000``, as ``pagedserve`` runs the engine: unless that or
 ``OMP_WAIT_POLICY`` is set already, it starts itself again with it set (libgomp reads it
@@ -99,11 +99,18 @@ def bench_step(name: str, step: PagedStep, iters: int) -> dict[str, float]:
     return result
 
 
-def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool) -> None:
-    """The native kernel at long contexts: prefill chunks and decodes."""
+def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool,
+               against: str | None = None) -> None:
+    """The native kernel at long contexts: prefill chunks and decodes. ``against``:
+    another build of the library, timed in turn with this tree's on each case (each
+    reported with its ratio to this tree's)."""
+    from pagedserve.kernels.cpu import abi
     from pagedserve.kernels.cpu import native as cpu_native
 
-    lib = cpu_native.build_library(level)
+    libs = {level: cpu_native.build_library(level)}
+    if against is not None:
+        libs[against] = ctypes.CDLL(against)
+        abi.declare(libs[against])
     clock = time.thread_time if cpu_time else time.perf_counter
     from pagedserve.kernels.interface import kv_row_width
     from pagedserve.kernels.torch_ref import quantize_kv_rows
@@ -122,24 +129,27 @@ def bench_long(level: str, dtype: torch.dtype, iters: int, cpu_time: bool) -> No
         caches = (st.k_cache, st.v_cache) if dtype != torch.int8 else (
             quantize_kv_rows(st.k_cache), quantize_kv_rows(st.v_cache))
 
-        def call(st=st, m=m, seq=seq, caches=caches) -> None:
+        def call(lib, st=st, m=m, seq=seq, caches=caches) -> None:
             cpu_native.paged_attention(lib, st.query, *caches, m.block_tables,
                                        m.seq_lens, max(seq), st.scale,
                                        query_start_loc=m.query_start_loc)  # fmt: skip
 
-        for _ in range(3):  # warm: the caches, and the pool's workers awake
-            call()
-        best = float("inf")
+        best = dict.fromkeys(libs, float("inf"))
         for _ in range(iters):
-            start = clock()
-            call()
-            best = min(best, clock() - start)
+            for name, lib in libs.items():  # in turn: the machine's state is shared
+                for _ in range(2):  # warm: the caches, and this library's pool awake
+                    call(lib)
+                start = clock()
+                call(lib)
+                best[name] = min(best[name], clock() - start)
         # Causal products: token j of a chunk sees (context - q_len + 1 + j) rows.
         flops = sum(4 * 9 * 64 * sum(n - k + 1 + j for j in range(k)) for n, k in zip(seq, q, strict=True))
         kv = sum(2 * 3 * row_bytes * n for n in seq)
-        log.info("%-6s ctx %5d%-4s q %4d: %8.2f ms  %6.1f GFLOP/s  %6.2f GB/s", level, seq[0],
-                 f"+{len(seq) - 1}" if len(seq) > 1 else "", q[0], best * 1e3,
-                 flops / best / 1e9, kv / best / 1e9)  # fmt: skip
+        for name, t in best.items():
+            ratio = f"  ({t / best[level]:.2f}x this tree's)" if name != level else ""
+            log.info("%-6s ctx %5d%-4s q %4d: %8.2f ms  %6.1f GFLOP/s  %6.2f GB/s%s", name, seq[0],
+                     f"+{len(seq) - 1}" if len(seq) > 1 else "", q[0], t * 1e3,
+                     flops / t / 1e9, kv / t / 1e9, ratio)  # fmt: skip
 
 
 def bench_layers(level: str, dtype: torch.dtype, iters: int, layers: int = 30,
@@ -248,8 +258,8 @@ def main() -> None:
     parser.add_argument("--level", default=None, help="native build level (--long; default: "
                         "the best this CPU runs)")
     parser.add_argument("--against", default=None, metavar="LIB.so",
-                        help="--long: also time the 30-layer decode with this build of the "
-                        "native library, in turn with this tree's")
+                        help="--long: also time every case with this build of the native "
+                        "library, in turn with this tree's")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time by the calling thread's CPU time (--long, with --threads 1)")
     args = parser.parse_args()
@@ -264,7 +274,7 @@ def main() -> None:
 
         log.info("%s", _omp_wait())
         level = args.level or cpu_native.runnable_levels()[-1]
-        bench_long(level, dtype, args.iters, args.cpu_time)
+        bench_long(level, dtype, args.iters, args.cpu_time, against=args.against)
         bench_layers(level, dtype, args.iters, against=args.against)
         bench_layers(level, dtype, args.iters, contexts=_batch_contexts(), against=args.against)
         return

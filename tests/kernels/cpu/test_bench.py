@@ -86,6 +86,21 @@ def test_layers_bench_times_another_build_in_turn(caplog) -> None:
     assert float(m.group(1)) == pytest.approx(ms_theirs / ms_mine, abs=0.006)
 
 
+def test_long_context_bench_times_another_build_on_every_case(caplog) -> None:
+    level = cpu_native.runnable_levels()[0]
+    other = cpu_native.build_library(level)._name
+    with caplog.at_level(logging.INFO, logger="pagedserve.kernels.cpu.bench"):
+        bench.bench_long(level, torch.float32, iters=1, cpu_time=True, against=other)
+    records = caplog.records
+    assert len(records) == 12  # each case: this tree's line, then the other build's
+    for mine, theirs in zip(records[::2], records[1::2], strict=True):
+        assert mine.args[0] == level and theirs.args[0] == other
+        assert mine.args[1:4] == theirs.args[1:4]  # the same case
+        m = re.search(r"\(([\d.]+)x this tree's\)$", theirs.getMessage())
+        assert m, theirs.getMessage()
+        assert float(m.group(1)) == pytest.approx(theirs.args[4] / mine.args[4], abs=0.006)
+
+
 def test_the_bench_runs_again_with_the_engine_spin_unless_the_wait_is_set(monkeypatch) -> None:
     """Without ``GOMP_SPINCOUNT``, libgomp's idle thread would hold the second core after
     every torch op and halve a two-thread kernel timed right after one."""
