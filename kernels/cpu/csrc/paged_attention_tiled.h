@@ -40,6 +40,45 @@ static inline int tiled_rows_seeing(int L0, int T, int G, int window, int t, int
     return j1 * G;
 }
 
+#if SIMD_VW
+/* A run of the vector paths' tiled sweep: the keys at context row ``t`` (``n`` of them,
+ * within one block, at most TK), its first row's element offset for KV head ``h``, and
+ * the rows ``r0 .. r1 - 1`` of the tile that see some of it (tokens before j0 see none of
+ * it, nor, under a window, rows from r1 on). The next run's K and V rows are fetched
+ * into L2 while this one is computed: its block is anywhere in the pool, out of the
+ * hardware prefetcher's reach. */
+typedef struct {
+    int n, r0, r1;
+    int64_t first;
+} tiled_run_t;
+
+static inline __attribute__((always_inline)) tiled_run_t tiled_run_at(const item_t *it,
+                                                                      const shape_t *sh,
+                                                                      const int dtype, int h,
+                                                                      int t, int W) {
+    const int G = sh->group, T = it->ntok, L0 = it->seq_len, L = L0 + T - 1;
+    const int bs = sh->block_size, in_block = t % bs;
+    const int64_t stride = sh->row_stride;
+    tiled_run_t run;
+    run.n = bs - in_block < TK ? bs - in_block : TK;
+    run.n = run.n < L - t ? run.n : L - t;
+    run.first = cache_at(sh, it->table[t / bs], in_block, h);
+    const int j0 = t - L0 + 1 > 0 ? t - L0 + 1 : 0;
+    run.r0 = j0 * G;
+    run.r1 = W > 0 ? tiled_rows_seeing(L0, T, G, W, t, run.n) : T * G;
+    if (t + run.n < L) {
+        const int tn = t + run.n, elem = elem_bytes(dtype), rb = sh->row_elems * elem;
+        const int64_t next = cache_at(sh, it->table[tn / bs], tn % bs, h);
+        const int nn = bs - tn % bs < TK ? bs - tn % bs : TK;
+        for (int k = 0; k < nn && tn + k < L; ++k) {
+            prefetch_bytes((const char *)sh->k_cache + (next + k * stride) * elem, rb);
+            prefetch_bytes((const char *)sh->v_cache + (next + k * stride) * elem, rb);
+        }
+    }
+    return run;
+}
+#endif
+
 #if SIMD_VW == 16
 /* attend_tiled16: the 16-lane tiles, rows across the lanes. */
 #include "paged_attention_tiled16.h"
@@ -329,25 +368,9 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
         memset(o, 0, sizeof(float) * (size_t)rows * D);
         const int h = it->h0 + hh;
         for (int t = tiled_start(L0, W, bs); t < L;) {
-            const int b = t / bs, in_block = t % bs;
-            int n = bs - in_block; /* the rest of this block, at most TK, within L */
-            n = n < TK ? n : TK;
-            n = n < L - t ? n : L - t;
-            const int64_t first = cache_at(sh, it->table[b], in_block, h);
-            /* Tokens before j0 see none of this run, nor (under a window) rows from r1 on. */
-            const int j0 = t - L0 + 1 > 0 ? t - L0 + 1 : 0;
-            const int r0 = j0 * G, r1 = W > 0 ? tiled_rows_seeing(L0, T, G, W, t, n) : rows;
-            if (t + n < L) {
-                /* The next run's K and V rows into L2 while this one is computed: its
-                 * block is anywhere in the pool, out of the hardware prefetcher's reach. */
-                const int tn = t + n, elem = elem_bytes(dtype), rb = sh->row_elems * elem;
-                const int64_t next = cache_at(sh, it->table[tn / bs], tn % bs, h);
-                const int nn = bs - tn % bs < TK ? bs - tn % bs : TK;
-                for (int k = 0; k < nn && tn + k < L; ++k) {
-                    prefetch_bytes((const char *)sh->k_cache + (next + k * stride) * elem, rb);
-                    prefetch_bytes((const char *)sh->v_cache + (next + k * stride) * elem, rb);
-                }
-            }
+            const tiled_run_t run = tiled_run_at(it, sh, dtype, h, t, W);
+            const int n = run.n, r0 = run.r0, r1 = run.r1;
+            const int64_t first = run.first;
             tiled_transpose(sh->k_cache, dtype, first, stride, n, D, kt);
             for (int r = r0; r < r1; r += TR) {
                 const int mr = r1 - r < TR ? r1 - r : TR;

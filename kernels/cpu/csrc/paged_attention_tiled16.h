@@ -67,24 +67,9 @@ static inline __attribute__((always_inline)) void attend_tiled16_dim(const item_
         memset(ot, 0, sizeof(float) * (size_t)nrv * D * 16);
         const int h = it->h0 + hh;
         for (int t = tiled_start(L0, W, bs); t < L;) {
-            const int b = t / bs, in_block = t % bs;
-            int n = bs - in_block; /* the rest of this block, at most TK, within L */
-            n = n < TK ? n : TK;
-            n = n < L - t ? n : L - t;
-            const int64_t first = cache_at(sh, it->table[b], in_block, h);
-            /* Tokens before j0 see none of this run, nor (under a window) rows from r1 on. */
-            const int j0 = t - L0 + 1 > 0 ? t - L0 + 1 : 0;
-            const int r0 = j0 * G, r1 = W > 0 ? tiled_rows_seeing(L0, T, G, W, t, n) : rows;
-            if (t + n < L) {
-                /* The next run's K and V rows into L2 while this one is computed. */
-                const int tn = t + n, elem = elem_bytes(dtype), rb = sh->row_elems * elem;
-                const int64_t next = cache_at(sh, it->table[tn / bs], tn % bs, h);
-                const int nn = bs - tn % bs < TK ? bs - tn % bs : TK;
-                for (int k = 0; k < nn && tn + k < L; ++k) {
-                    prefetch_bytes((const char *)sh->k_cache + (next + k * stride) * elem, rb);
-                    prefetch_bytes((const char *)sh->v_cache + (next + k * stride) * elem, rb);
-                }
-            }
+            const tiled_run_t run = tiled_run_at(it, sh, dtype, h, t, W);
+            const int n = run.n, r0 = run.r0, r1 = run.r1;
+            const int64_t first = run.first;
             /* The run's K and V rows in float32 (int8: times their scales), zero past n. */
             for (int k = 0; k < TK; ++k) {
                 float *kr = krun + (size_t)k * D, *vr = vrun + (size_t)k * D;
