@@ -19,7 +19,9 @@
  * likewise: the sweep starts at the run of token 0's first visible row, the rows of
  * tokens whose window starts past a run skip it (they are the tile's last tokens), and
  * the scores before a token's first row are masked in the run that holds it; a soft cap
- * applies to the scores of a run before their softmax.
+ * applies to the scores of a run before their softmax. These are the 8-lane builds'
+ * tiles (and, in plain loops, the portable path's); the 16-lane builds put the rows
+ * across the lanes instead (paged_attention_tiled16.h), with the same runs and masks.
  */
 /* Keys per run. */
 #define TK 16
@@ -174,11 +176,12 @@ static void attend_tiled_portable(const item_t *it, const shape_t *sh, int dtype
     }
 }
 
-#if SIMD_VW
+#if SIMD_VW == 8
+/* The 8-lane tiles: keys across the lanes (the 16-lane builds' are attend_tiled16). */
 /* Vectors across a run. */
 #define NK (TK / VW)
 /* Query rows per register tile: NK (scores) or two (outputs) vectors each. */
-#define TR (VW == 16 ? 12 : 6)
+#define TR 6
 
 /* S rows ``r0 .. r0 + mr - 1`` = scale * Q rows . K^T. */
 static inline __attribute__((always_inline)) void tiled_scores(const float *q, const float *kt,
@@ -229,23 +232,6 @@ static inline __attribute__((always_inline)) void tiled_pv(const void *v_cache, 
 }
 
 /* Dispatch on the rows left, so that each body has a compile-time row count. */
-#if TR == 12
-#define FOR_TR(mr, CALL)                                                                 \
-    switch (mr) {                                                                        \
-        case 1: CALL(1); break;                                                          \
-        case 2: CALL(2); break;                                                          \
-        case 3: CALL(3); break;                                                          \
-        case 4: CALL(4); break;                                                          \
-        case 5: CALL(5); break;                                                          \
-        case 6: CALL(6); break;                                                          \
-        case 7: CALL(7); break;                                                          \
-        case 8: CALL(8); break;                                                          \
-        case 9: CALL(9); break;                                                          \
-        case 10: CALL(10); break;                                                        \
-        case 11: CALL(11); break;                                                        \
-        default: CALL(12); break;                                                        \
-    }
-#else
 #define FOR_TR(mr, CALL)                                                                 \
     switch (mr) {                                                                        \
         case 1: CALL(1); break;                                                          \
@@ -255,7 +241,6 @@ static inline __attribute__((always_inline)) void tiled_pv(const void *v_cache, 
         case 5: CALL(5); break;                                                          \
         default: CALL(6); break;                                                         \
     }
-#endif
 
 /* vf_exp, always inlined (GCC keeps it out of line in the windowed step otherwise). */
 static inline __attribute__((always_inline)) vf tiled_exp(vf x) {
@@ -344,7 +329,7 @@ static inline __attribute__((always_inline)) void tiled_transpose(const void *k_
  * h0 + nh - 1``, one KV head at a time. ``scratch``: tiled_scratch_floats(G, D).
  * ``options`` (a compile-time constant, as ``dtype``): sh->window and sh->softcap apply;
  * without, the loops hold no call of the windowed step or of tanhf (either there cost
- * 2-3% of a 512-token prefill on AVX-512, even untaken). */
+ * 2-3% of a 512-token prefill, even untaken, when these tiles ran on AVX-512). */
 static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
                                                                const shape_t *sh,
                                                                const int dtype, float *scratch,
@@ -409,13 +394,13 @@ static inline __attribute__((always_inline)) void attend_tiled(const item_t *it,
     }
 }
 
-/* The tiles of this build's width: rows across the lanes at 16, keys at 8. */
-#if VW == 16
-#define ATTEND_TILED_BODY attend_tiled16
-#else
 #define ATTEND_TILED_BODY attend_tiled
+#elif SIMD_VW == 16
+#define ATTEND_TILED_BODY attend_tiled16
 #endif
 
+#if SIMD_VW
+/* The tiles of this build's width: rows across the lanes at 16, keys at 8. */
 #define ATTEND_TILED_FOR(name, code)                                                   \
     static __attribute__((noinline)) void name##_options(const item_t *it,            \
                                                          const shape_t *sh,           \

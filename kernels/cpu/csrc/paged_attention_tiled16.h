@@ -1,6 +1,6 @@
 /*
  * The tiled prefill path at 16 lanes (AVX-512 builds), kept in its own file for length:
- * included once, at the end of paged_attention_tiled.h, whose run bounds it shares.
+ * included once, by paged_attention_tiled.h after its run helper (tiled_run_at).
  *
  * The query rows of a tile lie across the lanes: a row vector holds 16 rows (tokens x
  * the query heads sharing one KV head), with Q and O stored transposed (``[D][16]`` a
