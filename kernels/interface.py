@@ -181,14 +181,25 @@ class LayerWeights:
     """The layer's experts, in place of the dense MLP."""
     window: int = 0
     """The layer's sliding window (0: it attends to its whole context)."""
+    attn_out_norm: torch.Tensor | None = None
+    """Gemma: the RMSNorm weights of the attention's output before its residual add."""
+    mlp_out_norm: torch.Tensor | None = None
+    """Gemma: the RMSNorm weights of the MLP's output before its residual add."""
+    rope_cos: torch.Tensor | None = None
+    """The layer's own RoPE tables (Gemma 3's sliding layers), or None: the stack's."""
+    rope_sin: torch.Tensor | None = None
+    kv_group: int = 0
+    """The KV group whose block tables and slots the layer's attention takes (the step
+    metadata's ``groups[kv_group]``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class DecoderStack:
     """A model's decoder layers as a backend that runs them all in one call sees them
     (``run_layers``): sizes, weights and float32 RoPE tables ``[max_len, head_dim]``.
-    Each layer is pre-norm attention then a SiLU-gated MLP (or a mixture of such
-    experts), with the residual add fused into the next norm."""
+    Each layer is pre-norm attention then a gated MLP (or a mixture of experts), with the
+    residual add fused into the next norm; Gemma's layers also norm both outputs before
+    their residual adds."""
 
     hidden_size: int
     num_heads: int
@@ -200,6 +211,10 @@ class DecoderStack:
     layers: tuple[LayerWeights, ...]
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    activation: str = "silu"
+    """The gated MLP's activation: ``silu`` or ``gelu_tanh``."""
+    softcap: float = 0.0
+    """The attention scores' soft cap (Gemma 2; 0: none)."""
 
 
 class AttentionBackend(Protocol):

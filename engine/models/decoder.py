@@ -183,9 +183,18 @@ class DecoderForCausalLM(nn.Module):
         self._stack: DecoderStack | None = None
         """The layers as a backend's ``run_layers`` takes them; rebuilt after the weights
         or RoPE tables are replaced."""
-        self.kv_layer_groups: tuple[int, ...] = ()
+        self._kv_layer_groups: tuple[int, ...] = ()
+
+    @property
+    def kv_layer_groups(self) -> tuple[int, ...]:
         """Per layer, the KV group whose block table it reads (set by the worker when the
         cache has several groups: a step's metadata then carries each group's)."""
+        return self._kv_layer_groups
+
+    @kv_layer_groups.setter
+    def kv_layer_groups(self, groups: tuple[int, ...]) -> None:
+        self._kv_layer_groups = tuple(groups)
+        self._stack = None
 
     def set_rope(self, hf_config, max_model_len: int) -> None:
         device = self.embed_tokens.weight.device
@@ -204,11 +213,15 @@ class DecoderForCausalLM(nn.Module):
         """The layers' sizes and weights for a backend's ``run_layers`` (made once)."""
         if self._stack is None:
             s = self.spec
+            ropes = [self.layer_ropes[key] if self.layer_ropes else (None, None)
+                     for key in (s.rope_keys or [""] * len(self.layers))]  # fmt: skip
+            groups = self.kv_layer_groups or (0,) * len(self.layers)
             self._stack = DecoderStack(
                 hidden_size=s.hidden_size, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
                 head_dim=s.head_dim, intermediate_size=s.intermediate_size,
-                eps=s.rms_norm_eps, scale=s.head_dim ** -0.5, rope_cos=self.rope_cos,
-                rope_sin=self.rope_sin, layers=tuple(LayerWeights(
+                eps=s.rms_norm_eps, scale=s.scale, rope_cos=self.rope_cos,
+                rope_sin=self.rope_sin, activation=s.activation, softcap=s.attn_softcap,
+                layers=tuple(LayerWeights(
                     input_norm=x.input_layernorm, post_norm=x.post_attention_layernorm,
                     qkv=x.qkv_proj.weight, o=x.o_proj.weight,
                     gate_up=getattr(x.gate_up_proj, "weight", None),
@@ -218,8 +231,10 @@ class DecoderForCausalLM(nn.Module):
                     q_norm=x.q_norm, k_norm=x.k_norm, orders=tuple(
                         getattr(getattr(x, n), "input_order", None) for n in LINEAR_NAMES),
                     experts=None if x.moe is None else x.moe.stack_weights(),
-                    window=x.window,
-                ) for x in self.layers))  # fmt: skip
+                    window=x.window, attn_out_norm=x.attn_out_norm,
+                    mlp_out_norm=x.mlp_out_norm, rope_cos=rope[0], rope_sin=rope[1],
+                    kv_group=group,
+                ) for x, rope, group in zip(self.layers, ropes, groups, strict=True)))  # fmt: skip
         return self._stack
 
     def forward(
@@ -237,8 +252,8 @@ class DecoderForCausalLM(nn.Module):
         if self.spec.gemma_norms:  # in the model's dtype, as HF rounds it
             hidden = hidden * torch.tensor(self.spec.hidden_size ** 0.5, dtype=hidden.dtype)
         metas = meta.groups
-        run_layers = None if self.tp is not None or lora is not None or len(metas) > 1 or \
-            not self.spec.llama_layers else getattr(attn, "run_layers", None)  # fmt: skip
+        run_layers = None if self.tp is not None or lora is not None else \
+            getattr(attn, "run_layers", None)  # fmt: skip
         fused = None if run_layers is None or not self.layers else run_layers(
             self.decoder_stack(), hidden, positions, kv_caches, meta)
         if fused is not None:

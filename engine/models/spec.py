@@ -271,13 +271,6 @@ class DecoderSpec:
         """The sliding window of layer ``layer`` (0: its whole context)."""
         return self.windows[layer] if self.windows else 0
 
-    @property
-    def llama_layers(self) -> bool:
-        """Whether every layer is a Llama-family layer (SiLU MLP, Llama norms, no capping;
-        sliding windows allowed): what a backend's one-call ``run_layers`` computes."""
-        return (self.activation == "silu" and not self.gemma_norms and not self.attn_softcap
-                and not self.attn_scale)
-
     def has_bias(self, proj: str) -> bool:
         """Whether the checkpoint projection ``proj`` (``q_proj`` .. ``down_proj``) has a
         bias in this model."""

@@ -71,7 +71,8 @@ class CpuBackend:
         ``(last MLP output, residual)``, or None for a step that call does not take."""
         if self._fused is None:
             return None
-        return self._fused.run(stack, hidden, positions, kv_caches, meta.plan(CpuStepPlan))
+        return self._fused.run(stack, hidden, positions, kv_caches,
+                               [m.plan(CpuStepPlan) for m in meta.groups])
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         meta.prepared = self.make_plan(meta)

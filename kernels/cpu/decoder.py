@@ -48,6 +48,8 @@ class _Tables:
     model: torch.Tensor
     layers: torch.Tensor
     max_rows: int
+    groups: int
+    """The KV groups the layers read (one more than the highest ``kv_group``)."""
     keep: list
 
 
@@ -63,35 +65,57 @@ class FusedLayers:
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def run(self, stack: DecoderStack, hidden: torch.Tensor, positions: torch.Tensor,
-            kv_caches: list, plan) -> tuple[torch.Tensor, torch.Tensor] | None:
+            kv_caches: list, plans: list) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(last MLP output, residual)`` for the step, or None when it is not fused.
         ``hidden`` (the embeddings, float32 ``[T, hidden]``) becomes the residual, updated
-        in place as the loop updates it; ``plan`` is the step's
-        :class:`~pagedserve.kernels.cpu.backend.CpuStepPlan`."""
+        in place as the loop updates it; ``plans`` are the step's
+        :class:`~pagedserve.kernels.cpu.backend.CpuStepPlan`, one a KV group."""
         rows = hidden.shape[0]
-        if not (0 < rows == plan.num_tokens and hidden.dtype == torch.float32 and hidden.is_cpu
-                and hidden.is_contiguous() and positions.is_cpu):  # fmt: skip
+        if not (0 < rows == plans[0].num_tokens and hidden.dtype == torch.float32
+                and hidden.is_cpu and hidden.is_contiguous() and positions.is_cpu):  # fmt: skip
             return None
         tables = self._tables_for(stack, kv_caches)
-        if tables is None or rows > tables.max_rows:
+        if tables is None or rows > tables.max_rows or tables.groups > len(plans):
+            return None
+        steps = self._steps(plans)
+        if steps is None:
             return None
         need = self._lib.decoder_scratch_size(tables.model.data_ptr(), rows)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         pos = positions.to(torch.int64).contiguous()
-        qsl = plan.query_start_loc
         out = torch.empty_like(hidden)
         status = self._lib.decoder_layers(
-            tables.model.data_ptr(), tables.layers.data_ptr(), hidden.data_ptr(),
-            out.data_ptr(), stack.eps, stack.scale, stack.rope_cos.data_ptr(),
-            stack.rope_sin.data_ptr(), pos.data_ptr(), rows, plan.block_tables.data_ptr(),
-            plan.seq_lens.data_ptr(), None if qsl is None else qsl.data_ptr(),
-            plan.seq_lens.shape[0], plan.block_tables.shape[1], plan.max_seq_len,
-            plan.slot_mapping.data_ptr(), self._scratch.data_ptr(), torch.get_num_threads(),
+            tables.model.data_ptr(), tables.layers.data_ptr(), steps.data_ptr(),
+            hidden.data_ptr(), out.data_ptr(), stack.eps, stack.scale, stack.softcap,
+            pos.data_ptr(), rows, plans[0].seq_lens.shape[0], self._scratch.data_ptr(),
+            torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"decoder_layers: {abi.DECODER_ERRORS.get(status, status)}")
         return out, hidden
+
+    @staticmethod
+    def _steps(plans: list) -> torch.Tensor | None:
+        """The DS_* table of the step's KV groups, or None when they do not describe the
+        same requests and rows."""
+        first = plans[0]
+        table = [0] * (C["DS_SIZE"] * len(plans))
+        for i, plan in enumerate(plans):
+            if i and not (plan.num_tokens == first.num_tokens
+                          and plan.seq_lens.shape == first.seq_lens.shape
+                          and (plan.query_start_loc is None) == (first.query_start_loc is None)):
+                return None  # fmt: skip
+            at = i * C["DS_SIZE"]
+            qsl = plan.query_start_loc
+            for name, value in (("DS_BLOCK_TABLES", plan.block_tables.data_ptr()),
+                                ("DS_SEQ_LENS", plan.seq_lens.data_ptr()),
+                                ("DS_QUERY_START_LOC", 0 if qsl is None else qsl.data_ptr()),
+                                ("DS_SLOTS", plan.slot_mapping.data_ptr()),
+                                ("DS_MAX_BLOCKS", plan.block_tables.shape[1]),
+                                ("DS_MAX_SEQ_LEN", plan.max_seq_len)):  # fmt: skip
+                table[at + C[name]] = value
+        return torch.tensor(table, dtype=torch.int64)
 
     def _tables_for(self, stack: DecoderStack, kv_caches: list) -> _Tables | None:
         t = self._tables
@@ -113,10 +137,9 @@ class FusedLayers:
         if layout is None or k0.dtype not in DTYPE_CODES or tuple(k0.shape[2:]) != width or (
                 stack.head_dim > abi.MAX_HEAD_DIM):
             return None
-        for cos in (stack.rope_cos, stack.rope_sin):
-            if not (cos.dtype == torch.float32 and cos.is_cpu and cos.is_contiguous()
-                    and cos.dim() == 2 and cos.shape[1] == stack.head_dim):  # fmt: skip
-                return None
+        if stack.activation not in ACTIVATIONS or not _rope_table(stack.rope_cos, stack) or \
+                not _rope_table(stack.rope_sin, stack):  # fmt: skip
+            return None
         model = torch.tensor([0] * C["DM_SIZE"], dtype=torch.int64)
         for name, value in (("DM_NUM_LAYERS", len(stack.layers)), ("DM_HIDDEN", stack.hidden_size),
                             ("DM_HEADS", stack.num_heads), ("DM_KV_HEADS", stack.num_kv_heads),
@@ -124,7 +147,8 @@ class FusedLayers:
                             ("DM_INTER", stack.intermediate_size),
                             ("DM_KV_DTYPE", DTYPE_CODES[k0.dtype]),
                             ("DM_BLOCK_SIZE", k0.shape[1]), ("DM_NUM_BLOCKS", k0.shape[0]),
-                            ("DM_KV_LAYOUT", layout)):
+                            ("DM_KV_LAYOUT", layout),
+                            ("DM_ACTIVATION", ACTIVATIONS.get(stack.activation, 0))):
             model[C[name]] = value
         keep: list = [stack.rope_cos, stack.rope_sin]
         entries: list[int] = []
@@ -136,8 +160,9 @@ class FusedLayers:
             entries += row[0]
             max_rows = min(max_rows, row[1])
             model[C["DM_MOE_ROW"]] = max(int(model[C["DM_MOE_ROW"]]), row[2])
+        groups = 1 + max(layer.kv_group for layer in stack.layers)
         return _Tables(stack, kv_caches, model, torch.tensor(entries, dtype=torch.int64),
-                       max_rows, keep)  # fmt: skip
+                       max_rows, groups, keep)  # fmt: skip
 
     def _layer_row(self, stack, layer: LayerWeights, k_cache, v_cache, k0, keep):
         """A layer's DL_SIZE entries, the most rows its linears take and the scratch floats
@@ -146,20 +171,27 @@ class FusedLayers:
             if not (cache.shape == k0.shape and cache.dtype == k0.dtype and cache.is_cpu
                     and kv_layout(cache) == kv_layout(k0)):  # fmt: skip
                 return None
-        vectors = [layer.input_norm, layer.post_norm]
-        if (layer.q_norm is None) != (layer.k_norm is None):
+        if (layer.q_norm is None) != (layer.k_norm is None) or layer.kv_group < 0 or \
+                (layer.rope_cos is None) != (layer.rope_sin is None):  # fmt: skip
             return None
-        if layer.q_norm is not None:
-            vectors += [layer.q_norm, layer.k_norm]
+        vectors = [v for v in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
+                               layer.attn_out_norm, layer.mlp_out_norm) if v is not None]
         if not all(_f32_vector(v) for v in vectors):
             return None
+        cos = stack.rope_cos if layer.rope_cos is None else layer.rope_cos
+        sin = stack.rope_sin if layer.rope_sin is None else layer.rope_sin
+        if not (_rope_table(cos, stack) and _rope_table(sin, stack)):
+            return None
         row = [0] * C["DL_SIZE"]
-        row[C["DL_WINDOW"]] = layer.window
+        row[C["DL_WINDOW"]], row[C["DL_GROUP"]] = layer.window, layer.kv_group
         for name, v in (("DL_INPUT_NORM", layer.input_norm), ("DL_POST_NORM", layer.post_norm),
                         ("DL_Q_NORM", layer.q_norm), ("DL_K_NORM", layer.k_norm),
-                        ("DL_K_CACHE", k_cache), ("DL_V_CACHE", v_cache)):
+                        ("DL_K_CACHE", k_cache), ("DL_V_CACHE", v_cache),
+                        ("DL_ATTN_OUT_NORM", layer.attn_out_norm),
+                        ("DL_MLP_OUT_NORM", layer.mlp_out_norm), ("DL_COS", cos),
+                        ("DL_SIN", sin)):  # fmt: skip
             row[C[name]] = 0 if v is None else v.data_ptr()
-        keep.extend(vectors)
+        keep.extend(vectors + [cos, sin])
         q, kv = stack.num_heads * stack.head_dim, stack.num_kv_heads * stack.head_dim
         shapes = {"DL_QKV": (layer.qkv, layer.qkv_bias, q + 2 * kv, stack.hidden_size),
                   "DL_O": (layer.o, layer.o_bias, stack.hidden_size, q),
@@ -282,6 +314,15 @@ class FusedLayers:
         tensor = torch.tensor(table, dtype=torch.int64)
         keep.append(tensor)
         return tensor
+
+
+ACTIVATIONS = {"silu": C["ACT_SILU"], "gelu_tanh": C["ACT_GELU_TANH"]}
+"""The MLP activations the call computes -> their DM_ACTIVATION codes."""
+
+
+def _rope_table(t: torch.Tensor, stack: DecoderStack) -> bool:
+    return (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and t.dim() == 2
+            and t.shape[1] == stack.head_dim)  # fmt: skip
 
 
 def _f32_vector(t: torch.Tensor) -> bool:

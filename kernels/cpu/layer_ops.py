@@ -453,6 +453,15 @@ class NativeLayerOps(TorchLayerOps):
                                                  width // 2, torch.get_num_threads())  # fmt: skip
         return out
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._rows(gate_up) != "f32":  # no bfloat16 kernel: torch's
+            return super().gelu_tanh_mul(gate_up)
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self._lib.gelu_tanh_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+                                    torch.get_num_threads())  # fmt: skip
+        return out
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         # Rows may be a column slice of wider logits (vocabulary padding).
         if not (x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0 and x.stride(1) == 1

@@ -82,7 +82,10 @@
 #define DM_NUM_BLOCKS 8
 #define DM_KV_LAYOUT 9
 #define DM_MOE_ROW 10 /* scratch floats a row the layers' experts need (moe_scratch_per_row) */
-#define DM_SIZE 11
+#define DM_ACTIVATION 11 /* the gated MLP's activation: ACT_SILU or ACT_GELU_TANH */
+#define DM_SIZE 12
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
 /* decoder_layers' layer table: DL_SIZE int64 entries a layer (addresses as integers,
  * 0 for none), its four linears at DL_QKV.. as LIN_SIZE entries each; DL_MOE: the
  * address of the layer's experts' table (MOE_*), which then stand in for DL_GATE_UP and
@@ -99,7 +102,23 @@
 #define DL_DOWN 24
 #define DL_MOE 30
 #define DL_WINDOW 31 /* the layer's sliding window (0: its whole context) */
-#define DL_SIZE 32
+/* Gemma: the RMSNorms of the attention's and the MLP's outputs before their residual
+ * adds (0: none). */
+#define DL_ATTN_OUT_NORM 32
+#define DL_MLP_OUT_NORM 33
+#define DL_COS 34 /* the layer's float32 RoPE tables [max_len, head_dim] */
+#define DL_SIN 35
+#define DL_GROUP 36 /* the KV group whose step entries (DS_*) the layer's attention reads */
+#define DL_SIZE 37
+/* decoder_layers' step table: DS_SIZE int64 entries a KV group (every group has the same
+ * requests and query rows; its blocks and write slots are its own). */
+#define DS_BLOCK_TABLES 0 /* int32 [num_seqs, DS_MAX_BLOCKS] */
+#define DS_SEQ_LENS 1 /* int32 [num_seqs] */
+#define DS_QUERY_START_LOC 2 /* int32 [num_seqs + 1], or 0 when every request decodes one row */
+#define DS_SLOTS 3 /* int64 [rows] */
+#define DS_MAX_BLOCKS 4
+#define DS_MAX_SEQ_LEN 5
+#define DS_SIZE 6
 /* A layer's experts: their count, the experts a token takes, an expert's width, the
  * shared expert's width (0: none), whether a token's weights are renormalized to sum 1;
  * then LIN_SIZE entries each for the router, the shared expert's one-row gate, its
@@ -167,6 +186,10 @@ void rope_bf16(uint16_t *x, int64_t row_stride, int rows, int heads, int head_di
 void silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int num_threads);
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
                    int num_threads);
+/* gelu(gate, approximate="tanh") * up, as gate * sigmoid(2 * sqrt(2/pi) * (gate +
+ * 0.044715 gate^3)) * up: the same function as 0.5 * gate * (1 + tanh(...)) * up. */
+void gelu_tanh_mul_f32(const float *gate_up, float *out, int rows, int inter,
+                       int num_threads);
 void argmax_f32(const float *x, int64_t row_stride, int rows, int cols, int64_t *out,
                 int num_threads);
 
@@ -214,12 +237,11 @@ int qdequant_packed(int fmt, const void *packed, int64_t n, int64_t k, const int
 /* decoder_cpu.c */
 int64_t decoder_scratch_size(const int64_t *model, int rows);
 int64_t moe_scratch_per_row(const int64_t *moe, int64_t hidden);
-int decoder_layers(const int64_t *model, const int64_t *layers, float *residual, float *out,
-                   float eps, float scale, const float *cos_table, const float *sin_table,
-                   const int64_t *positions, int rows, const int32_t *block_tables,
-                   const int32_t *seq_lens, const int32_t *query_start_loc, int num_seqs,
-                   int max_blocks_per_seq, int max_seq_len, const int64_t *slots,
-                   float *scratch, int num_threads);
+/* ``softcap`` > 0: the attention's scores soft-capped (Gemma 2), as paged_attention's. */
+int decoder_layers(const int64_t *model, const int64_t *layers, const int64_t *steps,
+                   float *residual, float *out, float eps, float scale, float softcap,
+                   const int64_t *positions, int rows, int num_seqs, float *scratch,
+                   int num_threads);
 
 /* shm_sync.c: shm_wait spins this often before it yields the core, and returns
  * SHM_TIMEOUT when its time is up with a flag still behind. */

@@ -16,6 +16,12 @@
  * stored in another order (act-order checkpoints, LIN_ORDER) multiplies its input
  * gathered in that order. Activations are float32 throughout.
  *
+ * Gemma's layers (DM_ACTIVATION, DL_ATTN_OUT_NORM, DL_MLP_OUT_NORM) norm the attention's
+ * and the MLP's outputs before their residual adds and gate the MLP with GELU-tanh; its
+ * norm weights arrive as 1 + weight. Each layer names its RoPE tables (Gemma 3's sliding
+ * layers rotate at another base) and its KV group: with a hybrid cache the sliding
+ * layers read their own block tables and write their own slots (the DS_* step table).
+ *
  * A layer with experts (DL_MOE) routes each row as engine/models/moe.py does: a softmax
  * over the router's logits, the top_k most likely experts (the lower index first on a
  * tie), their probabilities renormalized where MOE_NORM_TOPK says; the rows are grouped
@@ -220,12 +226,26 @@ static int experts_forward(const int64_t *moe, const float *x, int rows, int hid
     return 0;
 }
 
-int decoder_layers(const int64_t *model, const int64_t *layers, float *residual, float *out,
-                   float eps, float scale, const float *cos_table, const float *sin_table,
-                   const int64_t *positions, int rows, const int32_t *block_tables,
-                   const int32_t *seq_lens, const int32_t *query_start_loc, int num_seqs,
-                   int max_blocks_per_seq, int max_seq_len, const int64_t *slots,
-                   float *scratch, int num_threads) {
+/* RMSNorm of each row of x [rows, n], in place (Gemma's norms of the attention's and the
+ * MLP's outputs; 0: none). */
+static void out_norm(float *x, const float *weight, float eps, int rows, int n,
+                     int num_threads) {
+    if (weight) add_rms_norm_f32(x, 0, weight, eps, x, rows, n, n, num_threads);
+}
+
+/* Each row's RoPE cos and sin [rows, d] from the tables [max_len, d] at its position. */
+static void gather_rope(const float *cos_table, const float *sin_table, const int64_t *positions,
+                        int rows, int d, float *cos, float *sin) {
+    for (int r = 0; r < rows; ++r) {
+        memcpy(cos + (int64_t)r * d, cos_table + positions[r] * d, sizeof(float) * d);
+        memcpy(sin + (int64_t)r * d, sin_table + positions[r] * d, sizeof(float) * d);
+    }
+}
+
+int decoder_layers(const int64_t *model, const int64_t *layers, const int64_t *steps,
+                   float *residual, float *out, float eps, float scale, float softcap,
+                   const int64_t *positions, int rows, int num_seqs, float *scratch,
+                   int num_threads) {
     const int hidden = (int)model[DM_HIDDEN], heads = (int)model[DM_HEADS];
     const int kv_heads = (int)model[DM_KV_HEADS], d = (int)model[DM_HEAD_DIM];
     const int inter = (int)model[DM_INTER];
@@ -239,12 +259,14 @@ int decoder_layers(const int64_t *model, const int64_t *layers, float *residual,
     float *cos = act + (int64_t)rows * inter;
     float *sin = cos + (int64_t)rows * d;
     float *gather = sin + (int64_t)rows * d;
-    for (int r = 0; r < rows; ++r) {
-        memcpy(cos + (int64_t)r * d, cos_table + positions[r] * d, sizeof(float) * d);
-        memcpy(sin + (int64_t)r * d, sin_table + positions[r] * d, sizeof(float) * d);
-    }
+    const float *rope_of = 0; /* the table whose rows cos and sin hold */
     for (int64_t l = 0; l < model[DM_NUM_LAYERS]; ++l) {
         const int64_t *layer = layers + l * DL_SIZE;
+        const int64_t *step = steps + layer[DL_GROUP] * DS_SIZE;
+        if (PTR(layer, DL_COS) != rope_of) {
+            rope_of = PTR(layer, DL_COS);
+            gather_rope(rope_of, PTR(layer, DL_SIN), positions, rows, d, cos, sin);
+        }
         /* The previous layer's MLP output is in ``out``; the first layer's input is the
          * embedding, already in ``residual``. */
         add_rms_norm_f32(residual, l ? out : 0, PTR(layer, DL_INPUT_NORM), eps, x, rows,
@@ -260,24 +282,31 @@ int decoder_layers(const int64_t *model, const int64_t *layers, float *residual,
         rope_f32(qkv + q_size, width, rows, kv_heads, d, cos, sin, num_threads);
         status = paged_attention(
             qkv, PTR(layer, DL_K_CACHE), PTR(layer, DL_V_CACHE), (int)model[DM_KV_DTYPE],
-            (int)model[DM_KV_LAYOUT], block_tables, seq_lens, query_start_loc, width, attn,
-            num_seqs, heads, kv_heads, d, (int)model[DM_BLOCK_SIZE], (int)model[DM_NUM_BLOCKS],
-            max_blocks_per_seq, max_seq_len, scale, (int)layer[DL_WINDOW], 0.0f, qkv + q_size,
-            qkv + q_size + kv_size, DTYPE_F32, width, slots, rows, num_threads);
+            (int)model[DM_KV_LAYOUT], PTR(step, DS_BLOCK_TABLES), PTR(step, DS_SEQ_LENS),
+            PTR(step, DS_QUERY_START_LOC), width, attn, num_seqs, heads, kv_heads, d,
+            (int)model[DM_BLOCK_SIZE], (int)model[DM_NUM_BLOCKS], (int)step[DS_MAX_BLOCKS],
+            (int)step[DS_MAX_SEQ_LEN], scale, (int)layer[DL_WINDOW], softcap, qkv + q_size,
+            qkv + q_size + kv_size, DTYPE_F32, width, PTR(step, DS_SLOTS), rows, num_threads);
         if (status) return status;
         if ((status = linear(layer + DL_O, attn, rows, out, gather, num_threads))) return status;
+        out_norm(out, PTR(layer, DL_ATTN_OUT_NORM), eps, rows, hidden, num_threads);
         add_rms_norm_f32(residual, out, PTR(layer, DL_POST_NORM), eps, x, rows, hidden, hidden,
                          num_threads);
         if (layer[DL_MOE]) {
             if ((status = experts_forward(PTR(layer, DL_MOE), x, rows, hidden, out,
                                           gather + (int64_t)rows * max_k(model), num_threads)))
                 return status;
+            out_norm(out, PTR(layer, DL_MLP_OUT_NORM), eps, rows, hidden, num_threads);
             continue;
         }
         if ((status = linear(layer + DL_GATE_UP, x, rows, gate_up, gather, num_threads)))
             return status;
-        silu_mul_f32(gate_up, act, rows, inter, num_threads);
+        if (model[DM_ACTIVATION] == ACT_GELU_TANH)
+            gelu_tanh_mul_f32(gate_up, act, rows, inter, num_threads);
+        else
+            silu_mul_f32(gate_up, act, rows, inter, num_threads);
         if ((status = linear(layer + DL_DOWN, act, rows, out, gather, num_threads))) return status;
+        out_norm(out, PTR(layer, DL_MLP_OUT_NORM), eps, rows, hidden, num_threads);
     }
     return 0;
 }

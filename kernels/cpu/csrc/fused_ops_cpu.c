@@ -152,6 +152,38 @@ void silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int num
     }
 }
 
+/* gelu_tanh(x) = 0.5 x (1 + tanh(y)) = x sigmoid(2 y), y = sqrt(2/pi) (x + 0.044715 x^3):
+ * silu_mul_f32's sigmoid at 2 y. */
+#define GELU_2B 1.5957691216057308f /* 2 sqrt(2/pi) */
+#define GELU_KAPPA 0.044715f
+
+void gelu_tanh_mul_f32(const float *gate_up, float *out, int rows, int inter,
+                       int num_threads) {
+#pragma omp parallel for num_threads(threads_for((int64_t)rows * inter, num_threads))
+    for (int r = 0; r < rows; ++r) {
+        const float *g = gate_up + (int64_t)r * 2 * inter;
+        const float *u = g + inter;
+        float *o = out + (int64_t)r * inter;
+        int i = 0;
+#if SIMD_VW
+        const vf one = vf_set1(1.0f), kappa = vf_set1(GELU_KAPPA), minus_2b = vf_set1(-GELU_2B);
+        for (; i < inter; i += SIMD_VW) {
+            const int n = inter - i;
+            const vf x = vf_load_first(g + i, n);
+            const vf inner = vf_fmadd(vf_mul(kappa, vf_mul(x, x)), x, x); /* x + k x^3 */
+            /* exp(-2y) capped below overflow, as in silu_mul_f32 */
+            const vf e = vf_exp(vf_min(vf_mul(minus_2b, inner), vf_set1(88.0f)));
+            const vf gelu = vf_mul(x, vf_rcp(vf_add(one, e)));
+            vf_store_first(o + i, n, vf_mul(gelu, vf_load_first(u + i, n)));
+        }
+#endif
+        for (; i < inter; ++i) {
+            const float x = g[i], inner = GELU_KAPPA * (x * x) * x + x;
+            o[i] = x / (1.0f + expf(fminf(-GELU_2B * inner, 88.0f))) * u[i];
+        }
+    }
+}
+
 /* silu(gate) rounded to bfloat16, times up, rounded again (F.silu(gate) * up). */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
                    int num_threads) {

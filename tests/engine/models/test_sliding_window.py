@@ -53,7 +53,13 @@ def test_greedy_equals_hf(arch, backend, tiny_model_factory, monkeypatch):
     name, _, level = backend.partition("-")
     attn = llm.engine.worker.attn
     assert attn.name == name and (not level or native.isa(attn._lib) == level)
+    fused = []  # with the native float32 linear, steps run every layer in one call
+    if name == "cpu" and attn.fuses_layers:
+        run = attn._fused.run
+        monkeypatch.setattr(attn._fused, "run", lambda *a: fused.append(run(*a)) or fused[-1])
     assert [o[0] for o in greedy(llm, PROMPTS)] == hf_greedy(path, PROMPTS, NEW)
+    if name == "cpu" and attn._lib.gemm_f32_available():
+        assert sum(r is not None for r in fused) >= NEW
 
 
 @pytest.mark.parametrize("backend", ("torch", "auto"))
@@ -93,7 +99,7 @@ def test_specs_read_the_configs(tiny_model_factory):
         "sliding_attention", "sliding_attention", "full_attention")
     assert spec.gemma_norms and spec.qk_norm and spec.activation == "gelu_tanh"
     assert spec.scale == 32 ** -0.5 and spec.head_dim == 32 and spec.hidden_size == 64
-    assert not spec.attn_softcap and not spec.final_softcap and not spec.llama_layers
+    assert not spec.attn_softcap and not spec.final_softcap
     g2 = DecoderSpec.from_hf(transformers.AutoConfig.from_pretrained(
         tiny_model_factory("gemma2")))
     assert g2.windows == (12, 0) and g2.rope_keys == () and not g2.qk_norm
@@ -104,7 +110,7 @@ def test_specs_read_the_configs(tiny_model_factory):
     llama_cfg = transformers.AutoConfig.from_pretrained(tiny_model_factory("llama"))
     llama_cfg.sliding_window = 16  # a stray key: HF's Llama never slides
     llama = DecoderSpec.from_hf(llama_cfg)
-    assert llama.windows == () and llama.llama_layers
+    assert llama.windows == ()
 
 
 def test_what_gemma_configs_refuse(tiny_model_factory):

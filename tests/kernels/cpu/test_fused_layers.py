@@ -41,6 +41,18 @@ def _config(arch: str, hidden: int = 64, inter: int = 128):
         return transformers.Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=3,
                                            moe_intermediate_size=32, norm_topk_prob=True,
                                            **common)  # fmt: skip
+    if arch == "gemma2":  # soft-capped scores, layer 0 slides over 6 positions
+        return transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=24,
+                                         sliding_window=6, attn_logit_softcapping=8.0,
+                                         final_logit_softcapping=6.0)  # fmt: skip
+    if arch == "gemma3":  # q/k norms; two sliding layers (local RoPE) to one full
+        return transformers.Gemma3TextConfig(
+            **common, head_dim=16, query_pre_attn_scalar=32, sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                   "rope_theta": 1000000.0}})  # fmt: skip
     return transformers.Qwen3Config(head_dim=16, **common)
 
 
@@ -105,7 +117,8 @@ def _step(q_lens: list[int], ctx: list[int]):
 def _run(model, backend, positions, meta, kv):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.spec.vocab_size, positions.shape, generator=g)
-    backend.prepare(meta, BLOCK)
+    for m in meta.groups:
+        backend.prepare(m, BLOCK)
     with torch.inference_mode():
         hidden = model(ids, positions, kv, meta, backend)
         return model.compute_logits(hidden, backend.ops)
@@ -130,7 +143,8 @@ def _compare(native_lib, model, q_lens, ctx, expect_fused: bool,
     fused, loop = CpuBackend(native_lib, ops), CpuBackend(native_lib, ops, fuse_layers=False)
     kv_fused = _caches(model, num_blocks, kv_dtype)
     kv_loop = [(k.clone(), v.clone()) for k, v in kv_fused]
-    fused.prepare(meta, BLOCK)
+    for m in meta.groups:
+        fused.prepare(m, BLOCK)
     with torch.inference_mode():
         hidden = torch.randn(positions.shape[0], model.spec.hidden_size,
                              generator=torch.Generator().manual_seed(3))
@@ -159,6 +173,72 @@ def test_float32_fused_equals_loop(native_lib, arch, q_lens, ctx):
         windows = [x.window for x in model.decoder_stack().layers]
         assert windows == ([9] * 3 if arch == "mistral_window" else [0, 6, 6])
     _compare(native_lib, model, q_lens, ctx, bool(native_lib.gemm_f32_available()))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("quant", [None, "q4_1"])
+@pytest.mark.parametrize("q_lens,ctx", STEPS)
+def test_gemma_fused_equals_loop(native_lib, arch, quant, q_lens, ctx):
+    # Gemma's output norms, GELU-tanh, query scale and soft cap (2); q/k norms and each
+    # layer's own RoPE tables (3), in the one call as in the loop.
+    model = _model(arch, quant)
+    stack = model.decoder_stack()
+    assert stack.activation == "gelu_tanh" and stack.scale == model.spec.scale != 16 ** -0.5
+    assert all(x.attn_out_norm is not None and x.mlp_out_norm is not None for x in stack.layers)
+    if arch == "gemma3":
+        local, full = stack.layers[0].rope_cos, stack.layers[2].rope_cos
+        assert stack.layers[1].rope_cos is local and not torch.equal(local, full)
+    else:
+        assert stack.softcap == 8.0 and [x.window for x in stack.layers] == [6, 0, 6]
+    _compare(native_lib, model, q_lens, ctx, quant is not None or
+             bool(native_lib.gemm_f32_available()))  # fmt: skip
+
+
+def _second_group(meta: AttentionMetadata, num_blocks: int) -> AttentionMetadata:
+    """Another KV group's metadata for the step of ``meta``: the same requests, their
+    blocks ``num_blocks`` further on."""
+    table = torch.where(meta.block_tables > 0, meta.block_tables + num_blocks, 0)
+    slots = meta.slot_mapping + num_blocks * BLOCK
+    return AttentionMetadata.from_host(slots, meta.query_start_loc_cpu, meta.seq_lens_cpu,
+                                       table, meta.num_decodes, "cpu")  # fmt: skip
+
+
+@pytest.mark.parametrize("quant", [None, "q4_1"])
+@pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 70, 16]), ([1, 1, 9, 3], [20, 33, 0, 40])])
+def test_kv_groups_fused_equal_loop(native_lib, quant, q_lens, ctx):
+    # A hybrid cache: the sliding layers read and write their own group's blocks.
+    model = _model("gemma3", quant)
+    model.kv_layer_groups = (1, 1, 0)
+    assert [x.kv_group for x in model.decoder_stack().layers] == [1, 1, 0]
+    positions, meta, num_blocks = _step(q_lens, ctx)
+    meta.other_groups = (_second_group(meta, num_blocks),)
+    ops = NativeLayerOps(native_lib)
+    runs = []
+    for backend in (CpuBackend(native_lib, ops), CpuBackend(native_lib, ops, fuse_layers=False)):
+        kv = _caches(model, 2 * num_blocks)
+        runs.append((_run(model, backend, positions, meta, kv), kv))
+    (got, kv_fused), (want, kv_loop) = runs
+    assert torch.equal(got, want)
+    for (kf, vf), (kl, vl) in zip(kv_fused, kv_loop, strict=True):
+        assert torch.equal(kf, kl) and torch.equal(vf, vl)
+    fresh = _caches(model, 2 * num_blocks)  # each layer wrote its own group's blocks only
+    one, zero = slice(num_blocks, None), slice(0, num_blocks)
+    for i, (k, _) in enumerate(kv_fused):
+        mine, theirs = (one, zero) if i < 2 else (zero, one)
+        assert torch.equal(k[theirs], fresh[i][0][theirs])
+        assert not torch.equal(k[mine], fresh[i][0][mine])
+    backend = CpuBackend(native_lib, ops)
+    for m in meta.groups:
+        backend.prepare(m, BLOCK)
+    hidden = torch.randn(positions.shape[0], model.spec.hidden_size)
+    with torch.inference_mode():
+        took = backend.run_layers(model.decoder_stack(), hidden, positions, kv_fused, meta)
+    assert (took is not None) == (quant is not None or bool(native_lib.gemm_f32_available()))
+    meta.other_groups = ()  # a stack that reads group 1 is not run with one group
+    backend.prepare(meta, BLOCK)
+    with torch.inference_mode():
+        assert backend.run_layers(model.decoder_stack(), hidden, positions, kv_fused,
+                                  meta) is None
 
 
 @pytest.mark.parametrize("quant", ["q4_1", "q4_0", "q8_0", "int8", "q5_0", "q5_1"])

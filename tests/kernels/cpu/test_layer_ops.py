@@ -73,6 +73,21 @@ def test_silu_mul(native, rows) -> None:
     torch.testing.assert_close(out, REF.silu_mul(gate_up), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("inter", [1536, 6912, 23])
+def test_gelu_tanh_mul(native, rows, inter) -> None:
+    gate_up = randn(rows, 2 * inter, scale=4.0)
+    gate_up[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -0.0, -1e20, 1e20])  # exp and x^3 overflow
+    out = native.gelu_tanh_mul(gate_up)
+    # Against the float64 function: as x sigmoid(2y), the tails keep their relative
+    # precision, which torch's 0.5 x (1 + tanh(y)) loses to the cancellation in 1 + tanh.
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    exact = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(out.double(), exact, atol=1e-6, rtol=4e-6)
+    bf = gate_up.bfloat16()  # no bfloat16 kernel: torch's, bit for bit
+    assert torch.equal(native.gelu_tanh_mul(bf), REF.gelu_tanh_mul(bf))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("cols", [1, 15, 16, 17, 49152])
 def test_argmax(native, rows, cols) -> None:
