@@ -13,7 +13,7 @@
  *
  *   acc += (sum(c q) - o sum(q)) * (A_s dx) + B_s (dx sum(q))
  *
- * with the integer offset o (Q4_0 8, Q5_0 16, else 0), the multiplier A_s (d, or Q4_K's
+ * with the integer offset o (Q4_0 8, Q5_0 16, Q8_0 128 in the VNNI copies, else 0), the multiplier A_s (d, or Q4_K's
  * and Q5_K's d * sc_s rounded as the reference rounds it) and the float offset B_s
  * (Q4_1/Q5_1: m; Q4_K/Q5_K: -(dmin * mn_s); else none). Q6_K's two 16-weight sub-blocks
  * of a 32-element x block take their int8 scales in int32:
@@ -27,8 +27,10 @@
  *   Q    the code bytes (Q6_K: ql) as quads: quad t is bytes 4t .. 4t + 3 of each of the
  *        eight columns, column after column (32 bytes), so one 32-byte load is four
  *        codes of eight columns and a broadcast of four bytes of q multiplies them all
- *        (AVX2's maddubs: unsigned bytes times signed bytes, pairs summed; Q8_0's signed
- *        codes go in as |c| with q given c's signs)
+ *        (AVX2's maddubs: unsigned bytes times signed bytes, pairs summed). Q8_0's
+ *        signed codes are stored as c + 128 (c ^ 0x80): VNNI multiplies them as they
+ *        are, with the integer offset 128; maddubs, whose int16 pairs that would
+ *        overflow, takes them back to c and goes in with |c| and q given c's signs
  *   QH   the high bits (Q5_K: 32 bytes; Q6_K: 64), as quads; Q5_0/Q5_1's 32 fifth bits
  *        (the file's uint32) as one quad in bit planes: bit t of byte j is the fifth bit
  *        of weight 4t + j, bit 4 + t that of weight 16 + 4t + j (the weights of byte j of
@@ -218,7 +220,8 @@ static int i8_pack(int fmt, const void *qs, const uint16_t *d, const uint16_t *m
             }
             const int nc = i8_q_bytes(base);
             const uint8_t *src = (const uint8_t *)qs + j * rb + b * nc;
-            for (int i = 0; i < nc; ++i) bo[i8_code_at(c, i)] = src[i];
+            const uint8_t flip = base == QF_Q8_0 ? 0x80 : 0; /* Q8_0: c + 128 */
+            for (int i = 0; i < nc; ++i) bo[i8_code_at(c, i)] = src[i] ^ flip;
             memcpy(bo + i8_off_d(base) + 2 * c, d + j * nb + b, 2);
             if (base == QF_Q4_1) memcpy(bo + i8_off_m(base) + 2 * c, mn + j * nb + b, 2);
         }
@@ -236,7 +239,7 @@ static void i8_dequant_block(int base, const uint8_t *bo, int c, float *w) {
     }
     const float dv = f16_bits_to_f32(((const uint16_t *)(bo + i8_off_d(base)))[c]);
     if (base == QF_Q8_0) {
-        for (int i = 0; i < QK; ++i) w[i] = dv * (float)(int8_t)bo[i8_code_at(c, i)];
+        for (int i = 0; i < QK; ++i) w[i] = dv * (float)(int8_t)(bo[i8_code_at(c, i)] ^ 0x80);
         return;
     }
     const float mv = base == QF_Q4_1 ? f16_bits_to_f32(((const uint16_t *)(bo + i8_off_m(base)))[c]) : 0.0f;

@@ -34,7 +34,7 @@ I8_INLINE void I8K(i8_finish)(int base, int rt, const i8_rows_t *x,
                                                             XVF_T b, int xb, int s16, int n16,
                                                             XVF_T acc[I8RT]) {
     const int64_t ldd = x->k / QK, lds = x->k / 16;
-    const int off = i8_int_offset(base);
+    const int off = base == QF_Q8_0 && I8_VNNI ? 128 : i8_int_offset(base);
     for (int r = 0; r < rt; ++r) {
         const float d = x->dx[r * ldd + xb];
         int32_t sqv = x->sq[r * lds + s16];
@@ -53,9 +53,16 @@ I8_INLINE void I8K(i8_block32)(int base, int rt, const uint8_t *cb, int64_t gs,
     (void)gs; /* the wide copy's loads use it */
     XV_T isum[I8RT];
     for (int r = 0; r < rt; ++r) isum[r] = XV(zero)();
-    if (base == QF_Q8_0) {
+    if (base == QF_Q8_0 && I8_VNNI) { /* c + 128 as they are; i8_finish takes 128 sum(q) */
         for (int t = 0; t < QK / 4; ++t) {
-            const XV_T w = XV(load)(cb + t * 4 * I8G), aw = XV(abs8)(w);
+            const XV_T w = XV(load)(cb + t * 4 * I8G);
+            for (int r = 0; r < rt; ++r)
+                isum[r] = I8_DOT32(isum[r], w, XV(bcast4)(x->xq + r * x->k + 4 * t));
+        }
+    } else if (base == QF_Q8_0) { /* maddubs: back to c, then |c| and q given c's signs */
+        const XV_T flip = XV(set8)((int8_t)0x80);
+        for (int t = 0; t < QK / 4; ++t) {
+            const XV_T w = XV(xor)(XV(load)(cb + t * 4 * I8G), flip), aw = XV(abs8)(w);
             for (int r = 0; r < rt; ++r) {
                 const XV_T xs = XV(sign8)(XV(bcast4)(x->xq + r * x->k + 4 * t), w);
                 isum[r] = I8_DOT32(isum[r], aw, xs);

@@ -18,7 +18,7 @@ static int i8_column_codes(int base, const uint8_t *bo, int c, int q[QK_K], int 
         for (int i = 0; i < i8_q_bytes(base); ++i) {
             const uint8_t byte = bo[i8_code_at(c, i)];
             if (base == QF_Q8_0) {
-                q[i] = (int8_t)byte;
+                q[i] = (int8_t)(byte ^ 0x80); /* stored as c + 128 */
             } else {
                 q[i] = byte & 0x0F;
                 q[i + 16] = byte >> 4;

@@ -61,6 +61,7 @@ static inline wq8f wq8f_fmadd(wq8f a, wq8f b, wq8f c) { return _mm512_fmadd_ps(a
 static inline void wq8f_store(float *p, wq8f v) { _mm512_storeu_ps(p, v); }
 static inline wq wq_and(wq a, wq b) { return _mm512_and_si512(a, b); }
 static inline wq wq_or(wq a, wq b) { return _mm512_or_si512(a, b); }
+static inline wq wq_xor(wq a, wq b) { return _mm512_xor_si512(a, b); }
 static inline wq wq_set8(int8_t v) { return _mm512_set1_epi8(v); }
 static inline wq wq_slli16(wq a, int n) { return _mm512_slli_epi16(a, (unsigned)n); }
 static inline wq wq_srli16(wq a, int n) { return _mm512_srli_epi16(a, (unsigned)n); }

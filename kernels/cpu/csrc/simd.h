@@ -385,6 +385,7 @@ static inline vq8f vq8f_load_f16(const uint16_t *p) {
 static inline vq8f vq8f_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vq8f_store(float *p, vq8f v) { _mm256_storeu_ps(p, v); }
 static inline vq vq_and(vq a, vq b) { return _mm256_and_si256(a, b); }
+static inline vq vq_xor(vq a, vq b) { return _mm256_xor_si256(a, b); }
 static inline vq vq_or(vq a, vq b) { return _mm256_or_si256(a, b); }
 static inline vq vq_set8(int8_t v) { return _mm256_set1_epi8(v); }
 /* Shifts of 16-bit lanes (a byte's bits move within it as long as the caller masks the
