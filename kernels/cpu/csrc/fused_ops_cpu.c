@@ -126,39 +126,16 @@ void rope_bf16(uint16_t *x, int64_t row_stride, int rows, int heads, int head_di
     for (int r = 0; r < rows; ++r) rope_row(x, row_stride, r, heads, head_dim, cos, sin, 1);
 }
 
-/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] for i < inter. */
-void silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int num_threads) {
-#pragma omp parallel for num_threads(threads_for((int64_t)rows * inter, num_threads))
-    for (int r = 0; r < rows; ++r) {
-        const float *g = gate_up + (int64_t)r * 2 * inter;
-        const float *u = g + inter;
-        float *o = out + (int64_t)r * inter;
-        int i = 0;
-#if SIMD_VW
-        const vf one = vf_set1(1.0f);
-        for (; i < inter; i += SIMD_VW) {
-            const int n = inter - i;
-            const vf x = vf_load_first(g + i, n);
-            /* exp(-x) capped below overflow, so that 1 + e stays finite for the
-             * reciprocal (silu(x) is then x / 1.6e38, i.e. zero, for x < -88). */
-            const vf e = vf_exp(vf_min(vf_sub(vf_zero(), x), vf_set1(88.0f)));
-            /* x / d by a reciprocal estimate refined with one Newton step (a division
-             * costs several times more; the result is within a few ulps). */
-            const vf silu = vf_mul(x, vf_rcp(vf_add(one, e)));
-            vf_store_first(o + i, n, vf_mul(silu, vf_load_first(u + i, n)));
-        }
-#endif
-        for (; i < inter; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
-}
-
 /* gelu_tanh(x) = 0.5 x (1 + tanh(y)) = x sigmoid(2 y), y = sqrt(2/pi) (x + 0.044715 x^3):
- * silu_mul_f32's sigmoid at 2 y. */
+ * silu's sigmoid at 2 y. */
 #define GELU_2B 1.5957691216057308f /* 2 sqrt(2/pi) */
 #define GELU_KAPPA 0.044715f
 
-void gelu_tanh_mul_f32(const float *gate_up, float *out, int rows, int inter,
-                       int num_threads) {
+/* out[r, i] = act(gate_up[r, i]) * gate_up[r, inter + i] for i < inter, act(x) = x
+ * sigmoid(z): silu's z = x, or with ``gelu`` GELU-tanh's z = 2 y. */
+static inline __attribute__((always_inline)) void gated_mul_f32(const float *gate_up, float *out,
+                                                                int rows, int inter, int gelu,
+                                                                int num_threads) {
 #pragma omp parallel for num_threads(threads_for((int64_t)rows * inter, num_threads))
     for (int r = 0; r < rows; ++r) {
         const float *g = gate_up + (int64_t)r * 2 * inter;
@@ -170,18 +147,33 @@ void gelu_tanh_mul_f32(const float *gate_up, float *out, int rows, int inter,
         for (; i < inter; i += SIMD_VW) {
             const int n = inter - i;
             const vf x = vf_load_first(g + i, n);
-            const vf inner = vf_fmadd(vf_mul(kappa, vf_mul(x, x)), x, x); /* x + k x^3 */
-            /* exp(-2y) capped below overflow, as in silu_mul_f32 */
-            const vf e = vf_exp(vf_min(vf_mul(minus_2b, inner), vf_set1(88.0f)));
-            const vf gelu = vf_mul(x, vf_rcp(vf_add(one, e)));
-            vf_store_first(o + i, n, vf_mul(gelu, vf_load_first(u + i, n)));
+            const vf minus_z = gelu ? vf_mul(minus_2b, vf_fmadd(vf_mul(kappa, vf_mul(x, x)), x, x))
+                                    : vf_sub(vf_zero(), x);
+            /* exp(-z) capped below overflow, so that 1 + e stays finite for the
+             * reciprocal (act(x) is then x / 1.6e38, i.e. zero, for z < -88). */
+            const vf e = vf_exp(vf_min(minus_z, vf_set1(88.0f)));
+            /* x / d by a reciprocal estimate refined with one Newton step (a division
+             * costs several times more; the result is within a few ulps). */
+            const vf act = vf_mul(x, vf_rcp(vf_add(one, e)));
+            vf_store_first(o + i, n, vf_mul(act, vf_load_first(u + i, n)));
         }
 #endif
         for (; i < inter; ++i) {
-            const float x = g[i], inner = GELU_KAPPA * (x * x) * x + x;
-            o[i] = x / (1.0f + expf(fminf(-GELU_2B * inner, 88.0f))) * u[i];
+            const float x = g[i];
+            const float minus_z = gelu ? fminf(-GELU_2B * (GELU_KAPPA * (x * x) * x + x), 88.0f)
+                                       : -x;
+            o[i] = x / (1.0f + expf(minus_z)) * u[i];
         }
     }
+}
+
+void silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int num_threads) {
+    gated_mul_f32(gate_up, out, rows, inter, 0, num_threads);
+}
+
+void gelu_tanh_mul_f32(const float *gate_up, float *out, int rows, int inter,
+                       int num_threads) {
+    gated_mul_f32(gate_up, out, rows, inter, 1, num_threads);
 }
 
 /* silu(gate) rounded to bfloat16, times up, rounded again (F.silu(gate) * up). */
