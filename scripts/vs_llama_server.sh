@@ -10,7 +10,9 @@
 # both with the host's cores. Each run's JSON (bench serve --save-result) and log go to
 # OUT_DIR (default /tmp/vs_llama); the last lines print the figures side by side.
 # SERVE_ARGS: more flags for pagedserve serve (e.g. --quantized-activations float);
-# ONLY=pagedserve or ONLY=llamacpp runs one server's part.
+# ONLY=pagedserve or ONLY=llamacpp runs one server's part. TURNS=N runs only the
+# single-stream 128-token part, both servers in turn N times (on a host whose memory
+# speed drifts, the ratio within each turn is the one to read).
 set -uo pipefail
 GGUF=${1:?usage: $0 FILE.gguf [OUT_DIR]}
 OUT=${2:-/tmp/vs_llama}
@@ -33,6 +35,33 @@ single() {  # single SERVER
     bench "${1}_128" 128 128 8 1
     bench "${1}_4096" 4096 64 2 1
 }
+
+if [ -n "${TURNS:-}" ]; then
+    for t in $(seq 1 "$TURNS"); do
+        start_server "llamacpp_$t" "$LLAMA" -m "$GGUF" -c 8192 -np 1 -t "$THREADS" --port "$PORT" &&
+            bench "llamacpp_turn$t" 128 128 8 1
+        stop_server
+        # shellcheck disable=SC2086
+        start_server "pagedserve_$t" "$PS" serve --model "$GGUF" --quantization gguf \
+            --port "$PORT" --max-num-seqs 64 --max-model-len 8192 ${SERVE_ARGS:-} &&
+            bench "pagedserve_turn$t" 128 128 8 1
+        stop_server
+    done
+    python3 - "$OUT" "$TURNS" <<'EOF'
+import json, sys
+out, turns = sys.argv[1], int(sys.argv[2])
+for t in range(1, turns + 1):
+    try:
+        p, l = (json.load(open(f"{out}/{name}_turn{t}.json"))["itl_ms"]["median"]
+                for name in ("pagedserve", "llamacpp"))
+    except (OSError, ValueError, KeyError):
+        print(f"turn {t}: a run failed (see {out})")
+        continue
+    print(f"turn {t}: 128-token prompt, 1 stream: itl_ms.median pagedserve {p:.2f} "
+          f"llama.cpp {l:.2f} ratio {p / l:.2f}")
+EOF
+    exit 0
+fi
 
 ONLY=${ONLY:-}
 if [ "$ONLY" != pagedserve ]; then
