@@ -140,6 +140,31 @@ def test_top_p_keeps_smallest_nucleus() -> None:
     assert _support(logits, top_p=0.81) == {0, 1, 2}
 
 
+@pytest.mark.parametrize("candidates", [16, 1024])
+def test_top_p_over_the_most_likely_keeps_the_sorts_nucleus(candidates, monkeypatch) -> None:
+    # A large vocabulary sorts only its most likely tokens when they hold top_p: the same
+    # kept set as the whole sort, and the whole sort where they do not.
+    from pagedserve.engine.sample.sampler import top_p_drop
+
+    v = 40 * candidates
+    logits = torch.randn(4, v, generator=torch.Generator().manual_seed(3)) * 4
+    logits[1] *= 3  # a peaked row
+    probs = torch.softmax(logits, dim=-1)
+    mass = probs.sort(dim=-1, descending=True).values[:, : candidates - 1].sum(-1)
+    within = torch.full((4,), 0.9) * mass.min()  # every row's nucleus among the candidates
+    sorts = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    for top_p, fast in ((within, True), (torch.tensor([0.2, 0.6, 0.95, 0.999]), False)):
+        sorts.clear()
+        got = top_p_drop(probs, top_p, candidates)
+        assert (not sorts) == fast
+        want = top_p_drop(probs, top_p, candidates=0)
+        assert torch.equal(got, want)
+        kept = (~got).sum(-1)
+        assert (kept >= 1).all() and (kept < v).all()
+
+
 def test_min_p_drops_unlikely_tokens() -> None:
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
     assert _support(logits, min_p=0.2) == {0, 1, 2}  # 0.05 < 0.2 * 0.5
