@@ -35,16 +35,20 @@ single() {  # single SERVER
     bench "${1}_128" 128 128 8 1
     bench "${1}_4096" 4096 64 2 1
 }
+start_llamacpp() {  # start_llamacpp NAME SLOTS CONTEXT
+    start_server "$1" "$LLAMA" -m "$GGUF" -c "$3" -np "$2" -t "$THREADS" --port "$PORT"
+}
+start_pagedserve() {  # start_pagedserve NAME
+    # shellcheck disable=SC2086
+    start_server "$1" "$PS" serve --model "$GGUF" --quantization gguf --port "$PORT" \
+        --max-num-seqs 64 --max-model-len 8192 ${SERVE_ARGS:-}
+}
 
 if [ -n "${TURNS:-}" ]; then
     for t in $(seq 1 "$TURNS"); do
-        start_server "llamacpp_$t" "$LLAMA" -m "$GGUF" -c 8192 -np 1 -t "$THREADS" --port "$PORT" &&
-            bench "llamacpp_turn$t" 128 128 8 1
+        start_llamacpp "llamacpp_$t" 1 8192 && bench "llamacpp_turn$t" 128 128 8 1
         stop_server
-        # shellcheck disable=SC2086
-        start_server "pagedserve_$t" "$PS" serve --model "$GGUF" --quantization gguf \
-            --port "$PORT" --max-num-seqs 64 --max-model-len 8192 ${SERVE_ARGS:-} &&
-            bench "pagedserve_turn$t" 128 128 8 1
+        start_pagedserve "pagedserve_$t" && bench "pagedserve_turn$t" 128 128 8 1
         stop_server
     done
     python3 - "$OUT" "$TURNS" <<'EOF'
@@ -65,17 +69,13 @@ fi
 
 ONLY=${ONLY:-}
 if [ "$ONLY" != pagedserve ]; then
-    start_server llamacpp_1 "$LLAMA" -m "$GGUF" -c 8192 -np 1 -t "$THREADS" --port "$PORT" &&
-        single llamacpp
+    start_llamacpp llamacpp_1 1 8192 && single llamacpp
     stop_server
-    start_server llamacpp_32 "$LLAMA" -m "$GGUF" -c 16384 -np 32 -t "$THREADS" --port "$PORT" &&
-        bench llamacpp_c32 128 128 64 32
+    start_llamacpp llamacpp_32 32 16384 && bench llamacpp_c32 128 128 64 32
     stop_server
 fi
 if [ "$ONLY" != llamacpp ]; then
-    # shellcheck disable=SC2086
-    start_server pagedserve "$PS" serve --model "$GGUF" --quantization gguf --port "$PORT" \
-        --max-num-seqs 64 --max-model-len 8192 ${SERVE_ARGS:-} && {
+    start_pagedserve pagedserve && {
         single pagedserve
         bench pagedserve_c32 128 128 64 32
     }
