@@ -447,19 +447,19 @@ class NativeLayerOps(TorchLayerOps):
         suffix = self._rows(gate_up)
         if suffix is None:
             return super().silu_mul(gate_up)
-        rows, width = gate_up.shape
-        out = gate_up.new_empty(rows, width // 2)
-        getattr(self._lib, f"silu_mul_{suffix}")(gate_up.data_ptr(), out.data_ptr(), rows,
-                                                 width // 2, torch.get_num_threads())  # fmt: skip
-        return out
+        return self._gated_mul(f"silu_mul_{suffix}", gate_up)
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self._rows(gate_up) != "f32":  # no bfloat16 kernel: torch's
             return super().gelu_tanh_mul(gate_up)
+        return self._gated_mul("gelu_tanh_mul_f32", gate_up)
+
+    def _gated_mul(self, kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
+        """The native gate ``kernel`` on ``[rows, 2 inter]`` -> ``[rows, inter]``."""
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
-        self._lib.gelu_tanh_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
-                                    torch.get_num_threads())  # fmt: skip
+        getattr(self._lib, kernel)(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+                                   torch.get_num_threads())  # fmt: skip
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
