@@ -304,16 +304,20 @@ def top_p_drop(probs: torch.Tensor, top_p: torch.Tensor,
     p = top_p.unsqueeze(1)
     if probs.device.type == "cpu" and 0 < candidates < probs.shape[-1] // 2:
         top, where = probs.topk(candidates, dim=-1)
-        before = top.cumsum(dim=-1) - top  # mass of the more likely tokens
-        if bool((before[:, -1] >= p[:, 0]).all()):  # the last candidate goes, so do the rest
-            drop = before >= p
-            drop[:, 0] = False
+        drop = _drop_sorted(top, p)
+        if bool(drop[:, -1].all()):  # the last candidate goes, so do the ones after it
             return torch.ones_like(probs, dtype=torch.bool).scatter_(1, where, drop)
     ordered, order = probs.sort(dim=-1, descending=True)
-    before = ordered.cumsum(dim=-1) - ordered
-    drop = before >= p
-    drop[:, 0] = False
+    drop = _drop_sorted(ordered, p)
     return torch.zeros_like(drop).scatter_(1, order, drop)
+
+
+def _drop_sorted(ordered: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Of probabilities sorted most likely first, those whose more likely tokens already
+    hold ``p`` of the mass (never the first)."""
+    drop = ordered.cumsum(dim=-1) - ordered >= p
+    drop[:, 0] = False
+    return drop
 
 
 def race(probs: torch.Tensor, gens: list[torch.Generator | None],
