@@ -137,8 +137,7 @@ class FusedLayers:
         if layout is None or k0.dtype not in DTYPE_CODES or tuple(k0.shape[2:]) != width or (
                 stack.head_dim > abi.MAX_HEAD_DIM):
             return None
-        if stack.activation not in ACTIVATIONS or not _rope_table(stack.rope_cos, stack) or \
-                not _rope_table(stack.rope_sin, stack):  # fmt: skip
+        if stack.activation not in ACTIVATIONS:  # the RoPE tables: each layer's checked
             return None
         model = torch.tensor([0] * C["DM_SIZE"], dtype=torch.int64)
         for name, value in (("DM_NUM_LAYERS", len(stack.layers)), ("DM_HIDDEN", stack.hidden_size),
@@ -148,7 +147,7 @@ class FusedLayers:
                             ("DM_KV_DTYPE", DTYPE_CODES[k0.dtype]),
                             ("DM_BLOCK_SIZE", k0.shape[1]), ("DM_NUM_BLOCKS", k0.shape[0]),
                             ("DM_KV_LAYOUT", layout),
-                            ("DM_ACTIVATION", ACTIVATIONS.get(stack.activation, 0))):
+                            ("DM_ACTIVATION", ACTIVATIONS[stack.activation])):
             model[C[name]] = value
         keep: list = [stack.rope_cos, stack.rope_sin]
         entries: list[int] = []
