@@ -52,9 +52,11 @@ class LayerOps(Protocol):
     def prepare_weights(
         self, weights: Iterable[torch.Tensor | QuantizedWeight],
         allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+        gated: Iterable[torch.Tensor | QuantizedWeight] = (),
     ) -> None:
         """Once at load: prepare the linear weights for :meth:`linear` (e.g. pack them),
-        in memory from ``allocate(shape, dtype)`` where given (default ``torch.empty``)."""
+        in memory from ``allocate(shape, dtype)`` where given (default ``torch.empty``);
+        ``gated``: those of them that are MLP gate/up weights, for :meth:`gated_linear`."""
         ...
 
     def linear(
@@ -70,6 +72,16 @@ class LayerOps(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
+        ...
+
+    def gated_linear(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None, gelu: bool,
+    ) -> torch.Tensor:
+        """An MLP's gated product: ``silu_mul`` (``gelu``: ``gelu_tanh_mul``) of
+        ``linear(x, weight, bias)``, for a gate/up weight ``[2 * inter, k]`` (gate rows
+        first); the same values, with or without the ``[rows, 2 * inter]`` product in
+        between."""
         ...
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -119,6 +131,7 @@ class TorchLayerOps:
     def prepare_weights(
         self, weights: Iterable[torch.Tensor | QuantizedWeight],
         allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+        gated: Iterable[torch.Tensor | QuantizedWeight] = (),
     ) -> None:
         """Once at load: prepare the linear weights for :meth:`linear` (nothing here)."""
 
@@ -147,6 +160,14 @@ class TorchLayerOps:
         """``gelu(gate, approximate="tanh") * up`` for ``gate_up = [gate | up]`` (Gemma)."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+    def gated_linear(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None, gelu: bool,
+    ) -> torch.Tensor:
+        """The product, then its gate (:meth:`silu_mul` or :meth:`gelu_tanh_mul`)."""
+        gate_up = self.linear(x, weight, bias)
+        return self.gelu_tanh_mul(gate_up) if gelu else self.silu_mul(gate_up)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(dim=-1)`` of 2-D ``x`` (int64; the first maximum, NaN counting as

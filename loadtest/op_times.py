@@ -3,9 +3,10 @@
 :class:`OpTimes` runs the engine's layers through :class:`TimedBackend` (the model
 runner's explicit :meth:`~pagedserve.engine.worker.model_runner.ModelRunner.instrument` seam: nothing of
 the engine is patched): the same attention backend and layer ops, each call of
-``forward``, ``ops.linear`` (per weight), ``rms_norm``, ``add_rms_norm``, ``rope`` and
-``silu_mul`` under a wall-clock timer, sorted into decode-only steps and steps with
-prefill (told apart by the step's attention metadata: every request one query token).
+``forward``, ``ops.linear`` and ``ops.gated_linear`` (per weight), ``rms_norm``,
+``add_rms_norm``, ``rope`` and ``silu_mul`` under a wall-clock timer, sorted into
+decode-only steps and steps with prefill (told apart by the step's attention metadata:
+every request one query token).
 What a phase's steps took beyond its timed ops is the rest: the layers' Python, the
 embedding, sampling (its argmax is the plain backend's, untimed), scheduling and
 detokenization. Each call costs the timer about a microsecond, so a run with
@@ -64,6 +65,14 @@ class TimedOps:
         try:
             return self._ops.linear(x, weight, bias)
         finally:
+            self._clock.add(f"linear {self._names.get(id(weight), tuple(weight.shape))}", t0)
+
+    def gated_linear(self, x: Any, weight: Any, bias: Any, gelu: bool) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._ops.gated_linear(x, weight, bias, gelu)
+        finally:
+            # the product and its gate in one (the gate is no silu_mul call of its own)
             self._clock.add(f"linear {self._names.get(id(weight), tuple(weight.shape))}", t0)
 
     def __getattr__(self, name: str) -> Any:

@@ -138,8 +138,12 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             out = self.moe(x, ops)
         else:
-            gate_up = linear("gate_up_proj", x)
-            act = ops.gelu_tanh_mul(gate_up) if self.gelu else ops.silu_mul(gate_up)
+            proj = self.gate_up_proj
+            if lora is None and getattr(proj, "input_order", None) is None:
+                act = ops.gated_linear(x, proj.weight, proj.bias, self.gelu)
+            else:  # an adapter adds to the product before its gate
+                gate_up = linear("gate_up_proj", x)
+                act = ops.gelu_tanh_mul(gate_up) if self.gelu else ops.silu_mul(gate_up)
             out = linear("down_proj", act)
         if self.tp is not None:
             self.tp.all_reduce(out)
@@ -284,6 +288,12 @@ class DecoderForCausalLM(nn.Module):
         outside = (local < 0) | (local >= self.spec.vocab_size)
         hidden = ops.embedding(local.masked_fill(outside, 0), self.embed_tokens.weight)
         return self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))
+
+    def gated_weights(self) -> Iterator[torch.Tensor | QuantizedWeight]:
+        """The dense MLPs' gate/up weights (``ops.gated_linear``'s)."""
+        for layer in self.layers:
+            if layer.moe is None:
+                yield layer.gate_up_proj.weight
 
     def linear_weights(self) -> Iterator[torch.Tensor | QuantizedWeight]:
         """Every weight that goes through ``ops.linear``, the logits' included."""

@@ -106,7 +106,8 @@ class Worker:
                                          self.quant_desc))  # fmt: skip
         else:
             self.cpu_paths = None
-        self.attn.ops.prepare_weights(model.linear_weights(), hugepages.empty)
+        self.attn.ops.prepare_weights(model.linear_weights(), hugepages.empty,
+                                      gated=model.gated_weights())
         process_tuning.return_free_memory()  # the quantized planes the packing freed
         self.num_blocks = num_blocks = self._num_blocks() if self.tp is None else \
             self.tp.min_int(self._num_blocks())  # fmt: skip

@@ -81,6 +81,9 @@ QK = CONSTANTS["QK"]
 """Weights per block along k of the GGUF formats."""
 MAX_HEAD_DIM = CONSTANTS["MAX_HEAD_DIM"]
 """The longest head the attention kernel and RoPE take."""
+PAIR_SPLIT, PAIR_SILU, PAIR_GELU_TANH = (
+    CONSTANTS[n] for n in ("PAIR_SPLIT", "PAIR_SILU", "PAIR_GELU_TANH"))
+"""``gemm_f32_pair``'s modes: the plain product, or SiLU's or GELU-tanh's gate of it."""
 QUANT_FORMATS: dict[str, int] = dict(sorted(
     ((name.removeprefix("QF_").lower(), code) for name, code in CONSTANTS.items()
      if name.startswith("QF_")), key=lambda item: item[1]))  # fmt: skip

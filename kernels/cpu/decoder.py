@@ -290,7 +290,9 @@ class FusedLayers:
         if packed is None or tuple(weight.shape) != (n, k):
             return None
         keep.append(packed)
-        lin[C["LIN_FMT"]], lin[C["LIN_W"]] = C["LIN_F32"], packed.data_ptr()
+        pair = self._ops.native_pair(weight)  # a gate/up weight in pairs (gemm_f32_pair)
+        lin[C["LIN_FMT"]] = C["LIN_F32_PAIR"] if pair else C["LIN_F32"]
+        lin[C["LIN_W"]] = packed.data_ptr()
         return lin, FUSED_MAX_ROWS
 
     def _stacked_parts(self, weight: StackedWeight, bias, n: int, k: int, keep):

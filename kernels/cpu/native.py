@@ -51,7 +51,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_attention_cpu.c", "fused_ops_cpu.c", "gemm_cpu.c",
                                    "qgemm_cpu.c", "decoder_cpu.c", "pool.c",
                                    "shm_sync.c"))
-HEADERS = tuple(CSRC / f for f in ("abi.h", "convert.h", "paged_attention_portable.h",
+HEADERS = tuple(CSRC / f for f in ("abi.h", "convert.h", "gated.h", "paged_attention_portable.h",
                                    "paged_attention_vec.h", "paged_attention_tiled.h",
                                    "paged_attention_tiled16.h",
                                    "paged_attention_write.h", "pool.h",

@@ -150,6 +150,9 @@
  * side): LIN_W is the address of an int64 table of the part count, then LIN_SIZE entries
  * a part (its format, packed weight, bias or 0, rows, k; no order of its own). */
 #define LIN_STACK -2
+/* LIN_FMT of a float32 gate/up weight packed in pairs for gemm_f32_pair: the MLP's
+ * gate comes from the product's epilogue. */
+#define LIN_F32_PAIR -3
 /* decoder_layers' own status code (it also returns paged_attention's). */
 #define DEC_ERR_LINEAR -7 /* a quantized linear refused its format or shape */
 
@@ -199,6 +202,18 @@ int64_t gemm_f32_packed_size(int64_t n, int64_t k);
 void gemm_f32_pack(const float *w, int64_t n, int64_t k, float *packed);
 void gemm_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *packed,
               int64_t n, const float *bias, float *y, int64_t ldy, int num_threads);
+/* A gate/up weight [2 * inter, k] packed in pairs of gate and up columns, and its product
+ * (mode: the plain [m, 2 * inter] product, or act(gate) * up [m, inter]; -1 for another
+ * mode). Available where gemm_f32 is. */
+#define PAIR_NONE 0
+#define PAIR_SPLIT 1
+#define PAIR_SILU 2
+#define PAIR_GELU_TANH 3
+int64_t gemm_f32_pair_packed_size(int64_t inter, int64_t k);
+void gemm_f32_pair_pack(const float *w, int64_t inter, int64_t k, float *packed);
+int gemm_f32_pair(const float *x, int64_t ldx, int64_t m, int64_t k, const float *packed,
+                  int64_t inter, const float *bias, int mode, float *y, int64_t ldy,
+                  int num_threads);
 /* GFLOP/s of num_threads threads' register-only multiply-adds (0 on the portable build,
  * or when OpenMP gives fewer threads). */
 float fma_peak_gflops(int num_threads);

@@ -89,6 +89,11 @@ static int linear(const int64_t *lin, const float *x, int rows, float *y, float 
         gemm_f32(x, k, rows, k, PTR(lin, LIN_W), n, bias, y, n, num_threads);
         return 0;
     }
+    if (lin[LIN_FMT] == LIN_F32_PAIR) /* the plain product of a pair-packed weight */
+        return gemm_f32_pair(x, k, rows, k, PTR(lin, LIN_W), n / 2, bias, PAIR_SPLIT, y, n,
+                             num_threads)
+                   ? DEC_ERR_LINEAR
+                   : 0;
     if (lin[LIN_FMT] == LIN_STACK) { /* each part's columns of y in turn */
         const int64_t *parts = PTR(lin, LIN_W);
         int64_t col = 0;
@@ -299,12 +304,19 @@ int decoder_layers(const int64_t *model, const int64_t *layers, const int64_t *s
             out_norm(out, PTR(layer, DL_MLP_OUT_NORM), eps, rows, hidden, num_threads);
             continue;
         }
-        if ((status = linear(layer + DL_GATE_UP, x, rows, gate_up, gather, num_threads)))
-            return status;
-        if (model[DM_ACTIVATION] == ACT_GELU_TANH)
-            gelu_tanh_mul_f32(gate_up, act, rows, inter, num_threads);
-        else
-            silu_mul_f32(gate_up, act, rows, inter, num_threads);
+        const int gelu = model[DM_ACTIVATION] == ACT_GELU_TANH;
+        const int64_t *gu = layer + DL_GATE_UP;
+        if (gu[LIN_FMT] == LIN_F32_PAIR && !gu[LIN_ORDER]) { /* the gate in the epilogue */
+            if (gemm_f32_pair(x, hidden, rows, hidden, PTR(gu, LIN_W), inter, PTR(gu, LIN_BIAS),
+                              gelu ? PAIR_GELU_TANH : PAIR_SILU, act, inter, num_threads))
+                return DEC_ERR_LINEAR;
+        } else {
+            if ((status = linear(gu, x, rows, gate_up, gather, num_threads))) return status;
+            if (gelu)
+                gelu_tanh_mul_f32(gate_up, act, rows, inter, num_threads);
+            else
+                silu_mul_f32(gate_up, act, rows, inter, num_threads);
+        }
         if ((status = linear(layer + DL_DOWN, act, rows, out, gather, num_threads))) return status;
         out_norm(out, PTR(layer, DL_MLP_OUT_NORM), eps, rows, hidden, num_threads);
     }

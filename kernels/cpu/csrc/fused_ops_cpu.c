@@ -14,6 +14,7 @@
 
 #include "abi.h"
 #include "convert.h"
+#include "gated.h"
 #include "simd.h"
 
 #define PARALLEL_MIN_ELEMS (1 << 18)
@@ -126,44 +127,15 @@ void rope_bf16(uint16_t *x, int64_t row_stride, int rows, int heads, int head_di
     for (int r = 0; r < rows; ++r) rope_row(x, row_stride, r, heads, head_dim, cos, sin, 1);
 }
 
-/* gelu_tanh(x) = 0.5 x (1 + tanh(y)) = x sigmoid(2 y), y = sqrt(2/pi) (x + 0.044715 x^3):
- * silu's sigmoid at 2 y. */
-#define GELU_2B 1.5957691216057308f /* 2 sqrt(2/pi) */
-#define GELU_KAPPA 0.044715f
-
-/* out[r, i] = act(gate_up[r, i]) * gate_up[r, inter + i] for i < inter, act(x) = x
- * sigmoid(z): silu's z = x, or with ``gelu`` GELU-tanh's z = 2 y. */
+/* out[r, i] = act(gate_up[r, i]) * gate_up[r, inter + i] for i < inter (gated.h; with
+ * ``gelu`` GELU-tanh, else SiLU). */
 static inline __attribute__((always_inline)) void gated_mul_f32(const float *gate_up, float *out,
                                                                 int rows, int inter, int gelu,
                                                                 int num_threads) {
 #pragma omp parallel for num_threads(threads_for((int64_t)rows * inter, num_threads))
     for (int r = 0; r < rows; ++r) {
         const float *g = gate_up + (int64_t)r * 2 * inter;
-        const float *u = g + inter;
-        float *o = out + (int64_t)r * inter;
-        int i = 0;
-#if SIMD_VW
-        const vf one = vf_set1(1.0f), kappa = vf_set1(GELU_KAPPA), minus_2b = vf_set1(-GELU_2B);
-        for (; i < inter; i += SIMD_VW) {
-            const int n = inter - i;
-            const vf x = vf_load_first(g + i, n);
-            const vf minus_z = gelu ? vf_mul(minus_2b, vf_fmadd(vf_mul(kappa, vf_mul(x, x)), x, x))
-                                    : vf_sub(vf_zero(), x);
-            /* exp(-z) capped below overflow, so that 1 + e stays finite for the
-             * reciprocal (act(x) is then x / 1.6e38, i.e. zero, for z < -88). */
-            const vf e = vf_exp(vf_min(minus_z, vf_set1(88.0f)));
-            /* x / d by a reciprocal estimate refined with one Newton step (a division
-             * costs several times more; the result is within a few ulps). */
-            const vf act = vf_mul(x, vf_rcp(vf_add(one, e)));
-            vf_store_first(o + i, n, vf_mul(act, vf_load_first(u + i, n)));
-        }
-#endif
-        for (; i < inter; ++i) {
-            const float x = g[i];
-            const float minus_z = gelu ? fminf(-GELU_2B * (GELU_KAPPA * (x * x) * x + x), 88.0f)
-                                       : -x;
-            o[i] = x / (1.0f + expf(minus_z)) * u[i];
-        }
+        gated_run(g, g + inter, out + (int64_t)r * inter, inter, gelu);
     }
 }
 

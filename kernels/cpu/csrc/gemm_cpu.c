@@ -11,6 +11,13 @@
  * output is one fused multiply-add chain in k order, plus the bias. The tile fills the
  * register file: 8 x 48 in 24 of AVX-512's 32 registers, 6 x 16 in 12 of AVX2's 16.
  *
+ * An MLP's gate/up weight ``[2 * inter, k]`` (gate rows, then up rows) can be packed in
+ * pairs instead (``gemm_f32_pair_pack``): each panel holds NR / 2 gate columns and the
+ * same NR / 2 up columns, so that a tile holds both halves of its outputs and its
+ * epilogue writes act(gate) * up (gated.h) straight to ``[m, inter]``: the product's
+ * ``[m, 2 * inter]`` is never written and read back (``gemm_f32_pair``; PAIR_SPLIT writes
+ * the plain product instead).
+ *
  * Built with a vector unit (simd.h; ``gemm_f32_available`` says so, and
  * ``gemm_f32_packed_size`` gives the packed size for this build's NR); elsewhere the
  * caller keeps torch's linear.
@@ -19,6 +26,7 @@
 #include <stdint.h>
 
 #include "abi.h"
+#include "gated.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -33,6 +41,8 @@
 #define MR 1
 #endif
 #define NR (NV * (SIMD_VW ? SIMD_VW : 16))
+/* Gate (and up) columns of a pair panel. */
+#define HR (NR / 2)
 /* Rows of x per pass over the panels (x stays in L2). */
 #define MC 128
 /* A panel read by one tile only (a batch of at most MR rows) is one stream through
@@ -70,17 +80,100 @@ void gemm_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
     }
 }
 
+int64_t gemm_f32_pair_packed_size(int64_t inter, int64_t k) {
+    return (inter + HR - 1) / HR * NR * k;
+}
+
+void gemm_f32_pair_pack(const float *w, int64_t inter, int64_t k, float *packed) {
+    const int64_t panels = (inter + HR - 1) / HR;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = packed + p * NR * k;
+        for (int64_t j = 0; j < NR; j++) {
+            const int64_t col = p * HR + j % HR; /* of the gate's or the up's rows */
+            if (col < inter) {
+                const float *src = w + (j < HR ? col : inter + col) * k;
+                for (int64_t kk = 0; kk < k; kk++) dst[kk * NR + j] = src[kk];
+            } else {
+                for (int64_t kk = 0; kk < k; kk++) dst[kk * NR + j] = 0.0f;
+            }
+        }
+    }
+}
+
 #if SIMD_VW
 
 int gemm_f32_available(void) { return 1; }
 
-/* ``mr`` (1..MR) rows of x times one panel, written to ``cols`` (1..NR) columns of y. */
+/* Where a tile's outputs go: ``cols`` columns of ``y`` (rows ``ldy`` apart), plus
+ * ``bias`` or NULL; for a pair panel (``mode`` PAIR_*) the up half's columns of ``up``
+ * (PAIR_SPLIT) and its bias ``bias_up``. */
+typedef struct {
+    const float *bias, *bias_up;
+    float *y, *up;
+    int64_t ldy;
+    int cols, mode;
+} out_t;
+
+/* A pair panel's accumulators of one row as its gate and up halves, HR = NV * VW / 2
+ * lanes each, in whole vectors: ``g[h]``, ``u[h]`` hold lanes ``h * VW ..`` of each half
+ * (those past HR unused). In registers (a copy through memory would stall on
+ * store-to-load forwarding): AVX2's two vectors are the halves; AVX-512's three hold
+ * gate 0-15, gate 16-23 | up 0-7, up 8-23. */
+#define PAIR_VECS ((HR + SIMD_VW - 1) / SIMD_VW)
+static inline __attribute__((always_inline)) void pair_halves(const vf *acc, vf *g, vf *u) {
+#if SIMD_VW == 16
+    g[0] = acc[0];
+    g[1] = acc[1];
+    u[0] = _mm512_shuffle_f32x4(acc[1], acc[2], _MM_SHUFFLE(1, 0, 3, 2));
+    u[1] = _mm512_shuffle_f32x4(acc[2], acc[2], _MM_SHUFFLE(3, 2, 3, 2));
+#else
+    g[0] = acc[0];
+    u[0] = acc[1];
+#endif
+}
+
+/* The epilogue of a pair panel's tile: each row's gate and up halves (plus their
+ * biases) to ``o`` as act(gate) * up, or side by side (PAIR_SPLIT). */
+static inline __attribute__((always_inline)) void pair_out(vf acc[][NV], int mr,
+                                                           const out_t *o) {
+    const int gelu = o->mode == PAIR_GELU_TANH;
+    vf bg[PAIR_VECS], bu[PAIR_VECS];
+    for (int h = 0; h < PAIR_VECS; h++) {
+        const int left = o->cols - SIMD_VW * h;
+        bg[h] = o->bias && left > 0 ? vf_load_first(o->bias + SIMD_VW * h, left) : vf_zero();
+        bu[h] = o->bias && left > 0 ? vf_load_first(o->bias_up + SIMD_VW * h, left) : vf_zero();
+    }
+    for (int i = 0; i < mr; i++) {
+        vf g[PAIR_VECS], u[PAIR_VECS];
+        pair_halves(acc[i], g, u);
+        for (int h = 0; h < PAIR_VECS; h++) {
+            const int left = o->cols - SIMD_VW * h;
+            if (left <= 0) break;
+            if (o->bias) {
+                g[h] = vf_add(g[h], bg[h]);
+                u[h] = vf_add(u[h], bu[h]);
+            }
+            float *y = o->y + i * o->ldy + SIMD_VW * h;
+            if (o->mode == PAIR_SPLIT) {
+                vf_store_first(y, left, g[h]);
+                vf_store_first(o->up + i * o->ldy + SIMD_VW * h, left, u[h]);
+            } else {
+                vf_store_first(y, left, gated_vec(g[h], u[h], gelu));
+            }
+        }
+    }
+}
+
+
+/* ``mr`` (1..MR) rows of x times one panel, written to ``cols`` (1..NR) columns of y;
+ * or, ``pair`` (a compile-time NULL in the plain tiles), as ``pair`` says. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx,
                                                        const float *panel, int64_t k,
                                                        const float *bias, float *y,
                                                        int64_t ldy, int cols, const char *pf,
                                                        int64_t pf_lines, const int stream,
-                                                       const int mr) {
+                                                       const int mr, const out_t *pair) {
     vf acc[MR][NV];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NV; j++) acc[i][j] = vf_zero();
@@ -107,6 +200,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
             for (int j = 0; j < NV; j++) acc[i][j] = vf_fmadd(a, bv[j], acc[i][j]);
         }
     }
+    if (pair) { /* a pair panel's epilogue (pair_tile_R) */
+        pair_out(acc, mr, pair);
+        return;
+    }
     for (int j = 0; j < NV; j++) {
         const int left = cols - SIMD_VW * j;
         if (left <= 0) break;
@@ -125,7 +222,12 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     static void tile_##R(const float *x, int64_t ldx, const float *panel, int64_t k,     \
                          const float *bias, float *y, int64_t ldy, int cols,              \
                          const char *pf, int64_t pf_lines, int stream) {                  \
-        tile(x, ldx, panel, k, bias, y, ldy, cols, pf, pf_lines, stream, R);              \
+        tile(x, ldx, panel, k, bias, y, ldy, cols, pf, pf_lines, stream, R, NULL);        \
+    }                                                                                     \
+    static void pair_tile_##R(const float *x, int64_t ldx, const float *panel, int64_t k,\
+                              const out_t *o, const char *pf, int64_t pf_lines,           \
+                              int stream) {                                               \
+        tile(x, ldx, panel, k, NULL, NULL, 0, 0, pf, pf_lines, stream, R, o);             \
     }
 TILE_FN(1)
 TILE_FN(2)
@@ -145,16 +247,26 @@ static const tile_fn TILES[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5,
                                       tile_7, tile_8
 #endif
 };
+typedef void (*pair_tile_fn)(const float *, int64_t, const float *, int64_t, const out_t *,
+                             const char *, int64_t, int);
+static const pair_tile_fn PAIR_TILES[MR + 1] = {0, pair_tile_1, pair_tile_2, pair_tile_3,
+                                                pair_tile_4, pair_tile_5, pair_tile_6,
+#if MR > 6
+                                                pair_tile_7, pair_tile_8
+#endif
+};
 
 /* Panels ``p0 .. p1 - 1``; ``after``: the panel to prefetch while the last of them is
- * read (-1: none). */
+ * read (-1: none). ``mode`` PAIR_NONE: plain panels of ``n`` columns; else pair panels of
+ * a gate/up weight whose gate has ``n`` rows, through the pair tiles' epilogue. */
 static void panels_range(const float *x, int64_t ldx, int64_t m, int64_t k,
                          const float *packed, int64_t n, const float *bias, float *y,
-                         int64_t ldy, int64_t p0, int64_t p1, int64_t after) {
+                         int64_t ldy, int64_t p0, int64_t p1, int64_t after, int mode) {
+    const int width = mode == PAIR_NONE ? NR : HR;
     for (int64_t p = p0; p < p1; p++) {
         const float *panel = packed + p * NR * k;
-        const int64_t c0 = p * NR;
-        const int cols = (int)(n - c0 < NR ? n - c0 : NR);
+        const int64_t c0 = p * width;
+        const int cols = (int)(n - c0 < width ? n - c0 : width);
         const float *pb = bias ? bias + c0 : 0;
         /* The tiles of this panel share out prefetching the next one into L2: with the
          * weights in DRAM a decode step's linears take 15-25% less time at 8-64 rows
@@ -169,28 +281,30 @@ static void panels_range(const float *x, int64_t ldx, int64_t m, int64_t k,
             const int mr = (int)(m - r < MR ? m - r : MR);
             int64_t pf_lines = lines - t * per_tile;
             pf_lines = pf_lines < per_tile ? pf_lines : per_tile;
-            TILES[mr](x + r * ldx, ldx, panel, k, pb, y + r * ldy + c0, ldy, cols,
-                      next + 64 * t * per_tile, pf_lines, stream);
+            const char *pf = next + 64 * t * per_tile;
+            float *yt = y + r * ldy + c0;
+            if (mode == PAIR_NONE) {
+                TILES[mr](x + r * ldx, ldx, panel, k, pb, yt, ldy, cols, pf, pf_lines, stream);
+                continue;
+            }
+            const out_t o = {pb, bias ? bias + n + c0 : NULL, yt,
+                             mode == PAIR_SPLIT ? yt + n : NULL, ldy, cols, mode};
+            PAIR_TILES[mr](x + r * ldx, ldx, panel, k, &o, pf, pf_lines, stream);
         }
     }
-}
-
-static void blocks_range(const float *x, int64_t ldx, int64_t m, int64_t k,
-                         const float *packed, int64_t n, const float *bias, float *y,
-                         int64_t ldy, int64_t p0, int64_t p1, int64_t after) {
-    for (int64_t r = 0; r < m; r += MC) /* a block of rows but the last is followed by p0 */
-        panels_range(x + r * ldx, ldx, m - r < MC ? m - r : MC, k, packed, n, bias,
-                     y + r * ldy, ldy, p0, p1, r + MC < m ? p0 : after);
 }
 
 typedef struct {
     const float *x;
     int64_t ldx, m, k;
     const float *packed;
+    /* the output columns (a pair weight: its gate's rows) */
     int64_t n;
     const float *bias;
     float *y;
     int64_t ldy;
+    /* PAIR_NONE, or the pair tiles' epilogue */
+    int mode;
     /* panels in all; chunks are claimed in turn, so a thread's next chunk likely starts
      * ``ahead`` panels past the end of its last */
     int64_t panels, ahead;
@@ -204,18 +318,17 @@ static void gemm_panels(void *ctx, int64_t p0, int64_t p1, int worker) {
      * (one decode step's linears at 32-64 rows over weights in DRAM: 0.66-0.88 of the
      * FMA peak before, 0.73-0.93 after, in turn on a Zen 5). A wrong guess costs one
      * panel's prefetch, which the thread that takes it then finds in cache. */
-    const int64_t next = p1 + t->ahead;
-    blocks_range(t->x, t->ldx, t->m, t->k, t->packed, t->n, t->bias, t->y, t->ldy, p0, p1,
-                 next < t->panels ? next : -1);
+    const int64_t next = p1 + t->ahead < t->panels ? p1 + t->ahead : -1;
+    for (int64_t r = 0; r < t->m; r += MC) /* a block of rows but the last: p0 follows */
+        panels_range(t->x + r * t->ldx, t->ldx, t->m - r < MC ? t->m - r : MC, t->k,
+                     t->packed, t->n, t->bias, t->y + r * t->ldy, t->ldy, p0, p1,
+                     r + MC < t->m ? p0 : next, t->mode);
 }
 
-/* x ``[m, k]`` (row stride ldx), packed from ``gemm_f32_pack``, bias ``[n]`` or NULL,
- * y ``[m, n]`` (row stride ldy). */
-void gemm_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *packed,
-              int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {
-    const int64_t panels = (n + NR - 1) / NR;
-    const int nt = n * k >= PARALLEL_MIN_WEIGHT && num_threads > 1 ? num_threads : 1;
-    gemm_task_t task = {x, ldx, m, k, packed, n, bias, y, ldy, panels, 0};
+/* The task over its panels on ``num_threads`` threads; ``weight`` floats of weight. */
+static void gemm_run(gemm_task_t *task, int64_t weight, int num_threads) {
+    const int64_t panels = task->panels;
+    const int nt = weight >= PARALLEL_MIN_WEIGHT && num_threads > 1 ? num_threads : 1;
     /* Chunks of panels, about four per thread: a thread that starts late or loses its
      * core leaves its share to the others. Past BALANCE_ROWS rows (bound by arithmetic)
      * a count of chunks the threads cannot share evenly is raised by smaller chunks:
@@ -224,10 +337,34 @@ void gemm_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *pa
      * otherwise, since a chunk's panels prefetch one another. */
     const int64_t per = 4 * (int64_t)nt;
     int64_t grain = (panels + per - 1) / per;
-    if (m > BALANCE_ROWS && (panels + grain - 1) / grain % nt != 0 && panels / per >= 1)
+    if (task->m > BALANCE_ROWS && (panels + grain - 1) / grain % nt != 0 && panels / per >= 1)
         grain = panels / per;
-    task.ahead = (nt - 1) * grain;
-    pool_run(gemm_panels, &task, panels, grain, nt);
+    task->ahead = (nt - 1) * grain;
+    pool_run(gemm_panels, task, panels, grain, nt);
+}
+
+/* x ``[m, k]`` (row stride ldx), packed from ``gemm_f32_pack``, bias ``[n]`` or NULL,
+ * y ``[m, n]`` (row stride ldy). */
+void gemm_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *packed,
+              int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {
+    gemm_task_t task = {x, ldx, m, k, packed, n, bias, y, ldy, PAIR_NONE,
+                        (n + NR - 1) / NR, 0};
+    gemm_run(&task, n * k, num_threads);
+}
+
+/* x ``[m, k]`` times a gate/up weight packed from ``gemm_f32_pair_pack``, bias ``[2 *
+ * inter]`` or NULL: y ``[m, inter]`` (row stride ldy) = act(gate) * up, ``mode``
+ * PAIR_SILU or PAIR_GELU_TANH; or, PAIR_SPLIT, the plain product ``[m, 2 * inter]``.
+ * Each output is the same as gemm_f32's (then silu_mul_f32's or gelu_tanh_mul_f32's) on
+ * the same weight, bit for bit. Returns 0, or -1 for an unknown mode. */
+int gemm_f32_pair(const float *x, int64_t ldx, int64_t m, int64_t k, const float *packed,
+                  int64_t inter, const float *bias, int mode, float *y, int64_t ldy,
+                  int num_threads) {
+    if (mode != PAIR_SPLIT && mode != PAIR_SILU && mode != PAIR_GELU_TANH) return -1;
+    gemm_task_t task = {x, ldx, m, k, packed, inter, bias, y, ldy, mode,
+                        (inter + HR - 1) / HR, 0};
+    gemm_run(&task, 2 * inter * k, num_threads);
+    return 0;
 }
 
 /* Independent multiply-add chains a thread keeps in registers: enough to cover the
@@ -283,6 +420,14 @@ void gemm_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *pa
               int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {
     (void)x, (void)ldx, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
     (void)ldy, (void)num_threads;
+}
+
+int gemm_f32_pair(const float *x, int64_t ldx, int64_t m, int64_t k, const float *packed,
+                  int64_t inter, const float *bias, int mode, float *y, int64_t ldy,
+                  int num_threads) {
+    (void)x, (void)ldx, (void)m, (void)k, (void)packed, (void)inter, (void)bias, (void)mode;
+    (void)y, (void)ldy, (void)num_threads;
+    return -1;
 }
 
 #endif

@@ -137,9 +137,15 @@ def _caches(model, num_blocks: int, dtype: torch.dtype = torch.float32):
 
 
 def _compare(native_lib, model, q_lens, ctx, expect_fused: bool,
-             kv_dtype: torch.dtype = torch.float32, exact: bool = True):
+             kv_dtype: torch.dtype = torch.float32, exact: bool = True, pairs: bool = True):
     positions, meta, num_blocks = _step(q_lens, ctx)
     ops = NativeLayerOps(native_lib)
+    if pairs:  # as the engine loads: the MLPs' float32 gate/up weights packed in pairs
+        ops.prepare_weights(model.linear_weights(), gated=model.gated_weights())
+        for weight in model.gated_weights():
+            assert ops.native_pair(weight) == (native_lib.gemm_f32_available() == 1
+                                               and isinstance(weight, torch.Tensor)
+                                               and weight.dtype == torch.float32)
     fused, loop = CpuBackend(native_lib, ops), CpuBackend(native_lib, ops, fuse_layers=False)
     kv_fused = _caches(model, num_blocks, kv_dtype)
     kv_loop = [(k.clone(), v.clone()) for k, v in kv_fused]
@@ -173,6 +179,16 @@ def test_float32_fused_equals_loop(native_lib, arch, q_lens, ctx):
         windows = [x.window for x in model.decoder_stack().layers]
         assert windows == ([9] * 3 if arch == "mistral_window" else [0, 6, 6])
     _compare(native_lib, model, q_lens, ctx, bool(native_lib.gemm_f32_available()))
+
+
+@pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 70, 16]), ([1, 1, 9, 3], [20, 33, 0, 40])])
+def test_float32_fused_equals_loop_with_plain_gate_up_panels(native_lib, q_lens, ctx):
+    """Weights packed at their first use, the gate/up weight by a plain linear (no pairs):
+    the fused call then takes the product and the gate apart."""
+    model = _model("llama", None)
+    _compare(native_lib, model, q_lens, ctx, bool(native_lib.gemm_f32_available()), pairs=False)
+    ops = NativeLayerOps(native_lib)
+    assert not any(ops.native_pair(w) for w in model.gated_weights())
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])

@@ -304,6 +304,53 @@ def test_native_linear_on_strided_rows_and_fallbacks(gemm) -> None:
     assert not gemm._use_native(randn(4, 64), w, bb)
 
 
+# Gate widths around the 24- (AVX-512) and 8-column (AVX2) halves of a pair panel; rows
+# around the tiles and the 128-row block (up to 256: AVX2 builds take oneDNN past them).
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 129, 256])
+@pytest.mark.parametrize("inter,k", [(1536, 576), (23, 33), (24, 8), (8, 100), (100, 64)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gated_linear_in_pairs_gives_the_bits_of_the_product_then_its_gate(
+        gemm, rows, inter, k, gelu) -> None:
+    """A gate/up weight packed in pairs: its gate from the product's epilogue has the bits
+    of the plain product followed by the gate kernel, and its plain product the bits of
+    the plain panels' (the one path for an adapter's product), bias or none."""
+    w, b = randn(2 * inter, k, scale=k**-0.5), randn(2 * inter, seed=1)
+    plain = w.clone()
+    x = randn(rows, k, seed=2)
+    gate = gemm.gelu_tanh_mul if gelu else gemm.silu_mul
+    for bias in (None, b):
+        got = gemm.gated_linear(x, w, bias, gelu)
+        assert gemm.native_pair(w) and not gemm.native_pair(plain)
+        assert torch.equal(got, gate(gemm.linear(x, plain, bias)))
+        assert torch.equal(gemm.linear(x, w, bias), gemm.linear(x, plain, bias))
+    assert torch.equal(gemm.gated_linear(x, plain, b, gelu), got)  # plain panels: apart
+    assert not gemm.native_pair(plain)
+
+
+def test_gated_linear_elsewhere_is_the_product_then_its_gate(native) -> None:
+    """Where the native linear does not take the weight (the portable build, bfloat16, an
+    odd row count), the product then the gate; torch's ops do the same."""
+    x, w = randn(5, 64), randn(2 * 40, 64, seed=1)
+    for ops in (native, TorchLayerOps()):
+        assert torch.equal(ops.gated_linear(x, w, None, False), ops.silu_mul(ops.linear(x, w)))
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(native.gated_linear(xb, wb, None, True),
+                       native.gelu_tanh_mul(native.linear(xb, wb)))
+    odd = randn(41, 64, seed=2)
+    assert native.gated_linear(x, odd, None, False).shape == (5, 20)
+    assert not native.native_pair(odd)
+
+
+def test_prepare_weights_packs_gated_weights_in_pairs(gemm) -> None:
+    ws = [randn(96, 64), randn(2 * 40, 64, seed=1)]
+    gemm.prepare_weights(ws, gated=[ws[1], randn(8, 64).bfloat16()])
+    assert [gemm.native_pair(w) for w in ws] == [False, True]
+    assert ws[1]._pagedserve_native_packed[1].numel() == gemm._lib.gemm_f32_pair_packed_size(40, 64)
+    x = randn(3, 64, seed=2)
+    assert torch.equal(gemm.gated_linear(x, ws[1], None, False),
+                       gemm.silu_mul(gemm.linear(x, ws[1].clone())))
+
+
 def test_prepare_weights_packs_the_native_panels_into_one_allocation(native) -> None:
     """The engine passes its huge-page allocator: every float32 weight's panels go into
     the one tensor it returns, each on a cache line, a tied weight once, and the linear
