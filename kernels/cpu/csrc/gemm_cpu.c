@@ -63,21 +63,28 @@
 /* Floats in the packed form of an ``[n, k]`` weight. */
 int64_t gemm_f32_packed_size(int64_t n, int64_t k) { return (n + NR - 1) / NR * NR * k; }
 
-void gemm_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
-    const int64_t panels = (n + NR - 1) / NR;
+/* Panels of NR columns, k-major; ``pair``: of an ``[2 * n, k]`` gate/up weight, each
+ * panel HR gate columns then the same HR up columns; else of an ``[n, k]`` weight. Columns
+ * past the weight's are zeros. */
+static void pack_panels(const float *w, int64_t n, int64_t k, float *packed, int pair) {
+    const int64_t width = pair ? HR : NR, panels = (n + width - 1) / width;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         float *dst = packed + p * NR * k;
         for (int64_t j = 0; j < NR; j++) {
-            const int64_t col = p * NR + j;
+            const int64_t col = p * width + j % width; /* of the gate's or the up's rows */
             if (col < n) {
-                const float *src = w + col * k;
+                const float *src = w + (pair && j >= HR ? n + col : col) * k;
                 for (int64_t kk = 0; kk < k; kk++) dst[kk * NR + j] = src[kk];
             } else {
                 for (int64_t kk = 0; kk < k; kk++) dst[kk * NR + j] = 0.0f;
             }
         }
     }
+}
+
+void gemm_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
+    pack_panels(w, n, k, packed, 0);
 }
 
 int64_t gemm_f32_pair_packed_size(int64_t inter, int64_t k) {
@@ -85,20 +92,7 @@ int64_t gemm_f32_pair_packed_size(int64_t inter, int64_t k) {
 }
 
 void gemm_f32_pair_pack(const float *w, int64_t inter, int64_t k, float *packed) {
-    const int64_t panels = (inter + HR - 1) / HR;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        float *dst = packed + p * NR * k;
-        for (int64_t j = 0; j < NR; j++) {
-            const int64_t col = p * HR + j % HR; /* of the gate's or the up's rows */
-            if (col < inter) {
-                const float *src = w + (j < HR ? col : inter + col) * k;
-                for (int64_t kk = 0; kk < k; kk++) dst[kk * NR + j] = src[kk];
-            } else {
-                for (int64_t kk = 0; kk < k; kk++) dst[kk * NR + j] = 0.0f;
-            }
-        }
-    }
+    pack_panels(w, inter, k, packed, 1);
 }
 
 #if SIMD_VW
