@@ -328,16 +328,18 @@ class NativeLayerOps(TorchLayerOps):
         the same."""
         if (isinstance(weight, torch.Tensor) and weight.shape[0] % 2 == 0
                 and self._use_native(x, weight, bias)):  # fmt: skip
-            if getattr(weight, "_pagedserve_native_packed", None) is None:
-                self._mark_pair(weight)  # the first use decides
+            self._mark_pair(weight)  # unless its first use packed it plain
             if self.native_pair(weight):
                 return self._gemm_linear(x, weight, bias, PAIR_GELU_TANH if gelu else PAIR_SILU)
         return super().gated_linear(x, weight, bias, gelu)
 
     def _mark_pair(self, weight: torch.Tensor | QuantizedWeight) -> None:
-        """Pack ``weight`` (a gate/up weight) in pairs where the native linear takes it."""
+        """Pack ``weight`` (a gate/up weight) in pairs where the native linear takes it,
+        unless it is packed already: a weight's panels keep the layout of its first
+        packing (the fused call's tables hold their address)."""
         if (self._gemm and isinstance(weight, torch.Tensor) and weight.dim() == 2
-                and weight.shape[0] % 2 == 0 and _native_dtype(weight) == "f32"):  # fmt: skip
+                and weight.shape[0] % 2 == 0 and _native_dtype(weight) == "f32"
+                and getattr(weight, "_pagedserve_native_packed", None) is None):  # fmt: skip
             weight._pagedserve_gate_up = True
 
     def native_pair(self, weight: torch.Tensor) -> bool:
@@ -402,7 +404,8 @@ class NativeLayerOps(TorchLayerOps):
         """``weight`` in the native linear's panels (in ``dst`` if given), cached on the
         tensor (re-packed if it changes, or for another build level's panel width)."""
         cached = getattr(weight, "_pagedserve_native_packed", None)
-        if cached is not None and cached[0] == (weight._version, self.isa) and dst is None:
+        key = (weight._version, self.isa, self.native_pair(weight))
+        if cached is not None and cached[0] == key and dst is None:
             return cached[1]
         w = weight.detach().contiguous()
         n, k = w.shape
@@ -412,7 +415,7 @@ class NativeLayerOps(TorchLayerOps):
             self._lib.gemm_f32_pair_pack(w.data_ptr(), n // 2, k, packed.data_ptr())
         else:
             self._lib.gemm_f32_pack(w.data_ptr(), n, k, packed.data_ptr())
-        weight._pagedserve_native_packed = ((weight._version, self.isa), packed)
+        weight._pagedserve_native_packed = (key, packed)
         return packed
 
     def _packed_size(self, weight: torch.Tensor) -> int:

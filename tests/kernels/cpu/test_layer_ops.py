@@ -349,6 +349,12 @@ def test_prepare_weights_packs_gated_weights_in_pairs(gemm) -> None:
     x = randn(3, 64, seed=2)
     assert torch.equal(gemm.gated_linear(x, ws[1], None, False),
                        gemm.silu_mul(gemm.linear(x, ws[1].clone())))
+    # A weight packed plain by its first use keeps its panels (a fused call may hold them).
+    used = randn(2 * 40, 64, seed=3)
+    first = gemm.linear(x, used)
+    gemm.prepare_weights([used], gated=[used])
+    assert not gemm.native_pair(used) and torch.equal(gemm.linear(x, used), first)
+    assert torch.equal(gemm.gated_linear(x, used, None, False), gemm.silu_mul(first))
 
 
 def test_prepare_weights_packs_the_native_panels_into_one_allocation(native) -> None:
