@@ -11,6 +11,7 @@ size. Torch-free.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass, field
@@ -142,8 +143,26 @@ def _ggml_types() -> dict[int, tuple[str, int, int]]:
 
 def read_header(path: str | Path) -> GGUFHeader:
     """The header of the GGUF file at ``path``, every count, length, dimension and offset
-    checked against the file's size (:class:`ModelFileError` when one is out of bounds)."""
+    checked against the file's size (:class:`ModelFileError` when one is out of bounds).
+
+    Read once per file version: a load asks for it several times (the settings, the
+    tokenizer, the weights), and a walk over a 262,144-token vocabulary takes a quarter
+    of a second. The header returned is shared: callers read it, never change it."""
     path = Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        return _read_file(path)  # the open says what is wrong
+    return _cached_header(str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_header(path: str, inode: int, size: int, mtime_ns: int) -> GGUFHeader:
+    """:func:`_read_file` of one version of a file (its inode, size and time of change)."""
+    return _read_file(Path(path))
+
+
+def _read_file(path: Path) -> GGUFHeader:
     with open(path, "rb") as f:
         size = f.seek(0, 2)
         if size < 24:

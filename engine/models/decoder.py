@@ -173,7 +173,11 @@ class DecoderForCausalLM(nn.Module):
         if tp is not None:
             spec = tp.shard.local_spec()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        table = torch.empty(spec.vocab_size, spec.hidden_size)
+        # Built on the meta device (a load), the table is not drawn at random: torch's
+        # normal_ there imports torch._dynamo, 0.6-1.4 s of a GGUF model's load.
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=table if table.is_meta else None)
         self.layers = nn.ModuleList(DecoderLayer(spec, tp, i) for i in range(spec.num_layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(

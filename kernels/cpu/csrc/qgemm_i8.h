@@ -208,22 +208,28 @@ static int i8_pack(int fmt, const void *qs, const uint16_t *d, const uint16_t *m
     const int64_t nb = k / wb, bb = i8_group_block_bytes(base), gb = i8_group_bytes(base, k);
     const int blk = base >= QF_Q5_0;
     const int64_t rb = blk ? nb * blk_bytes(base) : (int64_t)nb * i8_q_bytes(base);
-    memset(out, 0, (size_t)((n + I8G - 1) / I8G * gb)); /* padding columns: all zero */
-    for (int64_t j = 0; j < n; ++j) {
-        const int c = (int)(j % I8G);
-        uint8_t *go = out + j / I8G * gb;
-        for (int64_t b = 0; b < nb; ++b) {
-            uint8_t *bo = go + b * bb;
-            if (blk) {
-                i8_pack_raw(base, (const uint8_t *)qs + j * rb + b * blk_bytes(base), c, bo);
-                continue;
+    const int64_t groups = (n + I8G - 1) / I8G;
+    /* Groups on every thread: one by one, a Gemma 3 1B-shaped Q4_K_M file's weights took
+     * 1.5 s of its 4.5 s load. */
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        uint8_t *go = out + g * gb;
+        memset(go, 0, (size_t)gb); /* padding columns: all zero */
+        for (int64_t j = g * I8G; j < n && j < (g + 1) * I8G; ++j) {
+            const int c = (int)(j % I8G);
+            for (int64_t b = 0; b < nb; ++b) {
+                uint8_t *bo = go + b * bb;
+                if (blk) {
+                    i8_pack_raw(base, (const uint8_t *)qs + j * rb + b * blk_bytes(base), c, bo);
+                    continue;
+                }
+                const int nc = i8_q_bytes(base);
+                const uint8_t *src = (const uint8_t *)qs + j * rb + b * nc;
+                const uint8_t flip = base == QF_Q8_0 ? 0x80 : 0; /* Q8_0: c + 128 */
+                for (int i = 0; i < nc; ++i) bo[i8_code_at(c, i)] = src[i] ^ flip;
+                memcpy(bo + i8_off_d(base) + 2 * c, d + j * nb + b, 2);
+                if (base == QF_Q4_1) memcpy(bo + i8_off_m(base) + 2 * c, mn + j * nb + b, 2);
             }
-            const int nc = i8_q_bytes(base);
-            const uint8_t *src = (const uint8_t *)qs + j * rb + b * nc;
-            const uint8_t flip = base == QF_Q8_0 ? 0x80 : 0; /* Q8_0: c + 128 */
-            for (int i = 0; i < nc; ++i) bo[i8_code_at(c, i)] = src[i] ^ flip;
-            memcpy(bo + i8_off_d(base) + 2 * c, d + j * nb + b, 2);
-            if (base == QF_Q4_1) memcpy(bo + i8_off_m(base) + 2 * c, mn + j * nb + b, 2);
         }
     }
     return 0;

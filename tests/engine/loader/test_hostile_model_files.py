@@ -206,6 +206,21 @@ def test_the_bounded_header_reads_what_the_gguf_package_reads(valid_gguf):
     assert header.fields["general.architecture"] == "llama"
 
 
+def test_a_header_is_read_again_when_its_file_changes(valid_gguf, tmp_path):
+    """Headers are kept per file version: the same file gives the same header, a file
+    written again at the same path gives its own."""
+    path = tmp_path / "m.gguf"
+    shutil.copy(valid_gguf, path)
+    first = read_header(path)
+    assert read_header(path) is first and first.fields["llama.embedding_length"] == 64
+    write_random_gguf("llama", path, default_gguf_path(), types="Q8_0", hidden=96,
+                      inter=128, layers=1, heads=3, kv_heads=1, head_dim=32)  # fmt: skip
+    assert read_header(path).fields["llama.embedding_length"] == 96
+    path.write_bytes(valid_gguf.read_bytes()[:100])  # a bad version is refused, not cached
+    with pytest.raises(ModelFileError, match="truncated or corrupt"):
+        read_header(path)
+
+
 def test_a_conversion_that_fails_midway_leaves_no_model_in_the_cache(valid_gguf, tmp_path,
                                                                      monkeypatch):  # fmt: skip
     """The weights are written, then the conversion fails: nothing a later load takes for a
