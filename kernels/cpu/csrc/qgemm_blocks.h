@@ -245,17 +245,16 @@ static void blk_dequant_raw(int fmt, const uint8_t *r, float *o) {
     for (int i = 0; i < QK_K; ++i) o[i] = d * (float)scales[i / 16] * (float)(q[i] - 32);
 }
 
-/* qgemm_pack of a block format: ``raw`` the plane (rows of blocks). */
-static void blk_pack(int fmt, const uint8_t *raw, int64_t n, int64_t k, uint8_t *out) {
+/* qgemm_pack of a block format's group ``g`` into ``go``: ``raw`` the plane (rows of
+ * blocks). */
+static void blk_pack_group(int fmt, const uint8_t *raw, int64_t n, int64_t k, int64_t g,
+                           uint8_t *go) {
     const int64_t nb = k / blk_weights(fmt), rb = nb * blk_bytes(fmt);
-    const int64_t bb = (int64_t)blk_packed_bytes(fmt) * QG, gb = nb * bb;
-    for (int64_t g = 0; g * QG < n; ++g) {
-        const int cols = n - g * QG < QG ? (int)(n - g * QG) : QG;
-        for (int64_t b = 0; b < nb; ++b)
-            for (int c = 0; c < cols; ++c)
-                blk_pack_column(fmt, raw + (g * QG + c) * rb + b * blk_bytes(fmt), c,
-                                out + g * gb + b * bb);
-    }
+    const int64_t bb = (int64_t)blk_packed_bytes(fmt) * QG;
+    const int cols = n - g * QG < QG ? (int)(n - g * QG) : QG;
+    for (int64_t b = 0; b < nb; ++b)
+        for (int c = 0; c < cols; ++c)
+            blk_pack_column(fmt, raw + (g * QG + c) * rb + b * blk_bytes(fmt), c, go + b * bb);
 }
 
 #if !SIMD_VW

@@ -150,15 +150,17 @@ int qgemm_pack(int fmt, const void *qs, const uint16_t *d, const uint16_t *mn,
     const int64_t rb = row_bytes(fmt, k), nb = k_blocks(fmt, k), nbq = k / QK;
     const int64_t bb = group_block_bytes(fmt), gb = group_bytes(fmt, k);
     const int nc = block_codes(fmt);
-    uint8_t *out = packed;
-    memset(out, 0, (size_t)((n + QG - 1) / QG * gb)); /* padding columns: all zero */
-    if (is_blk(fmt)) {
-        blk_pack(fmt, qs, n, k, out);
-        return 0;
-    }
-    for (int64_t g = 0; g * QG < n; ++g) {
+    const int64_t groups = (n + QG - 1) / QG;
+    /* Groups on every thread (as i8_pack's). */
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
         const int cols = n - g * QG < QG ? (int)(n - g * QG) : QG;
-        uint8_t *go = out + g * gb;
+        uint8_t *go = (uint8_t *)packed + g * gb;
+        memset(go, 0, (size_t)gb); /* padding columns: all zero */
+        if (is_blk(fmt)) {
+            blk_pack_group(fmt, qs, n, k, g, go);
+            continue;
+        }
         if (fmt == QF_INT8) memcpy(go, scale + g * QG, sizeof(float) * (size_t)cols);
         go += group_head_bytes(fmt);
         for (int64_t b = 0; b < nb; ++b) {
