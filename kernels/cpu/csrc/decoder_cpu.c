@@ -74,9 +74,11 @@ int64_t moe_scratch_per_row(const int64_t *moe, int64_t hidden) {
 }
 
 /* y [rows, n] = x [rows, k] @ W^T (+ bias) for the linear at ``lin`` (LIN_* offsets);
- * ``gather`` holds rows * k floats for an input taken in LIN_ORDER. */
-static int linear(const int64_t *lin, const float *x, int rows, float *y, float *gather,
-                  int num_threads) {
+ * ``gather`` holds rows * k floats for an input taken in LIN_ORDER. A pair-packed
+ * gate/up weight (LIN_F32_PAIR) gives its product as ``pair_mode`` says: PAIR_SPLIT the
+ * plain one, PAIR_SILU or PAIR_GELU_TANH its gate, y [rows, n / 2]. */
+static int linear_as(const int64_t *lin, const float *x, int rows, float *y, float *gather,
+                     int pair_mode, int num_threads) {
     const int64_t n = lin[LIN_N], k = lin[LIN_K];
     const float *bias = PTR(lin, LIN_BIAS);
     const int64_t *order = PTR(lin, LIN_ORDER);
@@ -89,9 +91,9 @@ static int linear(const int64_t *lin, const float *x, int rows, float *y, float 
         gemm_f32(x, k, rows, k, PTR(lin, LIN_W), n, bias, y, n, num_threads);
         return 0;
     }
-    if (lin[LIN_FMT] == LIN_F32_PAIR) /* the plain product of a pair-packed weight */
-        return gemm_f32_pair(x, k, rows, k, PTR(lin, LIN_W), n / 2, bias, PAIR_SPLIT, y, n,
-                             num_threads)
+    if (lin[LIN_FMT] == LIN_F32_PAIR)
+        return gemm_f32_pair(x, k, rows, k, PTR(lin, LIN_W), n / 2, bias, pair_mode, y,
+                             pair_mode == PAIR_SPLIT ? n : n / 2, num_threads)
                    ? DEC_ERR_LINEAR
                    : 0;
     if (lin[LIN_FMT] == LIN_STACK) { /* each part's columns of y in turn */
@@ -110,6 +112,12 @@ static int linear(const int64_t *lin, const float *x, int rows, float *y, float 
                         num_threads)
                ? DEC_ERR_LINEAR
                : 0;
+}
+
+/* linear_as with a pair-packed weight's plain product. */
+static int linear(const int64_t *lin, const float *x, int rows, float *y, float *gather,
+                  int num_threads) {
+    return linear_as(lin, x, rows, y, gather, PAIR_SPLIT, num_threads);
 }
 
 /* RMSNorm of each head of the ``heads`` heads at the start of every row (row stride
@@ -306,10 +314,10 @@ int decoder_layers(const int64_t *model, const int64_t *layers, const int64_t *s
         }
         const int gelu = model[DM_ACTIVATION] == ACT_GELU_TANH;
         const int64_t *gu = layer + DL_GATE_UP;
-        if (gu[LIN_FMT] == LIN_F32_PAIR && !gu[LIN_ORDER]) { /* the gate in the epilogue */
-            if (gemm_f32_pair(x, hidden, rows, hidden, PTR(gu, LIN_W), inter, PTR(gu, LIN_BIAS),
-                              gelu ? PAIR_GELU_TANH : PAIR_SILU, act, inter, num_threads))
-                return DEC_ERR_LINEAR;
+        if (gu[LIN_FMT] == LIN_F32_PAIR) { /* the gate in the product's epilogue */
+            if ((status = linear_as(gu, x, rows, act, gather, gelu ? PAIR_GELU_TANH : PAIR_SILU,
+                                    num_threads)))
+                return status;
         } else {
             if ((status = linear(gu, x, rows, gate_up, gather, num_threads))) return status;
             if (gelu)

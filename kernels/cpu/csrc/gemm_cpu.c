@@ -159,7 +159,6 @@ static inline __attribute__((always_inline)) void pair_out(vf acc[][NV], int mr,
     }
 }
 
-
 /* ``mr`` (1..MR) rows of x times one panel, written to ``cols`` (1..NR) columns of y;
  * or, ``pair`` (a compile-time NULL in the plain tiles), as ``pair`` says. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx,
