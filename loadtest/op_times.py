@@ -61,18 +61,18 @@ class TimedOps:
         self._ops, self._clock, self._names = ops, clock, weight_names
 
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self._ops.linear(x, weight, bias)
-        finally:
-            self._clock.add(f"linear {self._names.get(id(weight), tuple(weight.shape))}", t0)
+        return self._timed_product(self._ops.linear, weight, x, weight, bias)
 
     def gated_linear(self, x: Any, weight: Any, bias: Any, gelu: bool) -> Any:
+        # the product and its gate in one (the gate is no silu_mul call of its own)
+        return self._timed_product(self._ops.gated_linear, weight, x, weight, bias, gelu)
+
+    def _timed_product(self, fn: Any, weight: Any, *args: Any) -> Any:
+        """``fn(*args)`` timed as ``linear <the weight's projection>``."""
         t0 = time.perf_counter()
         try:
-            return self._ops.gated_linear(x, weight, bias, gelu)
+            return fn(*args)
         finally:
-            # the product and its gate in one (the gate is no silu_mul call of its own)
             self._clock.add(f"linear {self._names.get(id(weight), tuple(weight.shape))}", t0)
 
     def __getattr__(self, name: str) -> Any:

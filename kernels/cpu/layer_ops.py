@@ -326,8 +326,7 @@ class NativeLayerOps(TorchLayerOps):
         ``bench throughput --op-times``: 0.93-0.96x the time of the product and the gate
         apart in steps with prefill, 0.94x in decode steps, on a Zen 5). The values are
         the same."""
-        if (isinstance(weight, torch.Tensor) and weight.shape[0] % 2 == 0
-                and self._use_native(x, weight, bias)):  # fmt: skip
+        if isinstance(weight, torch.Tensor) and self._use_native(x, weight, bias):
             self._mark_pair(weight)  # unless its first use packed it plain
             if self.native_pair(weight):
                 return self._gemm_linear(x, weight, bias, PAIR_GELU_TANH if gelu else PAIR_SILU)
